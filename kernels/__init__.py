@@ -1,0 +1,1 @@
+"""SITS Triton GPU kernels, each beside the plain-PyTorch reference it is tested against."""

@@ -1,0 +1,1 @@
+"""SITS operator: reconciles SitsDeployment resources into GPU workloads with canary rollouts."""

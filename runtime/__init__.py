@@ -1,0 +1,1 @@
+"""SITS runtime: the inference engine and its OpenAI-compatible server."""

@@ -1,0 +1,144 @@
+"""Validated configuration of the engine and the server.
+
+Every value a user can set on `sits serve` lands in one of these dataclasses; `validate()`
+raises `ConfigError` naming the option, so a bad flag is a one-line error, never a traceback.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+QUANTIZATIONS = ("none", "fp8", "int8")
+
+
+class ConfigError(ValueError):
+    """An option has an invalid value; the message names the option as the CLI spells it."""
+
+
+@dataclass
+class ModelConfig:
+    """Which checkpoint to load, and how.
+
+    Attributes:
+        model: an HF directory (config.json + *.safetensors), a .gguf file, or None for the
+            embedded SmolLM2-135M-Instruct.
+        served_model_name: the OpenAI "model" id; defaults to the checkpoint's name.
+        dtype: "auto" is float32 on CPU and bfloat16 on CUDA.
+        device: "auto" is cuda when available, else cpu.
+        max_model_len: prompt + output tokens per sequence; None takes the checkpoint's context.
+        quantization: weight quantization applied after load (GPU engine).
+        seed: seed for random weights and for requests that give none.
+    """
+
+    model: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    quantization: str = "none"
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.device not in DEVICES:
+            raise ConfigError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"--max-model-len must be positive, got {self.max_model_len}")
+
+
+@dataclass
+class CacheConfig:
+    """The paged KV cache.
+
+    Attributes:
+        block_size: tokens per KV block.
+        kv_cache_gb: KV cache budget on CPU, in GiB.
+        gpu_memory_utilization: fraction of GPU memory the engine may use (weights + activations
+            + KV cache) on CUDA.
+        num_blocks: exact number of blocks; overrides both budgets (tests, tiny caches).
+        enable_prefix_caching: reuse full blocks of earlier prompts.
+    """
+
+    block_size: int = 16
+    kv_cache_gb: float = 1.0
+    gpu_memory_utilization: float = 0.9
+    num_blocks: int | None = None
+    enable_prefix_caching: bool = True
+
+    def validate(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            raise ConfigError(f"--block-size must be a power of two up to 256, got {self.block_size}")
+        if not 0.0 < self.kv_cache_gb <= 4096:
+            raise ConfigError(f"--kv-cache-gb must be positive, got {self.kv_cache_gb}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ConfigError(f"--num-blocks must be positive, got {self.num_blocks}")
+
+
+@dataclass
+class SchedulerConfig:
+    """Continuous batching limits.
+
+    Attributes:
+        max_num_seqs: sequences running at once.
+        max_num_batched_tokens: new tokens per step (prefill chunks + decodes).
+        enable_chunked_prefill: split long prompts across steps, mixed with decodes.
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+
+    def validate(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"--max-num-seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(f"--max-num-batched-tokens must be positive, got {self.max_num_batched_tokens}")
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs to start."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
+
+    def validate(self) -> None:
+        self.model.validate()
+        self.cache.validate()
+        self.scheduler.validate()
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(
+                f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
+            )
+
+
+@dataclass
+class ServerConfig:
+    """The HTTP server around the engine.
+
+    Attributes:
+        track: the `track` label on every metric (`stable` or `canary`), set by the operator.
+        drain_timeout_s: on SIGTERM, how long in-flight requests may run before they are aborted.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    track: str = "stable"
+    drain_timeout_s: float = 30.0
+
+    def validate(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port must be between 0 and 65535, got {self.port}")
+        if self.track not in ("stable", "canary"):
+            raise ConfigError(f"--track must be stable or canary, got {self.track!r}")

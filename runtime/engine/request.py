@@ -1,0 +1,166 @@
+"""What a request asks for and what the engine gives back.
+
+These dataclasses are the contract between the server, the engine and the scheduler. They hold
+plain Python values only (no tensors), so the scheduler never sees the model and the server never
+sees the KV cache.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter is out of range; the message names the parameter (a 400 at the edge)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class SamplingParams:
+    """How to pick the next token and when to stop (OpenAI / vLLM semantics).
+
+    Attributes:
+        n: completions to generate from one prompt (each its own sequence; they share the prompt's
+            cached blocks).
+        max_tokens: the most tokens to generate per completion; None means up to max_model_len.
+        min_tokens: EOS and stop token ids are masked until this many tokens were generated.
+        temperature: 0 means greedy.
+        top_p, top_k, min_p: nucleus, top-k (0 or -1: off) and min-p filtering.
+        seed: per-request seed; the same seed gives the same tokens whatever else is batched.
+        repetition_penalty: multiplicative (HF semantics) over prompt and output tokens; 1 is off.
+        presence_penalty, frequency_penalty: additive (OpenAI semantics) over output tokens.
+        stop: strings that end generation; the stop string is not returned.
+        stop_token_ids: token ids that end generation (besides EOS unless ignore_eos).
+        include_stop_str_in_output: return the matched stop string too.
+        ignore_eos: keep generating past EOS.
+        logprobs: None for none; k >= 0 for the chosen token's logprob plus the top k.
+        prompt_logprobs: not supported yet; must be None.
+        skip_special_tokens: leave special tokens out of the returned text.
+    """
+
+    n: int = 1
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    MAX_N = 128
+    MAX_LOGPROBS = 20
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        """Raise SamplingParamsError naming the first parameter that is out of range."""
+        checks: list[tuple[str, bool, str]] = [
+            ("n", 1 <= self.n <= self.MAX_N, f"n must be between 1 and {self.MAX_N}, got {self.n}"),
+            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1,
+             f"max_tokens must be at least 1, got {self.max_tokens}"),
+            ("min_tokens", self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}"),
+            ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens,
+             f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
+            ("temperature", 0.0 <= self.temperature <= 2.0,
+             f"temperature must be between 0 and 2, got {self.temperature}"),
+            ("top_p", 0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
+            ("top_k", self.top_k >= -1, f"top_k must be -1 (off), 0 (off) or positive, got {self.top_k}"),
+            ("min_p", 0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
+            ("repetition_penalty", 0.0 < self.repetition_penalty <= 2.0,
+             f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}"),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0,
+             f"presence_penalty must be between -2 and 2, got {self.presence_penalty}"),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0,
+             f"frequency_penalty must be between -2 and 2, got {self.frequency_penalty}"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= self.MAX_LOGPROBS,
+             f"logprobs must be between 0 and {self.MAX_LOGPROBS}, got {self.logprobs}"),
+            ("prompt_logprobs", self.prompt_logprobs is None, "prompt_logprobs is not supported"),
+            ("stop", len(self.stop) <= 16 and all(isinstance(s, str) and s for s in self.stop),
+             "stop must be at most 16 non-empty strings"),
+            ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+             "stop_token_ids must be non-negative integers"),
+        ]
+        for param, ok, message in checks:
+            if not ok:
+                raise SamplingParamsError(param, message)
+
+
+class FinishReason(str, enum.Enum):
+    """Why a completion ended, spelled as the OpenAI API spells it."""
+
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or max_model_len
+    ABORT = "abort"  # the client went away or the server is draining
+
+
+@dataclass
+class TokenLogprob:
+    """The chosen token's logprob and the top alternatives at one position."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob), best first
+
+
+@dataclass
+class CompletionOutput:
+    """One of the n completions of a request, as generated so far.
+
+    `text` and `token_ids` are cumulative; `text_delta` / `token_ids_delta` / `logprobs_delta`
+    hold only what this step added (what a stream sends).
+    """
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    text_delta: str = ""
+    token_ids_delta: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    logprobs_delta: list[TokenLogprob] | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None  # the matched stop string or stop token id
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock timestamps (time.time(), seconds) of one request's life."""
+
+    arrival_time: float = field(default_factory=time.time)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+@dataclass
+class RequestOutput:
+    """A snapshot of one request after an engine step."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    tenant: str = "default"
