@@ -11,6 +11,11 @@ PYTEST_ARGS ?= -n 2
 SERVE_ARGS  ?=
 SERVICES    := redis-server prometheus prometheus-alertmanager
 
+# The repository root holds a folder named `operator` (imported as sits.operator). `python -m` puts the
+# current directory first on sys.path, where it would shadow the standard library's `operator`:
+# PYTHONSAFEPATH (Python 3.11+) keeps the current directory off sys.path.
+export PYTHONSAFEPATH := 1
+
 .PHONY: setup serve test lint services clean
 
 $(VENV)/.installed: pyproject.toml

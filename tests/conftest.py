@@ -8,6 +8,10 @@ import os
 
 import torch
 
+# Subprocesses started by tests (servers, the operator) run with the repository root as their
+# working directory, where the `operator/` folder would shadow the standard library's module.
+os.environ["PYTHONSAFEPATH"] = "1"
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
