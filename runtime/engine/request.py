@@ -102,7 +102,7 @@ class SamplingParams:
                 raise SamplingParamsError(param, message)
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     """Why a completion ended, spelled as the OpenAI API spells it."""
 
     STOP = "stop"  # EOS, a stop token id or a stop string
