@@ -1,0 +1,123 @@
+"""RMSNorm with an optional fused residual add, one row per program.
+
+    rms_norm(x [..., N], weight [N], eps)                  -> out [..., N]
+    rms_norm(x [..., N], weight [N], eps, residual [..., N]) -> (out, new_residual)
+
+With a residual, `new_residual = x + residual` (rounded to x's dtype, as the unfused model does)
+and `out = norm(new_residual)`: one pass reads x and residual and writes both results, where
+eager PyTorch needs an add and four more kernels. Arithmetic follows HF Llama's RMSNorm: the
+mean of squares in float32, the normalized row rounded to x's dtype, then scaled by the weight.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sits.kernels.launch_utils import (
+    FLOAT_DTYPES,
+    check_inner_contiguous,
+    check_shape,
+    check_tensor,
+    next_power_of_2,
+    require,
+)
+from sits.kernels.reference import rms_norm_reference
+
+__all__ = ["rms_norm", "rms_norm_reference"]
+
+MAX_HIDDEN = 65536  # one row must fit one program's registers
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    weight_ptr,
+    out_ptr,
+    residual_ptr,
+    residual_out_ptr,
+    stride_x,
+    stride_out,
+    stride_res,
+    stride_res_out,
+    n_cols,
+    eps,
+    BLOCK_N: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        res = tl.load(residual_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
+        # Round the sum to the storage dtype first: the unfused model normalizes the rounded value.
+        summed = (x + res).to(residual_out_ptr.dtype.element_ty)
+        tl.store(residual_out_ptr + row * stride_res_out + cols, summed, mask=mask)
+        x = summed.to(tl.float32)
+    mean_square = tl.sum(x * x, axis=0) / n_cols
+    rstd = tl.rsqrt(mean_square + eps)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    normed = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (normed * weight).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _num_warps(block_n: int, element_size: int) -> int:
+    """About 16 bytes per thread per load: wide rows get more warps."""
+    return max(1, min(16, block_n * element_size // 512))
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last dimension, optionally fused with `residual = x + residual`.
+
+    Args:
+        x: [..., N] float16 / bfloat16 / float32, last dimension contiguous.
+        weight: [N], any float dtype.
+        eps: added to the mean of squares.
+        residual: optional [..., N] in x's dtype.
+        out: optional [..., N] output buffer in x's dtype.
+    Returns:
+        out [..., N] in x's dtype, or (out, new_residual) when residual is given.
+    """
+    check_tensor(x, "x", dtypes=FLOAT_DTYPES)
+    require(x.dim() >= 1, "x must have at least one dimension")
+    n_cols = x.shape[-1]
+    require(0 < n_cols <= MAX_HIDDEN, f"x's last dimension must be in 1..{MAX_HIDDEN}, got {n_cols}")
+    check_tensor(weight, "weight", ndim=1, dtypes=FLOAT_DTYPES, device=x.device)
+    check_shape(weight, "weight", (n_cols,))
+    check_inner_contiguous(x, "x")
+    require(weight.is_contiguous(), "weight must be contiguous")
+    x2d = x.reshape(-1, n_cols)
+    if out is None:
+        out = torch.empty_like(x)
+    check_tensor(out, "out", dtypes=(x.dtype,), device=x.device)
+    check_shape(out, "out", x.shape)
+    require(out.is_contiguous(), "out must be contiguous")
+    out2d = out.view(-1, n_cols)
+    if residual is not None:
+        check_tensor(residual, "residual", dtypes=(x.dtype,), device=x.device)
+        check_shape(residual, "residual", x.shape)
+        check_inner_contiguous(residual, "residual")
+        res2d = residual.reshape(-1, n_cols)
+        new_residual = torch.empty_like(x)
+        res_out2d = new_residual.view(-1, n_cols)
+    else:
+        res2d = res_out2d = x2d  # unused: HAS_RESIDUAL is off
+    rows = x2d.shape[0]
+    if rows > 0:
+        block_n = next_power_of_2(n_cols)
+        _rms_norm_kernel[(rows,)](
+            x2d, weight, out2d, res2d, res_out2d,
+            x2d.stride(0), out2d.stride(0), res2d.stride(0), res_out2d.stride(0),
+            n_cols, float(eps),
+            BLOCK_N=block_n, HAS_RESIDUAL=residual is not None,
+            num_warps=_num_warps(block_n, x.element_size()),
+        )  # fmt: skip
+    return out if residual is None else (out, new_residual)
