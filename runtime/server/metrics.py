@@ -1,0 +1,130 @@
+"""Prometheus metrics of one server: per-request histograms and counters, engine state at scrape time.
+
+Each app owns its `CollectorRegistry` (no module-level state), so two servers in one process (tests)
+never share a counter. Every series carries `model`, `tenant` and `track` labels: the operator's
+canary analysis compares `track="canary"` against `track="stable"` latency quantiles.
+
+Engine state (running / waiting requests, KV-cache usage, prefix-cache and preemption counters) is
+not pushed by the engine: `EngineStatsCollector` reads one `EngineStats` snapshot per scrape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from sits.runtime.server.tenant import DEFAULT_TENANT
+
+# 5 ms to 60 s: first tokens on a warm GPU land in the first buckets, long CPU generations in the last.
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0,
+                   7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0)
+LABELS = ("model", "tenant", "track")
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class EngineStatsCollector:
+    """Engine gauges and counters, read from one `EngineStats` snapshot per scrape.
+
+    Running / waiting requests and KV-cache usage are split by tenant from the snapshot's
+    `*_by_tenant` maps ("default" always has a series, zero when idle). Prefix-cache and preemption
+    counters exist only for the whole engine and carry tenant="all".
+    """
+
+    ENGINE_WIDE_TENANT = "all"
+
+    def __init__(self, stats_source: Callable[[], Any], model: str, track: str) -> None:
+        self._stats_source = stats_source
+        self._model = model
+        self._track = track
+
+    def describe(self) -> list[Metric]:
+        # Declared without values so registering never calls the engine.
+        return [GaugeMetricFamily(name, "", labels=LABELS) for name in
+                ("sits_requests_running", "sits_requests_waiting", "sits_kv_cache_usage_ratio")] + [
+            CounterMetricFamily(name, "", labels=LABELS) for name in
+            ("sits_prefix_cache_queries", "sits_prefix_cache_hits", "sits_preemptions")]
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats_source()
+        running = _by_tenant(stats.running_by_tenant, stats.num_running)
+        waiting = _by_tenant(stats.waiting_by_tenant, stats.num_waiting)
+        total_blocks = max(stats.kv_blocks_total, 1)
+        used = {tenant: blocks / total_blocks
+                for tenant, blocks in _by_tenant(stats.kv_blocks_used_by_tenant, stats.kv_blocks_used).items()}
+        yield self._family(GaugeMetricFamily, "sits_requests_running",
+                           "Sequences running in the engine.", running)
+        yield self._family(GaugeMetricFamily, "sits_requests_waiting",
+                           "Sequences waiting in the engine (queued or preempted).", waiting)
+        yield self._family(GaugeMetricFamily, "sits_kv_cache_usage_ratio",
+                           "Fraction of KV-cache blocks held by sequences (0-1).", used)
+        wide = self.ENGINE_WIDE_TENANT
+        yield self._family(CounterMetricFamily, "sits_prefix_cache_queries",
+                           "Prompt tokens looked up in the prefix cache.", {wide: stats.prefix_cache_queries})
+        yield self._family(CounterMetricFamily, "sits_prefix_cache_hits",
+                           "Prompt tokens served from the prefix cache.", {wide: stats.prefix_cache_hits})
+        yield self._family(CounterMetricFamily, "sits_preemptions",
+                           "Times a running sequence lost its KV blocks to make room.", {wide: stats.num_preemptions})
+
+    def _family(self, kind: type, name: str, doc: str, values: dict[str, float]) -> Metric:
+        family = kind(name, doc, labels=LABELS)
+        for tenant, value in sorted(values.items()):
+            family.add_metric([self._model, tenant, self._track], float(value))
+        return family
+
+
+def _by_tenant(per_tenant: dict[str, int], total: float) -> dict[str, float]:
+    """The per-tenant split, with "default" present (holding the total when no split is given)."""
+    values: dict[str, float] = dict(per_tenant) if per_tenant else {DEFAULT_TENANT: total}
+    values.setdefault(DEFAULT_TENANT, 0)
+    return values
+
+
+class ServerMetrics:
+    """The server's metrics, in a registry of its own."""
+
+    def __init__(self, model: str, track: str, stats_source: Callable[[], Any]) -> None:
+        self.model = model
+        self.track = track
+        self.registry = CollectorRegistry(auto_describe=True)
+        registry = self.registry
+        self.request_latency = Histogram(
+            "sits_request_latency_seconds", "End-to-end latency of successful requests, arrival to last byte.",
+            LABELS, buckets=LATENCY_BUCKETS, registry=registry)
+        self.time_to_first_token = Histogram(
+            "sits_time_to_first_token_seconds", "Arrival to the first generated token, per engine request.",
+            LABELS, buckets=LATENCY_BUCKETS, registry=registry)
+        self.time_per_output_token = Histogram(
+            "sits_time_per_output_token_seconds", "Mean gap between generated tokens after the first.",
+            LABELS, buckets=LATENCY_BUCKETS, registry=registry)
+        self.prompt_tokens = Counter(
+            "sits_prompt_tokens", "Prompt tokens of accepted requests.", LABELS, registry=registry)
+        self.generation_tokens = Counter(
+            "sits_generation_tokens", "Tokens generated.", LABELS, registry=registry)
+        self.requests = Counter(
+            "sits_requests", "Completed API requests by HTTP status (499: the client went away).",
+            (*LABELS, "status"), registry=registry)
+        registry.register(EngineStatsCollector(stats_source, model, track))
+
+    def observe_request(self, tenant: str, status: int, latency_s: float) -> None:
+        """One finished API request; latency only counts for successful ones (what users waited for)."""
+        self.requests.labels(self.model, tenant, self.track, str(status)).inc()
+        if status == 200:
+            self.request_latency.labels(self.model, tenant, self.track).observe(latency_s)
+
+    def observe_generation(self, tenant: str, *, prompt_tokens: int, output_tokens: int,
+                           ttft_s: float | None, tpot_s: float | None) -> None:
+        """One engine request's figures: token counts, time to first token, mean time per later token."""
+        labels = (self.model, tenant, self.track)
+        self.prompt_tokens.labels(*labels).inc(prompt_tokens)
+        self.generation_tokens.labels(*labels).inc(output_tokens)
+        if ttft_s is not None:
+            self.time_to_first_token.labels(*labels).observe(ttft_s)
+        if tpot_s is not None:
+            self.time_per_output_token.labels(*labels).observe(tpot_s)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,105 @@
+"""ASGI middleware: body size limit, and the gate in front of the generation endpoints.
+
+Both are plain ASGI (not BaseHTTPMiddleware), so streamed responses pass through untouched and a
+client disconnect still reaches the endpoint.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from sits.runtime.server.errors import OpenAIError, service_unavailable
+from sits.runtime.server.lifecycle import Lifecycle
+from sits.runtime.server.metrics import ServerMetrics
+from sits.runtime.server.tenant import UNRESOLVED_TENANT
+
+CLIENT_CLOSED_STATUS = 499  # nginx's "client closed request": the client left before the end
+
+
+async def send_error(send: Send, error: OpenAIError) -> None:
+    """Send an OpenAIError as a complete response from ASGI middleware."""
+    response = error.to_response()
+    await response({"type": "http"}, _no_receive, send)
+
+
+async def _no_receive() -> Message:
+    return {"type": "http.disconnect"}
+
+
+class BodySizeLimit:
+    """Reject request bodies over max_bytes with 413, by Content-Length or while reading a chunked body."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _too_large(self) -> str:
+        return f"Request body too large: the limit is {self.max_bytes} bytes."
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", []):
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                await send_error(send, OpenAIError(413, self._too_large(), code="request_too_large"))
+                return
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    # FastAPI passes HTTPExceptions from body reading through to the error handlers.
+                    raise StarletteHTTPException(413, self._too_large())
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+class GenerationGate:
+    """In front of the generation endpoints: refuse while draining, count in-flight, record metrics.
+
+    Handlers leave what they learn in the request state (`scope["state"]`): `tenant` (set by the
+    tenant dependency) and `client_gone` (the client disconnected before the response ended).
+    """
+
+    def __init__(self, app: ASGIApp, lifecycle: Lifecycle, metrics: ServerMetrics, paths: set[str]) -> None:
+        self.app = app
+        self.lifecycle = lifecycle
+        self.metrics = metrics
+        self.paths = paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] not in self.paths:
+            await self.app(scope, receive, send)
+            return
+        if self.lifecycle.draining:
+            await send_error(send, service_unavailable("The server is shutting down; retry on another replica."))
+            self.metrics.observe_request(UNRESOLVED_TENANT, 503, 0.0)
+            return
+        started = time.perf_counter()
+        status = 500
+        state: dict[str, Any] = scope.setdefault("state", {})
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        self.lifecycle.enter()
+        try:
+            await self.app(scope, receive, tracking_send)
+        finally:
+            self.lifecycle.exit()
+            if state.get("client_gone"):
+                status = CLIENT_CLOSED_STATUS
+            tenant = state.get("tenant", UNRESOLVED_TENANT)
+            self.metrics.observe_request(tenant, status, time.perf_counter() - started)

@@ -1,0 +1,232 @@
+"""The OpenAI request bodies the server accepts (pydantic, validated at the edge).
+
+Types are strict (a string is not a number), so `"max_tokens": "5"` is a 400 naming `max_tokens`
+rather than a silent conversion. Unknown fields are ignored, as vLLM does, so clients written for
+other OpenAI-compatible servers keep working. Range checks that SamplingParams already knows
+(temperature, top_p, penalties, ...) stay there: one rule, one place.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from sits.runtime.server.errors import invalid_request
+
+MAX_LOGPROBS = 20
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(_Strict):
+    """Fields both endpoints share; vLLM's extras (top_k, min_p, ...) come through `extra_body`."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_strings(cls, value: Any) -> Any:
+        if value is None or isinstance(value, str):
+            return value
+        if isinstance(value, list) and all(isinstance(item, str) for item in value):
+            return value
+        raise ValueError("stop must be a string or a list of strings")
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _max_tokens(cls, value: int | None) -> int | None:
+        if value is not None and value < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {value}")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value:
+            raise ValueError("logit_bias is not supported")
+        return value
+
+    def check_combination(self) -> None:
+        """Rules across fields (a 400 naming the param); single-field rules are validators."""
+        if self.stream_options is not None and not self.stream:
+            raise invalid_request("stream_options is only allowed when stream is true", "stream_options")
+
+    @property
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class TextContentPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    """One message; content may be a string or a list of text parts (images are not supported)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            for part in value:
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise ValueError(f"only text content parts are supported, got {kind!r}")
+        return value
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _max_completion_tokens(cls, value: int | None) -> int | None:
+        if value is not None and value < 1:
+            raise ValueError(f"max_completion_tokens must be at least 1, got {value}")
+        return value
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_range(cls, value: int | None) -> int | None:
+        if value is not None and not 0 <= value <= MAX_LOGPROBS:
+            raise ValueError(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {value}")
+        return value
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        if value:
+            raise ValueError("tool calling is not supported")
+        return value
+
+    def check_combination(self) -> None:
+        super().check_combination()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise invalid_request("top_logprobs requires logprobs to be true", "top_logprobs")
+
+    @property
+    def output_limit(self) -> int | None:
+        """max_completion_tokens wins over the deprecated max_tokens."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(_SamplingFields):
+    """`prompt` is a string, a list of strings (a batch), a list of token ids, or a list of those."""
+
+    prompt: Any
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, value: Any) -> Any:
+        def is_ids(item: Any) -> bool:
+            return isinstance(item, list) and bool(item) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in item)
+
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list) and value:
+            if all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+                return value
+            if all(isinstance(item, str) for item in value) or all(is_ids(item) for item in value):
+                return value
+        raise ValueError("prompt must be a string, a non-empty list of strings, "
+                         "a non-empty list of token ids, or a list of token-id lists")
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs_range(cls, value: int | None) -> int | None:
+        if value is not None and not 0 <= value <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {value}")
+        return value
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("echo is not supported")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise ValueError("suffix is not supported")
+        return value
+
+    def check_combination(self) -> None:
+        super().check_combination()
+        if self.best_of is not None and self.best_of != self.n:
+            raise invalid_request("best_of other than n is not supported", "best_of")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: each entry one prompt, text or token ids."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if all(isinstance(t, int) for t in self.prompt):
+            return [list(self.prompt)]
+        return list(self.prompt)
