@@ -1,0 +1,245 @@
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) as plain `nn.Module` code.
+
+The model works on a flat batch: the new tokens of every scheduled sequence, concatenated
+([num_tokens]), with their absolute positions. Attention goes through an `AttentionBackend`,
+which writes K/V into the paged cache and reads each sequence's context through its block table;
+the batch layout arrives explicitly in `AttentionMetadata`.
+
+Q/K/V and gate/up projections are fused into one matrix each (one GEMM instead of three / two);
+`load_weights` accepts HF tensor names and copies each into its slice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sits.runtime.attention.backend import AttentionBackend, AttentionMetadata
+from sits.runtime.models.config import LlamaConfig
+from sits.runtime.models.rotary import build_cos_sin_cache
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blocks, block_size, kv_heads, head_dim]
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in float32 and cast back (as HF Llama does)."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [num_tokens, hidden_size] → same shape and dtype."""
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query self-attention over the paged KV cache."""
+
+    def __init__(self, config: LlamaConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.backend = backend
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """hidden: [num_tokens, hidden_size] → [num_tokens, hidden_size]."""
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv_cache
+        q, k = self.backend.rope_and_cache_write(
+            q, k, v, positions, cos_sin_cache, k_cache, v_cache, metadata.slot_mapping
+        )
+        out = self.backend.forward(q, k, v, k_cache, v_cache, metadata, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, hidden, positions, cos_sin_cache, kv_cache, metadata) -> torch.Tensor:
+        residual = hidden
+        hidden = self.self_attn(self.input_layernorm(hidden), positions, cos_sin_cache, kv_cache, metadata)
+        hidden = residual + hidden
+        residual = hidden
+        return residual + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: LlamaConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, backend) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder plus its output head.
+
+    Args:
+        config: the model's shape.
+        backend: the attention back end every layer calls.
+        max_positions: rows of the RoPE table; defaults to config.max_position_embeddings.
+    """
+
+    def __init__(self, config: LlamaConfig, backend: AttentionBackend, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.backend = backend
+        self.model = LlamaModel(config, backend)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.max_positions = max_positions or config.max_position_embeddings
+        # [max_positions, head_dim] float32. Not a parameter and not saved: rebuilt from the config.
+        self.register_buffer("cos_sin_cache", self._rope_table(), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        # .to(dtype) must not cast the RoPE table (it stays float32), and .to_empty() after building
+        # on the meta device must refill it rather than leave it uninitialised.
+        before = self.cos_sin_cache
+        result = super()._apply(fn, recurse)
+        after = self.cos_sin_cache
+        if after.device.type == "meta":
+            self.cos_sin_cache = before.to("meta")
+        elif before.device.type == "meta":
+            self.cos_sin_cache = self._rope_table(after.device)
+        elif after.dtype != torch.float32:
+            self.cos_sin_cache = before.to(after.device)
+        return result
+
+    def _rope_table(self, device: torch.device | str | None = None) -> torch.Tensor:
+        c = self.config
+        return build_cos_sin_cache(self.max_positions, c.head_dim, c.rope_theta, c.rope_scaling, device)
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
+        """Shape of one layer's k_cache and v_cache: [num_blocks, block_size, num_kv_heads, head_dim]."""
+        return self.config.kv_cache_shape(num_blocks, block_size)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Run the decoder over one flat batch.
+
+        Args:
+            input_ids: [num_tokens] int64.
+            positions: [num_tokens] int64, absolute positions (< max_positions).
+            kv_caches: one (k_cache, v_cache) per layer, each [num_blocks, block_size, kv_heads, head_dim].
+            metadata: the step's batch layout.
+        Returns:
+            [num_tokens, hidden_size] final hidden states (after the last norm), in the model dtype.
+        """
+        hidden = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            hidden = layer(hidden, positions, self.cos_sin_cache, kv_cache, metadata)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden_size] → logits [N, vocab_size] float32."""
+        return self.lm_head(hidden).float()
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the parameters (fused projections get their slices).
+
+        Raises:
+            ValueError: a tensor has no home or the wrong shape, or a parameter got no tensor.
+        """
+        params = dict(self.named_parameters())
+        filled: set[str] = set()
+        for hf_name, tensor in weights:
+            if hf_name.endswith("rotary_emb.inv_freq"):
+                continue  # older checkpoints save the RoPE frequencies; we rebuild them
+            name, start, size = self._param_slot(hf_name)
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # some tied checkpoints also store the head; the embedding wins, as in HF
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {hf_name!r} has no matching parameter")
+            target = params[name].data if start is None else params[name].data.narrow(0, start, size)
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+                )
+            target.copy_(tensor)
+            filled.add(hf_name)
+        missing = sorted(self.expected_checkpoint_names() - filled)
+        if missing:
+            shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors: {shown}")
+
+    def _param_slot(self, hf_name: str) -> tuple[str, int | None, int]:
+        """(our parameter name, row offset or None, rows) for one HF tensor name."""
+        c = self.config
+        q_size, kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        fused = {
+            "self_attn.q_proj": ("self_attn.qkv_proj", 0, q_size),
+            "self_attn.k_proj": ("self_attn.qkv_proj", q_size, kv_size),
+            "self_attn.v_proj": ("self_attn.qkv_proj", q_size + kv_size, kv_size),
+            "mlp.gate_proj": ("mlp.gate_up_proj", 0, c.intermediate_size),
+            "mlp.up_proj": ("mlp.gate_up_proj", c.intermediate_size, c.intermediate_size),
+        }
+        for hf_part, (ours, start, size) in fused.items():
+            if f".{hf_part}." in hf_name:
+                return hf_name.replace(hf_part, ours), start, size
+        return hf_name, None, 0
+
+    def expected_checkpoint_names(self) -> set[str]:
+        """The HF tensor names a complete checkpoint of this model holds."""
+        split = {
+            "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+            "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+        }
+        names: set[str] = set()
+        for name, _ in self.named_parameters():  # a tied lm_head is listed once, as the embedding
+            fused = next((part for part in split if f".{part}." in name), None)
+            if fused is None:
+                names.add(name)
+            else:
+                names.update(name.replace(fused, hf_part) for hf_part in split[fused])
+        return names

@@ -1,0 +1,191 @@
+"""Loading a model for serving: an HF directory, a GGUF file, or the embedded SmolLM2-135M-Instruct.
+
+Every source ends up as an HF-style directory (config.json, tokenizer files, safetensors); a GGUF
+file is converted once into a cache directory (`sits.runtime.models.gguf_cache`). The model is built
+on the meta device and materialised directly in the target dtype and device, so no memory is spent
+on a random initialisation that the checkpoint overwrites.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from sits.runtime.attention.backend import AttentionBackend
+from sits.runtime.config import ModelConfig
+from sits.runtime.models.config import LlamaConfig, UnsupportedModelError
+from sits.runtime.models.embedded import embedded_gguf_path
+from sits.runtime.models.errors import ModelLoadError
+from sits.runtime.models.hf_checkpoint import (
+    CheckpointError,
+    count_tensors,
+    iter_safetensors,
+    read_hf_config,
+    safetensors_files,
+)
+from sits.runtime.models.llama import LlamaForCausalLM
+from sits.runtime.models.tokenizer import Tokenizer
+
+__all__ = ["LoadedModel", "ModelLoadError", "build_random_model", "load_model", "resolve_device_dtype"]
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run, with what the engine and server need to know about it.
+
+    Attributes:
+        model: the decoder, in eval mode, on `device` in `dtype`.
+        tokenizer: its tokenizer and chat template.
+        config: its shape.
+        name: the default served model name (e.g. "SmolLM2-135M-Instruct").
+        source: where it came from (a path, or "embedded:<path>").
+        device, dtype: where and how it runs.
+    """
+
+    model: LlamaForCausalLM
+    tokenizer: Tokenizer
+    config: LlamaConfig
+    name: str
+    source: str
+    device: torch.device
+    dtype: torch.dtype
+
+
+def resolve_device_dtype(model_config: ModelConfig) -> tuple[torch.device, torch.dtype]:
+    """The device and dtype "auto" stands for: cuda if available else cpu; float32 on CPU, bfloat16 on CUDA.
+
+    Raises:
+        ModelLoadError: cuda was asked for on a machine without it, or an unknown dtype/device.
+    """
+    if model_config.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    elif model_config.device in ("cpu", "cuda"):
+        device = torch.device(model_config.device)
+    else:
+        raise ModelLoadError(f"--device must be auto, cpu or cuda, got {model_config.device!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("--device cuda was requested but no CUDA GPU is available")
+    if model_config.dtype == "auto":
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    elif model_config.dtype in DTYPES:
+        dtype = DTYPES[model_config.dtype]
+    else:
+        raise ModelLoadError(f"--dtype must be auto, float32, float16 or bfloat16, got {model_config.dtype!r}")
+    return device, dtype
+
+
+def load_model(model_config: ModelConfig, backend: AttentionBackend, *, progress: bool = True) -> LoadedModel:
+    """Load the checkpoint `model_config.model` names (None: the embedded SmolLM2-135M-Instruct).
+
+    Raises:
+        ModelLoadError: the path does not exist or is not a checkpoint, the checkpoint is broken,
+            or its architecture is not supported.
+    """
+    device, dtype = resolve_device_dtype(model_config)
+    directory, name, source = _resolve_source(model_config.model, progress)
+    try:
+        hf_config = read_hf_config(directory)
+        config = LlamaConfig.from_hf_dict(hf_config)
+        files = safetensors_files(directory)
+        tokenizer = _load_tokenizer(directory, config)
+        max_positions = max(config.max_position_embeddings, model_config.max_model_len or 0)
+        if max_positions > config.max_position_embeddings:
+            logger.warning("max_model_len %d exceeds the model's context (%d tokens); quality may drop",
+                           max_positions, config.max_position_embeddings)
+        model = _empty_model(config, backend, device, dtype, max_positions)
+        total = count_tensors(files)
+        with tqdm(total=total, desc=f"Loading {name}", unit="tensor", disable=not progress, leave=False) as bar:
+            model.load_weights(_counted(iter_safetensors(files), bar))
+    except (CheckpointError, UnsupportedModelError) as exc:
+        raise ModelLoadError(f"cannot load {source}: {exc}") from exc
+    except ValueError as exc:  # load_weights: missing / misshapen tensors
+        raise ModelLoadError(f"cannot load {source}: {exc}") from exc
+    model.eval()
+    logger.info("loaded %s from %s: %d layers, hidden %d, %s on %s",
+                name, source, config.num_hidden_layers, config.hidden_size, dtype, device)
+    return LoadedModel(model, tokenizer, config, model_config.served_model_name or name, source, device, dtype)
+
+
+def build_random_model(
+    config: LlamaConfig,
+    backend: AttentionBackend,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    max_positions: int | None = None,
+) -> LlamaForCausalLM:
+    """A model of this shape with seeded random weights (tests, benchmarks such as a Llama-3-8B shape).
+
+    Weights are N(0, 0.02²) like HF's initialiser, norms near 1 and biases small, drawn on `device`
+    from a generator seeded with `seed` (the same seed gives the same weights on the same device type).
+    """
+    device = torch.device(device)
+    model = _empty_model(config, backend, device, dtype, max_positions or config.max_position_embeddings)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=generator, device=device))
+            elif name.endswith(".bias"):
+                param.copy_(0.02 * torch.randn(param.shape, generator=generator, device=device))
+            else:
+                param.normal_(0.0, 0.02, generator=generator)
+    return model.eval()
+
+
+def _empty_model(config, backend, device, dtype, max_positions) -> LlamaForCausalLM:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, backend, max_positions=max_positions)
+    return model.to(dtype).to_empty(device=device)
+
+
+def _counted(tensors, bar):
+    for item in tensors:
+        yield item
+        bar.update(1)
+
+
+def _load_tokenizer(directory: Path, config: LlamaConfig) -> Tokenizer:
+    if not (directory / "tokenizer.json").is_file():
+        raise CheckpointError(f"{directory} has no tokenizer.json (only fast tokenizers are supported)")
+    try:
+        return Tokenizer.from_directory(directory, extra_eos_token_ids=config.eos_token_ids)
+    except Exception as exc:  # tokenizers raises a bare Exception on a malformed file
+        raise CheckpointError(f"cannot read the tokenizer in {directory}: {exc}") from exc
+
+
+def _resolve_source(model: str | None, progress: bool) -> tuple[Path, str, str]:
+    """(HF-style directory, default served name, human-readable source) for ModelConfig.model."""
+    if model is None:
+        gguf_path = embedded_gguf_path()
+        return cached_checkpoint_dir(gguf_path, progress=progress), gguf_model_name(gguf_path), f"embedded:{gguf_path}"
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path {model!r} does not exist (expected an HF directory or a .gguf file)")
+    if path.is_dir():
+        return path, path.resolve().name, str(path)
+    if path.suffix.lower() == ".gguf":
+        return cached_checkpoint_dir(path, progress=progress), gguf_model_name(path), str(path)
+    raise ModelLoadError(f"model path {model!r} is neither a directory (config.json + *.safetensors) nor a .gguf file")
+
+
+def cached_checkpoint_dir(gguf_path: Path, progress: bool) -> Path:
+    """The HF-style directory converted from a GGUF file (the gguf package is imported only here)."""
+    from sits.runtime.models import gguf_cache
+
+    return gguf_cache.cached_checkpoint_dir(gguf_path, progress=progress)
+
+
+def gguf_model_name(path: Path) -> str:
+    """The file name without extension and quantization suffix: 'SmolLM2-135M-Instruct.Q4_1.gguf' → 'SmolLM2-135M-Instruct'."""
+    stem = Path(path).name[: -len(".gguf")] if str(path).lower().endswith(".gguf") else Path(path).stem
+    return re.sub(r"[.\-_](?:[QqIi]\d\w*|[Ff](?:16|32)|BF16|bf16)$", "", stem) or stem
