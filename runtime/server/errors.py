@@ -86,7 +86,7 @@ def _param_from_loc(loc: tuple[Any, ...]) -> str | None:
     return param or None
 
 
-def validation_error(error: RequestValidationError) -> OpenAIError:
+def validation_error(error: RequestValidationError, content_type: str = "application/json") -> OpenAIError:
     """FastAPI's 422 as OpenAI's 400, naming the first parameter at fault."""
     first = error.errors()[0] if error.errors() else {"type": "", "loc": (), "msg": "invalid request"}
     kind = first.get("type", "")
@@ -95,6 +95,9 @@ def validation_error(error: RequestValidationError) -> OpenAIError:
         return invalid_request(f"The request body is not valid JSON: {detail}".rstrip(": "), code="invalid_json")
     param = _param_from_loc(tuple(first.get("loc", ())))
     if param is None or kind in ("model_attributes_type", "model_type", "dict_type"):
+        if "json" not in content_type:
+            return invalid_request("The request body must be JSON, sent with Content-Type: application/json.",
+                                   code="invalid_body")
         return invalid_request("The request body must be a JSON object.", code="invalid_body")
     message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     if kind == "missing":
@@ -126,7 +129,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, error: RequestValidationError) -> JSONResponse:
-        return validation_error(error).to_response()
+        return validation_error(error, request.headers.get("content-type", "")).to_response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, error: StarletteHTTPException) -> JSONResponse:

@@ -1,0 +1,1 @@
+"""The `sits` subcommands, one module each (registered in sits.runtime.cli.COMMANDS)."""

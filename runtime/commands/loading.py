@@ -1,0 +1,37 @@
+"""Building the AsyncEngine for a command, with load errors as one line and a startup summary."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from sits.runtime.commands.engine_args import fail
+from sits.runtime.config import ConfigError, EngineConfig
+
+logger = logging.getLogger("sits.serve")
+
+
+def load_engine(config: EngineConfig, prog: str, progress: bool = True) -> Any:
+    """The AsyncEngine for config, or an exit code (2) after a one-line error for a bad model or option."""
+    from sits.runtime.engine.async_engine import AsyncEngine
+    from sits.runtime.models.errors import ModelLoadError
+
+    try:
+        engine = AsyncEngine.from_config(config, progress=progress)
+    except (ConfigError, ModelLoadError, FileNotFoundError) as error:
+        return fail(prog, str(error))
+    log_engine_summary(engine, config)
+    return engine
+
+
+def log_engine_summary(engine: Any, config: EngineConfig) -> None:
+    stats = engine.stats()
+    block_size = stats.kv_block_size or config.cache.block_size
+    loaded = getattr(engine, "loaded_model", None)
+    device = getattr(loaded, "device", config.model.device)
+    dtype = str(getattr(loaded, "dtype", config.model.dtype)).removeprefix("torch.")
+    logger.info("model %s (%s) on %s, %s; max_model_len %d", engine.model_name,
+                getattr(loaded, "source", config.model.model or "embedded"), device, dtype, engine.max_model_len)
+    logger.info("KV cache: %d blocks x %d tokens = %d tokens; max_num_seqs %d, max_num_batched_tokens %d",
+                stats.kv_blocks_total, block_size, stats.kv_blocks_total * block_size,
+                config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens)

@@ -1,0 +1,79 @@
+"""`sits serve`: load a model and serve the OpenAI-compatible API until SIGTERM (then drain, exit 0)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+
+from sits.runtime.commands.engine_args import (
+    ConfigError,
+    add_engine_arguments,
+    configure_logging,
+    engine_config_from_args,
+    fail,
+)
+from sits.runtime.config import ServerConfig
+
+PROG = "sits serve"
+logger = logging.getLogger("sits.serve")
+
+
+def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API",
+                                   description="Serve a model over the OpenAI-compatible HTTP API.")
+    add_engine_arguments(parser)
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default=ServerConfig.host)
+    server.add_argument("--port", type=int, default=ServerConfig.port)
+    server.add_argument("--track", default=ServerConfig.track, help="metrics label: stable or canary")
+    server.add_argument("--drain-timeout", type=float, default=ServerConfig.drain_timeout_s, metavar="SECONDS",
+                        help="on SIGTERM, how long in-flight requests may finish before they are aborted")
+    parser.set_defaults(handler=run)
+    return parser
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    config = ServerConfig(host=args.host, port=args.port, track=args.track, drain_timeout_s=args.drain_timeout)
+    config.validate()
+    if config.drain_timeout_s < 0:
+        raise ConfigError(f"--drain-timeout must be >= 0, got {config.drain_timeout_s}")
+    return config
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """Bind the listening socket before loading the model, so a taken port fails in a second."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {error.strerror or error}") from error
+    sock.set_inheritable(True)
+    return sock
+
+
+def run(args: argparse.Namespace) -> int:
+    configure_logging(args.log_level)
+    try:
+        engine_config = engine_config_from_args(args)
+        server_config = server_config_from_args(args)
+        sock = bind(server_config.host, server_config.port)
+    except ConfigError as error:
+        return fail(PROG, str(error))
+    from sits.runtime.commands.loading import load_engine
+    from sits.runtime.server.app import build_app
+    from sits.runtime.server.runner import run_server
+
+    engine = load_engine(engine_config, PROG)
+    if isinstance(engine, int):
+        sock.close()
+        return engine
+    app = build_app(engine, server_config, served_model_name=engine_config.model.served_model_name)
+    host, port = sock.getsockname()[:2]
+    url_host = f"[{host}]" if ":" in host else host
+    logger.info("serving %s at http://%s:%d/v1 (track %s)", app.state.ctx.model_name, url_host, port,
+                server_config.track)
+    return run_server(app, engine, sock, server_config.drain_timeout_s, args.log_level)

@@ -1,0 +1,127 @@
+"""The FastAPI app: OpenAI-compatible routes, health, metrics, and the engine's start and stop.
+
+`build_app(engine, server_config)` wires the parts; nothing here is module-global, so several apps
+(with their own engines and metric registries) can live in one process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from sits.runtime.config import ServerConfig
+from sits.runtime.server.chat import ChatCompletions
+from sits.runtime.server.completions import Completions
+from sits.runtime.server.errors import install_error_handlers, model_not_found
+from sits.runtime.server.lifecycle import Lifecycle
+from sits.runtime.server.metrics import CONTENT_TYPE, ServerMetrics
+from sits.runtime.server.middleware import BodySizeLimit, GenerationGate
+from sits.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
+from sits.runtime.server.serving import ServingContext
+from sits.runtime.server.tenant import SingleTenantResolver, TenantResolver, request_tenant
+
+logger = logging.getLogger("sits.server")
+
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # far above any prompt that fits a context window
+GENERATION_PATHS = {"/v1/chat/completions", "/v1/completions"}
+
+
+def build_app(engine: Any, server_config: ServerConfig | None = None, *, served_model_name: str | None = None,
+              tenant_resolver: TenantResolver | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              manage_engine: bool = True) -> FastAPI:
+    """The server app around an AsyncEngine.
+
+    Args:
+        engine: an AsyncEngine (started and shut down with the app when manage_engine).
+        server_config: track label and drain timeout; host/port are the runner's business.
+        served_model_name: the OpenAI model id; defaults to the engine's model name.
+        tenant_resolver: decides each request's tenant (default: everyone is "default").
+        max_body_bytes: larger request bodies get 413.
+    """
+    config = server_config or ServerConfig()
+    model_name = served_model_name or engine.model_name
+    lifecycle = Lifecycle()
+    metrics = ServerMetrics(model_name, config.track, engine.stats)
+    ctx = ServingContext(engine=engine, model_name=model_name, metrics=metrics, lifecycle=lifecycle)
+    created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if manage_engine:
+            await engine.start()
+        try:
+            yield
+        finally:
+            if manage_engine:
+                await engine.shutdown(0.0)
+
+    app = FastAPI(title="SITS", summary="OpenAI-compatible LLM serving", lifespan=lifespan)
+    app.state.ctx = ctx
+    app.state.lifecycle = lifecycle
+    app.state.metrics = metrics
+    app.state.server_config = config
+    app.state.tenant_resolver = tenant_resolver or SingleTenantResolver()
+    install_error_handlers(app)
+    app.add_middleware(GenerationGate, lifecycle=lifecycle, metrics=metrics, paths=GENERATION_PATHS)
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    chat = ChatCompletions(ctx)
+    completions = Completions(ctx)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request,
+                                     tenant: str = Depends(request_tenant)) -> Response:
+        return await chat(body, tenant, request)
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, request: Request,
+                                tenant: str = Depends(request_tenant)) -> Response:
+        return await completions(body, tenant, request)
+
+    def model_card() -> dict[str, Any]:
+        return {"id": model_name, "object": "model", "created": created, "owned_by": "sits",
+                "max_model_len": engine.max_model_len}
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> dict[str, Any]:
+        if model_id != model_name:
+            raise model_not_found(model_id)
+        return model_card()
+
+    def readiness() -> JSONResponse:
+        if lifecycle.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        if not engine.is_healthy:
+            return JSONResponse({"status": "unhealthy"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        """Readiness: 503 while draining or when the engine is unhealthy (take this replica out)."""
+        return readiness()
+
+    @app.get("/health/ready")
+    async def health_ready() -> JSONResponse:
+        return readiness()
+
+    @app.get("/health/live")
+    async def health_live() -> JSONResponse:
+        """Liveness: 503 only when the engine is dead (restart this replica); draining is alive."""
+        if not engine.is_healthy:
+            return JSONResponse({"status": "unhealthy"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE)
+
+    return app

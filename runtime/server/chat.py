@@ -1,0 +1,125 @@
+"""POST /v1/chat/completions: the conversation through the model's chat template, streamed or whole."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from sits.runtime.engine.request import RequestOutput
+from sits.runtime.server.errors import as_openai_error, invalid_request
+from sits.runtime.server.logprobs import LogprobFormatter
+from sits.runtime.server.protocol import ChatCompletionRequest, ChatMessage
+from sits.runtime.server.request_ids import new_request_id
+from sits.runtime.server.responses import DONE, SSE_HEADERS, finish_text, sse, usage
+from sits.runtime.server.sampling import output_budget, sampling_params
+from sits.runtime.server.serving import ClientGone, ServingContext, collect_unless_disconnected, merge_streams
+
+
+class ChatCompletions:
+    """Renders messages with the tokenizer's chat template and runs one engine request (n choices)."""
+
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+        self.logprobs = LogprobFormatter(ctx.tokenizer)
+
+    def prompt_token_ids(self, messages: list[ChatMessage]) -> list[int]:
+        """The prompt exactly as transformers' apply_chat_template(..., add_generation_prompt=True) renders it."""
+        from sits.runtime.models.chat_template import ChatTemplateError
+
+        conversation = []
+        for message in messages:
+            # OpenAI's "developer" role is the system prompt for models trained without it.
+            entry: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role,
+                                     "content": message.text()}
+            if message.name:
+                entry["name"] = message.name
+            conversation.append(entry)
+        try:
+            text = self.ctx.tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
+        except ChatTemplateError as error:
+            raise invalid_request(f"The messages cannot be rendered: {error}", param="messages") from error
+        return self.ctx.tokenizer.encode(text, add_special_tokens=False)
+
+    async def __call__(self, body: ChatCompletionRequest, tenant: str, request: Request) -> Response:
+        arrival = time.perf_counter()
+        self.ctx.check_model(body.model)
+        self.ctx.check_ready()
+        body.check_combination()
+        prompt_ids = self.prompt_token_ids(body.messages)
+        limit_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        max_tokens = output_budget(len(prompt_ids), body.output_limit, self.ctx.max_model_len, default=None,
+                                   param=limit_param, prompt_name="messages")
+        params = sampling_params(body, max_tokens=max_tokens, logprobs=body.num_logprobs)
+        response_id = new_request_id("chatcmpl")
+        stream = merge_streams([self.ctx.generate(prompt_ids, params, response_id, tenant, arrival)])
+        head = {"id": response_id, "created": int(time.time()), "model": self.ctx.model_name}
+        headers = {"x-request-id": response_id}
+        if body.stream:
+            events = self._events(stream, head, body, request)
+            return StreamingResponse(events, media_type="text/event-stream", headers={**headers, **SSE_HEADERS})
+        try:
+            final = (await collect_unless_disconnected(stream, request))[0]
+        except ClientGone:
+            return Response(status_code=499)
+        return JSONResponse(self._completion(final, head, body), headers=headers)
+
+    def _completion(self, final: RequestOutput, head: dict[str, Any], body: ChatCompletionRequest) -> dict:
+        choices = []
+        for choice in sorted(final.outputs, key=lambda c: c.index):
+            logprobs = None
+            if body.num_logprobs is not None:
+                logprobs = self.logprobs.chat(choice.logprobs or [], body.num_logprobs)
+            choices.append({"index": choice.index,
+                            "message": {"role": "assistant", "content": choice.text, "refusal": None},
+                            "logprobs": logprobs, "finish_reason": finish_text(choice.finish_reason)})
+        return {**head, "object": "chat.completion", "choices": choices, "system_fingerprint": None,
+                "usage": usage([final])}
+
+    async def _events(self, stream: AsyncIterator[tuple[int, RequestOutput]], head: dict[str, Any],
+                      body: ChatCompletionRequest, request: Request) -> AsyncIterator[str]:
+        chunk_head = {**head, "object": "chat.completion.chunk", "system_fingerprint": None}
+        if body.include_usage:
+            chunk_head["usage"] = None
+        started: set[int] = set()
+        finished: set[int] = set()
+        last: RequestOutput | None = None
+        try:
+            async with contextlib.aclosing(stream):
+                async for _, output in stream:
+                    last = output
+                    for choice in output.outputs:
+                        if choice.index in finished:
+                            continue
+                        if choice.index not in started:
+                            started.add(choice.index)
+                            yield self._chunk(chunk_head, choice.index, {"role": "assistant", "content": ""})
+                        if choice.text_delta or choice.logprobs_delta:
+                            logprobs = None
+                            if body.num_logprobs is not None:
+                                logprobs = self.logprobs.chat(choice.logprobs_delta or [], body.num_logprobs)
+                            yield self._chunk(chunk_head, choice.index, {"content": choice.text_delta},
+                                              logprobs=logprobs)
+                        if choice.finished:
+                            finished.add(choice.index)
+                            yield self._chunk(chunk_head, choice.index, {}, finish=finish_text(choice.finish_reason))
+            if body.include_usage and last is not None:
+                yield sse({**chunk_head, "choices": [], "usage": usage([last])})
+        except asyncio.CancelledError:
+            request.state.client_gone = True
+            raise
+        except Exception as error:  # after the 200 went out: report in the stream, then end it
+            yield as_openai_error(error).to_sse()
+        yield DONE
+
+    @staticmethod
+    def _chunk(chunk_head: dict[str, Any], index: int, delta: dict[str, Any], *, logprobs: Any = None,
+               finish: str | None = None) -> str:
+        return sse({**chunk_head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                               "finish_reason": finish}]})
+

@@ -1,0 +1,124 @@
+"""POST /v1/completions: raw prompts (text, token ids, or a batch of either), streamed or whole.
+
+Each prompt of a batch is its own engine request; choice `index` is `prompt_index * n + i`, as in
+OpenAI's API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from sits.runtime.engine.request import CompletionOutput, RequestOutput
+from sits.runtime.server.errors import as_openai_error
+from sits.runtime.server.logprobs import LogprobFormatter
+from sits.runtime.server.protocol import CompletionRequest
+from sits.runtime.server.request_ids import new_request_id
+from sits.runtime.server.responses import DONE, SSE_HEADERS, finish_text, sse, usage
+from sits.runtime.server.sampling import output_budget, sampling_params
+from sits.runtime.server.serving import ClientGone, ServingContext, collect_unless_disconnected, merge_streams
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class Completions:
+    """Tokenizes each prompt and runs one engine request per prompt (n choices each)."""
+
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+        self.logprobs = LogprobFormatter(ctx.tokenizer)
+
+    def prompt_token_ids(self, body: CompletionRequest) -> list[list[int]]:
+        prompts = body.prompts()
+        param = "prompt"
+        result = []
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                token_ids = self.ctx.tokenizer.encode(prompt, add_special_tokens=True)
+            else:
+                token_ids = prompt
+            result.append(self.ctx.check_token_ids(token_ids, param))
+        return result
+
+    async def __call__(self, body: CompletionRequest, tenant: str, request: Request) -> Response:
+        arrival = time.perf_counter()
+        self.ctx.check_model(body.model)
+        self.ctx.check_ready()
+        body.check_combination()
+        prompts = self.prompt_token_ids(body)
+        budgets = [output_budget(len(ids), body.max_tokens, self.ctx.max_model_len, default=DEFAULT_MAX_TOKENS,
+                                 param="max_tokens", prompt_name="prompt") for ids in prompts]
+        params = [sampling_params(body, max_tokens=budget, logprobs=body.logprobs) for budget in budgets]
+        response_id = new_request_id("cmpl")
+        engine_ids = [response_id] if len(prompts) == 1 else [f"{response_id}-{i}" for i in range(len(prompts))]
+        stream = merge_streams([self.ctx.generate(ids, p, rid, tenant, arrival)
+                                for ids, p, rid in zip(prompts, params, engine_ids, strict=True)])
+        head = {"id": response_id, "object": "text_completion", "created": int(time.time()),
+                "model": self.ctx.model_name}
+        headers = {"x-request-id": response_id}
+        if body.stream:
+            events = self._events(stream, head, body, len(prompts), request)
+            return StreamingResponse(events, media_type="text/event-stream", headers={**headers, **SSE_HEADERS})
+        try:
+            finals = await collect_unless_disconnected(stream, request)
+        except ClientGone:
+            return Response(status_code=499)
+        ordered = [finals[i] for i in range(len(prompts))]
+        return JSONResponse(self._completion(ordered, head, body), headers=headers)
+
+    def _choice(self, prompt_index: int, n: int, choice: CompletionOutput, text: str, logprobs: Any,
+                finish: str | None) -> dict[str, Any]:
+        return {"index": prompt_index * n + choice.index, "text": text, "logprobs": logprobs,
+                "finish_reason": finish}
+
+    def _completion(self, finals: list[RequestOutput], head: dict[str, Any], body: CompletionRequest) -> dict:
+        choices = []
+        for prompt_index, final in enumerate(finals):
+            for choice in sorted(final.outputs, key=lambda c: c.index):
+                logprobs = None
+                if body.logprobs is not None:
+                    logprobs = self.logprobs.completion(choice.logprobs or [], body.logprobs)
+                choices.append(self._choice(prompt_index, body.n, choice, choice.text, logprobs,
+                                            finish_text(choice.finish_reason)))
+        return {**head, "choices": choices, "system_fingerprint": None, "usage": usage(finals)}
+
+    async def _events(self, stream: AsyncIterator[tuple[int, RequestOutput]], head: dict[str, Any],
+                      body: CompletionRequest, num_prompts: int, request: Request) -> AsyncIterator[str]:
+        chunk_head = {**head, "system_fingerprint": None}
+        if body.include_usage:
+            chunk_head["usage"] = None
+        finished: set[tuple[int, int]] = set()
+        text_offsets: dict[tuple[int, int], int] = {}
+        last: dict[int, RequestOutput] = {}
+        try:
+            async with contextlib.aclosing(stream):
+                async for prompt_index, output in stream:
+                    last[prompt_index] = output
+                    for choice in output.outputs:
+                        key = (prompt_index, choice.index)
+                        if key in finished or not (choice.text_delta or choice.logprobs_delta or choice.finished):
+                            continue
+                        logprobs = None
+                        if body.logprobs is not None:
+                            offset = text_offsets.get(key, 0)
+                            logprobs = self.logprobs.completion(choice.logprobs_delta or [], body.logprobs, offset)
+                            text_offsets[key] = offset + sum(len(token) for token in logprobs["tokens"])
+                        if choice.finished:
+                            finished.add(key)
+                        part = self._choice(prompt_index, body.n, choice, choice.text_delta, logprobs,
+                                            finish_text(choice.finish_reason))
+                        yield sse({**chunk_head, "choices": [part]})
+            if body.include_usage and len(last) == num_prompts:
+                yield sse({**chunk_head, "choices": [], "usage": usage(last[i] for i in range(num_prompts))})
+        except asyncio.CancelledError:
+            request.state.client_gone = True
+            raise
+        except Exception as error:  # after the 200 went out: report in the stream, then end it
+            yield as_openai_error(error).to_sse()
+        yield DONE

@@ -1,0 +1,130 @@
+"""Running the app under uvicorn: in the foreground with a graceful drain, or in a background thread.
+
+Foreground (`run_server`, what `sits serve` calls): the first SIGTERM or SIGINT starts the drain
+(readiness false, new requests 503, in-flight ones finish for up to drain_timeout_s, then the rest
+are aborted) and the process then exits 0; a second signal stops at once.
+
+Background (`BackgroundServer`): the same app in a thread with its own event loop, on a free port —
+for tests, benchmarks and notebooks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import threading
+import time
+from types import FrameType
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+
+logger = logging.getLogger("sits.server")
+
+GRACEFUL_CLOSE_S = 5.0  # after the drain, how long uvicorn waits for connections to close
+
+
+class DrainingServer(uvicorn.Server):
+    """A uvicorn server whose first shutdown signal drains the app instead of stopping it at once."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI, engine: Any, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self._app = app
+        self._engine = engine
+        self._drain_timeout_s = drain_timeout_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task | None = None
+        self._drain_requested = False
+        self.exit_code = 0
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Runs in the signal handler: only hand work to the loop. Not recording the signal keeps
+        # uvicorn from re-raising it after shutdown, so a drained server exits 0.
+        if self._drain_requested or self._loop is None:
+            self.force_exit = True
+            self.should_exit = True
+            return
+        self._drain_requested = True
+        self._loop.call_soon_threadsafe(self._start_drain, signal.Signals(sig).name)
+
+    def _start_drain(self, signal_name: str) -> None:
+        logger.info("%s received: draining (up to %.1f s); a second signal stops at once",
+                    signal_name, self._drain_timeout_s)
+        if self._drain_task is None:
+            self._drain_task = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        try:
+            await self._app.state.lifecycle.drain(self._engine, self._drain_timeout_s)
+        except Exception:
+            logger.exception("drain failed; stopping")
+        finally:
+            self.should_exit = True
+
+
+def uvicorn_config(app: FastAPI, host: str, port: int, log_level: str = "info") -> uvicorn.Config:
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), access_log=False,
+                          timeout_graceful_shutdown=GRACEFUL_CLOSE_S, lifespan="on")
+
+
+def run_server(app: FastAPI, engine: Any, sock: socket.socket, drain_timeout_s: float,
+               log_level: str = "info") -> int:
+    """Serve on an already bound socket until a signal; drain; return the exit code (0 after a drain)."""
+    host, port = sock.getsockname()[:2]
+    server = DrainingServer(uvicorn_config(app, host, port, log_level), app, engine, drain_timeout_s)
+    server.run(sockets=[sock])
+    if not server.started:
+        return 1  # e.g. the port was taken; uvicorn logged why
+    return server.exit_code
+
+
+class BackgroundServer:
+    """The app served by uvicorn in a daemon thread, on 127.0.0.1 and a free port by default.
+
+    Use as a context manager: entering waits until the server accepts connections (and the engine
+    started), leaving stops it (the engine shuts down with the app).
+    """
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
+        if port == 0:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.bind((host, 0))
+                port = sock.getsockname()[1]
+        self.app = app
+        self.host = host
+        self.port = port
+        self.server = uvicorn.Server(uvicorn_config(app, host, port, log_level))
+        self._thread = threading.Thread(target=self.server.run, name=f"sits-server-{port}", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout_s: float = 120.0) -> BackgroundServer:
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError("the server thread exited before it started")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"the server did not start within {timeout_s} s")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout_s)
+
+    def __enter__(self) -> BackgroundServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

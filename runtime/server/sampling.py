@@ -1,0 +1,61 @@
+"""From an OpenAI request to the engine's SamplingParams, and the token budget of one prompt."""
+
+from __future__ import annotations
+
+from sits.runtime.engine.request import SamplingParams
+from sits.runtime.server.errors import invalid_request
+from sits.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
+
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what a torch.Generator accepts
+
+
+def output_budget(prompt_tokens: int, requested: int | None, max_model_len: int, *, default: int | None,
+                  param: str, prompt_name: str) -> int:
+    """How many tokens to generate: the request's limit, else `default`, else all that fits.
+
+    Raises a 400 (code context_length_exceeded) when the prompt alone fills the context, or when the
+    prompt plus the requested tokens do not fit (what OpenAI and vLLM answer).
+    """
+    if prompt_tokens >= max_model_len:
+        raise invalid_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, your {prompt_name} "
+            f"has {prompt_tokens} tokens, which leaves no room to generate. Please shorten the {prompt_name}.",
+            param=prompt_name, code="context_length_exceeded")
+    room = max_model_len - prompt_tokens
+    if requested is None:
+        return room if default is None else min(default, room)
+    if requested > room:
+        raise invalid_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_tokens + requested} tokens ({prompt_tokens} in the {prompt_name}, {requested} in the "
+            f"completion). Please reduce the length of the {prompt_name} or completion.",
+            param=param, code="context_length_exceeded")
+    return requested
+
+
+def sampling_params(request: ChatCompletionRequest | CompletionRequest, *, max_tokens: int,
+                    logprobs: int | None) -> SamplingParams:
+    """SamplingParams for the request, validated (SamplingParamsError names the param: a 400)."""
+    if request.seed is not None and not SEED_RANGE[0] <= request.seed <= SEED_RANGE[1]:
+        raise invalid_request(f"seed must fit in 64 bits, got {request.seed}", param="seed")
+    params = SamplingParams(
+        n=request.n,
+        max_tokens=max_tokens,
+        min_tokens=request.min_tokens,
+        temperature=1.0 if request.temperature is None else request.temperature,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        top_k=request.top_k or 0,
+        min_p=request.min_p or 0.0,
+        seed=request.seed,
+        repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        stop=request.stop_list,
+        stop_token_ids=list(request.stop_token_ids or []),
+        include_stop_str_in_output=request.include_stop_str_in_output,
+        ignore_eos=request.ignore_eos,
+        logprobs=logprobs,
+        skip_special_tokens=request.skip_special_tokens,
+    )
+    params.validate()
+    return params

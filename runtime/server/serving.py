@@ -1,0 +1,171 @@
+"""What both generation endpoints share: the model check, prompt checks, and driving engine requests.
+
+`ServingContext.generate` wraps `AsyncEngine.generate` with the server's bookkeeping: the request
+is tracked for the drain, its metrics (TTFT, time per output token, token counts) are recorded
+when it ends, and leaving early (client gone, error, drain) aborts it so its KV blocks are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import Request
+
+from sits.runtime.engine.request import RequestOutput, SamplingParams
+from sits.runtime.server.errors import invalid_request, model_not_found, service_unavailable
+from sits.runtime.server.lifecycle import Lifecycle
+from sits.runtime.server.metrics import ServerMetrics
+
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client disconnected before its response was ready."""
+
+
+@dataclass
+class ServingContext:
+    """The engine and the server state the endpoint handlers work with."""
+
+    engine: Any  # AsyncEngine
+    model_name: str
+    metrics: ServerMetrics
+    lifecycle: Lifecycle
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def check_model(self, model: str | None) -> None:
+        """404 for a model this server does not serve (a missing model means the served one)."""
+        if model is not None and model != self.model_name:
+            raise model_not_found(model)
+
+    def check_ready(self) -> None:
+        if self.lifecycle.draining:
+            raise service_unavailable("The server is shutting down; retry on another replica.")
+        if not self.engine.is_healthy:
+            raise service_unavailable("The engine is unhealthy and cannot serve requests.")
+
+    def check_token_ids(self, token_ids: Sequence[int], param: str) -> list[int]:
+        """Token ids given by the client must exist in the vocabulary."""
+        vocab_size = self.tokenizer.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise invalid_request(f"token id {bad} is out of range (vocabulary size {vocab_size})", param=param)
+        if not token_ids:
+            raise invalid_request("the prompt is empty", param=param)
+        return list(token_ids)
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+                       tenant: str, arrival: float) -> AsyncIterator[RequestOutput]:
+        """The engine's outputs for one request; closing this early aborts the request.
+
+        arrival is the request's time.perf_counter() when it reached the server (for TTFT).
+        """
+        self.lifecycle.track(request_id)
+        stream = self.engine.generate(prompt_token_ids, params, request_id, tenant=tenant)
+        first_token_at: float | None = None
+        last: RequestOutput | None = None
+        try:
+            async for output in stream:
+                if first_token_at is None and any(o.token_ids for o in output.outputs):
+                    first_token_at = time.perf_counter()
+                last = output
+                yield output
+        finally:
+            self.lifecycle.untrack(request_id)
+            if last is None or not last.finished:
+                # Cancelling or closing the engine's stream aborts the request and frees its blocks.
+                with contextlib.suppress(Exception):
+                    await stream.aclose()
+            self._record(prompt_token_ids, last, tenant, arrival, first_token_at)
+
+    def _record(self, prompt_token_ids: list[int], last: RequestOutput | None, tenant: str, arrival: float,
+                first_token_at: float | None) -> None:
+        lengths = [len(o.token_ids) for o in last.outputs] if last is not None else []
+        longest = max(lengths, default=0)
+        tpot = None
+        if first_token_at is not None and longest > 1:
+            tpot = (time.perf_counter() - first_token_at) / (longest - 1)
+        self.metrics.observe_generation(
+            tenant, prompt_tokens=len(prompt_token_ids), output_tokens=sum(lengths),
+            ttft_s=None if first_token_at is None else first_token_at - arrival, tpot_s=tpot)
+
+
+async def merge_streams(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Interleave several async iterators as (index, item) in arrival order; closing stops them all."""
+    if len(streams) == 1:
+        async with contextlib.aclosing(streams[0]) as only:  # type: ignore[type-var]
+            async for item in only:
+                yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, stream: AsyncIterator[T]) -> None:
+        try:
+            async with contextlib.aclosing(stream) as items:  # type: ignore[type-var]
+                async for item in items:
+                    await queue.put((index, item))
+        except Exception as error:  # handed to the consumer, which re-raises it
+            await queue.put((index, error))
+        await queue.put((index, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def until_disconnected(request: Request) -> None:
+    """Return when the client closes the connection (the body was already read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def collect_unless_disconnected(stream: AsyncIterator[tuple[int, T]], request: Request) -> dict[int, T]:
+    """The last item per index of a merged stream; raises ClientGone (stopping it) if the client leaves."""
+
+    async def consume() -> dict[int, T]:
+        last: dict[int, T] = {}
+        async with contextlib.aclosing(stream) as items:  # type: ignore[type-var]
+            async for index, item in items:
+                last[index] = item
+        return last
+
+    consumer = asyncio.create_task(consume())
+    watcher = asyncio.create_task(until_disconnected(request))
+    try:
+        await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not consumer.done():
+            consumer.cancel()
+            await asyncio.gather(consumer, return_exceptions=True)
+            request.state.client_gone = True
+    if consumer.cancelled():
+        raise ClientGone
+    return consumer.result()
