@@ -1,0 +1,257 @@
+"""The synchronous engine: requests in, one `step()` at a time, `RequestOutput`s out.
+
+    step = schedule → run the model and sample → update sequences → detokenize → outputs
+
+`LLMEngine` is single-threaded: call every method from one thread (`AsyncEngine` runs it on its
+own background thread and funnels requests to it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import Iterable
+
+from sits.runtime.config import EngineConfig
+from sits.runtime.engine.cache_sizing import check_fits_one_sequence, num_blocks_for_budget
+from sits.runtime.engine.errors import DuplicateRequestError, InvalidRequestError, PromptTooLongError
+from sits.runtime.engine.eviction import EvictionPolicy
+from sits.runtime.engine.kv_cache import KVCacheManager
+from sits.runtime.engine.output_processor import OutputProcessor
+from sits.runtime.engine.request import RequestMetrics, RequestOutput, SamplingParams
+from sits.runtime.engine.runner import ModelRunner
+from sits.runtime.engine.sampler import Sampler
+from sits.runtime.engine.scheduler import Scheduler
+from sits.runtime.engine.scheduling_policy import SchedulingPolicy
+from sits.runtime.engine.sequence import Sequence, SequenceStatus, child_sequence_id
+from sits.runtime.engine.stats import EngineStats
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    """Continuous-batching generation over one loaded model.
+
+    Args:
+        loaded: the model, tokenizer and shape (`sits.runtime.models.loading.LoadedModel`).
+        config: cache, scheduler and model limits.
+        eviction_policy: which cached KV block to give up first (LRU by default; the tenancy
+            layer passes its score policy).
+        scheduling_policy: admission and preemption order (FCFS by default).
+    """
+
+    def __init__(
+        self,
+        loaded,
+        config: EngineConfig,
+        *,
+        eviction_policy: EvictionPolicy | None = None,
+        scheduling_policy: SchedulingPolicy | None = None,
+    ) -> None:
+        config.validate()
+        self.config = config
+        self.tokenizer = loaded.tokenizer
+        self.model_name: str = config.model.served_model_name or loaded.name
+        self.max_model_len: int = config.model.max_model_len or loaded.config.max_position_embeddings
+        self.vocab_size: int = loaded.config.vocab_size
+        self.eos_token_ids = frozenset(loaded.config.eos_token_ids) | frozenset(
+            getattr(self.tokenizer, "eos_token_ids", ())
+        )
+        block_size = config.cache.block_size
+        sampler = Sampler(self.eos_token_ids, loaded.device, seed=config.model.seed)
+        self.runner = ModelRunner(loaded.model, loaded.device, loaded.dtype, block_size, sampler)
+
+        profile = None
+        if loaded.device.type == "cuda" and config.cache.num_blocks is None:
+            profile = self.runner.profile_memory(
+                config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs, self.max_model_len
+            )
+        num_blocks = num_blocks_for_budget(config.cache, self.runner.kv_shape, loaded.device, profile)
+        check_fits_one_sequence(num_blocks, block_size, self.max_model_len)
+        self.runner.allocate_kv_cache(num_blocks)
+        self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, eviction_policy)
+        self.scheduler = Scheduler(
+            config.scheduler, self.kv_cache, self.max_model_len, self.eos_token_ids, scheduling_policy
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._children: dict[str, list[str]] = {}  # request_id -> seq_ids of its completions
+        self._arrival_counter = itertools.count()
+        self._counters = {"finished": 0, "aborted": 0, "prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+
+    # -- construction ----------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, config: EngineConfig, *, progress: bool = True) -> LLMEngine:
+        """Load the model `config.model` names (and pick its attention back end), then build the engine."""
+        from sits.runtime.attention.registry import select_backend
+        from sits.runtime.models import loading
+
+        config.validate()
+        device, dtype = loading.resolve_device_dtype(config.model)
+        head_dim = _checkpoint_head_dim(config, progress)
+        backend = select_backend(config.attention_backend, device, dtype, head_dim)
+        loaded = loading.load_model(config.model, backend, progress=progress)
+        return cls(loaded, config)
+
+    @classmethod
+    def from_loaded(cls, loaded, config: EngineConfig) -> LLMEngine:
+        """An engine over an already loaded model (tests share one model across engines)."""
+        return cls(loaded, config)
+
+    # -- requests --------------------------------------------------------------------------
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise (a ValueError subclass, a 400 at the edge) if the request can never be served."""
+        params.validate()
+        if not prompt_token_ids:
+            raise PromptTooLongError("the prompt is empty; it needs at least one token")
+        bad = next((t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)), None)
+        if bad is not None:
+            raise InvalidRequestError(f"prompt token id {bad!r} is out of range (vocabulary size {self.vocab_size})")
+        wanted = params.max_tokens or 1
+        if len(prompt_token_ids) + wanted > self.max_model_len:
+            raise PromptTooLongError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                f"{len(prompt_token_ids)} tokens and {wanted} more were requested "
+                f"({len(prompt_token_ids) + wanted} in all)"
+            )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        tenant: str = "default",
+        priority: int = 0,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Queue a request; its n completions are scheduled as n sequences sharing the prompt.
+
+        Raises:
+            PromptTooLongError: empty prompt, or prompt + max_tokens (1 if None) > max_model_len.
+            InvalidRequestError: a token id outside the vocabulary, or a duplicate request id.
+            SamplingParamsError: a sampling parameter out of range.
+        """
+        if request_id in self._children:
+            raise DuplicateRequestError(f"request id {request_id!r} is already in the engine")
+        prompt_token_ids = list(prompt_token_ids)
+        self.validate_request(prompt_token_ids, params)
+        arrival_time = time.time() if arrival_time is None else arrival_time
+        max_tokens = min(params.max_tokens or self.max_model_len, self.max_model_len - len(prompt_token_ids))
+        seq_ids = [child_sequence_id(request_id, i, params.n) for i in range(params.n)]
+        order = next(self._arrival_counter)
+        self.output_processor.add_request(
+            request_id, prompt_token_ids, params, tenant, RequestMetrics(arrival_time=arrival_time)
+        )
+        for index, seq_id in enumerate(seq_ids):
+            self.scheduler.add_request(
+                Sequence(
+                    seq_id=seq_id,
+                    request_id=request_id,
+                    index=index,
+                    prompt_token_ids=prompt_token_ids,
+                    params=_child_params(params, index),
+                    max_tokens=max_tokens,
+                    arrival_time=arrival_time,
+                    tenant=tenant,
+                    priority=priority,
+                    cache_salt=cache_salt,
+                    sibling_ids=tuple(s for s in seq_ids if s != seq_id),
+                    arrival_order=order,
+                )
+            )
+        self._children[request_id] = seq_ids
+        self._counters["prompt_tokens"] += len(prompt_token_ids)
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
+        """Abort requests now: their blocks are freed before this returns.
+
+        Unknown or finished ids are ignored. Returns the final snapshot of each aborted request
+        (unfinished completions with finish_reason ABORT), for callers that stream them.
+        """
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        finals = []
+        for request_id in request_ids:
+            seq_ids = self._children.pop(request_id, None)
+            if seq_ids is None:
+                continue
+            self.scheduler.finish_requests(seq_ids, SequenceStatus.FINISHED_ABORTED)
+            final = self.output_processor.abort(request_id)
+            if final is not None:
+                finals.append(final)
+            self._counters["aborted"] += 1
+            self._counters["finished"] += 1
+        return finals
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._children)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._children)
+
+    # -- the loop --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one step; return snapshots of the requests that got tokens (deltas filled)."""
+        scheduler_output = self.scheduler.schedule()
+        self.output_processor.mark_scheduled(
+            {s.sequence.request_id for s in scheduler_output.scheduled}, time.time()
+        )
+        runner_output = self.runner.execute(scheduler_output)
+        if scheduler_output.is_empty:
+            return []
+        self._counters["steps"] += 1
+        updates = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs, stopped = self.output_processor.process(updates)
+        if stopped:
+            self.scheduler.finish_requests(stopped, SequenceStatus.FINISHED_STOPPED)
+        self._counters["generation_tokens"] += sum(len(u.new_token_ids) for u in updates)
+        for output in outputs:
+            if output.finished and self._children.pop(output.request_id, None) is not None:
+                self._counters["finished"] += 1
+        return outputs
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler.stats()
+        c = self._counters
+        return EngineStats(
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            num_requests=len(self._children),
+            kv_blocks_total=s.kv_blocks_total,
+            kv_blocks_used=s.kv_blocks_used,
+            kv_blocks_cached=s.kv_blocks_cached,
+            kv_block_size=s.kv_block_size,
+            kv_cache_usage=s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0,
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
+            num_preemptions=s.num_preemptions,
+            num_evictions=s.num_evictions,
+            num_finished=c["finished"],
+            num_aborted=c["aborted"],
+            num_prompt_tokens=c["prompt_tokens"],
+            num_generation_tokens=c["generation_tokens"],
+            num_steps=c["steps"],
+            running_by_tenant=s.running_by_tenant,
+            waiting_by_tenant=s.waiting_by_tenant,
+            kv_blocks_used_by_tenant=s.kv_blocks_used_by_tenant,
+        )
+
+
+def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Completion `index`'s params: n = 1, and a seed of seed + index so completions differ."""
+    seed = params.seed + index if params.seed is not None else None
+    return dataclasses.replace(params, n=1, seed=seed)
+
+
+def _checkpoint_head_dim(config: EngineConfig, progress: bool) -> int:
+    """The checkpoint's head size, read before loading so the attention back end can be chosen."""
+    from sits.runtime.models import loading
+    from sits.runtime.models.config import LlamaConfig
+    from sits.runtime.models.hf_checkpoint import read_hf_config
+
+    directory, _, _ = loading._resolve_source(config.model.model, progress)
+    return LlamaConfig.from_hf_dict(read_hf_config(directory)).head_dim

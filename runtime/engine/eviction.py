@@ -1,0 +1,104 @@
+"""Which cached block to give up when the block pool runs out of empty ones.
+
+A block whose last reference is released keeps its prefix hash and stays findable by later
+requests ("evictable"). When a request needs a block and no empty one is left, the pool asks its
+`EvictionPolicy` for a victim among the evictable blocks, drops the victim's hash and hands the
+block out. The default, `LRUEvictionPolicy`, gives up the block released longest ago. The tenancy
+layer plugs in a score policy (`t(request_id) × (1 + α · priority)`, taking first from tenants
+above their share) by implementing this interface; the pool itself never changes.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from sits.runtime.engine.prefix_hash import BlockHash
+
+
+@dataclass(frozen=True)
+class BlockOwner:
+    """Who holds or last held a block: what a scoring or sharding policy needs to know.
+
+    Attributes:
+        request_id: the client request (time-ordered ids let a policy read the request's age).
+        tenant: the tenant whose shard the block counts against.
+        priority: the request's priority (0 lowest; higher is kept longer).
+    """
+
+    request_id: str
+    tenant: str = "default"
+    priority: int = 0
+
+
+@dataclass(eq=False)
+class KVBlock:
+    """One block of the paged KV cache as the pool tracks it (the tensors live in the runner).
+
+    Attributes:
+        block_id: index into the cache tensors' first dimension.
+        ref_count: sequences whose block table holds this block.
+        block_hash: prefix hash when the block is full and cached, else None.
+        last_owner: the request that last referenced the block.
+        last_used_time: engine-clock seconds when the block was last released or hit.
+    """
+
+    block_id: int
+    ref_count: int = 0
+    block_hash: BlockHash | None = None
+    last_owner: BlockOwner | None = None
+    last_used_time: float = 0.0
+
+
+class EvictionPolicy(ABC):
+    """Orders the evictable blocks (cached, ref_count 0) and picks the next victim.
+
+    The pool calls `add` when a cached block's last reference is released, `remove` when a
+    prefix hit takes an evictable block back, and `pop_victim` when it needs a block and has no
+    empty one. The `on_*` hooks see every allocation and release, for per-tenant accounting.
+    """
+
+    @abstractmethod
+    def add(self, block: KVBlock) -> None:
+        """`block` became evictable (its last reference was released; it keeps its hash)."""
+
+    @abstractmethod
+    def remove(self, block: KVBlock) -> None:
+        """`block` (currently evictable) is referenced again and must not be chosen."""
+
+    @abstractmethod
+    def pop_victim(self, requester: BlockOwner | None) -> KVBlock | None:
+        """Remove and return the block to evict for `requester`, or None when none is evictable."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Number of evictable blocks."""
+
+    def on_allocate(self, block: KVBlock, owner: BlockOwner) -> None:  # noqa: B027 - optional hook
+        """`block` was handed to `owner` (fresh, or shared through a prefix hit)."""
+
+    def on_release(self, block: KVBlock) -> None:  # noqa: B027 - optional hook
+        """One reference to `block` was released (ref_count already decremented)."""
+
+
+class LRUEvictionPolicy(EvictionPolicy):
+    """Evict the block whose last reference was released longest ago."""
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[int, KVBlock] = OrderedDict()
+
+    def add(self, block: KVBlock) -> None:
+        self._order[block.block_id] = block
+
+    def remove(self, block: KVBlock) -> None:
+        del self._order[block.block_id]
+
+    def pop_victim(self, requester: BlockOwner | None) -> KVBlock | None:
+        if not self._order:
+            return None
+        _, block = self._order.popitem(last=False)
+        return block
+
+    def __len__(self) -> int:
+        return len(self._order)

@@ -1,0 +1,168 @@
+"""The KV-cache manager: per-sequence block tables on top of the block pool, and prefix caching.
+
+The scheduler talks to it in sequences and token counts only:
+  - `find_prefix(seq)` -> `PrefixHit`: the longest run of the sequence's full blocks already
+    cached (a waiting sequence skips computing those tokens);
+  - `allocate(seq, num_new_tokens, prefix)` -> new block ids, or None when the pool is short
+    (the scheduler then preempts someone or waits); nothing changes on None;
+  - `cache_computed_blocks(seq)` after a step, so full blocks whose K/V now exist become hits;
+  - `free(seq)` when a sequence finishes, is aborted or preempted.
+
+A block is only made findable once its K/V have been computed (after the step that wrote them),
+never at allocation: a sequence preempted in the same step that allocated would otherwise leave
+hashes pointing at never-written blocks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from sits.runtime.engine.block_pool import BlockPool
+from sits.runtime.engine.eviction import BlockOwner, EvictionPolicy, KVBlock
+from sits.runtime.engine.prefix_hash import extend_block_hashes
+from sits.runtime.engine.sequence import Sequence
+
+
+@dataclass
+class PrefixHit:
+    """Cached blocks that cover the start of a sequence.
+
+    Attributes:
+        blocks: the hit blocks, in order (not yet referenced: `allocate` takes them).
+        num_tokens: tokens they cover (len(blocks) * block_size).
+    """
+
+    blocks: list[KVBlock] = field(default_factory=list)
+    num_tokens: int = 0
+
+
+def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+def owner_of(seq: Sequence) -> BlockOwner:
+    return BlockOwner(request_id=seq.request_id, tenant=seq.tenant, priority=seq.priority)
+
+
+class KVCacheManager:
+    """Block tables of running sequences over one `BlockPool`.
+
+    Args:
+        num_blocks: blocks in the cache.
+        block_size: tokens per block.
+        enable_prefix_caching: reuse full blocks of earlier sequences with the same prefix.
+        eviction_policy: which cached block to give up first (LRU by default).
+        clock: seconds, stamped on blocks for eviction policies.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        eviction_policy: EvictionPolicy | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_prefix_caching, eviction_policy, clock)
+        self._tables: dict[str, list[KVBlock]] = {}
+        self._num_committed: dict[str, int] = {}  # leading blocks of a table already cached
+        self.prefix_cache_queries = 0  # prompt tokens looked up, in tokens
+        self.prefix_cache_hits = 0  # of those, tokens served from the cache
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def block_ids(self, seq_id: str) -> list[int]:
+        """The sequence's block table: physical block ids in token order."""
+        return [block.block_id for block in self._tables.get(seq_id, ())]
+
+    def find_prefix(self, seq: Sequence) -> PrefixHit:
+        """The longest cached run of the sequence's full blocks.
+
+        The last token is never a hit: the model must run on it to produce the next token's
+        logits, so at most (num_tokens - 1) // block_size blocks can come from the cache.
+        """
+        if not self.enable_prefix_caching:
+            return PrefixHit()
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        extend_block_hashes(seq.block_hashes, seq.all_token_ids, self.block_size, max_blocks, seq.cache_salt)
+        hit: list[KVBlock] = []
+        for block_hash in seq.block_hashes[:max_blocks]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hit.append(block)
+        return PrefixHit(blocks=hit, num_tokens=len(hit) * self.block_size)
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, prefix: PrefixHit | None = None) -> list[int] | None:
+        """Reserve slots for `num_new_tokens` more tokens of `seq`; return the new block ids.
+
+        Args:
+            seq: the sequence; its context so far is `prefix.num_tokens` when a prefix is given
+                (a waiting sequence being admitted), else `seq.num_computed_tokens`.
+            num_new_tokens: tokens this step will compute.
+            prefix: the hit from `find_prefix`, only when admitting a waiting sequence.
+        Returns:
+            ids of the blocks added to the table (possibly none), or None when the pool has too
+            few free blocks; then nothing changed.
+        """
+        table = self._tables.get(seq.seq_id, [])
+        hit_blocks = prefix.blocks if prefix is not None else []
+        if hit_blocks and table:
+            raise RuntimeError(f"sequence {seq.seq_id} already holds blocks; a prefix applies on admission only")
+        context = prefix.num_tokens if prefix is not None else seq.num_computed_tokens
+        needed = blocks_for_tokens(context + num_new_tokens, self.block_size) - len(table) - len(hit_blocks)
+        # Hit blocks nobody holds are counted as free until we take them.
+        reclaimed = sum(1 for block in hit_blocks if block.ref_count == 0)
+        if needed > self.pool.num_free_blocks - reclaimed:
+            return None
+        owner = owner_of(seq)
+        if hit_blocks:
+            self.pool.touch(hit_blocks, owner)
+        new_blocks = self.pool.allocate(max(needed, 0), owner)
+        if new_blocks is None:  # an eviction policy refused to evict; undo the hits
+            self.pool.release(reversed(hit_blocks))
+            return None
+        if seq.seq_id not in self._tables:
+            self._tables[seq.seq_id] = table
+            self._num_committed[seq.seq_id] = len(hit_blocks)
+        table.extend(hit_blocks)
+        table.extend(new_blocks)
+        if prefix is not None and self.enable_prefix_caching and seq.num_preemptions == 0:
+            self.prefix_cache_queries += seq.num_tokens
+            self.prefix_cache_hits += prefix.num_tokens
+        return [block.block_id for block in new_blocks]
+
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """Make the sequence's full blocks whose K/V are computed findable by later prompts."""
+        if not self.enable_prefix_caching:
+            return
+        table = self._tables.get(seq.seq_id)
+        if not table:
+            return
+        num_full = min(seq.num_computed_tokens // self.block_size, len(table))
+        committed = self._num_committed.get(seq.seq_id, 0)
+        if num_full <= committed:
+            return
+        extend_block_hashes(seq.block_hashes, seq.all_token_ids, self.block_size, num_full, seq.cache_salt)
+        for index in range(committed, num_full):
+            self.pool.cache(table[index], seq.block_hashes[index])
+        self._num_committed[seq.seq_id] = num_full
+
+    def free(self, seq: Sequence) -> None:
+        """Release every block of the sequence, last block first (its tail is evicted first)."""
+        table = self._tables.pop(seq.seq_id, None)
+        self._num_committed.pop(seq.seq_id, None)
+        if table:
+            self.pool.release(reversed(table))
+
+    def holds(self, seq_id: str) -> bool:
+        return seq_id in self._tables
+
+    def reset_prefix_cache(self) -> int:
+        return self.pool.reset_prefix_cache()

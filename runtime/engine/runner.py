@@ -1,0 +1,126 @@
+"""The model runner: owns the KV-cache tensors, runs the model on a step's batch, samples.
+
+Eager execution. CUDA graphs plug in at `_forward` (a subclass captures fixed decode batch
+sizes and replays them there, with static input buffers); nothing else changes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from sits.runtime.engine.cache_sizing import KVShape, MemoryProfile
+from sits.runtime.engine.model_input import ModelInput, build_model_input
+from sits.runtime.engine.request import SamplingParams
+from sits.runtime.engine.sampler import Sampler
+from sits.runtime.engine.scheduler_output import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
+from sits.runtime.engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class ModelRunner:
+    """Runs `model` over flat batches against a paged KV cache.
+
+    Args:
+        model: a decoder with `forward(input_ids, positions, kv_caches, metadata) -> [T, H]`,
+            `compute_logits(hidden [N, H]) -> [N, V] float32` and a `config` (LlamaConfig).
+        device, dtype: where the model lives and the KV cache's dtype.
+        block_size: tokens per KV block.
+        sampler: picks tokens from the logits.
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype, block_size: int, sampler: Sampler
+    ) -> None:
+        self.model = model
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.block_size = block_size
+        self.sampler = sampler
+        config = model.config
+        self.kv_shape = KVShape(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, dtype)
+        self.kv_caches: KVCaches = []
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.kv_caches[0][0].shape[0]) if self.kv_caches else 0
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """Allocate one (k_cache, v_cache) pair per layer: [num_blocks, block_size, kv_heads, head_dim]."""
+        self.kv_caches = self._new_caches(num_blocks)
+        logger.info(
+            "KV cache: %d blocks × %d tokens (%.2f GiB, %s)",
+            num_blocks, self.block_size, num_blocks * self.kv_shape.bytes_per_block(self.block_size) / (1 << 30),
+            str(self.dtype).removeprefix("torch."),
+        )
+
+    def _new_caches(self, num_blocks: int) -> KVCaches:
+        shape = (num_blocks, self.block_size, self.kv_shape.num_kv_heads, self.kv_shape.head_dim)
+        return [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(self.kv_shape.num_layers)
+        ]
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step: build the batch, run the model, sample the sequences that reached their end."""
+        self.sampler.forget(scheduler_output.finished_seq_ids)
+        if scheduler_output.is_empty:
+            return ModelRunnerOutput()
+        model_input = build_model_input(scheduler_output.scheduled, self.block_size, self.device)
+        hidden = self._forward(model_input)
+        if not model_input.sample_sequences:
+            return ModelRunnerOutput()
+        logits = self.model.compute_logits(hidden[model_input.logits_indices])
+        sampled = self.sampler(logits, model_input.sample_sequences)
+        return ModelRunnerOutput(
+            sampled={seq.seq_id: token for seq, token in zip(model_input.sample_sequences, sampled, strict=True)}
+        )
+
+    def _forward(self, model_input: ModelInput) -> torch.Tensor:
+        """[num_tokens, hidden] hidden states of the batch (the seam for CUDA-graph replay)."""
+        return self.model(model_input.input_ids, model_input.positions, self.kv_caches, model_input.metadata)
+
+    @torch.inference_mode()
+    def profile_memory(self, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> MemoryProfile:
+        """CUDA memory after a forward of the largest batch the scheduler can build.
+
+        The batch is max_num_batched_tokens prompt tokens (split into sequences of at most
+        max_model_len), and the sampler runs over min(max_num_seqs, tokens) rows with top-p on,
+        so the activation peak covers the worst step.
+        """
+        if self.device.type != "cuda":
+            raise ValueError("memory profiling needs a CUDA device")
+        lengths = []
+        remaining = max_num_batched_tokens
+        while remaining > 0:
+            lengths.append(min(remaining, max_model_len))
+            remaining -= lengths[-1]
+        scheduled, next_block = [], 0
+        for index, length in enumerate(lengths):
+            blocks = list(range(next_block, next_block + -(-length // self.block_size)))
+            next_block += len(blocks)
+            seq = Sequence(f"profile-{index}", "profile", 0, [0] * length,
+                           SamplingParams(temperature=1.0, top_p=0.9), 1, 0.0)
+            scheduled.append(ScheduledSequence(seq, [0] * length, 0, blocks, samples=True))
+        caches = self._new_caches(next_block)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        baseline = torch.cuda.memory_allocated(self.device)
+        model_input = build_model_input(scheduled, self.block_size, self.device)
+        hidden = self.model(model_input.input_ids, model_input.positions, caches, model_input.metadata)
+        rows = min(max_num_seqs, hidden.shape[0])
+        logits = self.model.compute_logits(hidden[-rows:])
+        probe = Sampler((), self.device)
+        probe(logits, [scheduled[0].sequence] * rows)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - baseline
+        del caches, hidden, logits, model_input
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        return MemoryProfile(total=total, free=free, activation_peak=peak)

@@ -1,0 +1,271 @@
+"""Continuous batching with chunked prefill and preemption by recompute.
+
+Each step fills a budget of `max_num_batched_tokens` new tokens and `max_num_seqs` sequences:
+  1. running sequences that decode (one token each), in policy order;
+  2. running sequences still prefilling (the next chunk of their prompt);
+  3. waiting sequences, in admission order, each starting after its cached prefix.
+A running sequence that cannot get a block preempts the lowest-ranked running sequence (lowest
+priority, latest arrival), possibly itself: the victim's blocks are freed and it goes back to
+the waiting queue to recompute its context later (its full blocks usually come back as prefix
+hits). Waiting sequences are never admitted in a step that preempted, so room freed for running
+sequences is not taken by new ones.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+from collections.abc import Iterable
+
+from sits.runtime.config import SchedulerConfig
+from sits.runtime.engine.kv_cache import KVCacheManager
+from sits.runtime.engine.scheduler_interface import SchedulerInterface
+from sits.runtime.engine.scheduler_output import (
+    ModelRunnerOutput,
+    ScheduledSequence,
+    SchedulerOutput,
+    SequenceUpdate,
+)
+from sits.runtime.engine.scheduling_policy import FCFSPolicy, SchedulingPolicy
+from sits.runtime.engine.sequence import Sequence, SequenceStatus
+from sits.runtime.engine.stats import SchedulerStats
+
+
+class Scheduler(SchedulerInterface):
+    """The default scheduler.
+
+    Args:
+        config: token and sequence budgets, chunked prefill on/off.
+        kv_cache: the block tables; the scheduler is its only caller.
+        max_model_len: a sequence finishes (length) when it holds this many tokens.
+        eos_token_ids: tokens that end a sequence unless its params say ignore_eos.
+        policy: admission and preemption order (FCFS by default).
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache: KVCacheManager,
+        max_model_len: int,
+        eos_token_ids: Iterable[int] = (),
+        policy: SchedulingPolicy | None = None,
+    ) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.policy = policy or FCFSPolicy()
+        self.waiting: list[Sequence] = []  # sorted by policy.admission_key
+        self.running: list[Sequence] = []
+        self._sequences: dict[str, Sequence] = {}
+        self._finished_since_step: list[str] = []
+        self.num_preemptions = 0
+
+    # -- requests in and out ---------------------------------------------------------------
+    def add_request(self, seq: Sequence) -> None:
+        if seq.seq_id in self._sequences:
+            raise ValueError(f"sequence {seq.seq_id!r} is already scheduled")
+        seq.status = SequenceStatus.WAITING
+        self._sequences[seq.seq_id] = seq
+        self._enqueue_waiting(seq)
+
+    def finish_requests(self, seq_ids: str | Iterable[str], status: SequenceStatus) -> list[Sequence]:
+        if not status.finished:
+            raise ValueError(f"{status} is not a finished status")
+        if isinstance(seq_ids, str):
+            seq_ids = (seq_ids,)
+        finished = []
+        for seq_id in seq_ids:
+            seq = self._sequences.get(seq_id)
+            if seq is None:
+                continue
+            if seq.status is SequenceStatus.RUNNING:
+                self.running.remove(seq)
+            else:
+                self.waiting.remove(seq)
+            self._finish(seq, status)
+            finished.append(seq)
+        return finished
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._sequences)
+
+    def get_sequence(self, seq_id: str) -> Sequence | None:
+        return self._sequences.get(seq_id)
+
+    # -- one step --------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        step = _StepPlan(self.config.max_num_batched_tokens)
+        # Decodes first, then unfinished prefills; each group in admission order.
+        for seq in sorted(self.running, key=lambda s: (s.is_prefilling, self.policy.admission_key(s))):
+            if step.budget == 0:
+                break
+            if seq.status is SequenceStatus.RUNNING and seq.seq_id not in step.scheduled:
+                self._schedule_running(seq, step)
+        if not step.preempted:
+            self._admit_waiting(step)
+        finished, self._finished_since_step = self._finished_since_step, []
+        return SchedulerOutput(
+            scheduled=list(step.scheduled.values()),  # insertion order: decodes, then prefills
+            num_batched_tokens=self.config.max_num_batched_tokens - step.budget,
+            preempted_seq_ids=step.preempted,
+            finished_seq_ids=finished,
+        )
+
+    def _schedule_running(self, seq: Sequence, step: _StepPlan) -> None:
+        num_new = min(seq.num_uncomputed_tokens, step.budget)
+        if num_new <= 0:
+            return
+        while True:
+            if self.kv_cache.allocate(seq, num_new) is not None:
+                step.add(self._scheduled(seq, num_new))
+                return
+            victim = max(self.running, key=self.policy.preemption_key)
+            self._preempt(victim, step)
+            if victim is seq:
+                return
+
+    def _admit_waiting(self, step: _StepPlan) -> None:
+        full_budget = self.config.max_num_batched_tokens
+        for seq in list(self.waiting):
+            if step.budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                return
+            if self._sibling_is_computing_prompt(seq):
+                continue  # wait one step and share its prompt blocks instead of recomputing them
+            prefix = self.kv_cache.find_prefix(seq)
+            num_new = seq.num_tokens - prefix.num_tokens
+            if num_new > step.budget:
+                # Without chunked prefill a prompt waits for a step with room for all of it,
+                # unless it could never fit: then it is chunked anyway rather than starved.
+                if not self.config.enable_chunked_prefill and step.budget < full_budget:
+                    return
+                num_new = step.budget
+            if self.kv_cache.allocate(seq, num_new, prefix) is None:
+                return  # head of line waits for blocks; admitting later ones would starve it
+            self.waiting.remove(seq)
+            seq.status = SequenceStatus.RUNNING
+            seq.num_computed_tokens = prefix.num_tokens
+            if seq.num_preemptions == 0:
+                seq.num_cached_prompt_tokens = prefix.num_tokens
+            self.running.append(seq)
+            step.add(self._scheduled(seq, num_new))
+
+    def _sibling_is_computing_prompt(self, seq: Sequence) -> bool:
+        """True when another completion of the same request is still computing the prompt's
+        full blocks, which this one can hit once they are cached."""
+        if not seq.sibling_ids or not self.kv_cache.enable_prefix_caching:
+            return False
+        if seq.num_preemptions or (seq.num_prompt_tokens - 1) // self.kv_cache.block_size == 0:
+            return False
+        for sibling_id in seq.sibling_ids:
+            sibling = self._sequences.get(sibling_id)
+            if (
+                sibling is not None
+                and sibling.status is SequenceStatus.RUNNING
+                and sibling.num_computed_tokens < sibling.num_prompt_tokens
+            ):
+                return True
+        return False
+
+    def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSequence:
+        start = seq.num_computed_tokens
+        return ScheduledSequence(
+            sequence=seq,
+            token_ids=seq.all_token_ids[start : start + num_new],
+            start_position=start,
+            block_ids=self.kv_cache.block_ids(seq.seq_id),
+            samples=start + num_new == seq.num_tokens,
+        )
+
+    def _preempt(self, seq: Sequence, step: _StepPlan) -> None:
+        self.running.remove(seq)
+        self.kv_cache.free(seq)
+        step.remove(seq.seq_id)
+        step.preempted.append(seq.seq_id)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self._enqueue_waiting(seq)
+
+    # -- after the model ran ---------------------------------------------------------------
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[SequenceUpdate]:
+        updates = []
+        for scheduled in scheduler_output.scheduled:
+            seq = scheduled.sequence
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            seq.num_computed_tokens += scheduled.num_new_tokens
+            self.kv_cache.cache_computed_blocks(seq)
+            sampled = runner_output.sampled.get(seq.seq_id)
+            if sampled is None:
+                continue
+            seq.append_output_token(sampled.token_id)
+            status, by_token = self._check_stop(seq, sampled.token_id)
+            if status is not None:
+                self.running.remove(seq)
+                self._finish(seq, status)
+            logprobs = [sampled.logprob] if sampled.logprob is not None else None
+            updates.append(SequenceUpdate(seq, [sampled.token_id], logprobs, finished_by_token=by_token))
+        return updates
+
+    def _check_stop(self, seq: Sequence, token_id: int) -> tuple[SequenceStatus | None, bool]:
+        params = seq.params
+        if seq.num_output_tokens >= params.min_tokens:
+            if token_id in self.eos_token_ids and not params.ignore_eos:
+                return SequenceStatus.FINISHED_STOPPED, True
+            if token_id in params.stop_token_ids:
+                seq.stop_reason = token_id
+                return SequenceStatus.FINISHED_STOPPED, True
+        if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH, False
+        return None, False
+
+    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        self.kv_cache.free(seq)
+        seq.status = status
+        del self._sequences[seq.seq_id]
+        self._finished_since_step.append(seq.seq_id)
+
+    def _enqueue_waiting(self, seq: Sequence) -> None:
+        keys = [self.policy.admission_key(s) for s in self.waiting]
+        self.waiting.insert(bisect.bisect_right(keys, self.policy.admission_key(seq)), seq)
+
+    # -- observation -----------------------------------------------------------------------
+    def stats(self) -> SchedulerStats:
+        pool = self.kv_cache.pool
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_blocks_total=pool.num_blocks,
+            kv_blocks_used=pool.num_used_blocks,
+            kv_blocks_cached=pool.num_cached_blocks,
+            kv_block_size=self.kv_cache.block_size,
+            prefix_cache_queries=self.kv_cache.prefix_cache_queries,
+            prefix_cache_hits=self.kv_cache.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+            num_evictions=pool.num_evictions,
+            running_by_tenant=dict(Counter(s.tenant for s in self.running)),
+            waiting_by_tenant=dict(Counter(s.tenant for s in self.waiting)),
+            kv_blocks_used_by_tenant=pool.used_blocks_by_tenant(),
+        )
+
+
+class _StepPlan:
+    """The batch being built: remaining token budget and what is scheduled so far."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.scheduled: dict[str, ScheduledSequence] = {}
+        self.preempted: list[str] = []
+
+    def add(self, scheduled: ScheduledSequence) -> None:
+        self.scheduled[scheduled.seq_id] = scheduled
+        self.budget -= scheduled.num_new_tokens
+
+    def remove(self, seq_id: str) -> None:
+        scheduled = self.scheduled.pop(seq_id, None)
+        if scheduled is not None:
+            self.budget += scheduled.num_new_tokens

@@ -1,0 +1,116 @@
+"""One sequence as the scheduler and the KV cache track it: plain Python state, no tensors.
+
+A request with `n` completions becomes `n` sequences ("children") that share the prompt; each
+is scheduled, preempted and finished on its own, and the output processor gathers them back into
+one `RequestOutput`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from sits.runtime.engine.request import FinishReason, SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # never scheduled, or preempted (its KV was dropped; it recomputes)
+    RUNNING = "running"  # holds KV blocks; scheduled every step until it finishes
+    FINISHED_STOPPED = "finished_stopped"  # EOS, a stop token id or a stop string
+    FINISHED_LENGTH = "finished_length"  # max_tokens or max_model_len
+    FINISHED_ABORTED = "finished_aborted"  # client gone, drain timeout, engine error
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISHED = {SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_ABORTED}
+_FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: FinishReason.STOP,
+    SequenceStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    SequenceStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
+
+
+def child_sequence_id(request_id: str, index: int, n: int) -> str:
+    """The scheduler id of completion `index` of a request: the request id itself when n == 1."""
+    return request_id if n == 1 else f"{request_id}#{index}"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """The growing token list of one completion and how much of it is in the KV cache.
+
+    Attributes:
+        seq_id: unique id in the scheduler and the KV cache.
+        request_id: the client's request this completion belongs to.
+        index: which of the request's n completions this is.
+        params: sampling parameters of this child (n == 1; the seed offset by index).
+        max_tokens: resolved output limit (params.max_tokens, or what max_model_len leaves).
+        tenant, priority: who asked and how much it matters (higher priority is served first
+            and preempted last); the tenancy layer reads them for shards and eviction scores.
+        cache_salt: mixed into the first block's prefix hash so tenants never share cached KV
+            unless they share the salt.
+        num_computed_tokens: tokens whose K/V are in the cache (prefix hits count).
+        block_hashes: prefix hashes of the full blocks of all_token_ids, extended lazily.
+        sibling_ids: seq_ids of the other completions of the same request (n > 1).
+    """
+
+    seq_id: str
+    request_id: str
+    index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    arrival_time: float
+    tenant: str = "default"
+    priority: int = 0
+    cache_salt: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_preemptions: int = 0
+    num_cached_prompt_tokens: int = 0
+    stop_reason: str | int | None = None
+    sibling_ids: tuple[str, ...] = ()
+    arrival_order: int = 0  # tie-breaker: the order add_request saw requests
+
+    def __post_init__(self) -> None:
+        if not self.all_token_ids:
+            self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        """More than one token still lacks K/V: the sequence is (re)computing its context."""
+        return self.num_uncomputed_tokens > 1
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
