@@ -40,7 +40,7 @@ class BlockPool:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.eviction_policy = eviction_policy or LRUEvictionPolicy()
+        self.eviction_policy = eviction_policy if eviction_policy is not None else LRUEvictionPolicy()
         self._clock = clock
         self.blocks = [KVBlock(block_id=i) for i in range(num_blocks)]
         self._empty: deque[KVBlock] = deque(self.blocks)

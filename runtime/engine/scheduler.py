@@ -54,7 +54,7 @@ class Scheduler(SchedulerInterface):
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.policy = policy or FCFSPolicy()
+        self.policy = policy if policy is not None else FCFSPolicy()
         self.waiting: list[Sequence] = []  # sorted by policy.admission_key
         self.running: list[Sequence] = []
         self._sequences: dict[str, Sequence] = {}
@@ -155,14 +155,16 @@ class Scheduler(SchedulerInterface):
         full blocks, which this one can hit once they are cached."""
         if not seq.sibling_ids or not self.kv_cache.enable_prefix_caching:
             return False
-        if seq.num_preemptions or (seq.num_prompt_tokens - 1) // self.kv_cache.block_size == 0:
+        block_size = self.kv_cache.block_size
+        shareable = (seq.num_prompt_tokens - 1) // block_size * block_size
+        if seq.num_preemptions or shareable == 0:
             return False
         for sibling_id in seq.sibling_ids:
             sibling = self._sequences.get(sibling_id)
             if (
                 sibling is not None
                 and sibling.status is SequenceStatus.RUNNING
-                and sibling.num_computed_tokens < sibling.num_prompt_tokens
+                and sibling.num_computed_tokens < shareable
             ):
                 return True
         return False

@@ -1,0 +1,271 @@
+"""`AsyncEngine`: the step loop on a background thread, outputs delivered to asyncio streams.
+
+Model steps block for milliseconds to seconds, so they run on one dedicated thread that owns the
+`LLMEngine`; the event loop never touches it. Client calls become commands (add, abort) queued
+under a lock; the thread applies them between steps, runs a step, and hands each request's
+`RequestOutput` to its stream's event loop with `loop.call_soon_threadsafe`. With nothing to do
+the thread sleeps on a condition variable (no polling) until a command arrives.
+
+Failure handling: if a step raises, every in-flight stream fails with `EngineError`, the engine is
+marked unhealthy (`is_healthy` False) and new requests get `EngineDeadError`; nothing hangs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+
+from sits.runtime.config import EngineConfig
+from sits.runtime.engine.engine import LLMEngine
+from sits.runtime.engine.errors import (
+    DuplicateRequestError,
+    EngineDeadError,
+    EngineError,
+    EngineShuttingDownError,
+)
+from sits.runtime.engine.request import RequestOutput, SamplingParams
+from sits.runtime.engine.stats import EngineStats
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    """Where one request's outputs go: a queue owned by the consumer's event loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        with contextlib.suppress(RuntimeError):  # the consumer's loop is already closed
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    tenant: str
+    priority: int
+
+
+@dataclass
+class _Abort:
+    request_ids: list[str]
+
+
+class AsyncEngine:
+    """An `LLMEngine` served to asyncio code.
+
+    Args:
+        engine: the engine; from now on only the background thread calls it.
+    """
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._cond = threading.Condition()
+        self._commands: list[_Add | _Abort] = []
+        self._streams: dict[str, _Stream] = {}  # guarded by _cond
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self._accepting = True
+        self._healthy = True
+        self._idle = threading.Event()  # set while the engine holds no request
+        self._idle.set()
+        self._stats: EngineStats = engine.stats()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, *, progress: bool = True) -> AsyncEngine:
+        return cls(LLMEngine.from_config(config, progress=progress))
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> AsyncEngine:
+        return cls(engine)
+
+    # -- read-only facts -------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def is_healthy(self) -> bool:
+        """False once a step crashed or the loop stopped unexpectedly."""
+        return self._healthy and (self._thread is None or self._thread.is_alive() or self._stop)
+
+    @property
+    def is_accepting(self) -> bool:
+        return self._accepting and self._healthy
+
+    def stats(self) -> EngineStats:
+        """The snapshot published after the latest step or command (never blocks on the loop)."""
+        return self._stats
+
+    # -- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Start the step loop thread (idempotent)."""
+        self._ensure_started()
+
+    def _ensure_started(self) -> None:
+        with self._cond:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="sits-engine-loop", daemon=True)
+                self._thread.start()
+
+    async def shutdown(self, drain_timeout_s: float = 0) -> None:
+        """Stop accepting requests, let in-flight ones finish for up to drain_timeout_s seconds,
+        abort the rest (their streams end with finish_reason "abort"), then stop the thread."""
+        self._accepting = False
+        if self._thread is None:
+            return
+        if drain_timeout_s > 0:
+            await asyncio.to_thread(self._idle.wait, drain_timeout_s)
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        await asyncio.to_thread(self._thread.join)
+
+    # -- requests --------------------------------------------------------------------------
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        tenant: str = "default",
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Submit a request and yield its snapshot after every step that produced tokens.
+
+        Leaving early (break, aclose, cancellation) aborts the request and frees its KV blocks.
+
+        Raises:
+            PromptTooLongError, InvalidRequestError, SamplingParamsError: bad request (400).
+            EngineShuttingDownError: draining or stopped (503).
+            EngineDeadError / EngineError: the engine crashed before or while serving it.
+        """
+        if not self._healthy:
+            raise EngineDeadError("the engine stopped after an error and accepts no requests")
+        if not self._accepting:
+            raise EngineShuttingDownError("the engine is shutting down and accepts no new requests")
+        self.engine.validate_request(prompt_token_ids, params)  # reads immutable limits only
+        self._ensure_started()
+        stream = _Stream(asyncio.get_running_loop())
+        with self._cond:  # re-checked under the lock: a crash or shutdown may have just happened
+            if not self._healthy:
+                raise EngineDeadError("the engine stopped after an error and accepts no requests")
+            if not self._accepting or self._stop:
+                raise EngineShuttingDownError("the engine is shutting down and accepts no new requests")
+            if request_id in self._streams:
+                raise DuplicateRequestError(f"request id {request_id!r} is already in the engine")
+            self._streams[request_id] = stream
+            self._commands.append(_Add(request_id, list(prompt_token_ids), params, tenant, priority))
+            self._idle.clear()
+            self._cond.notify()
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            with self._cond:
+                self._streams.pop(request_id, None)
+                if not finished:
+                    self._commands.append(_Abort([request_id]))
+                    self._cond.notify()
+
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        """Abort requests; their streams end with a final snapshot, finish_reason "abort"."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        with self._cond:
+            self._commands.append(_Abort(ids))
+            self._cond.notify()
+
+    # -- the background thread -------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not (self._commands or self._stop or self.engine.has_unfinished_requests()):
+                        self._idle.set()
+                        self._cond.wait()
+                    commands, self._commands = self._commands, []
+                    stop = self._stop
+                self._apply(commands)
+                if stop:
+                    self._abort_all()
+                    return
+                if self.engine.has_unfinished_requests():
+                    self._deliver(self.engine.step())
+                else:
+                    self._idle.set()
+                self._stats = self.engine.stats()
+        except Exception as exc:  # a crashed step must not leave any stream waiting forever
+            logger.exception("engine step failed; failing in-flight requests")
+            self._fail_all(exc)
+
+    def _apply(self, commands: list[_Add | _Abort]) -> None:
+        for command in commands:
+            if isinstance(command, _Abort):
+                self._deliver(self.engine.abort_request(command.request_ids))
+                continue
+            try:
+                self.engine.add_request(
+                    command.request_id, command.prompt_token_ids, command.params,
+                    tenant=command.tenant, priority=command.priority,
+                )
+            except ValueError as exc:  # raced with a duplicate id, or other request validation
+                self._send(command.request_id, exc)
+        if commands:
+            self._stats = self.engine.stats()
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            self._send(output.request_id, output)
+
+    def _send(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        with self._cond:
+            stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put(item)
+
+    def _abort_all(self) -> None:
+        self._deliver(self.engine.abort_request(list(self.engine.output_processor.request_ids())))
+        self._stats = self.engine.stats()
+        with self._cond:
+            pending = [c.request_id for c in self._commands if isinstance(c, _Add)]
+            self._commands.clear()
+        for request_id in pending:
+            self._send(request_id, EngineShuttingDownError("the engine shut down before the request started"))
+        self._idle.set()
+
+    def _fail_all(self, exc: Exception) -> None:
+        error = EngineError(f"the engine failed while serving this request: {type(exc).__name__}: {exc}")
+        with self._cond:
+            self._healthy = False
+            self._accepting = False
+            streams = list(self._streams.values())
+            self._commands.clear()
+        for stream in streams:
+            stream.put(error)
+        with contextlib.suppress(Exception):  # free what can be freed; the engine may be broken
+            self.engine.abort_request(list(self.engine.output_processor.request_ids()))
+            self._stats = self.engine.stats()
+        self._idle.set()
