@@ -147,6 +147,8 @@ class LlamaForCausalLM(nn.Module):
             self.cos_sin_cache = self._rope_table(after.device)
         elif after.dtype != torch.float32:
             self.cos_sin_cache = before.to(after.device)
+        if self.config.tie_word_embeddings:  # conversions that swap parameters (to_empty) untie them
+            self.lm_head.weight = self.model.embed_tokens.weight
         return result
 
     def _rope_table(self, device: torch.device | str | None = None) -> torch.Tensor:

@@ -6,6 +6,14 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.support.models import (  # noqa: F401 - fixtures, registered by importing them here
+    hf_smollm2,
+    hf_smollm2_tokenizer,
+    smollm2,
+    smollm2_checkpoint_dir,
+    smollm2_gguf_path,
+    tiny_llama_dir,
+)
 from tests.support.services import RunningService, redis_server
 
 
