@@ -1,0 +1,322 @@
+"""Decode attention (flash-decoding): one query token per sequence over its paged KV cache.
+
+    paged_decode_attention(q [B, Hq, D], k_cache, v_cache [num_blocks, block_size, Hkv, D],
+                           block_tables [B, max_blocks], seq_lens [B], scale) -> out [B, Hq, D]
+
+Each program takes one (sequence, KV head, context split): it loads that KV head's keys and values
+once for all Hq / Hkv query heads that share it (the query heads are the rows of one tl.dot), runs
+an online softmax over its split, and writes a normalized partial result with its log-sum-exp.
+A second small kernel merges the splits. Splitting the context keeps every multiprocessor busy
+when batch x KV heads alone would not; with one split the first kernel writes the output directly.
+
+Rows with seq_len 0 (CUDA-graph padding) read nothing and return zeros. The grid depends only on
+shapes (the block-table width bounds the context), so a launch never syncs with the device and can
+be captured in a CUDA graph (after the first call, which autotunes).
+
+An fp8 (e4m3) cache is read with per-KV-head float32 scales k_scale / v_scale [Hkv]: keys are
+upcast to q's dtype for the dot and the scales fold into the softmax scale and the output.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sits.kernels.launch_utils import (
+    HALF_DTYPES,
+    cdiv,
+    check_inner_contiguous,
+    check_shape,
+    check_tensor,
+    length_bucket,
+    next_power_of_2,
+    num_sms,
+    pick_configs,
+    require,
+)
+from sits.kernels.reference import paged_decode_attention_reference
+
+__all__ = ["choose_num_splits", "paged_decode_attention", "paged_decode_attention_reference"]
+
+LOG2_E = 1.4426950408889634
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+SPLIT_GRANULE = 128  # tokens; every split length is a multiple of every BLOCK_N below
+MIN_TOKENS_PER_SPLIT = 256
+MAX_SPLITS = 64
+
+
+def _config(block_n, warps, stages):
+    return triton.Config({"BLOCK_N": block_n}, num_warps=warps, num_stages=stages)
+
+
+_GPU_CONFIGS = [
+    _config(16, 4, 4),
+    _config(32, 4, 4),
+    _config(64, 4, 3),
+    _config(64, 4, 4),
+    _config(64, 8, 3),
+    _config(128, 4, 3),
+    _config(128, 8, 3),
+]
+_INTERPRETER_CONFIG = _config(32, 4, 1)  # block 16: gathered pages; block 64: one page
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    head_dim = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM"))
+    kept = [c for c in configs if not (head_dim >= 256 and c.kwargs["BLOCK_N"] > 64)]
+    return kept or configs[:1]
+
+
+@triton.autotune(
+    configs=pick_configs(_GPU_CONFIGS, _INTERPRETER_CONFIG),
+    key=["HEAD_DIM", "PAGE_SIZE", "BLOCK_G", "FP8_KV", "SINGLE_SPLIT", "split_bucket"],
+    prune_configs_by={"early_config_prune": _prune_configs},
+)
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    out_ptr, partial_out_ptr, partial_lse_ptr, k_scale_ptr, v_scale_ptr,
+    qk_scale,
+    stride_q_seq, stride_q_head,
+    stride_k_block, stride_k_slot, stride_k_head,
+    stride_v_block, stride_v_slot, stride_v_head,
+    stride_o_seq, stride_o_head,
+    stride_block_table,
+    stride_po_seq, stride_po_head, stride_po_split,
+    stride_pl_seq, stride_pl_head,
+    tokens_per_split, group_size, split_bucket,
+    HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr, FP8_KV: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    start = split * tokens_per_split
+    if not SINGLE_SPLIT and start >= seq_len:
+        return  # an empty split: the merge kernel never reads it
+    end = tl.minimum(start + tokens_per_split, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    q_heads = kv_head * group_size + offs_g
+    head_valid = offs_g < group_size
+    q = tl.load(
+        q_ptr + seq * stride_q_seq + q_heads[:, None] * stride_q_head + offs_d[None, :],
+        mask=head_valid[:, None],
+        other=0.0,
+    )
+    scale = qk_scale
+    if FP8_KV:
+        scale = scale * tl.load(k_scale_ptr + kv_head)
+    block_table_row = block_tables_ptr + seq * stride_block_table
+    k_base = k_cache_ptr + kv_head * stride_k_head
+    v_base = v_cache_ptr + kv_head * stride_v_head
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+    for tile_start in range(start, end, BLOCK_N):
+        n = tile_start + offs_n
+        valid = n < end
+        if PAGE_SIZE % BLOCK_N == 0:
+            # The tile lies inside one page: one block-table entry, contiguous slots.
+            block = tl.load(block_table_row + tile_start // PAGE_SIZE).to(tl.int64)
+            slot = tile_start % PAGE_SIZE + offs_n
+            k_rows = block * stride_k_block + slot * stride_k_slot
+            v_rows = block * stride_v_block + slot * stride_v_slot
+        else:
+            block = tl.load(block_table_row + n // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+            k_rows = block * stride_k_block + (n % PAGE_SIZE) * stride_k_slot
+            v_rows = block * stride_v_block + (n % PAGE_SIZE) * stride_v_slot
+        k = tl.load(k_base + k_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+        qk = tl.dot(q, tl.trans(k.to(q.dtype)))
+        qk = tl.where(valid[None, :], qk * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.math.exp2(qk - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + v_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None])
+        m_i = m_new
+
+    if FP8_KV:
+        acc = acc * tl.load(v_scale_ptr + kv_head)
+    safe_l = tl.where(l_i == 0.0, 1.0, l_i)  # seq_len 0: no key, zeros out
+    result = acc / safe_l[:, None]
+    if SINGLE_SPLIT:
+        dst = out_ptr + seq * stride_o_seq + q_heads[:, None] * stride_o_head + offs_d[None, :]
+        tl.store(dst, result.to(out_ptr.dtype.element_ty), mask=head_valid[:, None])
+    else:
+        dst = (
+            partial_out_ptr + seq * stride_po_seq + q_heads[:, None] * stride_po_head
+            + split * stride_po_split + offs_d[None, :]
+        )  # fmt: skip
+        tl.store(dst, result, mask=head_valid[:, None])
+        lse = m_i + tl.math.log2(safe_l)
+        tl.store(partial_lse_ptr + seq * stride_pl_seq + q_heads * stride_pl_head + split, lse, mask=head_valid)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    partial_out_ptr, partial_lse_ptr, seq_lens_ptr, out_ptr,
+    stride_po_seq, stride_po_head, stride_po_split,
+    stride_pl_seq, stride_pl_head,
+    stride_o_seq, stride_o_head,
+    tokens_per_split,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    """out = sum_s w_s * o_s / sum_s w_s with w_s = 2^(lse_s - max lse), over non-empty splits."""
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    num_valid = (seq_len + tokens_per_split - 1) // tokens_per_split
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    split_valid = offs_s < num_valid
+    lse = tl.load(
+        partial_lse_ptr + seq * stride_pl_seq + head * stride_pl_head + offs_s, mask=split_valid, other=float("-inf")
+    )
+    lse_max = tl.max(lse, 0)
+    lse_max = tl.where(num_valid > 0, lse_max, 0.0)
+    weights = tl.math.exp2(lse - lse_max)
+    partial = tl.load(
+        partial_out_ptr + seq * stride_po_seq + head * stride_po_head
+        + offs_s[:, None] * stride_po_split + offs_d[None, :],
+        mask=split_valid[:, None],
+        other=0.0,
+    )  # fmt: skip
+    total = tl.sum(weights, 0)
+    merged = tl.sum(partial * weights[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + seq * stride_o_seq + head * stride_o_head + offs_d, merged.to(out_ptr.dtype.element_ty))
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+    """Context splits so that sequences x KV heads x splits fills the GPU about twice over.
+
+    Each split keeps at least MIN_TOKENS_PER_SPLIT tokens, so short contexts are not split into
+    pieces whose merge costs more than it saves.
+    """
+    programs = max(num_seqs * num_kv_heads, 1)
+    wanted = cdiv(2 * num_sms(device), programs)
+    most = max(1, max_context // MIN_TOKENS_PER_SPLIT)
+    return max(1, min(wanted, most, MAX_SPLITS))
+
+
+def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out, k_scale, v_scale):
+    check_tensor(q, "q", ndim=3, dtypes=HALF_DTYPES)
+    check_inner_contiguous(q, "q")
+    num_seqs, num_q_heads, head_dim = q.shape
+    require(head_dim in SUPPORTED_HEAD_DIMS, f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+    for cache, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
+        check_tensor(cache, name, ndim=4, dtypes=(q.dtype, torch.float8_e4m3fn), device=q.device)
+        check_inner_contiguous(cache, name)
+    require(k_cache.shape == v_cache.shape, "k_cache and v_cache must have the same shape")
+    require(k_cache.dtype == v_cache.dtype, "k_cache and v_cache must have the same dtype")
+    require(k_cache.shape[3] == head_dim, f"the caches' head_dim {k_cache.shape[3]} differs from q's {head_dim}")
+    num_kv_heads = k_cache.shape[2]
+    require(
+        num_kv_heads > 0 and num_q_heads % num_kv_heads == 0,
+        f"query heads ({num_q_heads}) must be a multiple of KV heads ({num_kv_heads})",
+    )
+    check_tensor(block_tables, "block_tables", ndim=2, dtypes=(torch.int32,), device=q.device)
+    require(block_tables.shape[0] >= num_seqs, f"block_tables needs a row for each of the {num_seqs} sequences")
+    check_inner_contiguous(block_tables, "block_tables")
+    check_tensor(seq_lens, "seq_lens", ndim=1, dtypes=(torch.int32,), device=q.device)
+    check_shape(seq_lens, "seq_lens", (num_seqs,))
+    require(seq_lens.is_contiguous(), "seq_lens must be contiguous")
+    if out is not None:
+        check_tensor(out, "out", dtypes=(q.dtype,), device=q.device)
+        check_shape(out, "out", q.shape)
+        check_inner_contiguous(out, "out")
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    for scale, name in ((k_scale, "k_scale"), (v_scale, "v_scale")):
+        if not fp8:
+            require(scale is None, f"{name} is only used with an fp8 cache")
+            continue
+        require(scale is not None, f"an fp8 cache needs {name} [num_kv_heads] float32")
+        check_tensor(scale, name, ndim=1, dtypes=(torch.float32,), device=q.device)
+        check_shape(scale, name, (num_kv_heads,))
+        require(scale.is_contiguous(), f"{name} must be contiguous")
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    max_seq_len: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of one new token per sequence over its paged context.
+
+    Args:
+        q: [B, Hq, D] float16 / bfloat16.
+        k_cache, v_cache: [num_blocks, block_size, Hkv, D] in q's dtype, or float8_e4m3fn.
+        block_tables: [B', max_blocks] int32 (B' >= B) physical block ids per sequence.
+        seq_lens: [B] int32 context lengths (the new token included); 0 marks a padding row.
+        scale: softmax scale.
+        out: optional [B, Hq, D] output buffer in q's dtype.
+        num_splits: context splits per sequence; chosen from the shapes when None.
+        max_seq_len: an upper bound on seq_lens (host int) that tightens the split size; the
+            block-table width times the block size when None.
+        k_scale, v_scale: [Hkv] float32 dequantization scales of an fp8 cache.
+    Returns:
+        out [B, Hq, D].
+    """
+    _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out, k_scale, v_scale)
+    num_seqs, num_q_heads, head_dim = q.shape
+    num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
+    if out is None:
+        out = torch.empty_like(q)
+    if num_seqs == 0:
+        return out
+    max_context = block_tables.shape[1] * page_size if max_seq_len is None else int(max_seq_len)
+    require(max_context >= 0, f"max_seq_len must be >= 0, got {max_seq_len}")
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context, q.device)
+    require(int(num_splits) >= 1, f"num_splits must be >= 1, got {num_splits}")
+    tokens_per_split = max(SPLIT_GRANULE, cdiv(cdiv(max(max_context, 1), int(num_splits)), SPLIT_GRANULE) * SPLIT_GRANULE)
+    num_splits = max(1, cdiv(max_context, tokens_per_split))
+    single = num_splits == 1
+    if single:
+        tokens_per_split = max(tokens_per_split, max_context)
+        partial_out = partial_lse = out  # unused
+    else:
+        partial_out = torch.empty(num_seqs, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        partial_lse = torch.empty(num_seqs, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
+    group = num_q_heads // num_kv_heads
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens,
+        out, partial_out, partial_lse, k_scale if fp8 else seq_lens, v_scale if fp8 else seq_lens,
+        float(scale) * LOG2_E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1),
+        block_tables.stride(0),
+        partial_out.stride(0), partial_out.stride(1), partial_out.stride(2) if not single else 0,
+        partial_lse.stride(0), partial_lse.stride(1),
+        tokens_per_split, group, length_bucket(tokens_per_split, cap=1 << 20),
+        HEAD_DIM=head_dim, BLOCK_G=max(16, next_power_of_2(group)), PAGE_SIZE=page_size,
+        SINGLE_SPLIT=single, FP8_KV=fp8,
+    )  # fmt: skip
+    if not single:
+        _decode_merge_kernel[(num_seqs, num_q_heads)](
+            partial_out, partial_lse, seq_lens, out,
+            partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
+            partial_lse.stride(0), partial_lse.stride(1),
+            out.stride(0), out.stride(1),
+            tokens_per_split,
+            HEAD_DIM=head_dim, BLOCK_S=max(2, next_power_of_2(num_splits)),
+            num_warps=4,
+        )  # fmt: skip
+    return out

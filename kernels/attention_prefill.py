@@ -1,0 +1,374 @@
+"""Prefill attention: causal flash attention over a flat variable-length batch, with GQA.
+
+Two entries share one kernel:
+
+    paged_prefill_attention(q [T, Hq, D], k_cache, v_cache [num_blocks, block_size, Hkv, D],
+                            cu_seqlens_q [B+1], seq_lens [B], block_tables [B, max_blocks], scale,
+                            max_query_len) -> out [T, Hq, D]
+        The new tokens of sequence i are q[cu_seqlens_q[i]:cu_seqlens_q[i+1]]; its whole context
+        (cached prefix + new tokens, already written) is seq_lens[i] tokens in the paged cache. New
+        token j sits at position seq_lens[i] - q_len_i + j and attends to positions <= its own
+        (chunked prefill and prefix-cache hits are the same case).
+
+    varlen_prefill_attention(q [Tq, Hq, D], k, v [Tk, Hkv, D], cu_seqlens_q, cu_seqlens_k, scale,
+                             causal=True) -> out [Tq, Hq, D]
+        Contiguous keys; causal masks align bottom-right (as FlashAttention) when q_len < k_len.
+
+Hq must be a multiple of Hkv; head_dim a power of two from 16 to 256; q, k, v float16 or
+bfloat16. Softmax is online (base 2, the scale folded into one multiply-add), accumulation float32.
+
+Each program owns one (sequence, query head, BLOCK_M query rows) tile. Key tiles wholly below the
+tile's first query position run without masks; only the diagonal tiles pay for the causal mask.
+Programs are ordered heaviest query tile first, and neighbouring programs are neighbouring heads,
+so query heads that share a KV head read it from L2 together.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sits.kernels.launch_utils import (
+    HALF_DTYPES,
+    check_inner_contiguous,
+    check_shape,
+    check_tensor,
+    length_bucket,
+    pick_configs,
+    require,
+)
+from sits.kernels.reference import paged_prefill_attention_reference, varlen_attention_reference
+
+__all__ = [
+    "paged_prefill_attention",
+    "paged_prefill_attention_reference",
+    "varlen_attention_reference",
+    "varlen_prefill_attention",
+]
+
+LOG2_E = 1.4426950408889634
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+
+
+def _config(block_m, block_n, warps, stages):
+    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps, num_stages=stages)
+
+
+_GPU_CONFIGS = [
+    _config(128, 128, 8, 3),
+    _config(128, 64, 8, 3),
+    _config(128, 64, 4, 3),
+    _config(128, 32, 4, 4),
+    _config(64, 64, 4, 3),
+    _config(64, 32, 4, 4),
+    _config(64, 64, 8, 2),
+    _config(32, 64, 4, 3),
+    _config(16, 64, 4, 3),
+]
+_INTERPRETER_CONFIG = _config(16, 16, 4, 1)
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    """Keep tiles that fit the head size in registers and do not dwarf the longest query."""
+    head_dim = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM"))
+    max_query = kwargs.get("LEN_BUCKET", named_args.get("LEN_BUCKET"))
+    kept = []
+    for config in configs:
+        block_m, block_n = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
+        if head_dim >= 256 and (block_m > 64 or block_n > 64 or config.num_stages > 2):
+            continue
+        if block_m > max(16, max_query):
+            continue
+        if max_query >= 256 and block_m < 64:
+            continue
+        kept.append(config)
+    return kept or configs[-1:]
+
+
+@triton.jit
+def _attend_key_tiles(
+    acc, l_i, m_i, q, q_pos,
+    k_base, v_base, block_table_row, kv_token_base,
+    stride_k_block, stride_k_token, stride_v_block, stride_v_token,
+    lo, hi, k_len, qk_scale,
+    offs_n, offs_d,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Online softmax over key tiles [lo, hi); MASKED applies the length (and causal) masks."""
+    for start_n in range(lo, hi, BLOCK_N):
+        n = start_n + offs_n
+        in_range = n < k_len
+        if PAGED:
+            if MASKED:
+                block = tl.load(block_table_row + n // PAGE_SIZE, mask=in_range, other=0)
+            else:
+                block = tl.load(block_table_row + n // PAGE_SIZE)
+            slot_in_block = n % PAGE_SIZE
+            k_rows = block.to(tl.int64) * stride_k_block + slot_in_block * stride_k_token
+            v_rows = block.to(tl.int64) * stride_v_block + slot_in_block * stride_v_token
+        else:
+            token = (kv_token_base + n).to(tl.int64)
+            k_rows = token * stride_k_token
+            v_rows = token * stride_v_token
+        if MASKED:
+            k_t = tl.load(k_base + k_rows[None, :] + offs_d[:, None], mask=in_range[None, :], other=0.0)
+        else:
+            k_t = tl.load(k_base + k_rows[None, :] + offs_d[:, None])
+        qk = tl.dot(q, k_t)
+        if MASKED:
+            if CAUSAL:
+                visible = (n[None, :] <= q_pos[:, None]) & in_range[None, :]
+            else:
+                visible = in_range[None, :]
+            qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        m_sub = m_new
+        if MASKED:
+            # A row with no visible key yet keeps m = -inf; subtract 0 instead to avoid inf - inf.
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(qk * qk_scale - m_sub[:, None])
+        alpha = tl.math.exp2(m_i - m_sub)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if MASKED:
+            v = tl.load(v_base + v_rows[:, None] + offs_d[None, :], mask=in_range[:, None], other=0.0)
+        else:
+            v = tl.load(v_base + v_rows[:, None] + offs_d[None, :])
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.autotune(
+    configs=pick_configs(_GPU_CONFIGS, _INTERPRETER_CONFIG),
+    key=["HEAD_DIM", "PAGED", "PAGE_SIZE", "CAUSAL", "LEN_BUCKET"],
+    prune_configs_by={"early_config_prune": _prune_configs},
+)
+@triton.jit
+def _prefill_attention_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr,
+    cu_seqlens_q_ptr, kv_lengths_ptr, block_tables_ptr,
+    qk_scale,
+    stride_q_token, stride_q_head,
+    stride_k_block, stride_k_token, stride_k_head,
+    stride_v_block, stride_v_token, stride_v_head,
+    stride_o_token, stride_o_head,
+    stride_block_table,
+    num_q_heads, group_size,
+    HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
+    LEN_BUCKET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    head = tl.program_id(0) % num_q_heads
+    seq = tl.program_id(0) // num_q_heads
+    m_block = tl.num_programs(1) - 1 - tl.program_id(1)  # heaviest (last) query tiles first
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    if m_block * BLOCK_M >= q_len:
+        return
+    if PAGED:
+        kv_token_base = 0
+        k_len = tl.load(kv_lengths_ptr + seq)
+    else:
+        kv_token_base = tl.load(kv_lengths_ptr + seq)
+        k_len = tl.load(kv_lengths_ptr + seq + 1) - kv_token_base
+    kv_head = head // group_size
+
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_rows = (q_start + offs_m).to(tl.int64)
+    row_valid = offs_m < q_len
+    q = tl.load(
+        q_ptr + q_rows[:, None] * stride_q_token + head * stride_q_head + offs_d[None, :],
+        mask=row_valid[:, None],
+        other=0.0,
+    )
+    q_pos = offs_m + (k_len - q_len)  # absolute positions, bottom-right aligned
+
+    if CAUSAL:
+        first_pos = m_block * BLOCK_M + k_len - q_len
+        last_pos = tl.minimum(m_block * BLOCK_M + BLOCK_M, q_len) - 1 + k_len - q_len
+        unmasked_hi = tl.maximum(tl.minimum(first_pos + 1, k_len), 0) // BLOCK_N * BLOCK_N
+        masked_hi = tl.maximum(tl.minimum(last_pos + 1, k_len), 0)
+    else:
+        unmasked_hi = k_len // BLOCK_N * BLOCK_N
+        masked_hi = k_len
+
+    block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_block_table
+    k_base = k_ptr + kv_head * stride_k_head
+    v_base = v_ptr + kv_head * stride_v_head
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc, l_i, m_i = _attend_key_tiles(
+        acc, l_i, m_i, q, q_pos, k_base, v_base, block_table_row, kv_token_base,
+        stride_k_block, stride_k_token, stride_v_block, stride_v_token,
+        0, unmasked_hi, k_len, qk_scale, offs_n, offs_d,
+        False, CAUSAL, PAGED, PAGE_SIZE, BLOCK_N,
+    )  # fmt: skip
+    acc, l_i, m_i = _attend_key_tiles(
+        acc, l_i, m_i, q, q_pos, k_base, v_base, block_table_row, kv_token_base,
+        stride_k_block, stride_k_token, stride_v_block, stride_v_token,
+        unmasked_hi, masked_hi, k_len, qk_scale, offs_n, offs_d,
+        True, CAUSAL, PAGED, PAGE_SIZE, BLOCK_N,
+    )  # fmt: skip
+    l_i = tl.where(l_i == 0.0, 1.0, l_i)  # rows that saw no key (q_len > k_len) write zeros
+    out = acc / l_i[:, None]
+    tl.store(
+        out_ptr + q_rows[:, None] * stride_o_token + head * stride_o_head + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_valid[:, None],
+    )
+
+
+def _check_query(q: torch.Tensor) -> tuple[int, int, int]:
+    check_tensor(q, "q", ndim=3, dtypes=HALF_DTYPES)
+    check_inner_contiguous(q, "q")
+    head_dim = q.shape[2]
+    require(head_dim in SUPPORTED_HEAD_DIMS, f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+    return q.shape
+
+
+def _check_kv_heads(num_q_heads: int, num_kv_heads: int) -> None:
+    require(
+        num_kv_heads > 0 and num_q_heads % num_kv_heads == 0,
+        f"query heads ({num_q_heads}) must be a multiple of KV heads ({num_kv_heads})",
+    )
+
+
+def _check_index(tensor: torch.Tensor, name: str, length: int | None, device: torch.device) -> None:
+    check_tensor(tensor, name, ndim=1, dtypes=(torch.int32,), device=device)
+    if length is not None:
+        check_shape(tensor, name, (length,))
+    require(tensor.is_contiguous(), f"{name} must be contiguous")
+
+
+def _prepare_out(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return torch.empty_like(q)
+    check_tensor(out, "out", dtypes=(q.dtype,), device=q.device)
+    check_shape(out, "out", q.shape)
+    check_inner_contiguous(out, "out")
+    return out
+
+
+def _launch(q, k, v, out, cu_seqlens_q, kv_lengths, block_tables, scale, max_query_len, paged, causal, group):
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    if num_seqs == 0 or max_query_len == 0 or q.shape[0] == 0:
+        return out
+    k_block_stride = k.stride(0) if paged else 0
+    v_block_stride = v.stride(0) if paged else 0
+    k_token_stride = k.stride(1) if paged else k.stride(0)
+    v_token_stride = v.stride(1) if paged else v.stride(0)
+    k_head_stride = k.stride(2) if paged else k.stride(1)
+    v_head_stride = v.stride(2) if paged else v.stride(1)
+
+    def grid(meta):
+        return (num_seqs * num_q_heads, triton.cdiv(max_query_len, meta["BLOCK_M"]))
+
+    _prefill_attention_kernel[grid](
+        q, k, v, out,
+        cu_seqlens_q, kv_lengths, block_tables,
+        float(scale) * LOG2_E,
+        q.stride(0), q.stride(1),
+        k_block_stride, k_token_stride, k_head_stride,
+        v_block_stride, v_token_stride, v_head_stride,
+        out.stride(0), out.stride(1),
+        block_tables.stride(0),
+        num_q_heads, group,
+        HEAD_DIM=head_dim, PAGED=paged, PAGE_SIZE=k.shape[1] if paged else 1, CAUSAL=causal,
+        LEN_BUCKET=length_bucket(max_query_len),
+    )  # fmt: skip
+    return out
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of a flat batch of new tokens over their whole paged context.
+
+    Args:
+        q: [T, Hq, D] float16 / bfloat16, new tokens of B sequences back to back.
+        k_cache, v_cache: [num_blocks, block_size, Hkv, D] in q's dtype, holding every context
+            token (the new ones included).
+        cu_seqlens_q: [B + 1] int32, cumulative new-token counts (cu_seqlens_q[0] = 0).
+        seq_lens: [B] int32, context length of each sequence after this step (>= its q_len).
+        block_tables: [B, max_blocks] int32 physical block ids (padding entries are never read).
+        scale: softmax scale, usually D ** -0.5.
+        max_query_len: the largest q_len in the batch (sets the grid; no device sync needed).
+        out: optional [T, Hq, D] output buffer in q's dtype.
+    Returns:
+        out [T, Hq, D].
+    """
+    num_tokens, num_q_heads, head_dim = _check_query(q)
+    for cache, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
+        check_tensor(cache, name, ndim=4, dtypes=(q.dtype,), device=q.device)
+        check_inner_contiguous(cache, name)
+    require(k_cache.shape == v_cache.shape, "k_cache and v_cache must have the same shape")
+    require(k_cache.shape[3] == head_dim, f"the caches' head_dim {k_cache.shape[3]} differs from q's {head_dim}")
+    _check_kv_heads(num_q_heads, k_cache.shape[2])
+    _check_index(cu_seqlens_q, "cu_seqlens_q", None, q.device)
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    require(num_seqs >= 0, "cu_seqlens_q needs at least one entry")
+    _check_index(seq_lens, "seq_lens", num_seqs, q.device)
+    check_tensor(block_tables, "block_tables", ndim=2, dtypes=(torch.int32,), device=q.device)
+    require(block_tables.shape[0] >= num_seqs, f"block_tables needs a row for each of the {num_seqs} sequences")
+    check_inner_contiguous(block_tables, "block_tables")
+    require(int(max_query_len) >= 0, f"max_query_len must be >= 0, got {max_query_len}")
+    out = _prepare_out(out, q)
+    group = num_q_heads // k_cache.shape[2]
+    return _launch(
+        q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, scale, int(max_query_len), True, True, group
+    )
+
+
+def varlen_prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    scale: float,
+    causal: bool = True,
+    max_query_len: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention over a flat variable-length batch with contiguous keys.
+
+    Args:
+        q: [Tq, Hq, D] float16 / bfloat16.
+        k, v: [Tk, Hkv, D] in q's dtype.
+        cu_seqlens_q, cu_seqlens_k: [B + 1] int32 cumulative lengths.
+        scale: softmax scale.
+        causal: mask keys after each query, aligned bottom-right when q_len < k_len; rows with no
+            visible key (q_len > k_len) return zeros.
+        max_query_len: the largest q_len; read from cu_seqlens_q (one device sync) when omitted.
+        out: optional [Tq, Hq, D] output buffer.
+    Returns:
+        out [Tq, Hq, D].
+    """
+    num_tokens, num_q_heads, head_dim = _check_query(q)
+    for tensor, name in ((k, "k"), (v, "v")):
+        check_tensor(tensor, name, ndim=3, dtypes=(q.dtype,), device=q.device)
+        check_inner_contiguous(tensor, name)
+    require(k.shape == v.shape, f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    require(k.shape[2] == head_dim, f"k's head_dim {k.shape[2]} differs from q's {head_dim}")
+    _check_kv_heads(num_q_heads, k.shape[1])
+    _check_index(cu_seqlens_q, "cu_seqlens_q", None, q.device)
+    _check_index(cu_seqlens_k, "cu_seqlens_k", cu_seqlens_q.shape[0], q.device)
+    if max_query_len is None:
+        max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if cu_seqlens_q.shape[0] > 1 else 0
+    out = _prepare_out(out, q)
+    group = num_q_heads // k.shape[1]
+    return _launch(q, k, v, out, cu_seqlens_q, cu_seqlens_k, cu_seqlens_q, scale, int(max_query_len), False, causal, group)
