@@ -15,7 +15,7 @@ Two entries share one kernel:
         Contiguous keys; causal masks align bottom-right (as FlashAttention) when q_len < k_len.
 
 Hq must be a multiple of Hkv; head_dim a power of two from 16 to 256; q, k, v float16 or
-bfloat16. Softmax is online (base 2, the scale folded into one multiply-add), accumulation float32.
+bfloat16. The paged cache may also be float8_e4m3fn with per-KV-head scales (k_scale, v_scale). Softmax is online (base 2, the scale folded into one multiply-add), accumulation float32.
 
 Each program owns one (sequence, query head, BLOCK_M query rows) tile. Key tiles wholly below the
 tile's first query position run without masks; only the diagonal tiles pay for the causal mask.
@@ -116,7 +116,7 @@ def _attend_key_tiles(
             k_t = tl.load(k_base + k_rows[None, :] + offs_d[:, None], mask=in_range[None, :], other=0.0)
         else:
             k_t = tl.load(k_base + k_rows[None, :] + offs_d[:, None])
-        qk = tl.dot(q, k_t)
+        qk = tl.dot(q, k_t.to(q.dtype))
         if MASKED:
             if CAUSAL:
                 visible = (n[None, :] <= q_pos[:, None]) & in_range[None, :]
@@ -136,20 +136,20 @@ def _attend_key_tiles(
             v = tl.load(v_base + v_rows[:, None] + offs_d[None, :], mask=in_range[:, None], other=0.0)
         else:
             v = tl.load(v_base + v_rows[:, None] + offs_d[None, :])
-        acc = tl.dot(p.to(v.dtype), v, acc)
+        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc)
         m_i = m_new
     return acc, l_i, m_i
 
 
 @triton.autotune(
     configs=pick_configs(_GPU_CONFIGS, _INTERPRETER_CONFIG),
-    key=["HEAD_DIM", "PAGED", "PAGE_SIZE", "CAUSAL", "LEN_BUCKET"],
+    key=["HEAD_DIM", "PAGED", "PAGE_SIZE", "CAUSAL", "FP8_KV", "LEN_BUCKET"],
     prune_configs_by={"early_config_prune": _prune_configs},
 )
 @triton.jit
 def _prefill_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr,
-    cu_seqlens_q_ptr, kv_lengths_ptr, block_tables_ptr,
+    cu_seqlens_q_ptr, kv_lengths_ptr, block_tables_ptr, k_scale_ptr, v_scale_ptr,
     qk_scale,
     stride_q_token, stride_q_head,
     stride_k_block, stride_k_token, stride_k_head,
@@ -158,7 +158,7 @@ def _prefill_attention_kernel(
     stride_block_table,
     num_q_heads, group_size,
     HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
-    LEN_BUCKET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    FP8_KV: tl.constexpr, LEN_BUCKET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     head = tl.program_id(0) % num_q_heads
     seq = tl.program_id(0) // num_q_heads
@@ -174,6 +174,8 @@ def _prefill_attention_kernel(
         kv_token_base = tl.load(kv_lengths_ptr + seq)
         k_len = tl.load(kv_lengths_ptr + seq + 1) - kv_token_base
     kv_head = head // group_size
+    if FP8_KV:
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
 
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -214,6 +216,8 @@ def _prefill_attention_kernel(
         unmasked_hi, masked_hi, k_len, qk_scale, offs_n, offs_d,
         True, CAUSAL, PAGED, PAGE_SIZE, BLOCK_N,
     )  # fmt: skip
+    if FP8_KV:
+        acc = acc * tl.load(v_scale_ptr + kv_head)
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # rows that saw no key (q_len > k_len) write zeros
     out = acc / l_i[:, None]
     tl.store(
@@ -245,6 +249,18 @@ def _check_index(tensor: torch.Tensor, name: str, length: int | None, device: to
     require(tensor.is_contiguous(), f"{name} must be contiguous")
 
 
+def _check_fp8_scales(cache: torch.Tensor, k_scale, v_scale) -> None:
+    fp8 = cache.dtype == torch.float8_e4m3fn
+    for scale, name in ((k_scale, "k_scale"), (v_scale, "v_scale")):
+        if not fp8:
+            require(scale is None, f"{name} is only used with an fp8 cache")
+            continue
+        require(scale is not None, f"an fp8 cache needs {name} [num_kv_heads] float32")
+        check_tensor(scale, name, ndim=1, dtypes=(torch.float32,), device=cache.device)
+        check_shape(scale, name, (cache.shape[2],))
+        require(scale.is_contiguous(), f"{name} must be contiguous")
+
+
 def _prepare_out(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
     if out is None:
         return torch.empty_like(q)
@@ -254,7 +270,10 @@ def _prepare_out(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _launch(q, k, v, out, cu_seqlens_q, kv_lengths, block_tables, scale, max_query_len, paged, causal, group):
+def _launch(
+    q, k, v, out, cu_seqlens_q, kv_lengths, block_tables, scale, max_query_len, paged, causal, group,
+    k_scale=None, v_scale=None,
+):  # fmt: skip
     num_seqs = cu_seqlens_q.shape[0] - 1
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     if num_seqs == 0 or max_query_len == 0 or q.shape[0] == 0:
@@ -266,12 +285,15 @@ def _launch(q, k, v, out, cu_seqlens_q, kv_lengths, block_tables, scale, max_que
     k_head_stride = k.stride(2) if paged else k.stride(1)
     v_head_stride = v.stride(2) if paged else v.stride(1)
 
+    fp8 = k.dtype == torch.float8_e4m3fn
+
     def grid(meta):
         return (num_seqs * num_q_heads, triton.cdiv(max_query_len, meta["BLOCK_M"]))
 
     _prefill_attention_kernel[grid](
         q, k, v, out,
         cu_seqlens_q, kv_lengths, block_tables,
+        k_scale if fp8 else kv_lengths, v_scale if fp8 else kv_lengths,
         float(scale) * LOG2_E,
         q.stride(0), q.stride(1),
         k_block_stride, k_token_stride, k_head_stride,
@@ -279,7 +301,7 @@ def _launch(q, k, v, out, cu_seqlens_q, kv_lengths, block_tables, scale, max_que
         out.stride(0), out.stride(1),
         block_tables.stride(0),
         num_q_heads, group,
-        HEAD_DIM=head_dim, PAGED=paged, PAGE_SIZE=k.shape[1] if paged else 1, CAUSAL=causal,
+        HEAD_DIM=head_dim, PAGED=paged, PAGE_SIZE=k.shape[1] if paged else 1, CAUSAL=causal, FP8_KV=fp8,
         LEN_BUCKET=length_bucket(max_query_len),
     )  # fmt: skip
     return out
@@ -295,6 +317,8 @@ def paged_prefill_attention(
     scale: float,
     max_query_len: int,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a flat batch of new tokens over their whole paged context.
 
@@ -308,14 +332,17 @@ def paged_prefill_attention(
         scale: softmax scale, usually D ** -0.5.
         max_query_len: the largest q_len in the batch (sets the grid; no device sync needed).
         out: optional [T, Hq, D] output buffer in q's dtype.
+        k_scale, v_scale: [Hkv] float32 dequantization scales, for a float8_e4m3fn cache only.
     Returns:
         out [T, Hq, D].
     """
     num_tokens, num_q_heads, head_dim = _check_query(q)
     for cache, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
-        check_tensor(cache, name, ndim=4, dtypes=(q.dtype,), device=q.device)
+        check_tensor(cache, name, ndim=4, dtypes=(q.dtype, torch.float8_e4m3fn), device=q.device)
         check_inner_contiguous(cache, name)
     require(k_cache.shape == v_cache.shape, "k_cache and v_cache must have the same shape")
+    require(k_cache.dtype == v_cache.dtype, "k_cache and v_cache must have the same dtype")
+    _check_fp8_scales(k_cache, k_scale, v_scale)
     require(k_cache.shape[3] == head_dim, f"the caches' head_dim {k_cache.shape[3]} differs from q's {head_dim}")
     _check_kv_heads(num_q_heads, k_cache.shape[2])
     _check_index(cu_seqlens_q, "cu_seqlens_q", None, q.device)
@@ -329,8 +356,9 @@ def paged_prefill_attention(
     out = _prepare_out(out, q)
     group = num_q_heads // k_cache.shape[2]
     return _launch(
-        q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, scale, int(max_query_len), True, True, group
-    )
+        q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, scale, int(max_query_len), True, True, group,
+        k_scale, v_scale,
+    )  # fmt: skip
 
 
 def varlen_prefill_attention(

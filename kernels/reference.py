@@ -27,6 +27,11 @@ def gather_paged_kv(cache: torch.Tensor, block_table_row: torch.Tensor, length: 
     return cache[blocks, positions % block_size]
 
 
+def _dequantize(kv: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """[L, Hkv, D] cache values to float32, times per-head scales [Hkv] when given."""
+    return kv.float() if scale is None else kv.float() * scale.float()[None, :, None]
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
     """One sequence: q [Lq, Hq, D], k/v [Lk, Hkv, D] -> [Lq, Hq, D] float32.
 
@@ -76,16 +81,21 @@ def paged_prefill_attention_reference(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of new tokens q [T, Hq, D] over their whole context in the paged cache."""
+    """Causal attention of new tokens q [T, Hq, D] over their whole context in the paged cache.
+
+    An fp8 cache is dequantized with per-KV-head scales k_scale / v_scale [Hkv] (float32).
+    """
     out = torch.zeros_like(q)
     cu_q = cu_seqlens_q.tolist()
     for i, seq_len in enumerate(seq_lens.tolist()):
         qs, qe = cu_q[i], cu_q[i + 1]
         if qe == qs:
             continue
-        k = gather_paged_kv(k_cache, block_tables[i], seq_len)
-        v = gather_paged_kv(v_cache, block_tables[i], seq_len)
+        k = _dequantize(gather_paged_kv(k_cache, block_tables[i], seq_len), k_scale)
+        v = _dequantize(gather_paged_kv(v_cache, block_tables[i], seq_len), v_scale)
         out[qs:qe] = _attend(q[qs:qe], k, v, scale, causal=True).to(q.dtype)
     return out
 
@@ -109,12 +119,8 @@ def paged_decode_attention_reference(
     for i, seq_len in enumerate(seq_lens.tolist()):
         if seq_len == 0:
             continue
-        k = gather_paged_kv(k_cache, block_tables[i], seq_len).float()
-        v = gather_paged_kv(v_cache, block_tables[i], seq_len).float()
-        if k_scale is not None:
-            k = k * k_scale.float()[None, :, None]
-        if v_scale is not None:
-            v = v * v_scale.float()[None, :, None]
+        k = _dequantize(gather_paged_kv(k_cache, block_tables[i], seq_len), k_scale)
+        v = _dequantize(gather_paged_kv(v_cache, block_tables[i], seq_len), v_scale)
         out[i] = _attend(q[i : i + 1], k, v, scale, causal=False)[0].to(q.dtype)
     return out
 

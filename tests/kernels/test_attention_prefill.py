@@ -84,6 +84,20 @@ def test_paged_prefill_with_cached_prefix(dtype, num_q_heads, num_kv_heads, bloc
     _close(out, expected, dtype)
 
 
+def test_paged_prefill_reads_an_fp8_cache_with_per_head_scales():
+    torch.manual_seed(9)
+    seq_lens, q_lens = [40, 18], [8, 18]
+    cache = random_paged_cache(seq_lens, 2, 64, 16, torch.float16)
+    cache.k_cache = (cache.k_cache.float() / 0.03).clamp(-448, 448).to(torch.float8_e4m3fn)
+    cache.v_cache = (cache.v_cache.float() / 0.01).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scales = {"k_scale": torch.tensor([0.03, 0.05], device=DEVICE), "v_scale": torch.tensor([0.01, 0.02], device=DEVICE)}
+    q = randn(sum(q_lens), 4, 64, dtype=torch.float16)
+    cu_q = cumulative(q_lens)
+    args = (q, cache.k_cache, cache.v_cache, cu_q, cache.seq_lens, cache.block_tables, 0.125)
+    out = paged_prefill_attention(*args, max(q_lens), **scales)
+    _close(out, paged_prefill_attention_reference(*args, **scales), torch.float16)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("block_size", [16, 64])
