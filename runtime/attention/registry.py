@@ -38,6 +38,11 @@ def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
     return cls
 
 
+def unregister_backend(name: str) -> None:
+    """Forget a back end (tests that register their own)."""
+    _registry.pop(name, None)
+
+
 def registered_backends() -> list[type[AttentionBackend]]:
     """Every importable back end, highest priority first."""
     _import_backend_modules()

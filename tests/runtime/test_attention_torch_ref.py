@@ -1,0 +1,197 @@
+"""The torch reference attention back end against dense attention, RoPE against transformers, and
+the back-end registry."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from sits.runtime.attention.backend import AttentionBackend
+from sits.runtime.attention.registry import (
+    BackendUnavailableError,
+    register_backend,
+    select_backend,
+    unregister_backend,
+)
+from sits.runtime.attention.torch_ref import TorchAttentionBackend, write_kv_cache
+from sits.runtime.models.rotary import apply_rotary, build_cos_sin_cache
+from tests.support.model_driver import PagedKVCache, PagedSequence, build_metadata
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 16, 4
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+class _CacheHolder:
+    """Just enough of a model for PagedKVCache: one layer of the shapes above."""
+
+    def __init__(self, dtype):
+        from sits.runtime.models.config import LlamaConfig
+
+        self.config = LlamaConfig(vocab_size=8, hidden_size=HEADS * HEAD_DIM, intermediate_size=8,
+                                  num_hidden_layers=1, num_attention_heads=HEADS,
+                                  num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM)
+        self._param = torch.zeros(1, dtype=dtype)
+
+    def parameters(self):
+        return iter([self._param])
+
+    def kv_cache_shape(self, num_blocks, block_size):
+        return self.config.kv_cache_shape(num_blocks, block_size)
+
+
+def dense_reference(q, keys, values, first_position):
+    """float64 softmax attention with an explicit causal mask; q [n, H, D], keys/values [L, KV, D]."""
+    group = q.shape[1] // keys.shape[1]
+    k = keys.double().repeat_interleave(group, dim=1)
+    v = values.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,lhd->hql", q.double(), k) * HEAD_DIM**-0.5
+    query_pos = torch.arange(q.shape[0])[:, None] + first_position
+    scores = scores.masked_fill(torch.arange(k.shape[0])[None, :] > query_pos, float("-inf"))
+    return torch.einsum("hql,lhd->qhd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_mixed_batch_matches_dense_attention(dtype):
+    """Two prefills (one fresh, one after a cached prefix) and three decodes in one flat batch."""
+    gen = torch.Generator().manual_seed(0)
+    cache = PagedKVCache(_CacheHolder(dtype), num_blocks=40, block_size=BLOCK)
+    k_cache, v_cache = cache.caches[0]
+    # (context already cached, new tokens): prefills first, then decodes
+    layout = [(0, 7), (5, 6), (8, 1), (12, 1), (1, 1)]
+    seqs, full_kv = [], []
+    for cached, new in layout:
+        seq = PagedSequence(list(range(cached + new)))
+        keys = torch.randn(cached + new, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+        values = torch.randn(cached + new, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+        if cached:  # the prefix an earlier step wrote
+            cache.ensure_capacity(seq, cached)
+            slots = torch.tensor([cache.slot(seq, p) for p in range(cached)])
+            write_kv_cache(keys[:cached], values[:cached], k_cache, v_cache, slots)
+            seq.num_cached = cached
+        seqs.append(seq)
+        full_kv.append((keys, values))
+    positions, metadata, _ = build_metadata(cache, [(s, new) for s, (_, new) in zip(seqs, layout, strict=True)], torch.device("cpu"))
+    assert (metadata.num_prefills, metadata.num_decodes) == (2, 3)
+    new_k = torch.cat([k[c:] for (k, _), (c, _) in zip(full_kv, layout, strict=True)])
+    new_v = torch.cat([v[c:] for (_, v), (c, _) in zip(full_kv, layout, strict=True)])
+    q = torch.randn(metadata.num_tokens, HEADS, HEAD_DIM, generator=gen).to(dtype)
+    write_kv_cache(new_k, new_v, k_cache, v_cache, metadata.slot_mapping)
+
+    out = TorchAttentionBackend().forward(q, new_k, new_v, k_cache, v_cache, metadata, HEAD_DIM**-0.5)
+
+    assert out.dtype == dtype and out.shape == q.shape
+    row = 0
+    for (keys, values), (cached, new) in zip(full_kv, layout, strict=True):
+        expected = dense_reference(q[row:row + new], keys, values, cached)
+        torch.testing.assert_close(out[row:row + new].double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+        row += new
+
+
+def test_long_prefill_is_computed_in_query_chunks():
+    """A prompt longer than the query chunk gives the same result as dense attention."""
+    gen = torch.Generator().manual_seed(1)
+    cache = PagedKVCache(_CacheHolder(torch.float32), num_blocks=200, block_size=8)
+    seq = PagedSequence(list(range(700)))
+    positions, metadata, _ = build_metadata(cache, [(seq, 700)], torch.device("cpu"))
+    k = torch.randn(700, KV_HEADS, HEAD_DIM, generator=gen)
+    v = torch.randn(700, KV_HEADS, HEAD_DIM, generator=gen)
+    q = torch.randn(700, HEADS, HEAD_DIM, generator=gen)
+    write_kv_cache(k, v, *cache.caches[0], metadata.slot_mapping)
+    out = TorchAttentionBackend().forward(q, k, v, *cache.caches[0], metadata, HEAD_DIM**-0.5)
+    torch.testing.assert_close(out.double(), dense_reference(q, k, v, 0), atol=1e-5, rtol=1e-5)
+
+
+def test_rope_and_cache_write_rotates_and_skips_padding():
+    gen = torch.Generator().manual_seed(2)
+    table = build_cos_sin_cache(64, HEAD_DIM, 10000.0)
+    q = torch.randn(3, HEADS, HEAD_DIM, generator=gen)
+    k = torch.randn(3, KV_HEADS, HEAD_DIM, generator=gen)
+    v = torch.randn(3, KV_HEADS, HEAD_DIM, generator=gen)
+    k_cache = torch.zeros(4, BLOCK, KV_HEADS, HEAD_DIM)
+    v_cache = torch.zeros_like(k_cache)
+    positions = torch.tensor([0, 5, 9])
+    slots = torch.tensor([13, -1, 2])  # the middle token is padding
+    q_rot, k_rot = TorchAttentionBackend().rope_and_cache_write(q, k, v, positions, table, k_cache, v_cache, slots)
+
+    torch.testing.assert_close(q_rot, apply_rotary(q, positions, table))
+    torch.testing.assert_close(q_rot[0], q[0])  # position 0 does not rotate
+    flat_k, flat_v = k_cache.view(-1, KV_HEADS, HEAD_DIM), v_cache.view(-1, KV_HEADS, HEAD_DIM)
+    torch.testing.assert_close(flat_k[13], k_rot[0])
+    torch.testing.assert_close(flat_k[2], k_rot[2])
+    torch.testing.assert_close(flat_v[2], v[2])
+    assert int((flat_k.abs().sum(dim=(1, 2)) > 0).sum()) == 2  # nothing else was written
+
+
+@pytest.mark.parametrize("rope_scaling", [
+    None,
+    {"rope_type": "linear", "factor": 4.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 64},
+])
+def test_rope_matches_transformers(rope_scaling):
+    from transformers import LlamaConfig as HFLlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    from sits.kernels.rope_tables import build_cos_sin_cache as kernel_table
+
+    params = {"rope_type": "default", "rope_theta": 500000.0, **(rope_scaling or {})}
+    hf_config = HFLlamaConfig(hidden_size=HEADS * 32, num_attention_heads=HEADS, max_position_embeddings=256,
+                              rope_parameters=params)
+    positions = torch.tensor([0, 1, 17, 100, 255])
+    x = torch.randn(1, HEADS, len(positions), 32, generator=torch.Generator().manual_seed(3))
+    cos, sin = LlamaRotaryEmbedding(hf_config)(x, positions[None])
+    expected, _ = apply_rotary_pos_emb(x, x, cos, sin)
+
+    table = build_cos_sin_cache(256, 32, 500000.0, rope_scaling)
+    ours = apply_rotary(x[0].transpose(0, 1), positions, table).transpose(0, 1)
+    torch.testing.assert_close(ours, expected[0], atol=1e-6, rtol=1e-6)
+    # the Triton kernels build their own table: it must be the same one
+    torch.testing.assert_close(kernel_table(32, 256, 500000.0, rope_scaling), table, atol=0, rtol=0)
+
+
+# -- registry --------------------------------------------------------------------------------------
+
+
+def test_auto_picks_the_torch_back_end_on_cpu_and_logs_why(caplog):
+    with caplog.at_level(logging.INFO, logger="sits.runtime.attention.registry"):
+        backend = select_backend("auto", "cpu", torch.float32, 64)
+    assert isinstance(backend, TorchAttentionBackend)
+    assert "attention back end: torch (auto" in caplog.text
+    assert isinstance(select_backend("torch", torch.device("cpu"), torch.bfloat16, 80), TorchAttentionBackend)
+
+
+def test_unknown_back_end_is_a_clear_error():
+    with pytest.raises(BackendUnavailableError, match="'flash' is not available.*available: .*torch"):
+        select_backend("flash", "cpu", torch.float32, 64)
+
+
+class _GpuOnlyBackend(TorchAttentionBackend):
+    name = "test-gpu-only"
+    priority = 100
+
+    @classmethod
+    def unsupported_reason(cls, device, dtype, head_dim):
+        return None if device.type == "cuda" else "needs a CUDA device"
+
+
+class _PreferredBackend(TorchAttentionBackend):
+    name = "test-preferred"
+    priority = 50
+
+
+def test_a_registered_back_end_takes_part_by_priority(caplog):
+    register_backend(_GpuOnlyBackend)
+    try:
+        with caplog.at_level(logging.INFO, logger="sits.runtime.attention.registry"):
+            assert type(select_backend("auto", "cpu", torch.float32, 64)) is TorchAttentionBackend
+        assert "test-gpu-only: needs a CUDA device" in caplog.text
+        with pytest.raises(BackendUnavailableError, match="cannot run cpu/float32/head_dim 64: needs a CUDA device"):
+            select_backend("test-gpu-only", "cpu", torch.float32, 64)
+        register_backend(_PreferredBackend)
+        assert type(select_backend("auto", "cpu", torch.float32, 64)) is _PreferredBackend
+    finally:
+        unregister_backend(_GpuOnlyBackend.name)
+        unregister_backend(_PreferredBackend.name)
+    assert issubclass(TorchAttentionBackend, AttentionBackend)
