@@ -1,0 +1,264 @@
+"""FP8 (e4m3) GEMM with per-token activation scales and per-channel weight scales, on tensor cores.
+
+    fp8_gemm(a_fp8 [M, K], a_scale [M, 1], w_fp8 [N, K], w_scale [N] or [N, 1]) -> out [M, N] bf16
+    out = (a_fp8 @ w_fp8^T) * a_scale * w_scale^T, accumulated in float32
+
+Weights keep nn.Linear's [N, K] layout, which is what Hopper's fp8 wgmma wants (both operands
+K-major). Three paths, picked by shape:
+  * M > SMALL_M on a GPU: tensor-memory-accelerator (TMA) loads through host tensor descriptors,
+    grouped tile order for L2 reuse, autotuned tile shapes.
+  * M <= SMALL_M (decode batches; the weight read dominates): pointer loads split along K so that
+    enough programs stream the weight; partial sums land in a float32 buffer with atomic adds.
+  * Otherwise (and under the interpreter): the same pointer kernel without the split.
+The activation quantizer lives in fp8_quantize.py; weight helpers in quantization.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sits.kernels.fp8_quantize import quantize_fp8_per_token
+from sits.kernels.gemm_common import grouped_tile_coordinates, zero_output_before_launch
+from sits.kernels.launch_utils import (
+    check_inner_contiguous,
+    check_tensor,
+    is_interpreter,
+    length_bucket,
+    pick_configs,
+    require,
+)
+from sits.kernels.quantization import quantize_weight_fp8_per_channel
+from sits.kernels.reference import fp8_gemm_reference
+
+try:  # host-side TMA descriptors (Triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton: pointer kernels only
+    TensorDescriptor = None
+
+__all__ = [
+    "fp8_gemm",
+    "fp8_gemm_reference",
+    "quantize_fp8_per_token",
+    "quantize_weight_fp8_per_channel",
+]
+
+SMALL_M = 128
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _config(bm, bn, bk, warps, stages, split_k=1, group_m=8, atomic=False):
+    return triton.Config(
+        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split_k, "GROUP_M": group_m},
+        num_warps=warps,
+        num_stages=stages,
+        pre_hook=zero_output_before_launch if atomic else None,
+    )
+
+
+_LARGE_M_POINTER_CONFIGS = [
+    _config(128, 256, 128, 8, 3),
+    _config(256, 128, 128, 8, 3),
+    _config(128, 128, 128, 8, 4),
+    _config(128, 128, 128, 4, 4),
+    _config(128, 64, 128, 4, 4),
+    _config(64, 128, 128, 4, 4),
+]
+_SMALL_M_CONFIGS = [
+    _config(bm, bn, 128, 4, stages, split_k=split, atomic=True)
+    for bm in (16, 64)
+    for bn in (32, 64, 128)
+    for split, stages in ((1, 5), (2, 5), (4, 4), (8, 4))
+]
+_INTERPRETER_CONFIG = _config(16, 32, 32, 4, 1)
+_INTERPRETER_SPLIT_CONFIG = _config(16, 32, 32, 4, 1, split_k=2, atomic=True)
+
+
+def _prune_small_m(configs, named_args, **kwargs):
+    m_bucket = kwargs.get("M_BUCKET", named_args.get("M_BUCKET"))
+    k = named_args["K"]
+    kept = [
+        c
+        for c in configs
+        if (c.kwargs["BLOCK_M"] == 16) == (m_bucket <= 16) and k >= c.kwargs["BLOCK_K"] * c.kwargs["SPLIT_K"] * 2
+    ]
+    return kept or configs[:1]
+
+
+@triton.jit
+def _scale_and_store(acc, c_ptr, a_scale_ptr, w_scale_ptr, offs_m, offs_n, M, N, stride_cm, ATOMIC: tl.constexpr):
+    a_scale = tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)
+    w_scale = tl.load(w_scale_ptr + offs_n, mask=offs_n < N, other=0.0)
+    result = acc * a_scale[:, None] * w_scale[None, :]
+    ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    if ATOMIC:
+        tl.atomic_add(ptrs, result, mask=mask, sem="relaxed")
+    else:
+        tl.store(ptrs, result.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fp8_gemm_kernel(
+    a_ptr, w_ptr, c_ptr, a_scale_ptr, w_scale_ptr,
+    M, N, K, stride_am, stride_wn, stride_cm, M_BUCKET,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    GROUP_M: tl.constexpr, ATOMIC: tl.constexpr,
+):  # fmt: skip
+    pid_m, pid_n = grouped_tile_coordinates(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Wrapped row/column indices keep the loads unmasked; the store masks the extra rows.
+    rows_a = tl.max_contiguous(tl.multiple_of(offs_m % M, BLOCK_M), BLOCK_M).to(tl.int64)
+    rows_w = tl.max_contiguous(tl.multiple_of(offs_n % N, BLOCK_N), BLOCK_N).to(tl.int64)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    tiles_per_split = tl.cdiv(k_tiles, SPLIT_K)
+    first = tl.program_id(1) * tiles_per_split
+    last = tl.minimum(first + tiles_per_split, k_tiles)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for tile in range(first, last):
+        k = tile * BLOCK_K + offs_k
+        a = tl.load(a_ptr + rows_a[:, None] * stride_am + k[None, :], mask=k[None, :] < K, other=0.0)
+        w = tl.load(w_ptr + rows_w[None, :] * stride_wn + k[:, None], mask=k[:, None] < K, other=0.0)
+        acc = tl.dot(a, w, acc)
+    _scale_and_store(acc, c_ptr, a_scale_ptr, w_scale_ptr, offs_m, offs_n, M, N, stride_cm, ATOMIC)
+
+
+_fp8_gemm_small_m = triton.autotune(
+    configs=pick_configs(_SMALL_M_CONFIGS, _INTERPRETER_SPLIT_CONFIG),
+    key=["M_BUCKET", "N", "K"],
+    prune_configs_by={"early_config_prune": _prune_small_m},
+)(_fp8_gemm_kernel)
+_fp8_gemm_large_m = triton.autotune(
+    configs=pick_configs(_LARGE_M_POINTER_CONFIGS, _INTERPRETER_CONFIG), key=["M_BUCKET", "N", "K"]
+)(_fp8_gemm_kernel)
+
+
+def _set_tma_blocks(nargs):
+    nargs["a_desc"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
+    nargs["w_desc"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
+
+
+def _tma_config(bm, bn, bk, warps, stages, group_m=8):
+    return triton.Config(
+        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m},
+        num_warps=warps,
+        num_stages=stages,
+        pre_hook=_set_tma_blocks,
+    )
+
+
+_TMA_CONFIGS = [
+    _tma_config(128, 256, 128, 8, 3),
+    _tma_config(128, 256, 128, 8, 4),
+    _tma_config(256, 128, 128, 8, 3),
+    _tma_config(128, 128, 128, 8, 4),
+    _tma_config(128, 128, 128, 4, 4),
+    _tma_config(64, 128, 128, 4, 5),
+]
+
+
+@triton.autotune(configs=_TMA_CONFIGS, key=["M_BUCKET", "N", "K"])
+@triton.jit
+def _fp8_gemm_tma_kernel(
+    a_desc, w_desc, c_ptr, a_scale_ptr, w_scale_ptr,
+    M, N, K, stride_cm, M_BUCKET,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    pid_m, pid_n = grouped_tile_coordinates(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        a = a_desc.load([off_m, k * BLOCK_K])
+        w = w_desc.load([off_n, k * BLOCK_K])
+        acc = tl.dot(a, w.T, acc)
+    offs_m = off_m + tl.arange(0, BLOCK_M)
+    offs_n = off_n + tl.arange(0, BLOCK_N)
+    _scale_and_store(acc, c_ptr, a_scale_ptr, w_scale_ptr, offs_m, offs_n, M, N, stride_cm, False)
+
+
+def _check_inputs(a_fp8, a_scale, w_fp8, w_scale, out_dtype):
+    check_tensor(a_fp8, "a_fp8", ndim=2, dtypes=(torch.float8_e4m3fn,))
+    check_tensor(w_fp8, "w_fp8", ndim=2, dtypes=(torch.float8_e4m3fn,), device=a_fp8.device)
+    m, k = a_fp8.shape
+    n = w_fp8.shape[0]
+    require(w_fp8.shape[1] == k, f"a_fp8 is [M, {k}] but w_fp8 is {tuple(w_fp8.shape)}; expected [N, {k}]")
+    require(k % 16 == 0 and k > 0, f"K must be a positive multiple of 16 (fp8 tensor cores), got {k}")
+    check_inner_contiguous(a_fp8, "a_fp8")
+    check_inner_contiguous(w_fp8, "w_fp8")
+    check_tensor(a_scale, "a_scale", dtypes=(torch.float32,), device=a_fp8.device)
+    require(a_scale.numel() == m and a_scale.is_contiguous(), f"a_scale must be a contiguous [{m}, 1] float32")
+    check_tensor(w_scale, "w_scale", dtypes=(torch.float32,), device=a_fp8.device)
+    require(w_scale.numel() == n and w_scale.is_contiguous(), f"w_scale must be a contiguous [{n}] or [{n}, 1]")
+    require(out_dtype in OUT_DTYPES, f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+    return m, n, k
+
+
+def _tma_usable(a_fp8: torch.Tensor, w_fp8: torch.Tensor) -> bool:
+    return (
+        TensorDescriptor is not None
+        and not is_interpreter()
+        and a_fp8.is_cuda
+        and torch.cuda.get_device_capability(a_fp8.device)[0] >= 9
+        and a_fp8.stride(0) % 16 == 0
+        and w_fp8.stride(0) % 16 == 0
+        and a_fp8.data_ptr() % 16 == 0
+        and w_fp8.data_ptr() % 16 == 0
+    )
+
+
+def fp8_gemm(
+    a_fp8: torch.Tensor,
+    a_scale: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    use_tma: bool | None = None,
+) -> torch.Tensor:
+    """Scaled e4m3 GEMM: out [M, N] = (a_fp8 * a_scale) @ (w_fp8 * w_scale)^T in out_dtype.
+
+    Args:
+        a_fp8: [M, K] float8_e4m3fn activations (from quantize_fp8_per_token), K % 16 == 0.
+        a_scale: [M, 1] float32 per-token scales.
+        w_fp8: [N, K] float8_e4m3fn weights (nn.Linear layout).
+        w_scale: [N] or [N, 1] float32 per-output-channel scales.
+        out_dtype: bfloat16 (default), float16 or float32.
+        use_tma: force the TMA kernel on (True) or off (False) for M > SMALL_M; automatic when None.
+    Returns:
+        [M, N] in out_dtype.
+    """
+    m, n, k = _check_inputs(a_fp8, a_scale, w_fp8, w_scale, out_dtype)
+    if m == 0 or n == 0:
+        return torch.empty(m, n, dtype=out_dtype, device=a_fp8.device)
+    bucket = length_bucket(m, cap=1 << 16)
+    if m <= SMALL_M:
+        acc = torch.empty(m, n, dtype=torch.float32, device=a_fp8.device)  # zeroed by the config pre-hook
+
+        def grid(meta):
+            return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])
+
+        _fp8_gemm_small_m[grid](
+            a_fp8, w_fp8, acc, a_scale, w_scale, m, n, k, a_fp8.stride(0), w_fp8.stride(0), acc.stride(0), bucket,
+            ATOMIC=True,
+        )  # fmt: skip
+        return acc if out_dtype == torch.float32 else acc.to(out_dtype)
+    out = torch.empty(m, n, dtype=out_dtype, device=a_fp8.device)
+
+    def grid2d(meta):
+        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), 1)
+
+    tma = _tma_usable(a_fp8, w_fp8) if use_tma is None else bool(use_tma) and _tma_usable(a_fp8, w_fp8)
+    if tma:
+        placeholder = [16, 16]  # the config pre-hook sets the real block shapes
+        a_desc = TensorDescriptor(a_fp8, list(a_fp8.shape), list(a_fp8.stride()), placeholder)
+        w_desc = TensorDescriptor(w_fp8, list(w_fp8.shape), list(w_fp8.stride()), placeholder)
+        _fp8_gemm_tma_kernel[grid2d](a_desc, w_desc, out, a_scale, w_scale, m, n, k, out.stride(0), bucket)
+    else:
+        _fp8_gemm_large_m[grid2d](
+            a_fp8, w_fp8, out, a_scale, w_scale, m, n, k, a_fp8.stride(0), w_fp8.stride(0), out.stride(0), bucket,
+            ATOMIC=False,
+        )  # fmt: skip
+    return out

@@ -1,0 +1,165 @@
+"""INT8 weight-only GEMM (W8A16): bf16/fp16 activations times int8 weights with per-group scales.
+
+    int8_weight_only_gemm(x [M, K], w_int8 [N, K], scales [N, K // group_size]) -> out [M, N]
+    out = x @ (w_int8 * scales expanded along K)^T, accumulated in float32, in x's dtype
+
+Each K tile of the weight is dequantized in registers (int8 -> float32, times its group's scale,
+rounded to x's dtype, exactly as the reference dequantizes) right before the tensor-core dot, so
+the weight crosses memory as one byte per element. Decode-sized batches (M <= SMALL_M) split K
+across programs, adding float32 partial sums atomically, so enough programs stream the weight.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sits.kernels.gemm_common import grouped_tile_coordinates, zero_output_before_launch
+from sits.kernels.launch_utils import (
+    HALF_DTYPES,
+    check_inner_contiguous,
+    check_shape,
+    check_tensor,
+    length_bucket,
+    pick_configs,
+    require,
+)
+from sits.kernels.quantization import quantize_weight_int8
+from sits.kernels.reference import int8_weight_only_gemm_reference
+
+__all__ = ["int8_weight_only_gemm", "int8_weight_only_gemm_reference", "quantize_weight_int8"]
+
+SMALL_M = 64
+MIN_GROUP = 32
+
+
+def _config(bm, bn, bk, warps, stages, split_k=1, group_m=8, atomic=False):
+    return triton.Config(
+        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split_k, "GROUP_M": group_m},
+        num_warps=warps,
+        num_stages=stages,
+        pre_hook=zero_output_before_launch if atomic else None,
+    )
+
+
+_LARGE_M_CONFIGS = [
+    _config(128, 256, 64, 8, 3),
+    _config(128, 128, 64, 8, 4),
+    _config(128, 128, 128, 8, 3),
+    _config(128, 64, 64, 4, 4),
+    _config(64, 128, 64, 4, 4),
+]
+_SMALL_M_CONFIGS = [
+    _config(bm, bn, 128, 4, stages, split_k=split, atomic=True)
+    for bm in (16, 64)
+    for bn in (32, 64, 128)
+    for split, stages in ((1, 4), (2, 4), (4, 4), (8, 3))
+]
+_INTERPRETER_CONFIG = _config(16, 32, 32, 4, 1)
+_INTERPRETER_SPLIT_CONFIG = _config(16, 32, 32, 4, 1, split_k=2, atomic=True)
+
+
+def _prune(configs, named_args, **kwargs):
+    """Tiles must not straddle a scale group; small batches pick row tiles that fit them."""
+    group_size = kwargs.get("GROUP_SIZE", named_args.get("GROUP_SIZE"))
+    m_bucket = kwargs.get("M_BUCKET", named_args.get("M_BUCKET"))
+    k = named_args["K"]
+    kept = []
+    for c in configs:
+        if group_size % c.kwargs["BLOCK_K"]:
+            continue
+        if c.kwargs["SPLIT_K"] > 1 and k < c.kwargs["BLOCK_K"] * c.kwargs["SPLIT_K"] * 2:
+            continue
+        if m_bucket <= SMALL_M and (m_bucket <= 16) != (c.kwargs["BLOCK_M"] == 16):
+            continue
+        kept.append(c)
+    return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_K"])]
+
+
+@triton.jit
+def _int8_gemm_kernel(
+    x_ptr, w_ptr, scales_ptr, c_ptr,
+    M, N, K, stride_xm, stride_wn, stride_sn, stride_cm, M_BUCKET,
+    GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, ATOMIC: tl.constexpr,
+):  # fmt: skip
+    pid_m, pid_n = grouped_tile_coordinates(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_x = tl.max_contiguous(tl.multiple_of(offs_m % M, BLOCK_M), BLOCK_M).to(tl.int64)
+    rows_w = tl.max_contiguous(tl.multiple_of(offs_n % N, BLOCK_N), BLOCK_N).to(tl.int64)
+    k_tiles = K // BLOCK_K  # K is a multiple of GROUP_SIZE, itself a multiple of BLOCK_K
+    tiles_per_split = tl.cdiv(k_tiles, SPLIT_K)
+    first = tl.program_id(1) * tiles_per_split
+    last = tl.minimum(first + tiles_per_split, k_tiles)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for tile in range(first, last):
+        k = tile * BLOCK_K + offs_k
+        x = tl.load(x_ptr + rows_x[:, None] * stride_xm + k[None, :])
+        w = tl.load(w_ptr + rows_w[None, :] * stride_wn + k[:, None])
+        scale = tl.load(scales_ptr + rows_w * stride_sn + (tile * BLOCK_K) // GROUP_SIZE)
+        w = (w.to(tl.float32) * scale[None, :]).to(x.dtype)
+        acc = tl.dot(x, w, acc)
+    ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    if ATOMIC:
+        tl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
+    else:
+        tl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+_int8_gemm_small_m = triton.autotune(
+    configs=pick_configs(_SMALL_M_CONFIGS, _INTERPRETER_SPLIT_CONFIG),
+    key=["M_BUCKET", "N", "K", "GROUP_SIZE"],
+    prune_configs_by={"early_config_prune": _prune},
+)(_int8_gemm_kernel)
+_int8_gemm_large_m = triton.autotune(
+    configs=pick_configs(_LARGE_M_CONFIGS, _INTERPRETER_CONFIG),
+    key=["M_BUCKET", "N", "K", "GROUP_SIZE"],
+    prune_configs_by={"early_config_prune": _prune},
+)(_int8_gemm_kernel)
+
+
+def int8_weight_only_gemm(
+    x: torch.Tensor, w_int8: torch.Tensor, scales: torch.Tensor, group_size: int = 128
+) -> torch.Tensor:
+    """x @ dequantize(w_int8, scales)^T.
+
+    Args:
+        x: [M, K] float16 / bfloat16, last dimension contiguous.
+        w_int8: [N, K] int8 (nn.Linear layout), from quantize_weight_int8.
+        scales: [N, K // group_size] float32 (or x's dtype) per-group scales.
+        group_size: input features per scale; a power of two >= 32 dividing K.
+    Returns:
+        [M, N] in x's dtype.
+    """
+    check_tensor(x, "x", ndim=2, dtypes=HALF_DTYPES)
+    check_tensor(w_int8, "w_int8", ndim=2, dtypes=(torch.int8,), device=x.device)
+    m, k = x.shape
+    n = w_int8.shape[0]
+    require(w_int8.shape[1] == k, f"x is [M, {k}] but w_int8 is {tuple(w_int8.shape)}; expected [N, {k}]")
+    require(
+        group_size >= MIN_GROUP and group_size & (group_size - 1) == 0,
+        f"group_size must be a power of two >= {MIN_GROUP}, got {group_size}",
+    )
+    require(k % group_size == 0, f"K ({k}) must be a multiple of group_size ({group_size})")
+    check_tensor(scales, "scales", ndim=2, dtypes=(torch.float32, x.dtype), device=x.device)
+    check_shape(scales, "scales", (n, k // group_size))
+    for tensor, name in ((x, "x"), (w_int8, "w_int8"), (scales, "scales")):
+        check_inner_contiguous(tensor, name)
+    if m == 0 or n == 0:
+        return torch.empty(m, n, dtype=x.dtype, device=x.device)
+    small = m <= SMALL_M
+    kernel = _int8_gemm_small_m if small else _int8_gemm_large_m
+    out = torch.empty(m, n, dtype=torch.float32 if small else x.dtype, device=x.device)
+
+    def grid(meta):
+        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])
+
+    kernel[grid](
+        x, w_int8, scales, out, m, n, k, x.stride(0), w_int8.stride(0), scales.stride(0), out.stride(0),
+        length_bucket(m, cap=1 << 16), GROUP_SIZE=group_size, ATOMIC=small,
+    )  # fmt: skip
+    return out.to(x.dtype) if small else out
