@@ -38,18 +38,28 @@ def save_hf_model(hf_model, directory: Path, tokenizer_dir: Path, max_shard_size
     return directory
 
 
-def tiny_hf_llama(seed: int = 0, **overrides):
-    """A random transformers Llama with GQA: 2 layers, hidden 64, 4 query / 2 KV heads, SmolLM2's vocab."""
-    from transformers import LlamaConfig as HFLlamaConfig
-    from transformers import LlamaForCausalLM as HFLlamaForCausalLM
+def tiny_hf_model(model_type: str = "llama", seed: int = 0, **overrides):
+    """A random transformers decoder: 2 layers, hidden 64, 4 query / 2 KV heads (GQA), SmolLM2's vocab.
+
+    Norm weights and biases are perturbed too (HF initialises them to 1 and 0), so a loader that
+    drops or misplaces them cannot pass a comparison.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     settings = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                    rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
-                    bos_token_id=1, eos_token_id=2, initializer_range=0.1)
+                    rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                    initializer_range=0.1)
     settings.update(overrides)
     torch.manual_seed(seed)
-    return HFLlamaForCausalLM(HFLlamaConfig(**settings)).eval()
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **settings)).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(0.1 * torch.randn_like(param))
+            elif name.endswith(".bias"):
+                param.normal_(0.0, 0.1)
+    return model
 
 
 @pytest.fixture(scope="session")
@@ -94,4 +104,4 @@ def hf_smollm2_tokenizer(smollm2_gguf_path: Path):
 def tiny_llama_dir(tmp_path_factory, smollm2_checkpoint_dir: Path) -> Path:
     """A random GQA Llama (2 layers, hidden 64) saved as sharded HF safetensors, with SmolLM2's tokenizer."""
     directory = tmp_path_factory.mktemp("tiny-llama")
-    return save_hf_model(tiny_hf_llama(), directory, smollm2_checkpoint_dir, max_shard_size="1MB")
+    return save_hf_model(tiny_hf_model("llama"), directory, smollm2_checkpoint_dir, max_shard_size="1MB")
