@@ -12,7 +12,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from sits.runtime.engine.request import RequestOutput
-from sits.runtime.server.errors import as_openai_error, invalid_request
+from sits.runtime.server.errors import as_openai_error
 from sits.runtime.server.logprobs import LogprobFormatter
 from sits.runtime.server.protocol import ChatCompletionRequest, ChatMessage
 from sits.runtime.server.request_ids import new_request_id
@@ -30,8 +30,6 @@ class ChatCompletions:
 
     def prompt_token_ids(self, messages: list[ChatMessage]) -> list[int]:
         """The prompt exactly as transformers' apply_chat_template(..., add_generation_prompt=True) renders it."""
-        from sits.runtime.models.chat_template import ChatTemplateError
-
         conversation = []
         for message in messages:
             # OpenAI's "developer" role is the system prompt for models trained without it.
@@ -40,10 +38,8 @@ class ChatCompletions:
             if message.name:
                 entry["name"] = message.name
             conversation.append(entry)
-        try:
-            text = self.ctx.tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
-        except ChatTemplateError as error:
-            raise invalid_request(f"The messages cannot be rendered: {error}", param="messages") from error
+        # ChatTemplateError (the template rejected the conversation) is a 400 naming `messages`.
+        text = self.ctx.tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
         return self.ctx.tokenizer.encode(text, add_special_tokens=False)
 
     async def __call__(self, body: ChatCompletionRequest, tenant: str, request: Request) -> Response:

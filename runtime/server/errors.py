@@ -17,7 +17,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from sits.runtime.engine.errors import EngineError, InvalidRequestError, PromptTooLongError
 from sits.runtime.engine.request import SamplingParamsError
+from sits.runtime.models.chat_template import ChatTemplateError
 
 logger = logging.getLogger("sits.server")
 
@@ -135,9 +137,13 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, error: StarletteHTTPException) -> JSONResponse:
         return http_error(request, error).to_response()
 
-    @app.exception_handler(SamplingParamsError)
-    async def _sampling(request: Request, error: SamplingParamsError) -> JSONResponse:
-        return invalid_request(str(error), param=error.param, code="invalid_value").to_response()
+    # Known failures get their status here, below Starlette's server-error layer (which would log a
+    # traceback for every bad request); anything else is a bug: a logged 500 without details.
+    async def _known(request: Request, error: Exception) -> JSONResponse:
+        return as_openai_error(error).to_response()
+
+    for known in (SamplingParamsError, InvalidRequestError, ChatTemplateError, EngineError):
+        app.add_exception_handler(known, _known)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, error: Exception) -> JSONResponse:
@@ -150,10 +156,12 @@ def as_openai_error(error: BaseException) -> OpenAIError:
         return error
     if isinstance(error, SamplingParamsError):
         return invalid_request(str(error), param=error.param, code="invalid_value")
-    from sits.runtime.engine.errors import EngineError, PromptTooLongError
-
     if isinstance(error, PromptTooLongError):
         return invalid_request(str(error), param="prompt", code="context_length_exceeded")
+    if isinstance(error, InvalidRequestError):
+        return invalid_request(str(error), param="prompt")
+    if isinstance(error, ChatTemplateError):
+        return invalid_request(f"The messages cannot be rendered: {error}", param="messages")
     if isinstance(error, EngineError):
         logger.error("engine error: %s", error)
         return service_unavailable(f"The engine cannot serve requests right now: {error}")
