@@ -102,6 +102,8 @@ def build_app(engine: Any, server_config: ServerConfig | None = None, *, served_
             return JSONResponse({"status": "draining"}, status_code=503)
         if not engine.is_healthy:
             return JSONResponse({"status": "unhealthy"}, status_code=503)
+        if not getattr(engine, "is_accepting", True):
+            return JSONResponse({"status": "stopping"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/health")

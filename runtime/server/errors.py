@@ -78,7 +78,8 @@ def service_unavailable(message: str) -> OpenAIError:
 
 def _param_from_loc(loc: tuple[Any, ...]) -> str | None:
     """`("body", "messages", 0, "role")` -> `"messages[0].role"`; None when the whole body is at fault."""
-    parts = [part for part in loc if part != "body"]
+    # Union members add a tag such as "str" or "list[int]" to the location: not a parameter name.
+    parts = [part for part in loc if part != "body" and not (isinstance(part, str) and _is_type_tag(part))]
     param = ""
     for part in parts:
         if isinstance(part, int):
@@ -86,6 +87,10 @@ def _param_from_loc(loc: tuple[Any, ...]) -> str | None:
         else:
             param += ("." if param else "") + str(part)
     return param or None
+
+
+def _is_type_tag(part: str) -> bool:
+    return "[" in part or part in ("str", "int", "float", "bool", "list", "dict", "none")
 
 
 def validation_error(error: RequestValidationError, content_type: str = "application/json") -> OpenAIError:

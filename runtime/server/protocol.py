@@ -107,6 +107,8 @@ class ChatMessage(_Strict):
     @field_validator("content", mode="before")
     @classmethod
     def _text_only(cls, value: Any) -> Any:
+        if value is not None and not isinstance(value, str | list):
+            raise ValueError("content must be a string or a list of text parts")
         if isinstance(value, list):
             for part in value:
                 if not isinstance(part, dict) or part.get("type") != "text":

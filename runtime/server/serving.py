@@ -55,6 +55,8 @@ class ServingContext:
             raise service_unavailable("The server is shutting down; retry on another replica.")
         if not self.engine.is_healthy:
             raise service_unavailable("The engine is unhealthy and cannot serve requests.")
+        if not getattr(self.engine, "is_accepting", True):
+            raise service_unavailable("The engine is stopping and accepts no new requests.")
 
     def check_token_ids(self, token_ids: Sequence[int], param: str) -> list[int]:
         """Token ids given by the client must exist in the vocabulary."""
