@@ -1,0 +1,433 @@
+"""The Redis state store (`--state-store redis://host:port/db`), shared by all replicas.
+
+Keys (all under `sits:{deployment}:`):
+    tenants              hash {version, document}: the tenant table (key digests only)
+    replicas             hash replica -> last heartbeat (unix seconds)
+    usage:{replica}      hash "{tenant}|{field}" -> this replica's total since it started
+    usage:retired        hash "{tenant}|{field}" -> totals of replicas that shut down cleanly
+    eviction:{replica}   hash tenant -> JSON EvictionIndexEntry
+    rl:{tenant}:{window} hash "r:{replica}" / "t:{replica}" -> requests / tokens in that window
+
+Every value a replica writes is its own absolute count (usage totals, window counts raised with a
+max), so writes are idempotent. That makes recovery simple: when Redis comes back (even empty,
+after a restart without persistence) the replica rewrites all its state and nothing is counted
+twice or lost.
+
+Consistency: `admit` runs one Lua script per request that reads every replica's window counts,
+decides and counts atomically, so a tenant's limit holds exactly across replicas while Redis is
+up. A request that a replica already knows to be over the limit (from its own counts and the
+others' last seen counts, a lower bound) is refused with no round trip. While Redis is down each
+replica decides from its own counts plus the others' last seen counts; the cluster can then
+exceed a limit by what the other replicas admit during the outage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import asdict
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from sits.runtime.tenancy import redis_scripts
+from sits.runtime.tenancy.rate_windows import (
+    WINDOW_S,
+    Limits,
+    WindowBook,
+    WindowCounts,
+    admits,
+    elapsed_fraction,
+    window_index,
+)
+from sits.runtime.tenancy.state_store import (
+    USAGE_FIELDS,
+    Admission,
+    EvictionIndexEntry,
+    StateStore,
+    TenantTableRecord,
+    redact_url,
+)
+
+log = logging.getLogger(__name__)
+
+UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError, asyncio.TimeoutError)
+
+
+class StateStoreUnavailable(ConnectionError):
+    """The write must reach the shared store now, and the store is down."""
+
+
+class RedisStateStore(StateStore):
+    """StateStore on Redis through redis-py's asyncio client.
+
+    Args:
+        url: redis://[:password@]host:port/db (or rediss://, unix://).
+        flush_interval_s: how often pending writes are sent in one pipeline.
+        op_timeout_s: socket connect and read timeout of each Redis call.
+        backoff_initial_s, backoff_max_s: reconnection attempts back off exponentially between these.
+        window_s: rate-limit window length.
+        max_pending: pending keys that trigger a flush before the interval ends.
+        replica_stale_s: replicas silent longer than this are left out of the eviction index.
+    """
+
+    def __init__(self, url: str, deployment: str = "default", replica_id: str | None = None, *,
+                 flush_interval_s: float = 0.5, op_timeout_s: float = 0.5, backoff_initial_s: float = 0.1,
+                 backoff_max_s: float = 5.0, window_s: float = WINDOW_S, max_pending: int = 1024,
+                 replica_stale_s: float = 60.0) -> None:
+        super().__init__(deployment, replica_id)
+        self.url = redact_url(url)
+        self.flush_interval_s = flush_interval_s
+        self.backoff_initial_s = backoff_initial_s
+        self.backoff_max_s = backoff_max_s
+        self.window_s = window_s
+        self.max_pending = max_pending
+        self.replica_stale_s = replica_stale_s
+        self._redis = aioredis.Redis.from_url(url, socket_timeout=op_timeout_s, socket_connect_timeout=op_timeout_s,
+                                              retry=Retry(NoBackoff(), 0), decode_responses=True)
+        self._admit = self._redis.register_script(redis_scripts.ADMIT)
+        self._raise_fields = self._redis.register_script(redis_scripts.RAISE_FIELDS)
+        self._put_tenants = self._redis.register_script(redis_scripts.PUT_TENANTS)
+        self._prefix = f"sits:{self.deployment}:"
+        self._up = False
+        self._down_logged = False
+        self._heartbeat_written = False
+        self._task: asyncio.Task | None = None
+        self._closed = False
+        self._wake = asyncio.Event()
+        # Local state: authoritative for this replica's own counts, a cache of everything else.
+        self._table: TenantTableRecord | None = None
+        self._table_pending = False  # a table seeded while down, to write if Redis has none
+        self._usage: dict[str, dict[str, int]] = defaultdict(lambda: dict.fromkeys(USAGE_FIELDS, 0))
+        self._usage_dirty: set[str] = set()
+        self._eviction_index: dict[str, EvictionIndexEntry] = {}
+        self._eviction_dirty = False
+        self._windows = WindowBook()
+
+    def __repr__(self) -> str:
+        return f"RedisStateStore({self.url!r}, deployment={self.deployment!r}, up={self._up})"
+
+    @property
+    def up(self) -> bool:
+        return self._up
+
+    def _key(self, *parts: str) -> str:
+        return self._prefix + ":".join(parts)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._task is not None:
+            return
+        try:
+            await self._redis.ping()
+            await self._write_back()
+            self._mark_up()
+            log.info("state store %s is up (deployment %s, replica %s)", self.url, self.deployment, self.replica_id)
+        except UNREACHABLE as error:
+            self._mark_down(error)
+        self._task = asyncio.create_task(self._run(), name="sits-state-store")
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self._up:
+            try:
+                await self._flush_once()
+                await self._retire()
+            except UNREACHABLE as error:
+                log.warning("state store %s: could not write final state: %s", self.url, error)
+        self._up = False
+        await self._redis.aclose()
+
+    async def flush(self) -> None:
+        if self._up:
+            try:
+                await self._flush_once()
+            except UNREACHABLE as error:
+                self._mark_down(error)
+            except RedisError as error:  # not an outage: keep the writes pending, say why
+                log.warning("state store %s: batched write failed: %s", self.url, error)
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self._loop()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug must not stop the writes for good
+                log.exception("state store %s: background writer failed; restarting it", self.url)
+                await asyncio.sleep(self.backoff_max_s)
+
+    async def _loop(self) -> None:
+        backoff = self.backoff_initial_s
+        while True:
+            if self._up:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), self.flush_interval_s)
+                self._wake.clear()
+                await self.flush()
+                continue
+            await asyncio.sleep(backoff)
+            try:
+                # Pooled connections died with the old server: drop them all, or each would fail
+                # once more after the reconnect and flap the store down again.
+                await self._redis.connection_pool.disconnect()
+                await self._redis.ping()
+                await self._write_back()
+            except UNREACHABLE:
+                backoff = min(backoff * 2, self.backoff_max_s)
+                continue
+            except RedisError as error:
+                log.warning("state store %s: write-back failed: %s", self.url, error)
+                backoff = min(backoff * 2, self.backoff_max_s)
+                continue
+            backoff = self.backoff_initial_s
+            self._mark_up()
+            log.warning("state store %s is reachable again; local state written back", self.url)
+
+    def _mark_down(self, error: BaseException) -> None:
+        if not self._down_logged:  # once per outage, including an outage at start
+            log.warning("state store %s is unreachable (%s); serving from local state until it returns",
+                        self.url, type(error).__name__)
+            self._down_logged = True
+        self._up = False
+
+    def _mark_up(self) -> None:
+        self._up = True
+        self._down_logged = False
+
+    # -- batched writes -------------------------------------------------------------------------
+
+    async def _write_back(self) -> None:
+        """Rewrite all local state (after a reconnect, or Redis lost it): idempotent."""
+        self._usage_dirty.update(self._usage)
+        self._eviction_dirty = True
+        index = window_index(time.time(), self.window_s)
+        self._windows.dirty.update((t, i) for t, i, _, _ in self._windows.recent(index))
+        if self._table is not None:
+            version = max(1, self._table.version)
+            stored = await self._put_tenants(keys=[self._key("tenants")],
+                                             args=[json.dumps(self._table.document, sort_keys=True), "restore", version])
+            self._table_pending = False
+            if int(stored) != version:
+                self._table = None  # Redis holds another table: read it on the next poll
+        await self._flush_once(full=True)
+
+    async def _flush_once(self, full: bool = False) -> None:
+        usage_dirty, self._usage_dirty = self._usage_dirty, set()
+        windows_dirty, self._windows.dirty = self._windows.dirty, set()
+        eviction_dirty, self._eviction_dirty = self._eviction_dirty, False
+        try:
+            await self._send(usage_dirty, windows_dirty, eviction_dirty, full)
+        except BaseException:
+            self._usage_dirty |= usage_dirty
+            self._windows.dirty |= windows_dirty
+            self._eviction_dirty |= eviction_dirty
+            raise
+
+    async def _send(self, usage_dirty: set[str], windows_dirty: set[tuple[str, int]], eviction_dirty: bool,
+                    full: bool) -> None:
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.hexists(self._key("replicas"), self.replica_id)  # gone: Redis lost our state
+            if usage_dirty:
+                pipe.hset(self._key("usage", self.replica_id), mapping={
+                    f"{tenant}|{name}": value for tenant in usage_dirty for name, value in self._usage[tenant].items()})
+            ttl = int(3 * self.window_s)
+            current = window_index(time.time(), self.window_s)
+            for tenant, index in windows_dirty:
+                if index < current - 1:
+                    continue
+                requests, tokens = self._windows.mine[(tenant, index)]
+                await self._raise_fields(keys=[self._key("rl", tenant, str(index))],
+                                         args=[ttl, f"r:{self.replica_id}", requests, f"t:{self.replica_id}", tokens],
+                                         client=pipe)
+            if eviction_dirty:
+                key = self._key("eviction", self.replica_id)
+                pipe.delete(key)
+                if self._eviction_index:
+                    pipe.hset(key, mapping={t: json.dumps(asdict(e)) for t, e in self._eviction_index.items()})
+            pipe.hset(self._key("replicas"), self.replica_id, f"{time.time():.3f}")
+            results = await pipe.execute()
+        if not results[0] and self._heartbeat_written and not full:
+            # Our heartbeat vanished: Redis restarted (or was flushed) behind a live connection.
+            log.warning("state store %s lost this replica's state; writing it back", self.url)
+            self._usage_dirty.update(self._usage)
+            self._eviction_dirty = True
+            self._windows.dirty.update((t, i) for t, i, _, _ in self._windows.recent(current))
+            self._wake.set()
+        self._heartbeat_written = True
+
+    async def _retire(self) -> None:
+        """Fold this replica's usage into usage:retired and remove its keys, atomically."""
+        async with self._redis.pipeline(transaction=True) as pipe:
+            for tenant, usage in self._usage.items():
+                for name, value in usage.items():
+                    if value:
+                        pipe.hincrby(self._key("usage", "retired"), f"{tenant}|{name}", value)
+            pipe.delete(self._key("usage", self.replica_id), self._key("eviction", self.replica_id))
+            pipe.hdel(self._key("replicas"), self.replica_id)
+            await pipe.execute()
+
+    def _pending(self) -> None:
+        if len(self._usage_dirty) + len(self._windows.dirty) >= self.max_pending:
+            self._wake.set()
+
+    # -- tenant table ---------------------------------------------------------------------------
+
+    async def get_tenant_table(self) -> TenantTableRecord | None:
+        if self._up:
+            try:
+                version, document = await self._redis.hmget(self._key("tenants"), ["version", "document"])
+            except UNREACHABLE as error:
+                self._mark_down(error)
+            else:
+                if document is not None:
+                    self._table = TenantTableRecord(int(version), json.loads(document))
+                elif not self._table_pending:
+                    self._table = None
+        return self._table
+
+    async def put_tenant_table(self, document: Mapping[str, Any], *, if_absent: bool = False) -> int:
+        """Store a new table version. With if_absent (seeding from a tenants file) an existing
+        table wins, and a store that is down keeps the table to write once it is back."""
+        payload = json.dumps(dict(document), sort_keys=True)
+        if not self._up:
+            if not if_absent:
+                raise StateStoreUnavailable(f"state store {self.url} is unreachable; the tenant table was not saved")
+            self._table, self._table_pending = TenantTableRecord(0, json.loads(payload)), True
+            return 0
+        mode, version = ("restore", 1) if if_absent else ("put", 0)
+        try:
+            stored = int(await self._put_tenants(keys=[self._key("tenants")], args=[payload, mode, version]))
+        except UNREACHABLE as error:
+            self._mark_down(error)
+            raise StateStoreUnavailable(f"state store {self.url} is unreachable; the tenant table was not saved") from None
+        await self.get_tenant_table()
+        return stored
+
+    async def tenant_table_version(self) -> int:
+        if self._up:
+            try:
+                version = await self._redis.hget(self._key("tenants"), "version")
+                return int(version or 0)
+            except UNREACHABLE as error:
+                self._mark_down(error)
+        return self._table.version if self._table else 0
+
+    # -- usage and eviction index ---------------------------------------------------------------
+
+    def add_usage(self, tenant: str, requests: int = 0, prompt_tokens: int = 0, completion_tokens: int = 0) -> None:
+        usage = self._usage[tenant]
+        usage["requests"] += requests
+        usage["prompt_tokens"] += prompt_tokens
+        usage["completion_tokens"] += completion_tokens
+        self._usage_dirty.add(tenant)
+        self._pending()
+
+    async def get_usage(self) -> dict[str, dict[str, int]]:
+        """All replicas' usage summed; this replica's from local state (it may be ahead of Redis).
+        While Redis is down, this replica's usage only."""
+        totals: dict[str, dict[str, int]] = defaultdict(lambda: dict.fromkeys(USAGE_FIELDS, 0))
+        if self._up:
+            try:
+                replicas = [r for r in await self._redis.hkeys(self._key("replicas")) if r != self.replica_id]
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    for name in [*replicas, "retired"]:
+                        pipe.hgetall(self._key("usage", name))
+                    stored_usage = await pipe.execute()
+                for stored in stored_usage:
+                    for field, value in stored.items():
+                        tenant, _, name = field.rpartition("|")
+                        totals[tenant][name] += int(value)
+            except UNREACHABLE as error:
+                self._mark_down(error)
+                totals.clear()
+        for tenant, usage in self._usage.items():
+            for name, value in usage.items():
+                totals[tenant][name] += value
+        return {tenant: dict(usage) for tenant, usage in totals.items()}
+
+    def publish_eviction_index(self, entries: Mapping[str, EvictionIndexEntry]) -> None:
+        self._eviction_index = dict(entries)
+        self._eviction_dirty = True
+
+    async def get_eviction_index(self) -> dict[str, dict[str, EvictionIndexEntry]]:
+        result = {self.replica_id: dict(self._eviction_index)} if self._eviction_index else {}
+        if not self._up:
+            return result
+        try:
+            heartbeats = await self._redis.hgetall(self._key("replicas"))
+            fresh = [r for r, beat in heartbeats.items()
+                     if r != self.replica_id and time.time() - float(beat) < self.replica_stale_s]
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for name in fresh:
+                    pipe.hgetall(self._key("eviction", name))
+                stored_indexes = await pipe.execute()
+            for name, stored in zip(fresh, stored_indexes, strict=True):
+                if stored:
+                    result[name] = {t: EvictionIndexEntry(**json.loads(v)) for t, v in stored.items()}
+        except UNREACHABLE as error:
+            self._mark_down(error)
+        return result
+
+    # -- rate-limit windows ---------------------------------------------------------------------
+
+    async def admit(self, tenant: str, now: float, limits: Limits, tokens: int) -> Admission:
+        index, fraction = window_index(now, self.window_s), elapsed_fraction(now, self.window_s)
+        known = self._windows.counts(tenant, index)  # a lower bound of the shared counts
+        if not admits(known, fraction, limits, tokens):
+            return Admission(False, known, fraction, shared=False)
+        if self._up:
+            try:
+                return await self._admit_shared(tenant, index, fraction, limits, tokens)
+            except UNREACHABLE as error:
+                self._mark_down(error)
+            except RedisError as error:
+                log.warning("state store %s: rate-limit script failed (%s); deciding locally", self.url, error)
+        allowed = admits(known, fraction, limits, tokens)
+        if allowed:
+            self._windows.add(tenant, index, 1, tokens)
+        return Admission(allowed, self._windows.counts(tenant, index), fraction, shared=False)
+
+    async def _admit_shared(self, tenant: str, index: int, fraction: float, limits: Limits,
+                            tokens: int) -> Admission:
+        mine_now = self._windows.mine.get((tenant, index), (0, 0))
+        mine_prev = self._windows.mine.get((tenant, index - 1), (0, 0))
+        allowed, cur_r, cur_t, prev_r, prev_t = await self._admit(
+            keys=[self._key("rl", tenant, str(index)), self._key("rl", tenant, str(index - 1))],
+            args=[f"r:{self.replica_id}", f"t:{self.replica_id}", mine_now[0], mine_now[1], mine_prev[0],
+                  mine_prev[1], repr(1.0 - fraction), _limit(limits.requests), _limit(limits.tokens), tokens,
+                  int(3 * self.window_s)])
+        self._windows.set_others(tenant, index, int(cur_r), int(cur_t))
+        self._windows.set_others(tenant, index - 1, int(prev_r), int(prev_t))
+        if allowed:
+            self._windows.add(tenant, index, 1, tokens)
+        return Admission(bool(allowed), self._windows.counts(tenant, index), fraction, shared=True)
+
+    def add_window_tokens(self, tenant: str, now: float, tokens: int) -> None:
+        self._windows.add(tenant, window_index(now, self.window_s), 0, tokens)
+        self._pending()
+
+
+def _limit(value: int | None) -> int:
+    return -1 if value is None else value
+
+
+__all__ = ["RedisStateStore", "StateStoreUnavailable", "WindowCounts"]
