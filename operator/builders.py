@@ -1,0 +1,48 @@
+"""Every object one SitsDeployment owns, from its spec and the rollout's plan (pure, no cluster).
+
+The `build_*` functions live by concern in workloads.py, networking.py and monitoring.py; this
+module gathers them so a reconcile applies one list, and names the optional kinds it must delete
+when the spec stops asking for them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sits.operator.meta import Owner
+from sits.operator.monitoring import build_prometheus_rule, build_service_monitor
+from sits.operator.networking import build_http_route, build_pod_disruption_budget, build_services
+from sits.operator.plan import Plan
+from sits.operator.spec import SitsDeploymentSpec
+from sits.operator.tenants import TenantRecord
+from sits.operator.workloads import build_config_map, build_deployment, build_pod_template
+
+# (apiVersion, kind) of the objects a spec may or may not ask for; absent from build_all -> deleted.
+OPTIONAL_KINDS = (
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"),
+    ("monitoring.coreos.com/v1", "ServiceMonitor"),
+    ("monitoring.coreos.com/v1", "PrometheusRule"),
+)
+
+__all__ = [
+    "OPTIONAL_KINDS", "build_all", "build_config_map", "build_deployment", "build_http_route",
+    "build_pod_disruption_budget", "build_pod_template", "build_prometheus_rule", "build_service_monitor",
+    "build_services",
+]
+
+
+def build_all(owner: Owner, spec: SitsDeploymentSpec, plan: Plan,
+              tenants: list[TenantRecord] | None) -> list[dict[str, Any]]:
+    """The desired objects, in apply order: config first, then pods, then what routes to them."""
+    objects = [build_config_map(owner, plan, tenants if spec.tenancy.tenants else None),
+               build_deployment(owner, "stable", plan.stable),
+               build_deployment(owner, "canary", plan.canary),
+               *build_services(owner),
+               build_pod_disruption_budget(owner)]
+    if spec.rollout.gateway_api is not None:
+        objects.append(build_http_route(owner, spec.rollout.gateway_api, plan, spec.rollout.canary.tenants))
+    if spec.monitoring.service_monitor:
+        objects.append(build_service_monitor(owner))
+    if spec.monitoring.prometheus_rule:
+        objects.append(build_prometheus_rule(owner, spec.rollout.canary.analysis))
+    return objects

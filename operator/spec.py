@@ -1,0 +1,258 @@
+"""The SitsDeployment spec as validated, frozen dataclasses.
+
+`parse_spec(spec, name)` is the one entry point: it applies the same defaults as the CRD (so a
+resource created where the API server did not default it behaves the same) and raises `SpecError`
+naming the field path. The pod-template part of the spec is `WorkloadSpec`; it round-trips through
+`to_dict()` / `parse_workload()` because the stable track's copy lives in `status.stableSpec`
+while a canary runs.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from sits.operator.fields import Fields, SpecError
+from sits.operator.spec_rollout import MonitoringSpec, RolloutSpec, parse_monitoring, parse_rollout
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+QUANTIZATIONS = ("none", "fp8", "int8")
+PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+MODEL_URI = re.compile(r"^(pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?|hf://[^/\s]+(/[^/\s]+)?|file:///\S*)$")
+TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+RESOURCE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+REDIS_URL = re.compile(r"^(redis|rediss|unix)://\S+$")
+
+__all__ = ["SpecError", "SitsDeploymentSpec", "WorkloadSpec", "parse_spec", "parse_workload"]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Which checkpoint, how. `uri`: pvc://claim/path, hf://org/name or file:///path in the image."""
+
+    name: str
+    uri: str
+    dtype: str = "auto"
+    quantization: str = "none"
+    max_model_len: int | None = None
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Engine limits (the runtime's flags); tokens and sequences per engine step."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    gpu_memory_utilization: float = 0.9
+    kv_block_size: int = 16
+    cuda_graphs: bool = True
+
+
+@dataclass(frozen=True)
+class NcclSpec:
+    socket_nthreads: int = 8
+    min_channels: int = 4
+    env: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """Everything that shapes the pod template; a change here is a new revision (a canary)."""
+
+    model: ModelSpec
+    image: str
+    image_pull_policy: str | None = None
+    gpus_per_replica: int = 1
+    gpu_product: str | None = None
+    resources: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
+    engine: EngineSpec = field(default_factory=EngineSpec)
+    nccl: NcclSpec = field(default_factory=NcclSpec)
+    redis_url: str | None = None
+    tenants_file: bool = False  # serve with the tenants file of the ConfigMap
+
+    def to_dict(self) -> dict[str, Any]:
+        """The spec-shaped dict `parse_workload` reads back (kept in status.stableSpec)."""
+        model: dict[str, Any] = {"name": self.model.name, "uri": self.model.uri, "dtype": self.model.dtype,
+                                 "quantization": self.model.quantization}
+        if self.model.max_model_len is not None:
+            model["maxModelLen"] = self.model.max_model_len
+        data: dict[str, Any] = {
+            "model": model, "image": self.image, "gpusPerReplica": self.gpus_per_replica,
+            "engine": {"maxNumSeqs": self.engine.max_num_seqs,
+                       "maxNumBatchedTokens": self.engine.max_num_batched_tokens,
+                       "gpuMemoryUtilization": self.engine.gpu_memory_utilization,
+                       "kvBlockSize": self.engine.kv_block_size, "cudaGraphs": self.engine.cuda_graphs},
+            "nccl": {"socketNThreads": self.nccl.socket_nthreads, "minChannels": self.nccl.min_channels,
+                     "env": dict(self.nccl.env)},
+            "tenantsFile": self.tenants_file,
+        }
+        if self.image_pull_policy:
+            data["imagePullPolicy"] = self.image_pull_policy
+        if self.gpu_product:
+            data["gpuProduct"] = self.gpu_product
+        if self.resources:
+            data["resources"] = {kind: dict(values) for kind, values in self.resources}
+        if self.redis_url:
+            data["tenancy"] = {"redis": {"url": self.redis_url}}
+        return data
+
+
+@dataclass(frozen=True)
+class SecretKeyRef:
+    name: str
+    key: str
+
+
+@dataclass(frozen=True)
+class TenantSpec:
+    """One tenant; its API key is read from the Secret and only its SHA-256 ever leaves the operator."""
+
+    name: str
+    api_key_secret_ref: SecretKeyRef
+    priority: int = 0
+    kv_cache_share: float = 0.0
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+
+
+@dataclass(frozen=True)
+class TenancySpec:
+    redis_url: str | None = None
+    tenants: tuple[TenantSpec, ...] = ()
+
+
+@dataclass(frozen=True)
+class SitsDeploymentSpec:
+    name: str
+    workload: WorkloadSpec
+    replicas: int = 1
+    tenancy: TenancySpec = field(default_factory=TenancySpec)
+    rollout: RolloutSpec = field(default_factory=RolloutSpec)
+    monitoring: MonitoringSpec = field(default_factory=MonitoringSpec)
+
+
+_SPEC_FIELDS = {"model", "image", "imagePullPolicy", "replicas", "gpusPerReplica", "gpuProduct", "resources",
+                "engine", "nccl", "tenancy", "rollout", "monitoring"}
+
+
+def parse_spec(spec: Any, name: str) -> SitsDeploymentSpec:
+    """Validate a SitsDeployment's spec; raises SpecError naming the first invalid field."""
+    fields = Fields(spec, "spec", _SPEC_FIELDS)
+    tenancy = _parse_tenancy(fields.child("tenancy", {"redis", "tenants"}))
+    workload = parse_workload(spec, "spec", default_model_name=name, tenants_file=bool(tenancy.tenants))
+    rollout = parse_rollout(fields.child("rollout", {"canary", "trafficRouting"}))
+    if rollout.canary.tenants and rollout.gateway_api is None:
+        raise SpecError("spec.rollout.canary.tenants",
+                        "routing tenants to the canary needs spec.rollout.trafficRouting.gatewayAPI "
+                        "(a header match); without it traffic is split by replica ratio only")
+    return SitsDeploymentSpec(
+        name=name, workload=workload,
+        replicas=fields.integer("replicas", 1, minimum=0),
+        tenancy=tenancy, rollout=rollout,
+        monitoring=parse_monitoring(fields.child("monitoring", {"serviceMonitor", "prometheusRule"})),
+    )
+
+
+def parse_workload(data: Any, path: str, *, default_model_name: str | None = None,
+                   tenants_file: bool | None = None) -> WorkloadSpec:
+    """The pod-template part of a spec-shaped dict (a spec, or status.stableSpec)."""
+    fields = Fields(data, path)
+    model_fields = fields.child("model", {"name", "uri", "dtype", "quantization", "maxModelLen"}, required=True)
+    assert model_fields is not None  # required=True raised otherwise
+    model = ModelSpec(
+        name=model_fields.string("name", default_model_name, required=default_model_name is None),
+        uri=model_fields.string("uri", required=True, pattern=MODEL_URI,
+                                what="pvc://claim/path, hf://org/name or file:///path"),
+        dtype=model_fields.string("dtype", "auto", choices=DTYPES),
+        quantization=model_fields.string("quantization", "none", choices=QUANTIZATIONS),
+        max_model_len=model_fields.integer("maxModelLen", None, minimum=1),
+    )
+    engine_fields = fields.child("engine", {"maxNumSeqs", "maxNumBatchedTokens", "gpuMemoryUtilization",
+                                            "kvBlockSize", "cudaGraphs"}) or Fields({}, fields.at("engine"))
+    block_size = engine_fields.integer("kvBlockSize", 16)
+    if block_size not in BLOCK_SIZES:
+        raise SpecError(engine_fields.at("kvBlockSize"), f"must be a power of two up to 256, got {block_size}")
+    engine = EngineSpec(
+        max_num_seqs=engine_fields.integer("maxNumSeqs", 256, minimum=1),
+        max_num_batched_tokens=engine_fields.integer("maxNumBatchedTokens", 2048, minimum=1),
+        gpu_memory_utilization=engine_fields.number("gpuMemoryUtilization", 0.9, minimum=0.0, maximum=1.0,
+                                                    exclusive_minimum=True),
+        kv_block_size=block_size,
+        cuda_graphs=engine_fields.boolean("cudaGraphs", True),
+    )
+    nccl_fields = fields.child("nccl", {"socketNThreads", "minChannels", "env"}) or Fields({}, fields.at("nccl"))
+    nccl = NcclSpec(
+        socket_nthreads=nccl_fields.integer("socketNThreads", 8, minimum=1),
+        min_channels=nccl_fields.integer("minChannels", 4, minimum=1),
+        env=tuple(sorted(nccl_fields.string_map("env", ENV_NAME, "an environment variable name").items())),
+    )
+    tenancy = fields.child("tenancy")
+    redis = tenancy.child("redis", {"url"}) if tenancy is not None else None
+    if tenants_file is None:
+        tenants_file = fields.boolean("tenantsFile", False)
+    return WorkloadSpec(
+        model=model,
+        image=fields.string("image", required=True),
+        image_pull_policy=fields.string("imagePullPolicy", None, choices=PULL_POLICIES),
+        gpus_per_replica=fields.integer("gpusPerReplica", 1, minimum=0),
+        gpu_product=fields.string("gpuProduct", None),
+        resources=_parse_resources(fields.child("resources", {"requests", "limits"})),
+        engine=engine, nccl=nccl,
+        redis_url=redis.string("url", None, pattern=REDIS_URL, what="redis://host:port/db") if redis else None,
+        tenants_file=tenants_file,
+    )
+
+
+def _parse_resources(fields: Fields | None) -> tuple[tuple[str, tuple[tuple[str, str], ...]], ...]:
+    if fields is None:
+        return ()
+    result = []
+    for kind in ("requests", "limits"):
+        values = fields.child(kind)
+        if values is None:
+            continue
+        quantities = []
+        for resource, quantity in values.data.items():
+            if isinstance(quantity, bool) or not isinstance(quantity, str | int | float):
+                raise SpecError(values.at(str(resource)), f"must be a quantity such as 4 or 16Gi, got {quantity!r}")
+            quantities.append((str(resource), str(quantity)))
+        result.append((kind, tuple(sorted(quantities))))
+    return tuple(result)
+
+
+def _parse_tenancy(fields: Fields | None) -> TenancySpec:
+    if fields is None:
+        return TenancySpec()
+    redis = fields.child("redis", {"url"})
+    tenants = []
+    for path, item in fields.items("tenants"):
+        tenant = Fields(item, path, {"name", "priority", "kvCacheShare", "apiKeySecretRef", "limits"})
+        ref = tenant.child("apiKeySecretRef", {"name", "key"}, required=True)
+        assert ref is not None
+        limits = tenant.child("limits", {"requestsPerMinute", "tokensPerMinute"}) or Fields({}, tenant.at("limits"))
+        tenants.append(TenantSpec(
+            name=tenant.string("name", required=True, pattern=TENANT_NAME,
+                               what="letters, digits, '.', '_' or '-' (at most 63)"),
+            api_key_secret_ref=SecretKeyRef(
+                name=ref.string("name", required=True, pattern=RESOURCE_NAME, what="a Secret name"),
+                key=ref.string("key", required=True)),
+            priority=tenant.integer("priority", 0, minimum=0, maximum=3),
+            kv_cache_share=tenant.number("kvCacheShare", 0.0, minimum=0.0, maximum=1.0),
+            requests_per_minute=limits.integer("requestsPerMinute", None, minimum=1),
+            tokens_per_minute=limits.integer("tokensPerMinute", None, minimum=1),
+        ))
+    seen: set[str] = set()
+    for index, tenant in enumerate(tenants):
+        if tenant.name in seen:
+            raise SpecError(f"spec.tenancy.tenants[{index}].name", f"tenant {tenant.name!r} appears twice")
+        seen.add(tenant.name)
+    total = sum(t.kv_cache_share for t in tenants)
+    if total > 1.0 + 1e-9:
+        raise SpecError("spec.tenancy.tenants", f"kvCacheShare values sum to {total:g}, more than 1")
+    return TenancySpec(
+        redis_url=redis.string("url", None, pattern=REDIS_URL, what="redis://host:port/db") if redis else None,
+        tenants=tuple(tenants),
+    )

@@ -1,0 +1,160 @@
+"""Pure builders of the pods' side: the engine ConfigMap, the pod template and the track Deployments."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from sits.operator.meta import (
+    DEPLOYMENT_LABEL,
+    HTTP_PORT,
+    REVISION_ANNOTATION,
+    REVISION_LABEL,
+    TRACK_LABEL,
+    Owner,
+    common_labels,
+    config_map_name,
+    deployment_name,
+    object_meta,
+)
+from sits.operator.plan import Plan, TrackPlan
+from sits.operator.spec import WorkloadSpec
+from sits.operator.tenants import TenantRecord
+
+CONFIG_DIR = "/etc/sits"
+TENANTS_FILE = f"{CONFIG_DIR}/tenants.yaml"
+MODEL_DIR = "/mnt/models"
+GPU_RESOURCE = "nvidia.com/gpu"
+GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
+DRAIN_SECONDS = 45  # > the runtime's default 30 s drain, so in-flight requests finish on SIGTERM
+
+
+def engine_args(workload: WorkloadSpec) -> list[str]:
+    """`sits serve` flags for this workload (the track flag is added per Deployment)."""
+    model, engine = workload.model, workload.engine
+    args = ["serve", "--host", "0.0.0.0", "--port", str(HTTP_PORT),
+            "--model", _model_path(model.uri), "--served-model-name", model.name,
+            "--dtype", model.dtype, "--quantization", model.quantization,
+            "--max-num-seqs", str(engine.max_num_seqs),
+            "--max-num-batched-tokens", str(engine.max_num_batched_tokens),
+            "--block-size", str(engine.kv_block_size),
+            "--gpu-memory-utilization", f"{engine.gpu_memory_utilization:g}"]
+    if model.max_model_len is not None:
+        args += ["--max-model-len", str(model.max_model_len)]
+    if workload.gpus_per_replica == 0:
+        args += ["--device", "cpu"]
+    if not engine.cuda_graphs:
+        args.append("--enforce-eager")
+    if workload.tenants_file:
+        args += ["--tenants", TENANTS_FILE]
+    if workload.redis_url:
+        args += ["--state-store", workload.redis_url]
+    return args
+
+
+def _model_path(uri: str) -> str:
+    scheme, _, rest = uri.partition("://")
+    if scheme == "pvc":
+        _claim, _, path = rest.partition("/")
+        return f"{MODEL_DIR}/{path}".rstrip("/")
+    if scheme == "hf":
+        return rest  # an HF repo id; the runtime resolves it
+    return rest  # file:///path -> /path inside the image
+
+
+def _env(workload: WorkloadSpec, owner_name: str, namespace: str) -> list[dict[str, Any]]:
+    values = {"NCCL_SOCKET_NTHREADS": str(workload.nccl.socket_nthreads),
+              "NCCL_MIN_NCHANNELS": str(workload.nccl.min_channels),
+              "SITS_DEPLOYMENT": f"{namespace}.{owner_name}"}
+    values.update(dict(workload.nccl.env))  # the spec's own NCCL_* win over the defaults
+    return [{"name": key, "value": values[key]} for key in sorted(values)]
+
+
+def _resources(workload: WorkloadSpec) -> dict[str, Any]:
+    resources: dict[str, dict[str, str]] = {kind: dict(values) for kind, values in workload.resources}
+    if workload.gpus_per_replica > 0:
+        resources.setdefault("limits", {})[GPU_RESOURCE] = str(workload.gpus_per_replica)
+    return resources
+
+
+def _probe(period_s: int, timeout_s: int, failures: int) -> dict[str, Any]:
+    return {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": period_s,
+            "timeoutSeconds": timeout_s, "failureThreshold": failures}
+
+
+def build_pod_template(owner: Owner, workload: WorkloadSpec, track: str | None = None,
+                       revision: str | None = None) -> dict[str, Any]:
+    """The pod template of one track; with track None, the track-neutral template revisions hash."""
+    volumes: list[dict[str, Any]] = [
+        {"name": "dshm", "emptyDir": {"medium": "Memory"}},  # NCCL and torch workers share memory here
+        {"name": "config", "configMap": {"name": config_map_name(owner.name)}},
+    ]
+    mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"},
+                                    {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}]
+    if workload.model.uri.startswith("pvc://"):
+        claim = workload.model.uri[len("pvc://"):].partition("/")[0]
+        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+        mounts.append({"name": "model", "mountPath": MODEL_DIR, "readOnly": True})
+    args = engine_args(workload) + (["--track", track] if track else [])
+    container: dict[str, Any] = {
+        "name": "sits", "image": workload.image, "args": args,
+        "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
+        "env": _env(workload, owner.name, owner.namespace),
+        "resources": _resources(workload),
+        "volumeMounts": mounts,
+        "startupProbe": _probe(10, 5, 180),  # loading a large checkpoint may take up to 30 minutes
+        "readinessProbe": _probe(5, 2, 3),
+        "livenessProbe": _probe(10, 5, 6),
+    }
+    if workload.image_pull_policy:
+        container["imagePullPolicy"] = workload.image_pull_policy
+    pod_spec: dict[str, Any] = {"containers": [container], "volumes": volumes,
+                                "terminationGracePeriodSeconds": DRAIN_SECONDS}
+    if workload.gpu_product:
+        pod_spec["nodeSelector"] = {GPU_PRODUCT_LABEL: workload.gpu_product}
+    if workload.gpus_per_replica > 0:
+        pod_spec["tolerations"] = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
+    labels = common_labels(owner.name)
+    if track:
+        labels[TRACK_LABEL] = track
+    if revision:
+        labels[REVISION_LABEL] = revision
+    annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(HTTP_PORT),
+                   "prometheus.io/path": "/metrics"}
+    return {"metadata": {"labels": labels, "annotations": annotations}, "spec": pod_spec}
+
+
+def build_deployment(owner: Owner, track: str, track_plan: TrackPlan) -> dict[str, Any]:
+    """The Deployment of one track (`x-stable` / `x-canary`), labelled and annotated with its revision."""
+    selector = {DEPLOYMENT_LABEL: owner.name, TRACK_LABEL: track}
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": object_meta(owner, deployment_name(owner.name, track), {TRACK_LABEL: track},
+                                {REVISION_ANNOTATION: track_plan.revision}),
+        "spec": {
+            "replicas": track_plan.replicas,
+            "selector": {"matchLabels": selector},
+            "revisionHistoryLimit": 3,
+            "progressDeadlineSeconds": 1800,
+            "template": build_pod_template(owner, track_plan.workload, track, track_plan.revision),
+        },
+    }
+
+
+def build_config_map(owner: Owner, plan: Plan, tenants: list[TenantRecord] | None) -> dict[str, Any]:
+    """The engine config of each running track, and the tenants file (API-key digests only)."""
+    data = {"engine-stable.yaml": _engine_document(plan.stable)}
+    if plan.canary_active:
+        data["engine-canary.yaml"] = _engine_document(plan.canary)
+    if tenants is not None:
+        document = {"tenants": [tenant.to_document() for tenant in tenants]}
+        data["tenants.yaml"] = yaml.safe_dump(document, sort_keys=False)
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": object_meta(owner, config_map_name(owner.name)), "data": data}
+
+
+def _engine_document(track_plan: TrackPlan) -> str:
+    document = {"revision": track_plan.revision, **track_plan.workload.to_dict(),
+                "args": engine_args(track_plan.workload)}
+    return yaml.safe_dump(document, sort_keys=True)
