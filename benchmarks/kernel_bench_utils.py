@@ -1,0 +1,144 @@
+"""Timing and reporting helpers shared by the kernel benchmarks (benchmarks/bench_<op>.py).
+
+Every figure is measured the same way for our kernel and its peer, in the same process:
+a warm-up call (compilation, autotuning, cuDNN plans), then a CUDA graph holding several calls,
+replayed several times and timed with CUDA events; the median per-call time is reported. Graphs
+remove Python launch overhead for both sides alike (the runtime replays graphs for decode too).
+Where a callable cannot be captured, it falls back to triton.testing.do_bench (median).
+
+Inputs larger than L2 are used as they are; callables may rotate through several input sets
+(see `rotating`) so small problems are not timed out of L2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+
+@dataclass
+class Measurement:
+    """One timed case: our kernel against its best peer, in one unit (TFLOP/s or GB/s)."""
+
+    case: str
+    unit: str
+    ours: float
+    peer: float
+    peer_name: str
+    ours_ms: float
+    peer_ms: float
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float:
+        return self.ours / self.peer if self.peer else float("nan")
+
+
+def time_ms(fn: Callable[[], object], calls_per_graph: int = 10, replays: int = 15) -> float:
+    """Median milliseconds per call of fn, captured in a CUDA graph (do_bench if capture fails)."""
+    fn()  # compile / autotune / plan outside the graph
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls_per_graph):
+                fn()
+    except Exception:  # noqa: BLE001 - some peers cannot be captured; time them eagerly instead
+        torch.cuda.synchronize()
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / calls_per_graph)
+    return statistics.median(samples)
+
+
+def rotating(fn: Callable[[int], object], count: int) -> Callable[[], object]:
+    """A no-argument callable that calls fn(0), fn(1), ... fn(count - 1), fn(0), ... in turn.
+
+    Inside a CUDA graph, consecutive captured calls then read different buffers.
+    """
+    state = {"i": 0}
+
+    def call():
+        i = state["i"]
+        state["i"] = (i + 1) % count
+        return fn(i)
+
+    return call
+
+
+def best_peer(peers: dict[str, Callable[[], object]], work: float) -> tuple[str, float, dict[str, float]]:
+    """Times every peer; returns (name of the fastest, its ms, all ms). Peers that fail are skipped."""
+    times = {}
+    for name, fn in peers.items():
+        try:
+            times[name] = time_ms(fn)
+        except Exception as error:  # noqa: BLE001 - a peer back end missing on this machine
+            print(f"  peer {name} unavailable: {type(error).__name__}: {str(error)[:160]}")
+    if not times:
+        raise RuntimeError("no peer could run")
+    name = min(times, key=times.get)
+    return name, times[name], times
+
+
+def hbm_copy_gbps(num_bytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth in GB/s (bytes read + bytes written), the HBM ceiling."""
+    src = torch.empty(num_bytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), calls_per_graph=5, replays=10)
+    return 2 * num_bytes / (ms * 1e-3) / 1e9
+
+
+def parse_args(description: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--json", help="also write the measurements to this JSON file")
+    parser.add_argument("--quick", action="store_true", help="fewer cases")
+    return parser.parse_args()
+
+
+def report(title: str, rows: Sequence[Measurement], json_path: str | None = None, notes: Sequence[str] = ()) -> None:
+    """Prints a markdown table (ours, peer, ratio) and optionally writes the rows as JSON."""
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    import triton
+
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    print(f"\n### {title}\n{stamp}, {gpu}, torch {torch.__version__}, triton {triton.__version__}\n")
+    print("| case | unit | SITS | best peer | peer | ratio | SITS ms | peer ms |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r.case} | {r.unit} | {r.ours:,.1f} | {r.peer:,.1f} | {r.peer_name} | {r.ratio:.2f}x "
+            f"| {r.ours_ms:.4f} | {r.peer_ms:.4f} |"
+        )
+    for note in notes:
+        print(f"\n{note}")
+    if json_path:
+        os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+        with open(json_path, "w") as f:
+            json.dump(
+                {"title": title, "date": stamp, "gpu": gpu, "rows": [asdict(r) | {"ratio": r.ratio} for r in rows]},
+                f,
+                indent=1,
+            )
