@@ -40,13 +40,20 @@ def cache_root() -> Path:
     return Path(configured).expanduser() if configured else Path.home() / ".cache" / "sits"
 
 
+_digests: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) → digest, within this process
+
+
 def file_digest(path: Path, chunk_bytes: int = 8 << 20) -> str:
-    """sha256 of the file's bytes, hex."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(chunk_bytes):
-            digest.update(chunk)
-    return digest.hexdigest()
+    """sha256 of the file's bytes, hex (remembered per process while the file is unchanged)."""
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if key not in _digests:
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(chunk_bytes):
+                digest.update(chunk)
+        _digests[key] = digest.hexdigest()
+    return _digests[key]
 
 
 def cached_checkpoint_dir(gguf_path: str | Path, *, progress: bool = True) -> Path:

