@@ -1,0 +1,107 @@
+"""Thin kopf handlers: each one calls the Reconciler, which reads, builds, applies and writes status.
+
+`register(registry, config)` installs them into a kopf registry (so tests and `python -m
+sits.operator` each get their own, configured the same way):
+
+- create / update / resume: reconcile now; an invalid spec raises kopf.PermanentError (the
+  status already carries an InvalidSpec condition naming the field);
+- a timer every `resync_interval_s`: reconcile (pauses, readiness waits and analysis runs are
+  decided on these ticks);
+- a timer every `tenancy_interval_s`: write the tenant table to Redis;
+- startup / cleanup: settings, the API client and the Alertmanager webhook.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import kopf
+
+from sits.operator.config import OperatorConfig
+from sits.operator.kube import KubeClient
+from sits.operator.meta import GROUP, PLURAL, VERSION
+from sits.operator.reconciler import Reconciler
+from sits.operator.spec import parse_spec
+from sits.operator.tenancy_sync import delete_tenant_table
+from sits.operator.webhook import start_webhook
+
+RESOURCE = (GROUP, VERSION, PLURAL)
+
+
+@dataclass
+class OperatorState:
+    """What startup creates and every handler shares."""
+
+    reconciler: Reconciler | None = None
+    webhook: Any = None
+
+    def require(self) -> Reconciler:
+        if self.reconciler is None:
+            raise kopf.TemporaryError("the operator is still starting", delay=1)
+        return self.reconciler
+
+
+def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> OperatorState:
+    state = OperatorState()
+    backoff = max(config.resync_interval_s, 0.5)
+
+    @kopf.on.login(registry=registry)
+    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+    @kopf.on.startup(registry=registry)
+    async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+        # Our own annotations, not kopf.zalando.org/*; status.kopf would be pruned by the CRD schema
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="sits.ai")
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+            prefix="sits.ai", key="last-handled-configuration")
+        settings.posting.level = logging.WARNING  # rollout Events are posted by the reconciler itself
+        settings.watching.server_timeout = 300
+        settings.networking.request_timeout = 60
+        state.reconciler = Reconciler(KubeClient.from_environment())
+        if config.webhook_port:
+            state.webhook = await start_webhook(state.reconciler, config.webhook_host, config.webhook_port,
+                                                config.namespace)
+
+    @kopf.on.cleanup(registry=registry)
+    async def cleanup(**_: Any) -> None:
+        if state.webhook is not None:
+            await state.webhook.cleanup()
+            state.webhook = None
+        if state.reconciler is not None:
+            state.reconciler.providers.terminate_all()
+            state.reconciler.kube.close()
+
+    @kopf.on.resume(*RESOURCE, registry=registry, backoff=backoff)
+    @kopf.on.create(*RESOURCE, registry=registry, backoff=backoff)
+    @kopf.on.update(*RESOURCE, registry=registry, backoff=backoff)
+    def reconcile(name: str, namespace: str, **_: Any) -> None:
+        result = state.require().reconcile(namespace, name)
+        if result.error is not None:
+            raise kopf.PermanentError(str(result.error))
+
+    @kopf.timer(*RESOURCE, registry=registry, interval=config.resync_interval_s, backoff=backoff,
+                errors=kopf.ErrorsMode.IGNORED)
+    def resync(name: str, namespace: str, **_: Any) -> None:
+        state.require().reconcile(namespace, name)
+
+    @kopf.timer(*RESOURCE, registry=registry, interval=config.tenancy_interval_s, backoff=backoff,
+                errors=kopf.ErrorsMode.IGNORED)
+    def sync_tenants(name: str, namespace: str, **_: Any) -> None:
+        state.require().sync_tenants(namespace, name)
+
+    @kopf.on.delete(*RESOURCE, registry=registry, optional=True)
+    def deleted(name: str, namespace: str, spec: Any, **_: Any) -> None:
+        # Owned objects go with the resource (owner references); only Redis needs cleaning up
+        if state.reconciler is not None:
+            state.reconciler.forget(namespace, name)
+        try:
+            tenancy = parse_spec(dict(spec), name).tenancy
+        except ValueError:
+            return
+        if tenancy.redis_url:
+            delete_tenant_table(tenancy.redis_url, namespace, name)
+
+    return state

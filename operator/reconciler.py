@@ -1,0 +1,227 @@
+"""One reconcile of one SitsDeployment: read, decide, build, apply, write status.
+
+Every trigger (kopf's create/update/resume handlers, the resync timer, the Alertmanager webhook)
+calls `Reconciler.reconcile`, which re-reads the resource under a per-resource lock: two triggers
+never act on a stale copy, and running it twice in a row changes nothing the second time.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from sits.operator.analysis import ProviderRegistry, run_analysis
+from sits.operator.builders import OPTIONAL_KINDS, build_all
+from sits.operator.fields import SpecError
+from sits.operator.kube import ApiError, KubeClient
+from sits.operator.meta import (
+    API_VERSION,
+    DEPLOYMENT_LABEL,
+    KIND,
+    RESUME_ANNOTATION,
+    Owner,
+    deployment_name,
+    is_owned_by,
+)
+from sits.operator.observations import DeploymentObservation, Observations
+from sits.operator.rollout import analysis_due, decide
+from sits.operator.spec import SitsDeploymentSpec, parse_spec
+from sits.operator.status import Status, status_patch, to_timestamp
+from sits.operator.tenancy_sync import sync_tenant_table
+from sits.operator.tenants import resolve_tenants
+
+logger = logging.getLogger("sits.operator")
+
+OPTIONAL_KIND_NAMES = {kind for _, kind in OPTIONAL_KINDS}
+
+
+@dataclass(frozen=True)
+class ReconcileResult:
+    phase: str | None
+    error: SpecError | None = None  # the spec is invalid (kopf handlers raise PermanentError)
+    gone: bool = False
+
+
+class Reconciler:
+    def __init__(self, kube: KubeClient, providers: ProviderRegistry | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.kube = kube
+        self.providers = providers or ProviderRegistry()
+        self.clock = clock
+        self._locks: dict[tuple[str, str], threading.RLock] = {}
+        self._locks_guard = threading.Lock()
+
+    def lock(self, namespace: str, name: str) -> threading.RLock:
+        with self._locks_guard:
+            return self._locks.setdefault((namespace, name), threading.RLock())
+
+    def forget(self, namespace: str, name: str) -> None:
+        with self._locks_guard:
+            self._locks.pop((namespace, name), None)
+
+    def _get(self, namespace: str, name: str) -> dict[str, Any] | None:
+        body = self.kube.get(API_VERSION, KIND, namespace, name)
+        if body is None or body.get("metadata", {}).get("deletionTimestamp"):
+            return None
+        return body
+
+    def reconcile(self, namespace: str, name: str) -> ReconcileResult:
+        with self.lock(namespace, name):
+            body = self._get(namespace, name)
+            if body is None:
+                return ReconcileResult(phase=None, gone=True)
+            owner = Owner.from_body(body)
+            stored = body.get("status") or {}
+            try:
+                spec = parse_spec(body.get("spec"), name)
+            except SpecError as error:
+                self._report_invalid(owner, stored, error)
+                return ReconcileResult(phase="Degraded", error=error)
+            status = Status.from_dict(stored)
+            obs = self._observe(body, owner)
+            now = self.clock()
+            analysis = spec.rollout.canary.analysis
+            if analysis is not None and analysis_due(spec, owner, status, now):
+                outcome = run_analysis(self.providers.for_analysis(analysis), owner, analysis)
+                logger.info("analysis of %s/%s: %s", namespace, name, outcome.message)
+                obs = replace(obs, analysis=outcome)
+                now = self.clock()
+            decision = decide(spec, owner, status, obs, now)
+            self._apply(owner, spec, decision.plan, decision.status, now)
+            if decision.consume_resume:
+                # Before the status: a crash in between loses a resume rather than resuming twice
+                self.kube.patch(API_VERSION, KIND, namespace, name,
+                                {"metadata": {"annotations": {RESUME_ANNOTATION: None}}})
+            patch = status_patch(stored, decision.status)
+            if patch:
+                self.kube.patch(API_VERSION, KIND, namespace, name, {"status": patch}, subresource="status")
+            for event in decision.events:
+                logger.info("%s/%s %s: %s", namespace, name, event.reason, event.message)
+                self.kube.post_event(owner, event.type, event.reason, event.message)
+            return ReconcileResult(phase=decision.status.phase)
+
+    def _observe(self, body: dict[str, Any], owner: Owner) -> Observations:
+        meta = body.get("metadata", {})
+        tracks = [DeploymentObservation.from_object(
+            self.kube.get("apps/v1", "Deployment", owner.namespace, deployment_name(owner.name, track)))
+            for track in ("stable", "canary")]
+        generation = meta.get("generation")
+        return Observations(stable=tracks[0], canary=tracks[1],
+                            generation=generation if isinstance(generation, int) else None,
+                            resume_requested=RESUME_ANNOTATION in (meta.get("annotations") or {}))
+
+    def _apply(self, owner: Owner, spec: SitsDeploymentSpec, plan: Any, status: Status, now: float) -> None:
+        tenants = None
+        if spec.tenancy.tenants:
+            tenants = resolve_tenants(spec.tenancy, self._secret_reader(owner.namespace)).records
+        wanted: set[tuple[str, str]] = set()
+        missing_kinds: list[str] = []
+        for obj in build_all(owner, spec, plan, tenants):
+            wanted.add((obj["kind"], obj["metadata"]["name"]))
+            try:
+                outcome = self.kube.apply(obj)
+            except ApiError as error:
+                if error.status == 404 and obj["kind"] in OPTIONAL_KIND_NAMES:
+                    missing_kinds.append(obj["kind"])  # its CRD is not installed
+                    continue
+                raise
+            if outcome != "unchanged":
+                logger.info("%s %s %s/%s", outcome, obj["kind"], owner.namespace, obj["metadata"]["name"])
+        self._delete_unwanted(owner, wanted)
+        if missing_kinds:
+            status.set_condition("ResourcesReady", False, "CRDMissing",
+                                 f"cannot create {', '.join(missing_kinds)}: the CRD is not installed", now)
+        else:
+            status.remove_condition("ResourcesReady")
+
+    def _delete_unwanted(self, owner: Owner, wanted: set[tuple[str, str]]) -> None:
+        """Delete optional objects this resource owns and the spec no longer asks for."""
+        for api_version, kind in OPTIONAL_KINDS:
+            try:
+                existing = self.kube.list(api_version, kind, owner.namespace, f"{DEPLOYMENT_LABEL}={owner.name}")
+            except ApiError as error:
+                if error.status == 404:
+                    continue
+                raise
+            for obj in existing:
+                name = obj.get("metadata", {}).get("name")
+                if name and is_owned_by(obj, owner) and (kind, name) not in wanted:
+                    self.kube.delete(api_version, kind, owner.namespace, name)
+                    logger.info("deleted %s %s/%s", kind, owner.namespace, name)
+
+    def _secret_reader(self, namespace: str) -> Callable[[str], dict[str, str] | None]:
+        def read(name: str) -> dict[str, str] | None:
+            secret = self.kube.get("v1", "Secret", namespace, name)
+            return None if secret is None else (secret.get("data") or {})
+        return read
+
+    def _report_invalid(self, owner: Owner, stored: dict[str, Any], error: SpecError) -> None:
+        status = Status.from_dict(stored)
+        now = self.clock()
+        was = status.condition("InvalidSpec")
+        status.set_condition("InvalidSpec", True, "InvalidSpec", str(error), now)
+        if status.phase is None:
+            status.phase = "Degraded"
+        patch = status_patch(stored, status)
+        if patch:
+            self.kube.patch(API_VERSION, KIND, owner.namespace, owner.name, {"status": patch}, subresource="status")
+        if was is None or was.get("message") != str(error):
+            self.kube.post_event(owner, "Warning", "InvalidSpec", str(error))
+
+    # -- Alertmanager ---------------------------------------------------------------------------
+
+    def request_abort(self, namespace: str, name: str, reason: str, message: str,
+                      started_at: float | None = None) -> str:
+        """Abort this resource's running canary (an alert fired); returns what was done, in words."""
+        with self.lock(namespace, name):
+            body = self._get(namespace, name)
+            if body is None:
+                return "ignored: no such SitsDeployment"
+            status = Status.from_dict(body.get("status"))
+            if status.canary_revision is None or status.phase not in ("Progressing", "Paused"):
+                return "ignored: no canary is running"
+            if started_at is not None and status.canary_started_at is not None \
+                    and started_at < status.canary_started_at:
+                return "ignored: the alert started firing before this canary started"
+            request = {"revision": status.canary_revision, "reason": reason, "message": message,
+                       "requestedAt": to_timestamp(self.clock())}
+            self.kube.patch(API_VERSION, KIND, namespace, name, {"status": {"abortRequest": request}},
+                            subresource="status")
+            self.reconcile(namespace, name)
+            return f"aborted canary {status.canary_revision}"
+
+    # -- tenancy --------------------------------------------------------------------------------
+
+    def sync_tenants(self, namespace: str, name: str) -> None:
+        """Hash the tenants' keys and write the tenant table to Redis; report in status.tenancy."""
+        body = self._get(namespace, name)
+        if body is None:
+            return
+        try:
+            spec = parse_spec(body.get("spec"), name)
+        except SpecError:
+            return  # reconcile reports it
+        stored = (body.get("status") or {}).get("tenancy")
+        if not spec.tenancy.tenants:
+            if stored is not None:
+                self.kube.patch(API_VERSION, KIND, namespace, name, {"status": {"tenancy": None}},
+                                subresource="status")
+            return
+        resolution = resolve_tenants(spec.tenancy, self._secret_reader(namespace))
+        if spec.tenancy.redis_url:
+            result = sync_tenant_table(spec.tenancy.redis_url, namespace, name, resolution.records)
+            synced, reason, message = result.synced, result.reason, result.message
+        else:
+            synced, reason, message = True, "ConfigMapOnly", "no spec.tenancy.redis: pods read the ConfigMap's file"
+        if resolution.problems:
+            synced, reason = False, "SecretsMissing" if synced else reason
+            message = "; ".join(resolution.problems) + "; " + message
+        tenancy = {"synced": synced, "reason": reason, "message": message,
+                   "tenants": len(resolution.records), "digest": resolution.digest()}
+        if stored != tenancy:
+            self.kube.patch(API_VERSION, KIND, namespace, name, {"status": {"tenancy": tenancy}},
+                            subresource="status")

@@ -1,0 +1,65 @@
+"""Small helpers of the operator tests: a SitsDeployment manifest, polling, reading status."""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+from typing import Any
+
+from sits.operator.kube import KubeClient
+from sits.operator.meta import API_VERSION, KIND
+
+
+def sitsdeployment(name: str, namespace: str = "llm", *, image: str = "registry.example.com/sits:1",
+                   replicas: int = 2, **spec: Any) -> dict[str, Any]:
+    """A small valid SitsDeployment; keyword arguments replace top-level spec fields."""
+    body: dict[str, Any] = {
+        "apiVersion": API_VERSION, "kind": KIND,
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"model": {"name": "tiny", "uri": "hf://org/tiny"}, "image": image, "replicas": replicas,
+                 "gpusPerReplica": 1},
+    }
+    body["spec"].update(copy.deepcopy(spec))
+    return body
+
+
+def wait_for(check: Callable[[], Any], timeout_s: float = 15.0, interval_s: float = 0.05, what: str = "") -> Any:
+    """Poll until `check()` returns something truthy; return it, or fail naming `what`."""
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what or check}; last value {last!r}")
+
+
+def status_of(kube: KubeClient, name: str, namespace: str = "llm") -> dict[str, Any]:
+    body = kube.get(API_VERSION, KIND, namespace, name) or {}
+    return body.get("status") or {}
+
+
+def wait_for_status(kube: KubeClient, name: str, predicate: Callable[[dict[str, Any]], bool],
+                    timeout_s: float = 15.0, what: str = "", namespace: str = "llm") -> dict[str, Any]:
+    def check() -> dict[str, Any] | None:
+        status = status_of(kube, name, namespace)
+        return status if predicate(status) else None
+    try:
+        return wait_for(check, timeout_s, what=what)
+    except AssertionError as error:
+        raise AssertionError(f"{error}\nstatus now: {status_of(kube, name, namespace)}") from None
+
+
+def condition(status: dict[str, Any], kind: str) -> dict[str, Any] | None:
+    return next((c for c in status.get("conditions", []) if c.get("type") == kind), None)
+
+
+def deployment(kube: KubeClient, name: str, track: str, namespace: str = "llm") -> dict[str, Any] | None:
+    return kube.get("apps/v1", "Deployment", namespace, f"{name}-{track}")
+
+
+def events(kube: KubeClient, name: str, namespace: str = "llm") -> list[dict[str, Any]]:
+    return [e for e in kube.list("v1", "Event", namespace)
+            if e.get("involvedObject", {}).get("name") == name]

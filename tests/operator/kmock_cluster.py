@@ -1,0 +1,377 @@
+"""A Kubernetes API for operator tests: KMock's emulator with the fixes kopf needs, on 127.0.0.1.
+
+KMock 0.8's `KubernetesEmulator` makes kopf stall or handle events twice. `FixedEmulator` keeps its
+storage and discovery but owns every state change:
+- create and patch stamp `metadata.namespace`, `uid`, `generation` (bumped when spec changes) and
+  an increasing `resourceVersion`; lists answer the newest resourceVersion;
+- a JSON patch whose `test` op fails is a 422 (kopf retries its optimistic patches on 422; KMock
+  answered 500);
+- `status` of resources with a status subresource changes only through `/status`, as on a real
+  API server (KMock merged any patch into the whole object);
+- watches resume from the requested `resourceVersion` out of an event log written under the same
+  lock as the objects (KMock replayed every object and lost the events between list and watch);
+- DELETE honours finalizers.
+
+`KMockCluster` runs it in its own thread and event loop, writes a kubeconfig for it, and registers
+the built-in resources plus the CRDs the operator uses. `DeploymentController` stands in for
+kube-controller-manager, which KMock does not have: it marks Deployments ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import copy
+import datetime as dt
+import secrets
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp.test_utils
+import jsonpatch
+import kmock
+import yaml
+from kmock._internal import dicts as kmock_dicts
+
+from sits.operator.kube import ApiError, KubeClient
+
+REPO = Path(__file__).resolve().parents[2]
+CRD_FILE = REPO / "crds" / "sitsdeployment.yaml"
+EXTRA_RESOURCES = {
+    "gateway.networking.k8s.io/v1/httproutes": ("HTTPRoute", "httproute"),
+    "monitoring.coreos.com/v1/servicemonitors": ("ServiceMonitor", "servicemonitor"),
+    "monitoring.coreos.com/v1/prometheusrules": ("PrometheusRule", "prometheusrule"),
+}
+VERBS = {"list", "watch", "get", "create", "update", "patch", "delete"}
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _strip_directives(value: Any) -> Any:
+    """Drop strategic-merge-patch directives (`$setElementOrder/...`, `$patch`): merged as plain JSON."""
+    if isinstance(value, dict):
+        return {k: _strip_directives(v) for k, v in value.items() if not str(k).startswith("$")}
+    if isinstance(value, list):
+        return [_strip_directives(v) for v in value]
+    return value
+
+
+def _invalid(message: str) -> kmock.KubernetesError:
+    return kmock.KubernetesError(status=422, reason="Invalid", message=message, details={})
+
+
+class FixedEmulator(kmock.KubernetesEmulator):
+    """KMock's emulator with consistent resourceVersions, resumable watches and real status semantics."""
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        self._rv = 0
+        self._log_rvs: list[int] = []
+        self._log: list[tuple[Any, str | None, dict[str, Any]]] = []  # (resource, namespace, event)
+        self._changed = asyncio.Condition()
+        self._answers: dict[int, tuple[Any, str | None, str]] = {}
+
+    # -- state changes --------------------------------------------------------------------------
+
+    async def _handle(self, request: kmock.Request) -> Any:
+        if request.resource is not None and request.action in (kmock.action.CREATE, kmock.action.UPDATE,
+                                                               kmock.action.DELETE):
+            async with self._lock:
+                if request.action == kmock.action.CREATE:
+                    self._create(request)
+                elif request.action == kmock.action.UPDATE and request.name is not None:
+                    self._update(request)
+                elif request.action == kmock.action.DELETE and request.name is not None:
+                    self._delete(request)
+            async with self._changed:
+                self._changed.notify_all()
+        # Dispatch to reactions and the (overridden) fallbacks, skipping KMock's own state changes
+        return await kmock.KubernetesScaffold._handle(self, request)
+
+    def _next_rv(self) -> str:
+        self._rv += 1
+        return str(self._rv)
+
+    def _record(self, resource: Any, namespace: str | None, kind: str, obj: dict[str, Any]) -> None:
+        rv = int(obj["metadata"]["resourceVersion"])
+        self._log_rvs.append(rv)
+        self._log.append((resource, namespace, {"type": kind, "object": obj}))
+
+    def _has_status(self, resource: Any) -> bool:
+        return resource in self.resources and "status" in self.resources[resource].subresources
+
+    def _create(self, request: kmock.Request) -> None:
+        if not isinstance(request.data, dict):
+            raise kmock.KubernetesError(status=400, reason="BadRequest", message="the body must be an object")
+        obj = copy.deepcopy(_strip_directives(request.data))
+        meta = obj.setdefault("metadata", {})
+        if request.namespace:
+            meta["namespace"] = request.namespace
+        if not meta.get("name") and meta.get("generateName"):
+            meta["name"] = meta["generateName"] + secrets.token_hex(3)
+        if not meta.get("name"):
+            raise _invalid("metadata.name: Required value")
+        key = (request.resource, request.namespace, meta["name"])
+        if key in self.objects and not self.objects[key].deleted:
+            raise kmock.KubernetesError(status=409, reason="AlreadyExists",
+                                        message=f"{request.resource.plural} {meta['name']!r} already exists", details={})
+        meta.pop("deletionTimestamp", None)
+        meta.update(uid=str(uuid.uuid4()), resourceVersion=self._next_rv(), creationTimestamp=_now(), generation=1)
+        if self._has_status(request.resource):
+            obj.pop("status", None)
+        if key in self.objects:
+            self.objects[key].create(obj)
+        else:
+            self.objects[key] = obj
+        self._record(request.resource, request.namespace, "ADDED", obj)
+        self._answers[id(request)] = key
+
+    def _update(self, request: kmock.Request) -> None:
+        key = (request.resource, request.namespace, request.name)
+        if key not in self.objects or self.objects[key].deleted:
+            raise kmock.KubernetesError(status=404, reason="NotFound", message=f"{request.name!r} not found",
+                                        details={})
+        current = copy.deepcopy(self.objects[key].raw)
+        if isinstance(request.data, list):
+            try:
+                new = jsonpatch.apply_patch(current, request.data, in_place=False)
+            except (jsonpatch.JsonPatchTestFailed, jsonpatch.JsonPatchConflict) as error:
+                raise _invalid(f"the JSON patch does not apply: {error}") from None
+        elif isinstance(request.data, dict):
+            patch = copy.deepcopy(_strip_directives(request.data))
+            if self._has_status(request.resource):
+                if request.subresource == "status":
+                    patch = {"status": patch.get("status")} if "status" in patch else {}
+                else:
+                    patch.pop("status", None)
+            new = kmock_dicts.patch_dict(current, patch)
+        else:
+            raise kmock.KubernetesError(status=400, reason="BadRequest", message="unsupported patch body")
+        meta = new.setdefault("metadata", {})
+        for field in ("name", "namespace", "uid", "creationTimestamp"):
+            meta[field] = current["metadata"].get(field)
+        meta["generation"] = current["metadata"].get("generation", 1) + (new.get("spec") != current.get("spec"))
+        meta["resourceVersion"] = self._next_rv()
+        if meta.get("deletionTimestamp") and not meta.get("finalizers"):
+            self.objects[key].history.append(new)
+            self.objects[key].delete()
+            self._record(request.resource, request.namespace, "DELETED", new)
+        else:
+            self.objects[key].history.append(new)
+            self._record(request.resource, request.namespace, "MODIFIED", new)
+        self._answers[id(request)] = key
+
+    def _delete(self, request: kmock.Request) -> None:
+        key = (request.resource, request.namespace, request.name)
+        if key not in self.objects or self.objects[key].deleted:
+            raise kmock.KubernetesError(status=404, reason="NotFound", message=f"{request.name!r} not found",
+                                        details={})
+        obj = copy.deepcopy(self.objects[key].raw)
+        obj["metadata"]["resourceVersion"] = self._next_rv()
+        if obj["metadata"].get("finalizers"):
+            obj["metadata"].setdefault("deletionTimestamp", _now())
+            self.objects[key].history.append(obj)
+            self._record(request.resource, request.namespace, "MODIFIED", obj)
+        else:
+            self.objects[key].history.append(obj)
+            self.objects[key].delete()
+            self._record(request.resource, request.namespace, "DELETED", obj)
+        self._answers[id(request)] = key
+
+    # -- answers --------------------------------------------------------------------------------
+
+    async def _serve_create(self, request: kmock.Request) -> Any:
+        return self.objects[self._answers.pop(id(request))].history.last.raw
+
+    async def _serve_update(self, request: kmock.Request) -> Any:
+        return self.objects[self._answers.pop(id(request))].history.last.raw
+
+    async def _serve_delete(self, request: kmock.Request) -> Any:
+        return self.objects[self._answers.pop(id(request))].history.last.raw
+
+    def _matching(self, request: kmock.Request) -> list[dict[str, Any]]:
+        selector = request.params.get("labelSelector") or ""
+        required = dict(part.split("=", 1) for part in selector.replace("==", "=").split(",") if "=" in part)
+        items = []
+        for (resource, namespace, _name), obj in self.objects.items():
+            if resource != request.resource or obj.deleted:
+                continue
+            if request.namespace is not None and namespace != request.namespace:
+                continue
+            labels = obj.raw.get("metadata", {}).get("labels") or {}
+            if all(labels.get(k) == v for k, v in required.items()):
+                items.append(obj.raw)
+        return items
+
+    async def _serve_list(self, request: kmock.Request) -> Any:
+        if request.resource not in self._get_resources():
+            raise kmock.KubernetesResourceNotFoundError()
+        async with self._lock:
+            items = self._matching(request)
+            version = str(self._rv)
+        return {"apiVersion": "v1", "kind": "List", "metadata": {"resourceVersion": version}, "items": items}
+
+    async def _serve_watch(self, request: kmock.Request) -> Any:
+        yield b""  # send the headers now: the stream is open even if nothing happens
+        since = request.params.get("resourceVersion") or "0"
+        timeout = float(request.params.get("timeoutSeconds") or 0) or None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        async with self._lock:
+            if since == "0":
+                for obj in self._matching(request):
+                    yield {"type": "ADDED", "object": obj}
+                last = self._rv
+            else:
+                last = int(since)
+        while deadline is None or time.monotonic() < deadline:
+            async with self._changed:
+                if (self._log_rvs[-1] if self._log_rvs else 0) <= last:
+                    wait = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._changed.wait(), wait)
+            start = bisect.bisect_right(self._log_rvs, last)
+            pending = list(zip(self._log_rvs[start:], self._log[start:], strict=True))
+            for rv, (resource, namespace, event) in pending:
+                last = rv
+                if resource == request.resource and request.namespace in (None, namespace):
+                    yield event
+
+
+def _resource_infos() -> dict[str, kmock.ResourceInfo]:
+    crd = yaml.safe_load(CRD_FILE.read_text())
+    names = crd["spec"]["names"]
+    infos = {}
+    for version in crd["spec"]["versions"]:
+        infos[f"{crd['spec']['group']}/{version['name']}/{names['plural']}"] = kmock.ResourceInfo(
+            namespaced=crd["spec"]["scope"] == "Namespaced", kind=names["kind"], singular=names["singular"],
+            verbs=VERBS, shortnames=set(names.get("shortNames", [])), categories=set(names.get("categories", [])),
+            subresources=set(version.get("subresources", {})))
+    for key, (kind, singular) in EXTRA_RESOURCES.items():
+        infos[key] = kmock.ResourceInfo(namespaced=True, kind=kind, singular=singular, verbs=VERBS)
+    return infos
+
+
+class KMockCluster:
+    """The emulator served on 127.0.0.1 from its own thread and loop, with a kubeconfig pointing at it."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.emulator = FixedEmulator()
+        self.emulator.resources.load_bundled()
+        for key, info in _resource_infos().items():
+            self.emulator.resources[key] = info
+        self.kubeconfig = workdir / "kubeconfig"
+        self.port = 0
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name="kmock", daemon=True)
+        self._started = threading.Event()
+        self._stop: asyncio.Event | None = None
+        self._error: BaseException | None = None
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._serve())
+        except BaseException as error:  # noqa: BLE001 - reported to the starting thread
+            self._error = error
+            self._started.set()
+        finally:
+            self._loop.close()
+
+    async def _serve(self) -> None:
+        self._stop = asyncio.Event()
+        async with self.emulator:
+            server = aiohttp.test_utils.RawTestServer(self.emulator, host="127.0.0.1", port=0)
+            await server.start_server()
+            self.port = server.port
+            self._started.set()
+            try:
+                await self._stop.wait()
+            finally:
+                await server.close()
+
+    def start(self) -> KMockCluster:
+        self._thread.start()
+        self._started.wait(10)
+        if self._error is not None or not self.port:
+            raise RuntimeError(f"KMock did not start: {self._error!r}")
+        self.kubeconfig.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
+            "clusters": [{"name": "kmock", "cluster": {"server": self.url}}],
+            "users": [{"name": "kmock", "user": {"token": "kmock"}}],
+            "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock"}}],
+        }))
+        return self
+
+    def stop(self) -> None:
+        if self._stop is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(10)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+class DeploymentController:
+    """Marks every Deployment ready (replicas, ready, updated, observedGeneration) unless held.
+
+    `hold(name)` keeps a Deployment at zero ready pods, as a pod that never passes its readiness
+    probe would; `release(name)` lets it become ready.
+    """
+
+    def __init__(self, kube: KubeClient, poll_s: float = 0.05) -> None:
+        self.kube = kube
+        self.poll_s = poll_s
+        self._held: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="deployment-controller", daemon=True)
+
+    def hold(self, name: str) -> None:
+        self._held.add(name)
+
+    def release(self, name: str) -> None:
+        self._held.discard(name)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                self._tick()
+            except ApiError:
+                continue  # the emulator is shutting down
+
+    def _tick(self) -> None:
+        for deployment in self.kube.list("apps/v1", "Deployment", None):
+            meta, spec = deployment["metadata"], deployment.get("spec", {})
+            replicas = spec.get("replicas", 1)
+            ready = 0 if meta["name"] in self._held else replicas
+            status = {"replicas": replicas, "readyReplicas": ready, "updatedReplicas": replicas,
+                      "availableReplicas": ready, "observedGeneration": meta.get("generation", 1)}
+            current = deployment.get("status") or {}
+            if any(current.get(key) != value for key, value in status.items()):
+                self.kube.patch("apps/v1", "Deployment", meta["namespace"], meta["name"], {"status": status},
+                                subresource="status")
+
+    def __enter__(self) -> DeploymentController:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+@contextlib.contextmanager
+def kmock_cluster(workdir: Path) -> Iterator[KMockCluster]:
+    """A started cluster; stopped when the block ends."""
+    cluster = KMockCluster(workdir).start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
