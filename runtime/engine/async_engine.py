@@ -93,6 +93,11 @@ class AsyncEngine:
         return self.engine.tokenizer
 
     @property
+    def loaded_model(self):
+        """The LoadedModel (device, dtype, source) the engine serves."""
+        return self.engine.loaded_model
+
+    @property
     def model_name(self) -> str:
         return self.engine.model_name
 

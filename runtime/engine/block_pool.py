@@ -45,8 +45,9 @@ class BlockPool:
         self.blocks = [KVBlock(block_id=i) for i in range(num_blocks)]
         self._empty: deque[KVBlock] = deque(self.blocks)
         self._cached: dict[BlockHash, KVBlock] = {}
-        self._used_by_tenant: Counter[str] = Counter()
-        self._charged_tenant: list[str | None] = [None] * num_blocks  # whose usage a held block counts in
+        self._used_by_tenant: Counter[str] = Counter()  # referenced blocks per tenant (usage)
+        self._in_use_by: list[str | None] = [None] * num_blocks  # tenant charged while referenced
+        self._holder: list[str | None] = [None] * num_blocks  # tenant holding it until it is empty
         self.num_evictions = 0
 
     # -- queries ---------------------------------------------------------------------------
@@ -70,7 +71,7 @@ class BlockPool:
         return self.num_used_blocks / self.num_blocks
 
     def used_blocks_by_tenant(self) -> dict[str, int]:
-        """Referenced blocks per tenant (a shared block counts for its first holder's tenant)."""
+        """Referenced blocks per tenant (a shared block counts for the tenant that referenced it first)."""
         return {tenant: count for tenant, count in self._used_by_tenant.items() if count > 0}
 
     def lookup(self, block_hash: BlockHash) -> KVBlock | None:
@@ -79,32 +80,40 @@ class BlockPool:
 
     # -- state changes ---------------------------------------------------------------------
     def allocate(self, count: int, owner: BlockOwner) -> list[KVBlock] | None:
-        """`count` blocks with ref_count 1, empty ones first, then evicted ones; None if too few."""
-        if count > self.num_free_blocks:
+        """`count` blocks with ref_count 1, empty ones first, then evicted ones.
+
+        None, with nothing changed, when too few blocks are free or the eviction policy refuses
+        (the owner's shard is full, or no evictable block may be taken for it).
+        """
+        if count > self.num_free_blocks or not self.eviction_policy.can_allocate(owner, count):
             return None
         taken: list[KVBlock] = []
         for _ in range(count):
             if self._empty:
                 block = self._empty.popleft()
             else:
-                block = self.eviction_policy.pop_victim(owner)
-                if block is None:  # a policy that refuses: undo, report failure
+                victim = self.eviction_policy.pop_victim(owner)
+                if victim is None:  # the policy protects what is left: undo, report failure
                     self.release(reversed(taken))
                     return None
-                self._drop_hash(block)
+                block = self.blocks[victim]
+                self._make_empty(block)
                 self.num_evictions += 1
-            self._take(block, owner)
+            self._holder[block.block_id] = owner.tenant
+            self.eviction_policy.on_allocate(block, owner)
+            self._reference(block, owner)
             taken.append(block)
         return taken
 
     def touch(self, blocks: Iterable[KVBlock], owner: BlockOwner) -> None:
-        """Add a reference to each block (a prefix hit), taking evictable ones out of reach."""
+        """Add a reference to each cached block (a prefix hit); evictable ones leave the evictable set."""
         for block in blocks:
+            if block.block_hash is None:
+                raise RuntimeError(f"block {block.block_id} is not cached; only cached blocks can be hit")
             if block.ref_count == 0:
-                if block.block_hash is None:
-                    raise RuntimeError(f"block {block.block_id} is empty; only cached blocks can be hit")
                 self.eviction_policy.remove(block)
-            self._take(block, owner)
+            self.eviction_policy.on_touch(block, owner)
+            self._reference(block, owner)
 
     def release(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one reference to each block; a block nobody holds becomes evictable or empty.
@@ -117,17 +126,15 @@ class BlockPool:
                 raise RuntimeError(f"block {block.block_id} released more often than taken")
             block.ref_count -= 1
             block.last_used_time = now
-            self.eviction_policy.on_release(block)
             if block.ref_count > 0:
                 continue
-            tenant = self._charged_tenant[block.block_id]
-            if tenant is not None:
-                self._used_by_tenant[tenant] -= 1
-                self._charged_tenant[block.block_id] = None
+            tenant = self._in_use_by[block.block_id]
+            self._used_by_tenant[tenant] -= 1
+            self._in_use_by[block.block_id] = None
             if block.block_hash is not None and self.enable_caching:
                 self.eviction_policy.add(block)
             else:
-                self._drop_hash(block)
+                self._make_empty(block)
                 self._empty.append(block)
 
     def cache(self, block: KVBlock, block_hash: BlockHash) -> None:
@@ -146,24 +153,29 @@ class BlockPool:
     def reset_prefix_cache(self) -> int:
         """Forget every evictable block's hash (in-use blocks keep theirs); returns how many."""
         dropped = 0
-        while (block := self.eviction_policy.pop_victim(None)) is not None:
-            self._drop_hash(block)
+        while (victim := self.eviction_policy.pop_victim(None)) is not None:
+            block = self.blocks[victim]
+            self._make_empty(block)
             self._empty.append(block)
             dropped += 1
         return dropped
 
     # -- internals -------------------------------------------------------------------------
-    def _take(self, block: KVBlock, owner: BlockOwner) -> None:
+    def _reference(self, block: KVBlock, owner: BlockOwner) -> None:
         if block.ref_count == 0:
             self._used_by_tenant[owner.tenant] += 1
-            self._charged_tenant[block.block_id] = owner.tenant
+            self._in_use_by[block.block_id] = owner.tenant
         block.ref_count += 1
         block.last_owner = owner
         block.last_used_time = self._clock()
-        self.eviction_policy.on_allocate(block, owner)
 
-    def _drop_hash(self, block: KVBlock) -> None:
+    def _make_empty(self, block: KVBlock) -> None:
+        """Drop the block's hash and tell the policy its holder no longer holds it."""
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) is block:
                 del self._cached[block.block_hash]
             block.block_hash = None
+        holder = self._holder[block.block_id]
+        if holder is not None:
+            self._holder[block.block_id] = None
+            self.eviction_policy.on_empty(block, holder)

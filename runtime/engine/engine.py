@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Iterable
 
-from sits.runtime.config import EngineConfig
+from sits.runtime.config import ConfigError, EngineConfig
 from sits.runtime.engine.cache_sizing import check_fits_one_sequence, num_blocks_for_budget
 from sits.runtime.engine.errors import DuplicateRequestError, InvalidRequestError, PromptTooLongError
 from sits.runtime.engine.eviction import EvictionPolicy
@@ -52,6 +52,7 @@ class LLMEngine:
     ) -> None:
         config.validate()
         self.config = config
+        self.loaded_model = loaded
         self.tokenizer = loaded.tokenizer
         self.model_name: str = config.model.served_model_name or loaded.name
         self.max_model_len: int = config.model.max_model_len or loaded.config.max_position_embeddings
@@ -84,13 +85,16 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig, *, progress: bool = True) -> LLMEngine:
         """Load the model `config.model` names (and pick its attention back end), then build the engine."""
-        from sits.runtime.attention.registry import select_backend
+        from sits.runtime.attention.registry import BackendUnavailableError, select_backend
         from sits.runtime.models import loading
 
         config.validate()
         device, dtype = loading.resolve_device_dtype(config.model)
         head_dim = _checkpoint_head_dim(config, progress)
-        backend = select_backend(config.attention_backend, device, dtype, head_dim)
+        try:
+            backend = select_backend(config.attention_backend, device, dtype, head_dim)
+        except BackendUnavailableError as exc:
+            raise ConfigError(f"--attention-backend: {exc}") from exc
         loaded = loading.load_model(config.model, backend, progress=progress)
         return cls(loaded, config)
 

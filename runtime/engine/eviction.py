@@ -56,7 +56,10 @@ class EvictionPolicy(ABC):
 
     The pool calls `add` when a cached block's last reference is released, `remove` when a
     prefix hit takes an evictable block back, and `pop_victim` when it needs a block and has no
-    empty one. The `on_*` hooks see every allocation and release, for per-tenant accounting.
+    empty one. The optional hooks below see every change of who holds a block, so a tenancy
+    policy can keep per-tenant shard accounts and refuse allocations beyond a tenant's headroom.
+    A tenant *holds* a block from the moment it is handed out until it is empty again (its last
+    reference released without a hash, or its hash dropped by eviction): cached blocks count.
     """
 
     @abstractmethod
@@ -68,18 +71,26 @@ class EvictionPolicy(ABC):
         """`block` (currently evictable) is referenced again and must not be chosen."""
 
     @abstractmethod
-    def pop_victim(self, requester: BlockOwner | None) -> KVBlock | None:
-        """Remove and return the block to evict for `requester`, or None when none is evictable."""
+    def pop_victim(self, requester: BlockOwner | None) -> int | None:
+        """Remove from the evictable set and return the block id to evict for `requester`
+        (None: a cache reset), or None when no block may be evicted for it."""
 
     @abstractmethod
     def __len__(self) -> int:
         """Number of evictable blocks."""
 
-    def on_allocate(self, block: KVBlock, owner: BlockOwner) -> None:  # noqa: B027 - optional hook
-        """`block` was handed to `owner` (fresh, or shared through a prefix hit)."""
+    def can_allocate(self, owner: BlockOwner, num_blocks: int) -> bool:
+        """Whether `owner` may be handed `num_blocks` more blocks (e.g. within its shard)."""
+        return True
 
-    def on_release(self, block: KVBlock) -> None:  # noqa: B027 - optional hook
-        """One reference to `block` was released (ref_count already decremented)."""
+    def on_allocate(self, block: KVBlock, owner: BlockOwner) -> None:  # noqa: B027 - optional hook
+        """An empty block (fresh, or just evicted) was handed to `owner`, who now holds it."""
+
+    def on_empty(self, block: KVBlock, holder: str) -> None:  # noqa: B027 - optional hook
+        """`block`, held by tenant `holder`, is empty again (released unhashed, or evicted)."""
+
+    def on_touch(self, block: KVBlock, owner: BlockOwner) -> None:  # noqa: B027 - optional hook
+        """A prefix hit added a reference to a cached block for `owner`."""
 
 
 class LRUEvictionPolicy(EvictionPolicy):
@@ -94,11 +105,11 @@ class LRUEvictionPolicy(EvictionPolicy):
     def remove(self, block: KVBlock) -> None:
         del self._order[block.block_id]
 
-    def pop_victim(self, requester: BlockOwner | None) -> KVBlock | None:
+    def pop_victim(self, requester: BlockOwner | None) -> int | None:
         if not self._order:
             return None
-        _, block = self._order.popitem(last=False)
-        return block
+        block_id, _ = self._order.popitem(last=False)
+        return block_id
 
     def __len__(self) -> int:
         return len(self._order)

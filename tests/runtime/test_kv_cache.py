@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
 from sits.runtime.engine.block_pool import BlockPool
-from sits.runtime.engine.eviction import BlockOwner, EvictionPolicy, KVBlock
+from sits.runtime.engine.eviction import BlockOwner, EvictionPolicy
 from sits.runtime.engine.kv_cache import KVCacheManager
 from sits.runtime.engine.prefix_hash import extend_block_hashes, hash_block
 from sits.runtime.engine.request import SamplingParams
@@ -115,44 +117,63 @@ def test_reset_prefix_cache_forgets_only_unreferenced_blocks():
     assert pool.lookup(b"a") is None and pool.lookup(b"b") is b
 
 
-class NewestFirstPolicy(EvictionPolicy):
-    """Evicts the most recently released block: a policy unlike the default, to show the seam."""
+class NewestFirstShardPolicy(EvictionPolicy):
+    """Evicts the most recently released block and caps what each tenant may hold: a policy
+    unlike the default, to show the seam a tenancy policy plugs into."""
 
-    def __init__(self) -> None:
-        self.blocks: list[KVBlock] = []
+    def __init__(self, cap_per_tenant: int) -> None:
+        self.cap = cap_per_tenant
+        self.evictable: list[int] = []
+        self.held: Counter[str] = Counter()
         self.requesters: list[BlockOwner | None] = []
-        self.allocations: list[tuple[int, str]] = []
 
     def add(self, block):
-        self.blocks.append(block)
+        self.evictable.append(block.block_id)
 
     def remove(self, block):
-        self.blocks.remove(block)
+        self.evictable.remove(block.block_id)
 
     def pop_victim(self, requester):
         self.requesters.append(requester)
-        return self.blocks.pop() if self.blocks else None
+        return self.evictable.pop() if self.evictable else None
 
     def __len__(self):
-        return len(self.blocks)
+        return len(self.evictable)
+
+    def can_allocate(self, owner, num_blocks):
+        return self.held[owner.tenant] + num_blocks <= self.cap
 
     def on_allocate(self, block, owner):
-        self.allocations.append((block.block_id, owner.tenant))
+        self.held[owner.tenant] += 1
+
+    def on_empty(self, block, holder):
+        self.held[holder] -= 1
 
 
-def test_eviction_policy_is_pluggable():
-    policy = NewestFirstPolicy()
-    pool = BlockPool(2, eviction_policy=policy)
-    a, b = pool.allocate(2, OWNER)
+def test_eviction_policy_is_pluggable_with_per_tenant_accounting():
+    policy = NewestFirstShardPolicy(cap_per_tenant=2)
+    pool = BlockPool(4, eviction_policy=policy)
+    acme = BlockOwner("req-1", tenant="acme")
+    a, b = pool.allocate(2, acme)
+    assert pool.allocate(1, acme) is None  # acme's cap, though two blocks are free
     pool.cache(a, b"a")
     pool.cache(b, b"b")
     pool.release([a])
     pool.release([b])
-    requester = BlockOwner("req-9", tenant="globex", priority=2)
-    (victim,) = pool.allocate(1, requester)
+    assert policy.held["acme"] == 2  # cached blocks still count as held
+
+    globex = BlockOwner("req-9", tenant="globex", priority=2)
+    c, d = pool.allocate(2, globex)  # the two empty blocks
+    assert {c.block_id, d.block_id}.isdisjoint({a.block_id, b.block_id})
+    pool.release([c, d])  # unhashed: empty again
+    assert policy.held == Counter({"acme": 2, "globex": 0})
+
+    pool.allocate(2, globex)  # empty blocks again, no eviction
+    (victim,) = pool.allocate(1, BlockOwner("req-10", tenant="initech"))
     assert victim is b  # newest released first, as the plugged policy says
-    assert policy.requesters == [requester]
-    assert (victim.block_id, "globex") in policy.allocations
+    assert policy.requesters[-1].tenant == "initech"
+    assert policy.held == Counter({"acme": 1, "globex": 2, "initech": 1})
+    assert pool.lookup(b"b") is None and pool.lookup(b"a") is a
 
 
 # -- KV-cache manager ------------------------------------------------------------------------------
