@@ -52,6 +52,7 @@ class _Add:
     params: SamplingParams
     tenant: str
     priority: int
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -151,10 +152,12 @@ class AsyncEngine:
         *,
         tenant: str = "default",
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its snapshot after every step that produced tokens.
 
         Leaving early (break, aclose, cancellation) aborts the request and frees its KV blocks.
+        `cache_salt` (the tenant's prefix-cache salt) keeps its cached prefix blocks private.
 
         Raises:
             PromptTooLongError, InvalidRequestError, SamplingParamsError: bad request (400).
@@ -176,7 +179,7 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise DuplicateRequestError(f"request id {request_id!r} is already in the engine")
             self._streams[request_id] = stream
-            self._commands.append(_Add(request_id, list(prompt_token_ids), params, tenant, priority))
+            self._commands.append(_Add(request_id, list(prompt_token_ids), params, tenant, priority, cache_salt))
             self._idle.clear()
             self._cond.notify()
         finished = False
@@ -219,8 +222,6 @@ class AsyncEngine:
                     return
                 if self.engine.has_unfinished_requests():
                     self._deliver(self.engine.step())
-                else:
-                    self._idle.set()
                 self._stats = self.engine.stats()
         except Exception as exc:  # a crashed step must not leave any stream waiting forever
             logger.exception("engine step failed; failing in-flight requests")
@@ -234,7 +235,7 @@ class AsyncEngine:
             try:
                 self.engine.add_request(
                     command.request_id, command.prompt_token_ids, command.params,
-                    tenant=command.tenant, priority=command.priority,
+                    tenant=command.tenant, priority=command.priority, cache_salt=command.cache_salt,
                 )
             except ValueError as exc:  # raced with a duplicate id, or other request validation
                 self._send(command.request_id, exc)

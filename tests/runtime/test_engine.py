@@ -262,3 +262,24 @@ def test_bad_requests_are_rejected_with_clear_errors(tiny_llama):
     output = run_to_completion(engine, {})["ok"].outputs[0]  # max_tokens None: up to max_model_len
     assert len(output.token_ids) == 62 and output.finish_reason is FinishReason.LENGTH
     assert isinstance(PromptTooLongError("x"), ValueError)
+
+
+def test_cache_salt_keeps_prefix_hits_within_a_tenant(tiny_llama):
+    loaded, _ = tiny_llama
+    engine = LLMEngine.from_loaded(loaded, engine_config(block_size=8))
+    prompt = loaded.tokenizer.encode(PROMPTS[2])  # 4 full blocks before the last token
+
+    def run(request_id: str, salt: str | None) -> RequestOutput:
+        engine.add_request(request_id, prompt, greedy(2), tenant=salt or "default", cache_salt=salt)
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    return output
+        raise AssertionError("no output")
+
+    first = run("acme-1", "acme")
+    assert run("globex-1", "globex").metrics.num_cached_prompt_tokens == 0
+    assert run("unsalted", None).metrics.num_cached_prompt_tokens == 0
+    again = run("acme-2", "acme")
+    assert again.metrics.num_cached_prompt_tokens == 32 and again.tenant == "acme"
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids

@@ -263,3 +263,36 @@ def test_prefix_caching_off_finds_nothing_and_keeps_no_hashes():
     cache.free(a)
     assert cache.find_prefix(make_seq("b", list(range(9)))).num_tokens == 0
     assert cache.pool.num_cached_blocks == 0 and cache.prefix_cache_queries == 0
+
+
+# -- sizing from a memory budget -------------------------------------------------------------------
+def test_cache_is_sized_from_the_budget():
+    import torch
+
+    from sits.runtime.config import CacheConfig, ConfigError
+    from sits.runtime.engine.cache_sizing import (
+        GIB,
+        KVShape,
+        MemoryProfile,
+        check_fits_one_sequence,
+        num_blocks_for_budget,
+    )
+
+    shape = KVShape(num_layers=30, num_kv_heads=3, head_dim=64, dtype=torch.float32)
+    per_block = 2 * 30 * 16 * 3 * 64 * 4
+    assert shape.bytes_per_block(16) == per_block
+    cpu = torch.device("cpu")
+    assert num_blocks_for_budget(CacheConfig(kv_cache_gb=1.0), shape, cpu) == GIB // per_block
+    assert num_blocks_for_budget(CacheConfig(kv_cache_gb=1.0, num_blocks=7), shape, cpu) == 7
+
+    cuda = torch.device("cuda")
+    # 80 GiB card, 20 GiB resident, 2 GiB activation peak, 90 %: 72 - 20 - 2 = 50 GiB for KV.
+    profile = MemoryProfile(total=80 * GIB, free=60 * GIB, activation_peak=2 * GIB)
+    blocks = num_blocks_for_budget(CacheConfig(gpu_memory_utilization=0.9), shape, cuda, profile)
+    assert blocks == int(80 * GIB * 0.9 - 22 * GIB) // per_block
+    with pytest.raises(ConfigError, match="gpu-memory-utilization"):
+        num_blocks_for_budget(CacheConfig(gpu_memory_utilization=0.2), shape, cuda, profile)
+
+    check_fits_one_sequence(num_blocks=4, block_size=16, max_model_len=64)
+    with pytest.raises(ConfigError, match="max-model-len 65"):
+        check_fits_one_sequence(num_blocks=4, block_size=16, max_model_len=65)
