@@ -89,14 +89,13 @@ class BlockPool:
             return None
         taken: list[KVBlock] = []
         for _ in range(count):
-            if self._empty:
+            if self._empty and self.eviction_policy.may_take_empty(owner):
                 block = self._empty.popleft()
             else:
-                victim = self.eviction_policy.pop_victim(owner)
-                if victim is None:  # the policy protects what is left: undo, report failure
+                block = self.eviction_policy.pop_victim(owner)
+                if block is None:  # the policy protects what is left: undo, report failure
                     self.release(reversed(taken))
                     return None
-                block = self.blocks[victim]
                 self._make_empty(block)
                 self.num_evictions += 1
             self._holder[block.block_id] = owner.tenant
@@ -126,6 +125,7 @@ class BlockPool:
                 raise RuntimeError(f"block {block.block_id} released more often than taken")
             block.ref_count -= 1
             block.last_used_time = now
+            self.eviction_policy.on_release(block)
             if block.ref_count > 0:
                 continue
             tenant = self._in_use_by[block.block_id]
@@ -153,8 +153,7 @@ class BlockPool:
     def reset_prefix_cache(self) -> int:
         """Forget every evictable block's hash (in-use blocks keep theirs); returns how many."""
         dropped = 0
-        while (victim := self.eviction_policy.pop_victim(None)) is not None:
-            block = self.blocks[victim]
+        while (block := self.eviction_policy.pop_victim(None)) is not None:
             self._make_empty(block)
             self._empty.append(block)
             dropped += 1

@@ -71,8 +71,8 @@ class EvictionPolicy(ABC):
         """`block` (currently evictable) is referenced again and must not be chosen."""
 
     @abstractmethod
-    def pop_victim(self, requester: BlockOwner | None) -> int | None:
-        """Remove from the evictable set and return the block id to evict for `requester`
+    def pop_victim(self, requester: BlockOwner | None) -> KVBlock | None:
+        """Remove from the evictable set and return the block to evict for `requester`
         (None: a cache reset), or None when no block may be evicted for it."""
 
     @abstractmethod
@@ -80,17 +80,26 @@ class EvictionPolicy(ABC):
         """Number of evictable blocks."""
 
     def can_allocate(self, owner: BlockOwner, num_blocks: int) -> bool:
-        """Whether `owner` may be handed `num_blocks` more blocks (e.g. within its shard)."""
+        """Whether `owner` may be handed `num_blocks` more blocks at all (checked once per call)."""
+        return True
+
+    def may_take_empty(self, owner: BlockOwner) -> bool:
+        """Whether `owner` may take an empty block now (asked per block); if not, the pool evicts
+        a victim for it instead, and refuses when there is none."""
         return True
 
     def on_allocate(self, block: KVBlock, owner: BlockOwner) -> None:  # noqa: B027 - optional hook
         """An empty block (fresh, or just evicted) was handed to `owner`, who now holds it."""
 
-    def on_empty(self, block: KVBlock, holder: str) -> None:  # noqa: B027 - optional hook
-        """`block`, held by tenant `holder`, is empty again (released unhashed, or evicted)."""
-
     def on_touch(self, block: KVBlock, owner: BlockOwner) -> None:  # noqa: B027 - optional hook
         """A prefix hit added a reference to a cached block for `owner`."""
+
+    def on_release(self, block: KVBlock) -> None:  # noqa: B027 - optional hook
+        """One reference to `block` was dropped (ref_count already decremented; an unhashed block
+        at ref_count 0 is about to become empty)."""
+
+    def on_empty(self, block: KVBlock, holder: str) -> None:  # noqa: B027 - optional hook
+        """`block`, held by tenant `holder`, is empty again (released unhashed, or evicted)."""
 
 
 class LRUEvictionPolicy(EvictionPolicy):
@@ -105,11 +114,11 @@ class LRUEvictionPolicy(EvictionPolicy):
     def remove(self, block: KVBlock) -> None:
         del self._order[block.block_id]
 
-    def pop_victim(self, requester: BlockOwner | None) -> int | None:
+    def pop_victim(self, requester: BlockOwner | None) -> KVBlock | None:
         if not self._order:
             return None
-        block_id, _ = self._order.popitem(last=False)
-        return block_id
+        _, block = self._order.popitem(last=False)
+        return block
 
     def __len__(self) -> int:
         return len(self._order)

@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from sits.runtime.engine.block_pool import BlockPool
-from sits.runtime.engine.eviction import BlockOwner, EvictionPolicy
+from sits.runtime.engine.eviction import BlockOwner, EvictionPolicy, KVBlock
 from sits.runtime.engine.kv_cache import KVCacheManager
 from sits.runtime.engine.prefix_hash import extend_block_hashes, hash_block
 from sits.runtime.engine.request import SamplingParams
@@ -123,15 +123,15 @@ class NewestFirstShardPolicy(EvictionPolicy):
 
     def __init__(self, cap_per_tenant: int) -> None:
         self.cap = cap_per_tenant
-        self.evictable: list[int] = []
+        self.evictable: list[KVBlock] = []
         self.held: Counter[str] = Counter()
         self.requesters: list[BlockOwner | None] = []
 
     def add(self, block):
-        self.evictable.append(block.block_id)
+        self.evictable.append(block)
 
     def remove(self, block):
-        self.evictable.remove(block.block_id)
+        self.evictable.remove(block)
 
     def pop_victim(self, requester):
         self.requesters.append(requester)
@@ -174,6 +174,24 @@ def test_eviction_policy_is_pluggable_with_per_tenant_accounting():
     assert policy.requesters[-1].tenant == "initech"
     assert policy.held == Counter({"acme": 1, "globex": 2, "initech": 1})
     assert pool.lookup(b"b") is None and pool.lookup(b"a") is a
+
+
+class NoEmptyForCappedTenant(NewestFirstShardPolicy):
+    def may_take_empty(self, owner):
+        return owner.tenant != "capped"
+
+
+def test_a_policy_can_make_a_tenant_reuse_cached_blocks_instead_of_empty_ones():
+    policy = NoEmptyForCappedTenant(cap_per_tenant=10)
+    pool = BlockPool(4, eviction_policy=policy)
+    capped = BlockOwner("req-1", tenant="capped")
+    assert pool.allocate(1, capped) is None  # nothing evictable and no empty block allowed
+    (cached,) = pool.allocate(1, BlockOwner("req-2", tenant="other"))
+    pool.cache(cached, b"h")
+    pool.release([cached])
+    (reused,) = pool.allocate(1, capped)
+    assert reused is cached and pool.lookup(b"h") is None
+    assert pool.num_free_blocks == 3  # the three empty blocks were left alone
 
 
 # -- KV-cache manager ------------------------------------------------------------------------------
