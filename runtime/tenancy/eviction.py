@@ -57,7 +57,7 @@ class EvictionPolicy(Protocol):
     def block_taken(self, block_id: int) -> None:
         """The block is referenced again (a prefix hit) or freed: no longer evictable."""
 
-    def select_victim(self, requester: str) -> EvictedBlock | None:
+    def select_victim(self, requester: str | None) -> EvictedBlock | None:
         """Remove and return the next block to evict for `requester`, or None if none helps."""
 
     def __len__(self) -> int: ...
@@ -167,6 +167,17 @@ class ScoreEvictionPolicy:
         blocks = self._tenants.get(tenant)
         return len(blocks.live) if blocks else 0
 
+    def evictable_for(self, requester: str) -> int:
+        """How many evictions could raise `requester`'s headroom now: all its own cached blocks,
+        and each over-share tenant's cached blocks down to its guarantee. O(T)."""
+        total = 0
+        for tenant, blocks in self._tenants.items():
+            if tenant == requester:
+                total += len(blocks.live)
+            else:
+                total += min(len(blocks.live), self._shards.borrowed(tenant))
+        return total
+
     # -- index updates --------------------------------------------------------------------------
 
     def block_cached(self, block_id: int, tenant: str, request_id: str) -> None:
@@ -192,13 +203,16 @@ class ScoreEvictionPolicy:
 
     # -- choosing victims -----------------------------------------------------------------------
 
-    def select_victim(self, requester: str) -> EvictedBlock | None:
+    def select_victim(self, requester: str | None) -> EvictedBlock | None:
+        """Remove and return the next block to evict so `requester` can allocate (see the module
+        docstring), or None when no cached block would help it. With requester None (dropping
+        the whole cache) every block is a candidate, lowest score first."""
         expired: tuple[float, int, str] | None = None  # (released, block_id, tenant)
         over_share: tuple[float, int, str] | None = None  # (score, block_id, tenant)
         own: tuple[float, int, str] | None = None
         deadline = None if self.ttl_s is None else self._clock() - self.ttl_s
         for tenant, blocks in self._tenants.items():
-            if not self._shards.eviction_helps(requester, tenant):
+            if requester is not None and not self._shards.eviction_helps(requester, tenant):
                 continue
             if deadline is not None:
                 oldest = blocks.oldest_release()
@@ -209,7 +223,7 @@ class ScoreEvictionPolicy:
             if lowest is None:
                 continue
             candidate = (self.score(tenant, lowest[1].t), lowest[0], tenant)
-            if self._shards.is_over_share(tenant):
+            if requester is None or self._shards.is_over_share(tenant):
                 over_share = min(over_share, candidate) if over_share else candidate
             else:
                 own = candidate  # only the requester itself gets here

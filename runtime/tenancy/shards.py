@@ -115,8 +115,11 @@ class ShardAccountant:
         return owner == requester or self.is_over_share(owner)
 
     def snapshot(self) -> dict[str, ShardUsage]:
-        names = set(self._guaranteed) | {n for n, h in self._held.items() if h}
-        return {n: ShardUsage(self.held(n), self.guaranteed(n), self.borrowed(n)) for n in sorted(names)}
+        """Per-tenant counts; safe to call from a metrics thread (it copies before it reads)."""
+        held, guaranteed = dict(self._held), self._guaranteed
+        names = set(guaranteed) | set(held)
+        return {n: ShardUsage(held.get(n, 0), guaranteed.get(n, 0), max(0, held.get(n, 0) - guaranteed.get(n, 0)))
+                for n in sorted(names)}
 
     # -- updates -------------------------------------------------------------------------------
 
@@ -128,6 +131,13 @@ class ShardAccountant:
             return False
         self._charge(tenant, num_blocks)
         return True
+
+    def charge(self, tenant: str, num_blocks: int = 1) -> None:
+        """Record blocks the cache already handed to tenant, checked or not (a cache that does
+        not ask `can_allocate` first may push a tenant past its headroom: it shows as borrowing)."""
+        if num_blocks < 0 or num_blocks > self.free_blocks:
+            raise ShardError(f"cannot charge {num_blocks} blocks to {tenant!r}: {self.free_blocks} are free")
+        self._charge(tenant, num_blocks)
 
     def release(self, tenant: str, num_blocks: int = 1) -> None:
         """Return num_blocks of tenant's blocks to the free pool (freed uncached, or evicted)."""

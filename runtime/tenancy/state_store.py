@@ -156,7 +156,8 @@ def open_state_store(url: str = "memory://", *, deployment: str = "default", rep
                      **options: Any) -> StateStore:
     """The store a `--state-store` URL names; raises ConfigError for anything else.
 
-    Options are passed to the Redis store (flush_interval_s, timeouts, backoff); see RedisStateStore.
+    Options are passed to the Redis store (flush_interval_s, timeouts, backoff; see
+    RedisStateStore); the in-memory store has none and ignores them.
     """
     scheme = urlsplit(url).scheme
     if scheme == "memory":

@@ -1,0 +1,81 @@
+"""Prometheus metrics of the tenancy layer, read from one snapshot per scrape.
+
+    sits_kv_blocks_used{tenant}        blocks a tenant holds (running + cached), gauge
+    sits_kv_blocks_guaranteed{tenant}  its guaranteed share, gauge
+    sits_kv_blocks_borrowed{tenant}    blocks held beyond the guarantee, gauge
+    sits_kv_evictions_total{tenant}    cached blocks of the tenant evicted, counter
+    sits_rate_limited_total{tenant}    requests refused with 429, counter
+    sits_state_store_up                1 when the state store's backend is reachable, gauge
+
+Every series carries the server's `model` and `track` labels (and `tenant` where per tenant), so
+they line up with the server's own metrics. Register one `TenancyCollector` in the server's
+registry; it never reaches into the cache or the store, it only reads the snapshot it is given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from sits.runtime.tenancy.shards import ShardUsage
+
+LABELS = ("model", "tenant", "track")
+
+
+@dataclass(frozen=True)
+class TenancySnapshot:
+    """What the collector exports, gathered by whoever owns the parts (cheap dict copies)."""
+
+    blocks: Mapping[str, ShardUsage] = field(default_factory=dict)
+    evictions_total: Mapping[str, int] = field(default_factory=dict)
+    rate_limited_total: Mapping[str, int] = field(default_factory=dict)
+    state_store_up: bool = True
+    tenants: tuple[str, ...] = ()  # every configured tenant gets a series, zero when idle
+
+
+class TenancyCollector:
+    """A prometheus_client custom collector over `TenancySnapshot`s."""
+
+    def __init__(self, snapshot: Callable[[], TenancySnapshot], model: str, track: str) -> None:
+        self._snapshot = snapshot
+        self._model = model
+        self._track = track
+
+    def describe(self) -> list[Metric]:
+        return [GaugeMetricFamily(n, "", labels=LABELS) for n in
+                ("sits_kv_blocks_used", "sits_kv_blocks_guaranteed", "sits_kv_blocks_borrowed")] + [
+            CounterMetricFamily(n, "", labels=LABELS) for n in ("sits_kv_evictions", "sits_rate_limited")] + [
+            GaugeMetricFamily("sits_state_store_up", "", labels=("model", "track"))]
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._snapshot()
+        tenants = sorted(set(snap.tenants) | set(snap.blocks) | set(snap.evictions_total)
+                         | set(snap.rate_limited_total))
+        blocks = {t: snap.blocks.get(t, ShardUsage(0, 0, 0)) for t in tenants}
+        yield self._family(GaugeMetricFamily, "sits_kv_blocks_used",
+                           "KV-cache blocks a tenant holds: its running requests' and its cached blocks.",
+                           {t: u.held for t, u in blocks.items()})
+        yield self._family(GaugeMetricFamily, "sits_kv_blocks_guaranteed",
+                           "KV-cache blocks guaranteed to a tenant (kvCacheShare x total).",
+                           {t: u.guaranteed for t, u in blocks.items()})
+        yield self._family(GaugeMetricFamily, "sits_kv_blocks_borrowed",
+                           "KV-cache blocks a tenant holds beyond its guarantee.",
+                           {t: u.borrowed for t, u in blocks.items()})
+        yield self._family(CounterMetricFamily, "sits_kv_evictions",
+                           "Cached KV blocks of a tenant evicted to make room.",
+                           {t: snap.evictions_total.get(t, 0) for t in tenants})
+        yield self._family(CounterMetricFamily, "sits_rate_limited",
+                           "Requests refused with 429 for a tenant's RPM or TPM limit.",
+                           {t: snap.rate_limited_total.get(t, 0) for t in tenants})
+        up = GaugeMetricFamily("sits_state_store_up", "1 when the tenancy state store is reachable.",
+                               labels=("model", "track"))
+        up.add_metric([self._model, self._track], 1.0 if snap.state_store_up else 0.0)
+        yield up
+
+    def _family(self, kind: type, name: str, doc: str, values: Mapping[str, float]) -> Metric:
+        family = kind(name, doc, labels=LABELS)
+        for tenant, value in values.items():
+            family.add_metric([self._model, tenant, self._track], float(value))
+        return family
