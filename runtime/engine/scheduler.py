@@ -13,7 +13,6 @@ sequences is not taken by new ones.
 
 from __future__ import annotations
 
-import bisect
 from collections import Counter
 from collections.abc import Iterable
 
@@ -26,7 +25,12 @@ from sits.runtime.engine.scheduler_output import (
     SchedulerOutput,
     SequenceUpdate,
 )
-from sits.runtime.engine.scheduling_policy import FCFSPolicy, SchedulingPolicy
+from sits.runtime.engine.scheduling_policy import (
+    FCFSPolicy,
+    OrderedWaitingQueue,
+    SchedulingPolicy,
+    WaitingQueue,
+)
 from sits.runtime.engine.sequence import Sequence, SequenceStatus
 from sits.runtime.engine.stats import SchedulerStats
 
@@ -49,14 +53,18 @@ class Scheduler(SchedulerInterface):
         max_model_len: int,
         eos_token_ids: Iterable[int] = (),
         policy: SchedulingPolicy | None = None,
+        waiting_queue: WaitingQueue | None = None,
     ) -> None:
         self.config = config
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.policy = policy if policy is not None else FCFSPolicy()
-        self.waiting: list[Sequence] = []  # sorted by policy.admission_key
+        self.waiting = waiting_queue if waiting_queue is not None else OrderedWaitingQueue(self.policy)
         self.running: list[Sequence] = []
+        # Completions 1..n-1 of a request wait here until completion 0 has computed (and cached)
+        # the prompt's full blocks, so they hit them instead of computing them again.
+        self._held_siblings: dict[str, list[Sequence]] = {}  # leader seq_id -> held siblings
         self._sequences: dict[str, Sequence] = {}
         self._finished_since_step: list[str] = []
         self.num_preemptions = 0
@@ -67,7 +75,11 @@ class Scheduler(SchedulerInterface):
             raise ValueError(f"sequence {seq.seq_id!r} is already scheduled")
         seq.status = SequenceStatus.WAITING
         self._sequences[seq.seq_id] = seq
-        self._enqueue_waiting(seq)
+        leader = self._prompt_leader(seq)
+        if leader is not None:
+            self._held_siblings.setdefault(leader.seq_id, []).append(seq)
+        else:
+            self.waiting.push(seq)
 
     def finish_requests(self, seq_ids: str | Iterable[str], status: SequenceStatus) -> list[Sequence]:
         if not status.finished:
@@ -81,8 +93,8 @@ class Scheduler(SchedulerInterface):
                 continue
             if seq.status is SequenceStatus.RUNNING:
                 self.running.remove(seq)
-            else:
-                self.waiting.remove(seq)
+            elif not self.waiting.remove(seq):
+                self._unhold(seq)
             self._finish(seq, status)
             finished.append(seq)
         return finished
@@ -127,11 +139,8 @@ class Scheduler(SchedulerInterface):
 
     def _admit_waiting(self, step: _StepPlan) -> None:
         full_budget = self.config.max_num_batched_tokens
-        for seq in list(self.waiting):
-            if step.budget == 0 or len(self.running) >= self.config.max_num_seqs:
-                return
-            if self._sibling_is_computing_prompt(seq):
-                continue  # wait one step and share its prompt blocks instead of recomputing them
+        while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting.peek()
             prefix = self.kv_cache.find_prefix(seq)
             num_new = seq.num_tokens - prefix.num_tokens
             if num_new > step.budget:
@@ -141,8 +150,8 @@ class Scheduler(SchedulerInterface):
                     return
                 num_new = step.budget
             if self.kv_cache.allocate(seq, num_new, prefix) is None:
-                return  # head of line waits for blocks; admitting later ones would starve it
-            self.waiting.remove(seq)
+                return  # the head waits for blocks; admitting later ones would starve it
+            self.waiting.pop()
             seq.status = SequenceStatus.RUNNING
             seq.num_computed_tokens = prefix.num_tokens
             if seq.num_preemptions == 0:
@@ -150,24 +159,38 @@ class Scheduler(SchedulerInterface):
             self.running.append(seq)
             step.add(self._scheduled(seq, num_new))
 
-    def _sibling_is_computing_prompt(self, seq: Sequence) -> bool:
-        """True when another completion of the same request is still computing the prompt's
-        full blocks, which this one can hit once they are cached."""
-        if not seq.sibling_ids or not self.kv_cache.enable_prefix_caching:
-            return False
+    # -- completions of one request share the prompt ---------------------------------------
+    def _shareable_prompt_tokens(self, seq: Sequence) -> int:
+        """Prompt tokens in full blocks that a sibling can hit (the last token always runs)."""
         block_size = self.kv_cache.block_size
-        shareable = (seq.num_prompt_tokens - 1) // block_size * block_size
-        if seq.num_preemptions or shareable == 0:
-            return False
-        for sibling_id in seq.sibling_ids:
-            sibling = self._sequences.get(sibling_id)
-            if (
-                sibling is not None
-                and sibling.status is SequenceStatus.RUNNING
-                and sibling.num_computed_tokens < shareable
-            ):
-                return True
-        return False
+        return (seq.num_prompt_tokens - 1) // block_size * block_size
+
+    def _prompt_leader(self, seq: Sequence) -> Sequence | None:
+        """The completion 0 that `seq` should wait for, or None to queue `seq` at once."""
+        if seq.index == 0 or not seq.sibling_ids or not self.kv_cache.enable_prefix_caching:
+            return None
+        leader = next((self._sequences.get(i) for i in seq.sibling_ids if i in self._sequences), None)
+        if leader is None or leader.index != 0 or leader.finished:
+            return None
+        if leader.num_computed_tokens >= self._shareable_prompt_tokens(seq) or leader.num_preemptions:
+            return None
+        return leader
+
+    def _release_siblings(self, leader: Sequence, force: bool = False) -> None:
+        """Queue the siblings held for `leader` once its prompt blocks are cached (or it left)."""
+        held = self._held_siblings.get(leader.seq_id)
+        if not held:
+            return
+        if force or leader.num_computed_tokens >= self._shareable_prompt_tokens(leader):
+            for sibling in self._held_siblings.pop(leader.seq_id):
+                self.waiting.push(sibling)
+
+    def _unhold(self, seq: Sequence) -> None:
+        for leader_id, held in list(self._held_siblings.items()):
+            if seq in held:
+                held.remove(seq)
+                if not held:
+                    del self._held_siblings[leader_id]
 
     def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSequence:
         start = seq.num_computed_tokens
@@ -188,7 +211,8 @@ class Scheduler(SchedulerInterface):
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self._enqueue_waiting(seq)
+        self.waiting.push_front(seq)
+        self._release_siblings(seq, force=True)
 
     # -- after the model ran ---------------------------------------------------------------
     def update_from_output(
@@ -201,6 +225,7 @@ class Scheduler(SchedulerInterface):
                 continue
             seq.num_computed_tokens += scheduled.num_new_tokens
             self.kv_cache.cache_computed_blocks(seq)
+            self._release_siblings(seq)
             sampled = runner_output.sampled.get(seq.seq_id)
             if sampled is None:
                 continue
@@ -230,17 +255,14 @@ class Scheduler(SchedulerInterface):
         seq.status = status
         del self._sequences[seq.seq_id]
         self._finished_since_step.append(seq.seq_id)
-
-    def _enqueue_waiting(self, seq: Sequence) -> None:
-        keys = [self.policy.admission_key(s) for s in self.waiting]
-        self.waiting.insert(bisect.bisect_right(keys, self.policy.admission_key(seq)), seq)
+        self._release_siblings(seq, force=True)
 
     # -- observation -----------------------------------------------------------------------
     def stats(self) -> SchedulerStats:
         pool = self.kv_cache.pool
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            num_waiting=len(self.waiting) + sum(len(h) for h in self._held_siblings.values()),
             kv_blocks_total=pool.num_blocks,
             kv_blocks_used=pool.num_used_blocks,
             kv_blocks_cached=pool.num_cached_blocks,
@@ -250,9 +272,14 @@ class Scheduler(SchedulerInterface):
             num_preemptions=self.num_preemptions,
             num_evictions=pool.num_evictions,
             running_by_tenant=dict(Counter(s.tenant for s in self.running)),
-            waiting_by_tenant=dict(Counter(s.tenant for s in self.waiting)),
+            waiting_by_tenant=dict(Counter(s.tenant for s in self._waiting_sequences())),
             kv_blocks_used_by_tenant=pool.used_blocks_by_tenant(),
         )
+
+
+    def _waiting_sequences(self) -> list[Sequence]:
+        held = [seq for siblings in self._held_siblings.values() for seq in siblings]
+        return list(self.waiting) + held
 
 
 class _StepPlan:

@@ -1,12 +1,14 @@
 """The order in which waiting sequences are admitted and running ones are preempted.
 
-The scheduler asks its policy two questions and nothing else, so the tenancy layer can swap in
-per-tenant fairness without touching the scheduler.
+The scheduler asks a `SchedulingPolicy` whom to preempt and a `WaitingQueue` whom to admit next,
+and nothing else, so the tenancy layer can swap in per-tenant fairness without touching it.
 """
 
 from __future__ import annotations
 
+import bisect
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 
 from sits.runtime.engine.sequence import Sequence
 
@@ -45,3 +47,84 @@ def make_policy(name: str) -> SchedulingPolicy:
     if name not in policies:
         raise ValueError(f"unknown scheduling policy {name!r}; expected one of {', '.join(policies)}")
     return policies[name]()
+
+
+class WaitingQueue(ABC):
+    """The scheduler's waiting sequences, served from the head.
+
+    The scheduler admits `peek()`, then `pop()`s it once it got its blocks; a preempted sequence
+    comes back through `push_front` (next among its peers); an aborted one leaves by `remove`.
+    The default orders by a `SchedulingPolicy`; the tenancy layer plugs in a fair queue.
+    """
+
+    @abstractmethod
+    def push(self, seq: Sequence) -> None:
+        """A new sequence."""
+
+    @abstractmethod
+    def push_front(self, seq: Sequence) -> None:
+        """A preempted sequence, to be served before newer ones."""
+
+    @abstractmethod
+    def peek(self) -> Sequence:
+        """The sequence `pop` would return (only called when the queue is not empty)."""
+
+    @abstractmethod
+    def pop(self) -> Sequence:
+        """Remove and return the head."""
+
+    @abstractmethod
+    def remove(self, seq: Sequence) -> bool:
+        """Take a sequence out wherever it is; False if it is not waiting."""
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @abstractmethod
+    def __iter__(self) -> Iterator[Sequence]: ...
+
+
+class OrderedWaitingQueue(WaitingQueue):
+    """Waiting sequences sorted by `policy.admission_key` (stable for equal keys).
+
+    A preempted sequence keeps its key, so under FCFS it goes back ahead of everything that
+    arrived after it.
+    """
+
+    def __init__(self, policy: SchedulingPolicy) -> None:
+        self.policy = policy
+        self._keys: list[tuple] = []
+        self._items: list[Sequence] = []
+
+    def push(self, seq: Sequence) -> None:
+        key = self.policy.admission_key(seq)
+        index = bisect.bisect_right(self._keys, key)
+        self._keys.insert(index, key)
+        self._items.insert(index, seq)
+
+    def push_front(self, seq: Sequence) -> None:
+        key = self.policy.admission_key(seq)
+        index = bisect.bisect_left(self._keys, key)
+        self._keys.insert(index, key)
+        self._items.insert(index, seq)
+
+    def peek(self) -> Sequence:
+        return self._items[0]
+
+    def pop(self) -> Sequence:
+        self._keys.pop(0)
+        return self._items.pop(0)
+
+    def remove(self, seq: Sequence) -> bool:
+        for index, item in enumerate(self._items):
+            if item is seq:
+                del self._items[index]
+                del self._keys[index]
+                return True
+        return False
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[Sequence]:
+        return iter(list(self._items))

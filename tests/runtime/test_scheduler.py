@@ -11,7 +11,7 @@ from sits.runtime.engine.kv_cache import KVCacheManager
 from sits.runtime.engine.request import SamplingParams
 from sits.runtime.engine.scheduler import Scheduler
 from sits.runtime.engine.scheduler_output import ModelRunnerOutput, SampledToken, SchedulerOutput
-from sits.runtime.engine.scheduling_policy import PriorityPolicy
+from sits.runtime.engine.scheduling_policy import PriorityPolicy, WaitingQueue
 from sits.runtime.engine.sequence import Sequence, SequenceStatus
 
 EOS = 2
@@ -208,9 +208,11 @@ def test_siblings_wait_for_the_first_prompt_then_share_its_blocks():
     scheduler = make_scheduler(block_size=4)
     prompt_len = 10  # two full blocks shareable
     children = [make_seq(f"r#{i}", prompt_len, first_token=10) for i in range(3)]
-    for child in children:
+    for index, child in enumerate(children):
+        child.index, child.request_id = index, "r"
         child.sibling_ids = tuple(c.seq_id for c in children if c is not child)
         scheduler.add_request(child)
+    assert scheduler.stats().num_waiting == 3
     assert shares(run_step(scheduler)) == {"r#0": 10}
     second = run_step(scheduler)
     assert shares(second) == {"r#0": 1, "r#1": 2, "r#2": 2}  # 8 prompt tokens hit the cache
@@ -219,6 +221,19 @@ def test_siblings_wait_for_the_first_prompt_then_share_its_blocks():
     assert children[1].num_cached_prompt_tokens == 8
     stats = scheduler.stats()
     assert stats.prefix_cache_hits == 16 and stats.prefix_cache_queries == 30
+
+
+def test_aborting_a_request_releases_its_held_siblings_too():
+    scheduler = make_scheduler(block_size=4)
+    children = [make_seq(f"r#{i}", 10, first_token=10) for i in range(3)]
+    for index, child in enumerate(children):
+        child.index, child.request_id = index, "r"
+        child.sibling_ids = tuple(c.seq_id for c in children if c is not child)
+        scheduler.add_request(child)
+    run_step(scheduler)
+    scheduler.finish_requests(["r#0", "r#1", "r#2"], SequenceStatus.FINISHED_ABORTED)
+    assert not scheduler.has_unfinished_requests() and len(scheduler.waiting) == 0
+    assert scheduler.stats().num_waiting == 0 and scheduler.kv_cache.pool.num_used_blocks == 0
 
 
 def test_stats_snapshot():
@@ -233,3 +248,44 @@ def test_stats_snapshot():
     assert stats.kv_blocks_total == 10 and stats.kv_blocks_used == 3
     assert stats.running_by_tenant == {"default": 1, "acme": 1}
     assert stats.kv_blocks_used_by_tenant == {"default": 2, "acme": 1}
+
+
+class ShortestPromptFirst(WaitingQueue):
+    """A waiting queue unlike the default, to show the seam a fair queue plugs into."""
+
+    def __init__(self) -> None:
+        self.items: list[Sequence] = []
+
+    def push(self, seq):
+        self.items.append(seq)
+
+    def push_front(self, seq):
+        self.items.insert(0, seq)
+
+    def peek(self):
+        return min(self.items, key=lambda s: s.num_prompt_tokens)
+
+    def pop(self):
+        head = self.peek()
+        self.items.remove(head)
+        return head
+
+    def remove(self, seq):
+        if seq in self.items:
+            self.items.remove(seq)
+            return True
+        return False
+
+    def __len__(self):
+        return len(self.items)
+
+    def __iter__(self):
+        return iter(list(self.items))
+
+
+def test_the_waiting_queue_is_pluggable():
+    config = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64)
+    scheduler = Scheduler(config, KVCacheManager(64, 4), 256, [EOS], waiting_queue=ShortestPromptFirst())
+    scheduler.add_request(make_seq("long", 9))
+    scheduler.add_request(make_seq("short", 3))
+    assert set(shares(run_step(scheduler))) == {"short"}
