@@ -23,8 +23,6 @@ exceed a limit by what the other replicas admit during the outage.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -33,35 +31,27 @@ from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
 
-import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from sits.runtime.tenancy import redis_scripts
 from sits.runtime.tenancy.rate_windows import (
     WINDOW_S,
     Limits,
     WindowBook,
-    WindowCounts,
     admits,
     elapsed_fraction,
     window_index,
 )
+from sits.runtime.tenancy.redis_link import UNREACHABLE, RedisLink
 from sits.runtime.tenancy.state_store import (
     USAGE_FIELDS,
     Admission,
     EvictionIndexEntry,
     StateStore,
     TenantTableRecord,
-    redact_url,
 )
 
 log = logging.getLogger(__name__)
-
-UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError, asyncio.TimeoutError)
 
 
 class StateStoreUnavailable(ConnectionError):
@@ -86,25 +76,21 @@ class RedisStateStore(StateStore):
                  backoff_max_s: float = 5.0, window_s: float = WINDOW_S, max_pending: int = 1024,
                  replica_stale_s: float = 60.0) -> None:
         super().__init__(deployment, replica_id)
-        self.url = redact_url(url)
+        self._link = RedisLink(url, self._flush_once, self._write_back, flush_interval_s=flush_interval_s,
+                               op_timeout_s=op_timeout_s, backoff_initial_s=backoff_initial_s,
+                               backoff_max_s=backoff_max_s)
+        self._redis = self._link.client
+        self.url = self._link.url
         self.flush_interval_s = flush_interval_s
-        self.backoff_initial_s = backoff_initial_s
-        self.backoff_max_s = backoff_max_s
         self.window_s = window_s
         self.max_pending = max_pending
         self.replica_stale_s = replica_stale_s
-        self._redis = aioredis.Redis.from_url(url, socket_timeout=op_timeout_s, socket_connect_timeout=op_timeout_s,
-                                              retry=Retry(NoBackoff(), 0), decode_responses=True)
         self._admit = self._redis.register_script(redis_scripts.ADMIT)
         self._raise_fields = self._redis.register_script(redis_scripts.RAISE_FIELDS)
         self._put_tenants = self._redis.register_script(redis_scripts.PUT_TENANTS)
         self._prefix = f"sits:{self.deployment}:"
-        self._up = False
-        self._down_logged = False
         self._heartbeat_written = False
-        self._task: asyncio.Task | None = None
         self._closed = False
-        self._wake = asyncio.Event()
         # Local state: authoritative for this replica's own counts, a cache of everything else.
         self._table: TenantTableRecord | None = None
         self._table_pending = False  # a table seeded while down, to write if Redis has none
@@ -115,11 +101,11 @@ class RedisStateStore(StateStore):
         self._windows = WindowBook()
 
     def __repr__(self) -> str:
-        return f"RedisStateStore({self.url!r}, deployment={self.deployment!r}, up={self._up})"
+        return f"RedisStateStore({self.url!r}, deployment={self.deployment!r}, up={self.up})"
 
     @property
     def up(self) -> bool:
-        return self._up
+        return self._link.up
 
     def _key(self, *parts: str) -> str:
         return self._prefix + ":".join(parts)
@@ -127,91 +113,24 @@ class RedisStateStore(StateStore):
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        if self._task is not None:
-            return
-        try:
-            await self._redis.ping()
-            await self._write_back()
-            self._mark_up()
-            log.info("state store %s is up (deployment %s, replica %s)", self.url, self.deployment, self.replica_id)
-        except UNREACHABLE as error:
-            self._mark_down(error)
-        self._task = asyncio.create_task(self._run(), name="sits-state-store")
+        await self._link.start(f"state store {self.url} is up (deployment {self.deployment}, "
+                               f"replica {self.replica_id})")
 
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-        if self._up:
+        await self._link.stop()
+        if self._link.up:
             try:
                 await self._flush_once()
                 await self._retire()
             except UNREACHABLE as error:
                 log.warning("state store %s: could not write final state: %s", self.url, error)
-        self._up = False
-        await self._redis.aclose()
+        await self._link.aclose()
 
     async def flush(self) -> None:
-        if self._up:
-            try:
-                await self._flush_once()
-            except UNREACHABLE as error:
-                self._mark_down(error)
-            except RedisError as error:  # not an outage: keep the writes pending, say why
-                log.warning("state store %s: batched write failed: %s", self.url, error)
-
-    async def _run(self) -> None:
-        while True:
-            try:
-                await self._loop()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # a bug must not stop the writes for good
-                log.exception("state store %s: background writer failed; restarting it", self.url)
-                await asyncio.sleep(self.backoff_max_s)
-
-    async def _loop(self) -> None:
-        backoff = self.backoff_initial_s
-        while True:
-            if self._up:
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), self.flush_interval_s)
-                self._wake.clear()
-                await self.flush()
-                continue
-            await asyncio.sleep(backoff)
-            try:
-                # Pooled connections died with the old server: drop them all, or each would fail
-                # once more after the reconnect and flap the store down again.
-                await self._redis.connection_pool.disconnect()
-                await self._redis.ping()
-                await self._write_back()
-            except UNREACHABLE:
-                backoff = min(backoff * 2, self.backoff_max_s)
-                continue
-            except RedisError as error:
-                log.warning("state store %s: write-back failed: %s", self.url, error)
-                backoff = min(backoff * 2, self.backoff_max_s)
-                continue
-            backoff = self.backoff_initial_s
-            self._mark_up()
-            log.warning("state store %s is reachable again; local state written back", self.url)
-
-    def _mark_down(self, error: BaseException) -> None:
-        if not self._down_logged:  # once per outage, including an outage at start
-            log.warning("state store %s is unreachable (%s); serving from local state until it returns",
-                        self.url, type(error).__name__)
-            self._down_logged = True
-        self._up = False
-
-    def _mark_up(self) -> None:
-        self._up = True
-        self._down_logged = False
+        await self._link.flush()
 
     # -- batched writes -------------------------------------------------------------------------
 
@@ -271,7 +190,7 @@ class RedisStateStore(StateStore):
             self._usage_dirty.update(self._usage)
             self._eviction_dirty = True
             self._windows.dirty.update((t, i) for t, i, _, _ in self._windows.recent(current))
-            self._wake.set()
+            self._link.wake()
         self._heartbeat_written = True
 
     async def _retire(self) -> None:
@@ -287,16 +206,16 @@ class RedisStateStore(StateStore):
 
     def _pending(self) -> None:
         if len(self._usage_dirty) + len(self._windows.dirty) >= self.max_pending:
-            self._wake.set()
+            self._link.wake()
 
     # -- tenant table ---------------------------------------------------------------------------
 
     async def get_tenant_table(self) -> TenantTableRecord | None:
-        if self._up:
+        if self.up:
             try:
                 version, document = await self._redis.hmget(self._key("tenants"), ["version", "document"])
             except UNREACHABLE as error:
-                self._mark_down(error)
+                self._link.mark_down(error)
             else:
                 if document is not None:
                     self._table = TenantTableRecord(int(version), json.loads(document))
@@ -308,7 +227,7 @@ class RedisStateStore(StateStore):
         """Store a new table version. With if_absent (seeding from a tenants file) an existing
         table wins, and a store that is down keeps the table to write once it is back."""
         payload = json.dumps(dict(document), sort_keys=True)
-        if not self._up:
+        if not self.up:
             if not if_absent:
                 raise StateStoreUnavailable(f"state store {self.url} is unreachable; the tenant table was not saved")
             self._table, self._table_pending = TenantTableRecord(0, json.loads(payload)), True
@@ -317,18 +236,18 @@ class RedisStateStore(StateStore):
         try:
             stored = int(await self._put_tenants(keys=[self._key("tenants")], args=[payload, mode, version]))
         except UNREACHABLE as error:
-            self._mark_down(error)
+            self._link.mark_down(error)
             raise StateStoreUnavailable(f"state store {self.url} is unreachable; the tenant table was not saved") from None
         await self.get_tenant_table()
         return stored
 
     async def tenant_table_version(self) -> int:
-        if self._up:
+        if self.up:
             try:
                 version = await self._redis.hget(self._key("tenants"), "version")
                 return int(version or 0)
             except UNREACHABLE as error:
-                self._mark_down(error)
+                self._link.mark_down(error)
         return self._table.version if self._table else 0
 
     # -- usage and eviction index ---------------------------------------------------------------
@@ -345,7 +264,7 @@ class RedisStateStore(StateStore):
         """All replicas' usage summed; this replica's from local state (it may be ahead of Redis).
         While Redis is down, this replica's usage only."""
         totals: dict[str, dict[str, int]] = defaultdict(lambda: dict.fromkeys(USAGE_FIELDS, 0))
-        if self._up:
+        if self.up:
             try:
                 replicas = [r for r in await self._redis.hkeys(self._key("replicas")) if r != self.replica_id]
                 async with self._redis.pipeline(transaction=False) as pipe:
@@ -357,7 +276,7 @@ class RedisStateStore(StateStore):
                         tenant, _, name = field.rpartition("|")
                         totals[tenant][name] += int(value)
             except UNREACHABLE as error:
-                self._mark_down(error)
+                self._link.mark_down(error)
                 totals.clear()
         for tenant, usage in self._usage.items():
             for name, value in usage.items():
@@ -370,7 +289,7 @@ class RedisStateStore(StateStore):
 
     async def get_eviction_index(self) -> dict[str, dict[str, EvictionIndexEntry]]:
         result = {self.replica_id: dict(self._eviction_index)} if self._eviction_index else {}
-        if not self._up:
+        if not self.up:
             return result
         try:
             heartbeats = await self._redis.hgetall(self._key("replicas"))
@@ -384,7 +303,7 @@ class RedisStateStore(StateStore):
                 if stored:
                     result[name] = {t: EvictionIndexEntry(**json.loads(v)) for t, v in stored.items()}
         except UNREACHABLE as error:
-            self._mark_down(error)
+            self._link.mark_down(error)
         return result
 
     # -- rate-limit windows ---------------------------------------------------------------------
@@ -394,11 +313,11 @@ class RedisStateStore(StateStore):
         known = self._windows.counts(tenant, index)  # a lower bound of the shared counts
         if not admits(known, fraction, limits, tokens):
             return Admission(False, known, fraction, shared=False)
-        if self._up:
+        if self.up:
             try:
                 return await self._admit_shared(tenant, index, fraction, limits, tokens)
             except UNREACHABLE as error:
-                self._mark_down(error)
+                self._link.mark_down(error)
             except RedisError as error:
                 log.warning("state store %s: rate-limit script failed (%s); deciding locally", self.url, error)
         allowed = admits(known, fraction, limits, tokens)
@@ -429,5 +348,3 @@ class RedisStateStore(StateStore):
 def _limit(value: int | None) -> int:
     return -1 if value is None else value
 
-
-__all__ = ["RedisStateStore", "StateStoreUnavailable", "WindowCounts"]
