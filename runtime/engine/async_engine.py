@@ -18,6 +18,7 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from sits.runtime.config import EngineConfig
 from sits.runtime.engine.engine import LLMEngine
@@ -81,8 +82,9 @@ class AsyncEngine:
         self._stats: EngineStats = engine.stats()
 
     @classmethod
-    def from_config(cls, config: EngineConfig, *, progress: bool = True) -> AsyncEngine:
-        return cls(LLMEngine.from_config(config, progress=progress))
+    def from_config(cls, config: EngineConfig, *, progress: bool = True, **hooks: Any) -> AsyncEngine:
+        """Load the model and build the engine; `hooks` as for `LLMEngine` (eviction policy, queues)."""
+        return cls(LLMEngine.from_config(config, progress=progress, **hooks))
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> AsyncEngine:

@@ -12,7 +12,8 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from sits.runtime.config import ConfigError, EngineConfig
 from sits.runtime.engine.cache_sizing import check_fits_one_sequence, num_blocks_for_budget
@@ -24,7 +25,7 @@ from sits.runtime.engine.request import RequestMetrics, RequestOutput, SamplingP
 from sits.runtime.engine.runner import ModelRunner
 from sits.runtime.engine.sampler import Sampler
 from sits.runtime.engine.scheduler import Scheduler
-from sits.runtime.engine.scheduling_policy import SchedulingPolicy
+from sits.runtime.engine.scheduling_policy import SchedulingPolicy, WaitingQueue
 from sits.runtime.engine.sequence import Sequence, SequenceStatus, child_sequence_id
 from sits.runtime.engine.stats import EngineStats
 
@@ -37,9 +38,11 @@ class LLMEngine:
     Args:
         loaded: the model, tokenizer and shape (`sits.runtime.models.loading.LoadedModel`).
         config: cache, scheduler and model limits.
-        eviction_policy: which cached KV block to give up first (LRU by default; the tenancy
-            layer passes its score policy).
-        scheduling_policy: admission and preemption order (FCFS by default).
+        eviction_policy: which cached KV block to give up first (LRU by default), or a factory
+            called with the number of blocks once the cache is sized (the tenancy layer's
+            shard-aware score policy needs it).
+        scheduling_policy: preemption order and the default admission order (FCFS by default).
+        waiting_queue: replaces the admission order (the tenancy layer's fair queue).
     """
 
     def __init__(
@@ -47,8 +50,9 @@ class LLMEngine:
         loaded,
         config: EngineConfig,
         *,
-        eviction_policy: EvictionPolicy | None = None,
+        eviction_policy: EvictionPolicy | Callable[[int], EvictionPolicy] | None = None,
         scheduling_policy: SchedulingPolicy | None = None,
+        waiting_queue: WaitingQueue | None = None,
     ) -> None:
         config.validate()
         self.config = config
@@ -72,9 +76,11 @@ class LLMEngine:
         num_blocks = num_blocks_for_budget(config.cache, self.runner.kv_shape, loaded.device, profile)
         check_fits_one_sequence(num_blocks, block_size, self.max_model_len)
         self.runner.allocate_kv_cache(num_blocks)
+        if eviction_policy is not None and not isinstance(eviction_policy, EvictionPolicy):
+            eviction_policy = eviction_policy(num_blocks)
         self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, eviction_policy)
         self.scheduler = Scheduler(
-            config.scheduler, self.kv_cache, self.max_model_len, self.eos_token_ids, scheduling_policy
+            config.scheduler, self.kv_cache, self.max_model_len, self.eos_token_ids, scheduling_policy, waiting_queue
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._children: dict[str, list[str]] = {}  # request_id -> seq_ids of its completions
@@ -83,8 +89,11 @@ class LLMEngine:
 
     # -- construction ----------------------------------------------------------------------
     @classmethod
-    def from_config(cls, config: EngineConfig, *, progress: bool = True) -> LLMEngine:
-        """Load the model `config.model` names (and pick its attention back end), then build the engine."""
+    def from_config(cls, config: EngineConfig, *, progress: bool = True, **hooks: Any) -> LLMEngine:
+        """Load the model `config.model` names (and pick its attention back end), then build the engine.
+
+        `hooks`: eviction_policy, scheduling_policy, waiting_queue (see the class).
+        """
         from sits.runtime.attention.registry import BackendUnavailableError, select_backend
         from sits.runtime.models import loading
 
@@ -96,12 +105,12 @@ class LLMEngine:
         except BackendUnavailableError as exc:
             raise ConfigError(f"--attention-backend: {exc}") from exc
         loaded = loading.load_model(config.model, backend, progress=progress)
-        return cls(loaded, config)
+        return cls(loaded, config, **hooks)
 
     @classmethod
-    def from_loaded(cls, loaded, config: EngineConfig) -> LLMEngine:
+    def from_loaded(cls, loaded, config: EngineConfig, **hooks: Any) -> LLMEngine:
         """An engine over an already loaded model (tests share one model across engines)."""
-        return cls(loaded, config)
+        return cls(loaded, config, **hooks)
 
     # -- requests --------------------------------------------------------------------------
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:

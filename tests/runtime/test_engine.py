@@ -283,3 +283,26 @@ def test_cache_salt_keeps_prefix_hits_within_a_tenant(tiny_llama):
     again = run("acme-2", "acme")
     assert again.metrics.num_cached_prompt_tokens == 32 and again.tenant == "acme"
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+def test_tenancy_hooks_are_built_once_the_cache_is_sized(tiny_llama):
+    from sits.runtime.engine.eviction import LRUEvictionPolicy
+    from sits.runtime.engine.scheduling_policy import OrderedWaitingQueue, PriorityPolicy
+
+    loaded, _ = tiny_llama
+    sized: list[int] = []
+    policy = LRUEvictionPolicy()
+    queue = OrderedWaitingQueue(PriorityPolicy())
+
+    def eviction_policy(num_blocks: int) -> LRUEvictionPolicy:
+        sized.append(num_blocks)
+        return policy
+
+    engine = LLMEngine.from_loaded(loaded, engine_config(num_blocks=40), eviction_policy=eviction_policy,
+                                   waiting_queue=queue)
+    assert sized == [40]
+    assert engine.kv_cache.pool.eviction_policy is policy and engine.scheduler.waiting is queue
+    engine.add_request("low", [5, 6, 7], greedy(1), priority=0)
+    engine.add_request("high", [8, 9], greedy(1), priority=3)
+    assert [s.request_id for s in queue] == ["high", "low"]
+    assert set(run_to_completion(engine, {})) == {"low", "high"}
