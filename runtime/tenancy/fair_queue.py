@@ -40,6 +40,7 @@ class _TenantQueue:
     tag: float = 0.0  # virtual start of the head request
     last_finish: float = 0.0  # virtual finish of the tenant's last served request
     epoch: int = 0  # bumped whenever the tenant's heap entry is replaced
+    tie: int = 0  # its heap entry's tie-breaker (arrival order; negative for push_front)
 
 
 class _Tier:
@@ -53,8 +54,8 @@ class _Tier:
     def schedule(self, queue: _TenantQueue, name: str, tag: float, first: bool = False) -> None:
         queue.tag = tag
         queue.epoch += 1
-        tie = -next(self._ties) if first else next(self._ties)
-        heapq.heappush(self.heap, (tag, tie, name, queue.epoch))
+        queue.tie = -next(self._ties) if first else next(self._ties)
+        heapq.heappush(self.heap, (tag, queue.tie, name, queue.epoch))
 
     def head(self) -> tuple[str, _TenantQueue] | None:
         """The tenant to serve next, skipping stale heap entries and removed items."""
@@ -122,11 +123,41 @@ class FairQueue:
     def pop(self) -> Any:
         """Remove and return the next request; IndexError when empty."""
         tier, name, queue = self._next()
+        return self._serve(tier, name, queue)
+
+    def heads(self) -> Iterator[Any]:
+        """The first waiting request of every tenant, in service order (highest tier first).
+
+        For a scheduler that must skip a tenant whose head cannot run now (its KV shard is full)
+        without holding up the others: it `take`s the first head that fits.
+        """
+        for priority in sorted(self._tiers, reverse=True):
+            tier = self._tiers[priority]
+            ordered = sorted((q.tag, q.tie, name) for name, q in tier.tenants.items() if q.live)
+            for _, _, name in ordered:
+                queue = tier.tenants[name]
+                yield next(e.item for e in queue.items if not e.removed)
+
+    def take(self, item: Any) -> None:
+        """Serve `item`, the head of its tenant (from `heads`), as `pop` would serve it."""
+        found = self._entries.get(id(item))
+        if found is None:
+            raise ValueError("item is not waiting")
+        entry, priority = found
+        tier = self._tiers[priority]
+        queue = tier.tenants[entry.tenant]
+        while queue.items[0].removed:
+            queue.items.popleft()
+        if queue.items[0] is not entry:
+            raise ValueError("only the head of a tenant's queue can be taken")
+        self._serve(tier, entry.tenant, queue)
+
+    def _serve(self, tier: _Tier, name: str, queue: _TenantQueue) -> Any:
         entry = queue.items.popleft()
         queue.live -= 1
         tier.live -= 1
         del self._entries[id(entry.item)]
-        tier.virtual_time = queue.tag
+        tier.virtual_time = max(tier.virtual_time, queue.tag)  # `take` may serve a later tag first
         queue.last_finish = max(queue.last_finish, queue.tag + entry.cost / queue.weight)
         if queue.live:
             tier.schedule(queue, name, max(tier.virtual_time, queue.last_finish))

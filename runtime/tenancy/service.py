@@ -20,7 +20,6 @@ from collections.abc import Mapping
 
 from sits.runtime.tenancy.auth import Authenticator, AuthMode
 from sits.runtime.tenancy.config import TenancyConfig
-from sits.runtime.tenancy.fair_queue import FairQueue
 from sits.runtime.tenancy.limits import RateLimiter
 from sits.runtime.tenancy.metrics import TenancyCollector, TenancySnapshot
 from sits.runtime.tenancy.state_store import StateStore, open_state_store
@@ -96,9 +95,11 @@ class Tenancy:
         self._policies.append(policy)
         return policy
 
-    def fair_queue(self) -> FairQueue:
-        """A waiting queue weighted by the tenants' `weight`, following live table updates."""
-        queue = FairQueue(self.table.weights())
+    def fair_queue(self):
+        """The scheduler's WaitingQueue, weighted by the tenants' `weight`, following live updates."""
+        from sits.runtime.tenancy.waiting_queue import FairWaitingQueue  # imports the engine
+
+        queue = FairWaitingQueue(self.table.weights())
 
         def reweigh(table: TenantTable) -> None:
             for name, weight in table.weights().items():

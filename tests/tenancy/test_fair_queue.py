@@ -136,3 +136,20 @@ def test_the_same_item_cannot_wait_twice():
     queue.push(req, "a")
     with pytest.raises(ValueError):
         queue.push(req, "b")
+
+
+def test_heads_lists_one_request_per_tenant_in_service_order_and_take_skips_a_blocked_tenant():
+    queue = FairQueue()
+    for i in range(3):
+        queue.push(Req(f"a{i}"), "a")
+    queue.push(Req("b0"), "b")
+    queue.push(Req("vip"), "v", priority=2)
+    assert [r.name for r in queue.heads()] == ["vip", "a0", "b0"]
+    assert [r.name for r in queue.heads()] == [r.name for r in queue.heads()]  # no side effects
+    heads = list(queue.heads())
+    queue.take(heads[0])
+    queue.take(heads[2])  # a's head cannot run now (say its shard is full): b goes ahead
+    assert [r.name for r in queue.heads()] == ["a0"]
+    with pytest.raises(ValueError, match="head"):
+        queue.take(next(r for r in queue if r.name == "a1"))
+    assert drain(queue) == ["a0", "a1", "a2"]

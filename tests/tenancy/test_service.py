@@ -104,7 +104,7 @@ async def test_live_updates_reach_shards_and_queue_weights(tenants_file):
     await tenancy.store.put_tenant_table(document)
     assert await tenancy.sync.poll_once()
     assert policy.shards.guaranteed("lab") == 50 and policy.shards.guaranteed("finance") == 10
-    assert queue._weights["lab"] == 4.0
+    assert queue.queue._weights["lab"] == 4.0
     await tenancy.close()
 
 
