@@ -44,11 +44,21 @@ class TenantEvictionPolicy(EvictionPolicy):
                                           engine_start=engine_start, clock=clock)
         self._holder: dict[int, str] = {}  # block id -> tenant holding it (mirrors the pool)
         self._evictable: dict[int, KVBlock] = {}
+        self._pending_table: TenantTable | None = None
 
     def apply_table(self, table: TenantTable) -> None:
-        """A live tenant-table update: new shares and priorities apply to the next decision."""
-        self.shards.set_shares(table.shares())
-        self.scores.set_priorities(table.priorities())
+        """A live tenant-table update: new shares and priorities apply to the next decision.
+
+        Safe from any thread: the table is only handed over here and applied by the engine's
+        own thread at its next allocation or eviction.
+        """
+        self._pending_table = table
+
+    def _apply_pending_table(self) -> None:
+        table, self._pending_table = self._pending_table, None
+        if table is not None:
+            self.shards.set_shares(table.shares())
+            self.scores.set_priorities(table.priorities())
 
     # -- the engine's EvictionPolicy ------------------------------------------------------------
 
@@ -63,6 +73,7 @@ class TenantEvictionPolicy(EvictionPolicy):
         self.scores.block_taken(block.block_id)
 
     def pop_victim(self, requester: BlockOwner | None) -> KVBlock | None:
+        self._apply_pending_table()
         victim = self.scores.select_victim(requester.tenant if requester is not None else None)
         if victim is None:
             return None
@@ -72,6 +83,7 @@ class TenantEvictionPolicy(EvictionPolicy):
         return len(self.scores)
 
     def can_allocate(self, owner: BlockOwner, num_blocks: int) -> bool:
+        self._apply_pending_table()
         shortfall = self.shards.shortfall(owner.tenant, num_blocks)
         return shortfall == 0 or shortfall <= self.scores.evictable_for(owner.tenant)
 

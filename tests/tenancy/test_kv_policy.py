@@ -169,6 +169,8 @@ def test_live_table_updates_change_shares_and_scores():
     table = TenantTable([Tenant("a", kv_cache_share=0.5), Tenant("b")])
     cache = Cache(table, num_blocks=10)
     cache.policy.apply_table(TenantTable([Tenant("a", kv_cache_share=0.2, priority=2), Tenant("b")]))
+    assert cache.policy.shards.guaranteed("a") == 5  # handed over, applied on the engine's next allocation
+    cache.run(cache.sequence("b", tokens(1, BLOCK), 1.0))
     assert cache.policy.shards.guaranteed("a") == 2
     assert cache.policy.scores.score("a", 10.0) == pytest.approx(14.0)
 

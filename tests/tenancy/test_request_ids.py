@@ -62,3 +62,12 @@ def test_ids_without_a_timestamp_are_rejected():
         request_id_unix_ms(str(uuid.uuid4()))
     with pytest.raises(ValueError):
         seconds_since(0.0, "my-own-request-id")
+
+
+def test_the_servers_response_ids_carry_a_readable_time():
+    """The eviction score reads the engine's request ids, which the server makes (`chatcmpl-<hex>`)."""
+    from sits.runtime.server.request_ids import new_request_id as server_request_id
+    from sits.runtime.server.request_ids import uuid7_time
+
+    response_id = server_request_id("chatcmpl")
+    assert request_id_unix_ms(response_id) / 1000.0 == pytest.approx(uuid7_time(response_id))

@@ -10,6 +10,7 @@ from fastapi import Depends, FastAPI
 from prometheus_client import CollectorRegistry, generate_latest
 
 from sits.runtime.config import ConfigError
+from sits.runtime.engine.eviction import BlockOwner
 from sits.runtime.server.errors import install_error_handlers
 from sits.runtime.server.tenant import request_tenant
 from sits.runtime.tenancy.config import TenancyConfig
@@ -103,6 +104,7 @@ async def test_live_updates_reach_shards_and_queue_weights(tenants_file):
     document["tenants"][0]["kvCacheShare"] = 0.1
     await tenancy.store.put_tenant_table(document)
     assert await tenancy.sync.poll_once()
+    policy.can_allocate(BlockOwner("r", "lab"), 1)  # the engine thread's next allocation applies it
     assert policy.shards.guaranteed("lab") == 50 and policy.shards.guaranteed("finance") == 10
     assert queue.queue._weights["lab"] == 4.0
     await tenancy.close()
