@@ -9,6 +9,9 @@ A request is admitted when `estimate + 1 <= requestsPerMinute` and
 `estimate_tokens + tokens <= tokensPerMinute`. The error against an exact sliding log is small
 and errs on neither side systematically; memory is two counters per tenant and replica.
 
+Windows are numbered from each replica's wall clock, so replicas sharing limits need synchronized
+clocks (NTP: a skew of a second shifts a 60 s window by under 2 %).
+
 `WindowBook` keeps this replica's own counts (authoritative: only this replica writes them) and
 the other replicas' counts last seen in the shared store, so a replica can still decide when the
 store is unreachable.
