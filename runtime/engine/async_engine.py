@@ -33,6 +33,8 @@ from sits.runtime.engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 
+_BACK_OFF_S = 0.05  # wait after a step that could schedule nothing
+
 
 @dataclass
 class _Stream:
@@ -224,10 +226,19 @@ class AsyncEngine:
                     return
                 if self.engine.has_unfinished_requests():
                     self._deliver(self.engine.step())
+                    if self.engine.last_step_num_tokens == 0:
+                        self._back_off()
                 self._stats = self.engine.stats()
         except Exception as exc:  # a crashed step must not leave any stream waiting forever
             logger.exception("engine step failed; failing in-flight requests")
             self._fail_all(exc)
+
+    def _back_off(self) -> None:
+        """Nothing could run (e.g. an eviction policy refuses blocks): wait for a command or a
+        short while instead of spinning."""
+        with self._cond:
+            if not (self._commands or self._stop):
+                self._cond.wait(timeout=_BACK_OFF_S)
 
     def _apply(self, commands: list[_Add | _Abort]) -> None:
         for command in commands:

@@ -85,6 +85,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._children: dict[str, list[str]] = {}  # request_id -> seq_ids of its completions
         self._arrival_counter = itertools.count()
+        self.last_step_num_tokens = 0  # 0: the last step found nothing it could run
         self._counters = {"finished": 0, "aborted": 0, "prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
 
     # -- construction ----------------------------------------------------------------------
@@ -214,6 +215,7 @@ class LLMEngine:
             {s.sequence.request_id for s in scheduler_output.scheduled}, time.time()
         )
         runner_output = self.runner.execute(scheduler_output)
+        self.last_step_num_tokens = scheduler_output.num_batched_tokens
         if scheduler_output.is_empty:
             return []
         self._counters["steps"] += 1
