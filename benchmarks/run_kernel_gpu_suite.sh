@@ -24,7 +24,7 @@ for step in $STEPS; do
   start=$(date +%s)
   if [ "$step" = tests ]; then
     PYTHONSAFEPATH=1 timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest tests/kernels -q -n "${TEST_WORKERS:-8}" \
-      -p no:cacheprovider --durations=15 >"$LOG_DIR/tests.log" 2>&1
+      --confcutdir=tests/kernels -p no:cacheprovider --durations=15 >"$LOG_DIR/tests.log" 2>&1
     rc=$?
     tail -n 25 "$LOG_DIR/tests.log"
   else

@@ -35,6 +35,7 @@ from sits.kernels.launch_utils import (
     pick_configs,
     require,
 )
+from sits.kernels.paged_kv import paged_tile_blocks
 from sits.kernels.reference import paged_decode_attention_reference
 
 __all__ = ["choose_num_splits", "paged_decode_attention", "paged_decode_attention_reference"]
@@ -44,20 +45,24 @@ SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 SPLIT_GRANULE = 128  # tokens; every split length is a multiple of every BLOCK_N below
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 64
+MAX_GRID_Y = 65535  # CUDA's limit on the grid's second dimension (sequences)
 
 
 def _config(block_n, warps, stages):
     return triton.Config({"BLOCK_N": block_n}, num_warps=warps, num_stages=stages)
 
 
+# Paged loads spend pipeline stages on the block-table read, so deep pipelines keep enough K/V bytes
+# in flight per multiprocessor to stream at HBM speed.
 _GPU_CONFIGS = [
-    _config(16, 4, 4),
-    _config(32, 4, 4),
-    _config(64, 4, 3),
+    _config(16, 4, 8),
+    _config(32, 2, 8),
+    _config(32, 4, 6),
+    _config(32, 4, 8),
     _config(64, 4, 4),
-    _config(64, 8, 3),
-    _config(128, 4, 3),
-    _config(128, 8, 3),
+    _config(64, 4, 6),
+    _config(64, 8, 6),
+    _config(128, 8, 4),
 ]
 _INTERPRETER_CONFIG = _config(32, 4, 1)  # block 16: gathered pages; block 64: one page
 
@@ -89,8 +94,8 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr, FP8_KV: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    seq = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(0)
+    seq = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     start = split * tokens_per_split
@@ -121,16 +126,9 @@ def _decode_split_kernel(
     for tile_start in range(start, end, BLOCK_N):
         n = tile_start + offs_n
         valid = n < end
-        if PAGE_SIZE % BLOCK_N == 0:
-            # The tile lies inside one page: one block-table entry, contiguous slots.
-            block = tl.load(block_table_row + tile_start // PAGE_SIZE).to(tl.int64)
-            slot = tile_start % PAGE_SIZE + offs_n
-            k_rows = block * stride_k_block + slot * stride_k_slot
-            v_rows = block * stride_v_block + slot * stride_v_slot
-        else:
-            block = tl.load(block_table_row + n // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
-            k_rows = block * stride_k_block + (n % PAGE_SIZE) * stride_k_slot
-            v_rows = block * stride_v_block + (n % PAGE_SIZE) * stride_v_slot
+        blocks, slots = paged_tile_blocks(block_table_row, tile_start, end, PAGE_SIZE, BLOCK_N, True)
+        k_rows = blocks * stride_k_block + slots * stride_k_slot
+        v_rows = blocks * stride_v_block + slots * stride_v_slot
         k = tl.load(k_base + k_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
         qk = tl.dot(q, tl.trans(k.to(q.dtype)))
         qk = tl.where(valid[None, :], qk * scale, float("-inf"))
@@ -194,13 +192,13 @@ def _decode_merge_kernel(
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
-    """Context splits so that sequences x KV heads x splits fills the GPU about twice over.
+    """Context splits so that sequences x KV heads x splits gives about 4 programs per multiprocessor.
 
     Each split keeps at least MIN_TOKENS_PER_SPLIT tokens, so short contexts are not split into
     pieces whose merge costs more than it saves.
     """
     programs = max(num_seqs * num_kv_heads, 1)
-    wanted = cdiv(2 * num_sms(device), programs)
+    wanted = 4 * num_sms(device) // programs
     most = max(1, max_context // MIN_TOKENS_PER_SPLIT)
     return max(1, min(wanted, most, MAX_SPLITS))
 
@@ -283,6 +281,7 @@ def paged_decode_attention(
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context, q.device)
     require(int(num_splits) >= 1, f"num_splits must be >= 1, got {num_splits}")
+    require(num_seqs <= MAX_GRID_Y, f"at most {MAX_GRID_Y} sequences per launch, got {num_seqs}")
     tokens_per_split = max(SPLIT_GRANULE, cdiv(cdiv(max(max_context, 1), int(num_splits)), SPLIT_GRANULE) * SPLIT_GRANULE)
     num_splits = max(1, cdiv(max_context, tokens_per_split))
     single = num_splits == 1
@@ -294,7 +293,7 @@ def paged_decode_attention(
         partial_lse = torch.empty(num_seqs, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
     group = num_q_heads // num_kv_heads
     fp8 = k_cache.dtype == torch.float8_e4m3fn
-    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+    _decode_split_kernel[(num_kv_heads, num_seqs, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens,
         out, partial_out, partial_lse, k_scale if fp8 else seq_lens, v_scale if fp8 else seq_lens,
         float(scale) * LOG2_E,

@@ -38,6 +38,7 @@ from sits.kernels.launch_utils import (
     pick_configs,
     require,
 )
+from sits.kernels.paged_kv import paged_tile_blocks
 from sits.kernels.reference import paged_prefill_attention_reference, varlen_attention_reference
 
 __all__ = [
@@ -57,8 +58,13 @@ def _config(block_m, block_n, warps, stages):
 
 _GPU_CONFIGS = [
     _config(128, 128, 8, 3),
+    _config(128, 128, 8, 2),
     _config(128, 64, 8, 3),
-    _config(128, 64, 4, 3),
+    _config(128, 64, 8, 4),
+    # Paged tiles load their block ids first, which costs the pipeliner two stages: these configs
+    # give the paged path the K/V buffering the contiguous one gets at 3 stages.
+    _config(128, 64, 8, 5),
+    _config(128, 128, 8, 5),
     _config(128, 32, 4, 4),
     _config(64, 64, 4, 3),
     _config(64, 32, 4, 4),
@@ -66,7 +72,7 @@ _GPU_CONFIGS = [
     _config(32, 64, 4, 3),
     _config(16, 64, 4, 3),
 ]
-_INTERPRETER_CONFIG = _config(16, 16, 4, 1)
+_INTERPRETER_CONFIG = _config(16, 32, 4, 1)  # block 16: several pages per key tile; block 64: one
 
 
 def _prune_configs(configs, named_args, **kwargs):
@@ -101,13 +107,9 @@ def _attend_key_tiles(
         n = start_n + offs_n
         in_range = n < k_len
         if PAGED:
-            if MASKED:
-                block = tl.load(block_table_row + n // PAGE_SIZE, mask=in_range, other=0)
-            else:
-                block = tl.load(block_table_row + n // PAGE_SIZE)
-            slot_in_block = n % PAGE_SIZE
-            k_rows = block.to(tl.int64) * stride_k_block + slot_in_block * stride_k_token
-            v_rows = block.to(tl.int64) * stride_v_block + slot_in_block * stride_v_token
+            blocks, slots = paged_tile_blocks(block_table_row, start_n, k_len, PAGE_SIZE, BLOCK_N, MASKED)
+            k_rows = blocks * stride_k_block + slots * stride_k_token
+            v_rows = blocks * stride_v_block + slots * stride_v_token
         else:
             token = (kv_token_base + n).to(tl.int64)
             k_rows = token * stride_k_token
