@@ -13,7 +13,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sits.runtime.config import ConfigError, EngineConfig
 from sits.runtime.engine.cache_sizing import check_fits_one_sequence, num_blocks_for_budget
@@ -28,6 +28,9 @@ from sits.runtime.engine.scheduler import Scheduler
 from sits.runtime.engine.scheduling_policy import SchedulingPolicy, WaitingQueue
 from sits.runtime.engine.sequence import Sequence, SequenceStatus, child_sequence_id
 from sits.runtime.engine.stats import EngineStats
+
+if TYPE_CHECKING:  # the models package is imported only when a model is loaded
+    from sits.runtime.models.loading import LoadedModel
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +50,7 @@ class LLMEngine:
 
     def __init__(
         self,
-        loaded,
+        loaded: LoadedModel,
         config: EngineConfig,
         *,
         eviction_policy: EvictionPolicy | Callable[[int], EvictionPolicy] | None = None,
@@ -60,6 +63,12 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.model_name: str = config.model.served_model_name or loaded.name
         self.max_model_len: int = config.model.max_model_len or loaded.config.max_position_embeddings
+        positions = getattr(loaded.model, "max_positions", self.max_model_len)
+        if self.max_model_len > positions:
+            raise ConfigError(
+                f"--max-model-len {self.max_model_len} exceeds the {positions} positions the model was "
+                "loaded for; load it with this --max-model-len"
+            )
         self.vocab_size: int = loaded.config.vocab_size
         self.eos_token_ids = frozenset(loaded.config.eos_token_ids) | frozenset(
             getattr(self.tokenizer, "eos_token_ids", ())
@@ -109,7 +118,7 @@ class LLMEngine:
         return cls(loaded, config, **hooks)
 
     @classmethod
-    def from_loaded(cls, loaded, config: EngineConfig, **hooks: Any) -> LLMEngine:
+    def from_loaded(cls, loaded: LoadedModel, config: EngineConfig, **hooks: Any) -> LLMEngine:
         """An engine over an already loaded model (tests share one model across engines)."""
         return cls(loaded, config, **hooks)
 

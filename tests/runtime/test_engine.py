@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from sits.runtime.attention.torch_ref import TorchAttentionBackend
-from sits.runtime.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from sits.runtime.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SchedulerConfig
 from sits.runtime.engine.engine import LLMEngine
 from sits.runtime.engine.errors import DuplicateRequestError, InvalidRequestError, PromptTooLongError
 from sits.runtime.engine.request import FinishReason, RequestOutput, SamplingParams, SamplingParamsError
@@ -262,6 +262,10 @@ def test_bad_requests_are_rejected_with_clear_errors(tiny_llama):
     output = run_to_completion(engine, {})["ok"].outputs[0]  # max_tokens None: up to max_model_len
     assert len(output.token_ids) == 62 and output.finish_reason is FinishReason.LENGTH
     assert isinstance(PromptTooLongError("x"), ValueError)
+    with pytest.raises(ConfigError, match="exceeds the 512 positions"):
+        LLMEngine.from_loaded(loaded, engine_config(max_model_len=4096, num_blocks=300))
+    with pytest.raises(ConfigError, match="fewer than one sequence"):
+        LLMEngine.from_loaded(loaded, engine_config(max_model_len=256, num_blocks=8))
 
 
 def test_cache_salt_keeps_prefix_hits_within_a_tenant(tiny_llama):
