@@ -93,7 +93,7 @@ def decide(spec: SitsDeploymentSpec, owner: Owner, status: Status, obs: Observat
         ctx.consume_resume = True  # nothing to resume: drop it so it cannot skip a later pause
     s.replicas = obs.stable.status_replicas + obs.canary.status_replicas
     s.ready_replicas = obs.stable.ready_replicas + obs.canary.ready_replicas
-    s.ready = f"{s.ready_replicas}/{spec.replicas}"
+    s.ready = f"{s.ready_replicas}/{plan.stable.replicas + plan.canary.replicas}"  # both tracks, as planned
     healthy = s.phase == "Healthy"
     s.set_condition("Healthy", healthy, "Ready" if healthy else s.phase or "Pending",
                     f"{obs.stable.ready_of(s.stable_revision)}/{spec.replicas} stable replicas ready at revision "

@@ -59,7 +59,7 @@ def run_operator(cluster: KMockCluster, operator_config: OperatorConfig) -> Call
         registry = kopf.OperatorRegistry()
         register(registry, config)
         namespace = ["--namespace", config.namespace] if config.namespace else ["--all-namespaces"]
-        with KopfRunner(["run", "--standalone", "--verbose", *namespace], registry=registry, timeout=30) as runner:
+        with KopfRunner(["run", "--standalone", *namespace], registry=registry, timeout=30) as runner:
             yield runner
         assert runner.exception is None, runner.output[-3000:]
 
