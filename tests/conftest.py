@@ -15,6 +15,12 @@ os.environ["PYTHONSAFEPATH"] = "1"
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist each worker would start one intra-op thread per core; on a small CI machine the
+# workers then fight over the cores and CPU model tests run several times slower. Split the cores.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
+
 import pytest  # noqa: E402
 
 pytest_plugins = ["tests.support.fixtures"]
