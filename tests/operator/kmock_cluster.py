@@ -10,7 +10,8 @@ storage and discovery but owns every state change:
   API server (KMock merged any patch into the whole object);
 - watches resume from the requested `resourceVersion` out of an event log written under the same
   lock as the objects (KMock replayed every object and lost the events between list and watch);
-- DELETE honours finalizers;
+- DELETE honours finalizers; `/api/v1` discovery names its group version `v1` (KMock: `/v1`,
+  which hides every core resource from kubectl);
 - resource requests are answered directly, skipping KMock's reaction matching (no test here
   defines reactions, and the matching cost ~10 ms per request, the whole reconcile budget).
 
@@ -202,6 +203,12 @@ class FixedEmulator(kmock.KubernetesEmulator):
         self._answers[id(request)] = key
 
     # -- answers --------------------------------------------------------------------------------
+
+    async def _serve_version(self, request: kmock.Request) -> Any:
+        # KMock names the core group version "/v1"; kubectl then finds no core resource at all
+        answer = await super()._serve_version(request)
+        answer["groupVersion"] = answer["groupVersion"].lstrip("/")
+        return answer
 
     def _fetch(self, request: kmock.Request) -> dict[str, Any]:
         key = (request.resource, request.namespace, request.name)
