@@ -8,7 +8,7 @@ import torch
 from sits.runtime.models.gguf_cache import cache_root
 from tests.support.model_driver import PagedKVCache, PagedSequence, greedy_generate, run_step
 
-NEW_TOKENS = 20
+NEW_TOKENS = 16
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -16,7 +16,7 @@ CONVERSATIONS = [
      {"role": "user", "content": "Why is the sky blue?"}],
     [{"role": "user", "content": "Write a haiku about autumn leaves."}],
 ]
-PLAIN_PROMPTS = ["The three primary colors are", "def fibonacci(n):\n    "]
+PLAIN_PROMPTS = ["def fibonacci(n):\n    "]
 
 
 def _prompts(smollm2) -> list[list[int]]:
@@ -65,26 +65,13 @@ def test_prefill_logits_match_transformers(smollm2, hf_smollm2):
 
 
 def test_greedy_generation_matches_transformers(smollm2, hf_smollm2):
-    """All prompts batched together (prefills, then decodes over a paged cache) give exactly
-    transformers' greedy tokens for each prompt generated alone. EOS is masked in both."""
+    """All prompts batched together (chunked prefills over 4-token blocks, then decodes over the paged
+    cache) give exactly transformers' greedy tokens for each prompt generated alone. EOS is masked in
+    both, as min_new_tokens does in transformers."""
     prompts = _prompts(smollm2)
     eos = smollm2.tokenizer.eos_token_id
-    ours = greedy_generate(smollm2.model, prompts, NEW_TOKENS, block_size=16,
+    ours = greedy_generate(smollm2.model, prompts, NEW_TOKENS, block_size=4, prefill_chunk=16,
                            suppress_ids=frozenset({eos}))
     for prompt, generated in zip(prompts, ours, strict=True):
         assert generated == _hf_greedy(hf_smollm2, prompt, eos), smollm2.tokenizer.decode(prompt)
-
-
-def test_chunked_prefill_gives_the_same_tokens(smollm2):
-    """Prefill split into chunks of 5 tokens over 4-token blocks (cached-prefix path) changes nothing."""
-    prompts = _prompts(smollm2)[:2]
-    whole = greedy_generate(smollm2.model, prompts, 8, block_size=16)
-    chunked = greedy_generate(smollm2.model, prompts, 8, block_size=4, prefill_chunk=5)
-    assert chunked == whole
-
-
-def test_answer_is_sensible_text(smollm2):
-    tok = smollm2.tokenizer
-    prompt = tok.encode(tok.apply_chat_template(CONVERSATIONS[0]), add_special_tokens=False)
-    generated = greedy_generate(smollm2.model, [prompt], 12)[0]
-    assert "Paris" in tok.decode(generated)
+    assert "Paris" in smollm2.tokenizer.decode(ours[0])  # and the answer is sensible
