@@ -1,0 +1,1 @@
+"""Tensor parallelism: sharding a built Llama across ranks and running it from one engine."""
