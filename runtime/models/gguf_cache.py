@@ -31,7 +31,7 @@ from sits.runtime.models.gguf_tokenizer import GGUFTokenizerError, build_tokeniz
 logger = logging.getLogger(__name__)
 
 SHARD_BYTES = 2 << 30  # split converted weights into safetensors files of at most ~2 GiB
-_CONVERSION_VERSION = "1"  # bump when the converted layout changes, so old caches are not reused
+_CONVERSION_VERSION = "2"  # bump when the converted layout changes, so old caches are not reused
 
 
 def cache_root() -> Path:

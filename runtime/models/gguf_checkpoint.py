@@ -102,9 +102,13 @@ class GGUFCheckpoint:
             "hidden_act": "silu",
             "torch_dtype": "float32",
         }
-        for key in ("bos_token_id", "eos_token_id"):
-            if f"tokenizer.ggml.{key}" in self.metadata:
-                config[key] = int(self.metadata[f"tokenizer.ggml.{key}"])
+        if "tokenizer.ggml.bos_token_id" in self.metadata:
+            config["bos_token_id"] = int(self.metadata["tokenizer.ggml.bos_token_id"])
+        # Llama 3 instruct files end turns with <|eot_id|> / <|eom_id|>: they stop generation too.
+        stops = [int(self.metadata[f"tokenizer.ggml.{key}"]) for key in ("eos_token_id", "eot_token_id", "eom_token_id")
+                 if f"tokenizer.ggml.{key}" in self.metadata]
+        if stops:
+            config["eos_token_id"] = list(dict.fromkeys(stops))
         if self.architecture == "llama" and any(n.endswith("attn_output.bias") for n in names):
             config["attention_bias"] = True
         config.update(self._rope_scaling(names))

@@ -131,6 +131,8 @@ class Tokenizer:
 
     def token_to_bytes(self, token_id: int) -> bytes:
         """The exact bytes one token stands for (OpenAI logprobs' `bytes`); b"" for unknown ids."""
+        if not 0 <= token_id < 2**32:
+            return b""
         return _token_bytes(self._backend, self._byte_level, token_id in self._added_ids, token_id)
 
     def token_to_text(self, token_id: int) -> str:

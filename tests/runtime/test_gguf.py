@@ -170,6 +170,7 @@ def write_tiny_gguf(path: Path, hf_model, architecture: str = "llama") -> Path:
     writer.add_token_merges(MERGES)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
+    writer.add_eot_token_id(0)  # an end-of-turn token, as Llama 3 instruct files have
     writer.add_chat_template(CHAT_TEMPLATE)
     for name, param in hf_model.state_dict().items():
         writer_name, qtype, weight = _gguf_tensor(name, param.float().numpy(), cfg)
@@ -219,6 +220,7 @@ def test_written_gguf_matches_transformers_reading_it(tiny_gguf, cache_dir):
 
     loaded = load_model(ModelConfig(model=str(tiny_gguf), device="cpu"), TorchAttentionBackend(), progress=False)
     assert loaded.name == "Tiny-Llama-GQA" and loaded.source == str(tiny_gguf)
+    assert loaded.tokenizer.eos_token_ids == frozenset({0, 2}) and loaded.config.eos_token_ids == [2, 0]
     hf_model = AutoModelForCausalLM.from_pretrained(str(tiny_gguf.parent), gguf_file=tiny_gguf.name,
                                                     dtype=torch.float32).eval()
     hf_tokenizer = AutoTokenizer.from_pretrained(str(tiny_gguf.parent), gguf_file=tiny_gguf.name)

@@ -67,7 +67,7 @@ def test_token_bytes_reassemble_the_text(tok):
     assert all("\ufffd" in tok.token_to_text(i) for i in partial)
     assert tok.token_to_text(tok.encode(" Paris")[0]) == " Paris"
     assert tok.token_to_text(2) == "<|im_end|>"
-    assert tok.token_to_bytes(10**9) == b""
+    assert tok.token_to_bytes(10**9) == tok.token_to_bytes(-1) == b""
 
 
 @pytest.mark.parametrize("conversation", CONVERSATIONS)
