@@ -82,11 +82,20 @@ def cached_checkpoint_dir(gguf_path: str | Path, *, progress: bool = True) -> Pa
             if not (target / "config.json").is_file():
                 raise
             logger.debug("another process converted %s first; using its copy", gguf_path)
+        _remove_older_conversions(target)
     except (GGUFError, GGUFTokenizerError, UnsupportedQuantizationError) as exc:
         raise ModelLoadError(f"cannot load {gguf_path}: {exc}") from exc
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return target
+
+
+def _remove_older_conversions(target: Path) -> None:
+    """Delete conversions of the same file by an older converter version (each is a full copy of the weights)."""
+    prefix = target.name.rsplit("-v", 1)[0] + "-v"
+    for sibling in target.parent.glob(f"{prefix}*"):
+        if sibling != target and sibling.is_dir():
+            shutil.rmtree(sibling, ignore_errors=True)
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> None:
