@@ -176,3 +176,17 @@ def test_build_random_model_is_seeded():
     cache = PagedKVCache(a, num_blocks=8, block_size=4)
     logits = run_step(a, cache, [(PagedSequence([1, 2, 3, 4, 5]), 5)])
     assert logits.shape == (1, 100) and torch.isfinite(logits).all()
+
+
+def test_presets_have_the_published_shapes():
+    from sits.runtime.models.llama import LlamaForCausalLM
+    from sits.runtime.models.presets import preset_config
+
+    with torch.device("meta"):
+        llama3 = LlamaForCausalLM(preset_config("llama-3-8b"), TorchAttentionBackend())
+    assert sum(p.numel() for p in llama3.parameters()) == 8_030_261_248  # 16.06 GB in bf16
+    assert preset_config("llama-3.1-8b").rope_scaling["rope_type"] == "llama3"
+    tiny = build_random_model(preset_config("tiny"), TorchAttentionBackend(), seed=0)
+    assert run_step(tiny, PagedKVCache(tiny, 4, 4), [(PagedSequence([1, 2, 3]), 3)]).shape == (1, 512)
+    with pytest.raises(ValueError, match="unknown model config 'gpt-5'; known: llama-3-8b"):
+        preset_config("gpt-5")
