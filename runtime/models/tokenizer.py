@@ -112,6 +112,10 @@ class Tokenizer:
             )
         return cls.from_file(directory / "tokenizer.json", config, template, extra_eos_token_ids)
 
+    def with_chat_template(self, chat_template: str | None) -> Tokenizer:
+        """The same tokenizer with another chat template (e.g. a `--chat-template` override)."""
+        return Tokenizer(self._backend, self.special_tokens, chat_template, self.eos_token_ids)
+
     # -- text ↔ ids ------------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -98,7 +98,7 @@ def test_template_helpers_match_transformers(tok, hf_smollm2_tokenizer):
     tools = [{"type": "function", "function": {"name": "météo", "parameters": {}}}]
     expected = hf_smollm2_tokenizer.apply_chat_template(
         conversation, chat_template=template, tools=tools, tokenize=False, greeting="bonjour")
-    ours = Tokenizer(tok._backend, tok.special_tokens, template)
+    ours = tok.with_chat_template(template)
     assert ours.apply_chat_template(conversation, tools=tools, greeting="bonjour") == expected
 
     with pytest.raises(ChatTemplateError, match="tool messages are not supported"):
@@ -116,9 +116,9 @@ def test_malformed_conversations_are_chat_template_errors(tok):
     with pytest.raises(ChatTemplateError):
         tok.apply_chat_template("not a list")
     with pytest.raises(ChatTemplateError):
-        Tokenizer(tok._backend, tok.special_tokens, "{% if %}").apply_chat_template([])
+        tok.with_chat_template("{% if %}").apply_chat_template([])
     with pytest.raises(ChatTemplateError, match="no chat template"):
-        Tokenizer(tok._backend, tok.special_tokens, None).apply_chat_template([{"role": "user", "content": "x"}])
+        tok.with_chat_template(None).apply_chat_template([{"role": "user", "content": "x"}])
 
 
 def test_from_file_with_a_config_dict(smollm2_checkpoint_dir):
