@@ -87,7 +87,6 @@ def spawned_worker_main(rank: int, world_size: int, port: int, recipe: ModelReci
                         format=f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s")
     _exit_when_parent_exits()
     endpoint = PipeWorkerEndpoint(rank, conn)
-    failed = False
     try:
         device = device_for_rank(recipe.device_type, rank)
         if device.type == "cpu":  # ranks share the cores: do not oversubscribe them
@@ -98,15 +97,15 @@ def spawned_worker_main(rank: int, world_size: int, port: int, recipe: ModelReci
         serve_commands(rank, world_size, recipe, groups, device, endpoint)
     except EOFError:
         logger.info("the engine process is gone; worker rank %d exits", rank)
+        os._exit(0)
     except BaseException as exc:
-        failed = True
         logger.exception("tensor-parallel worker rank %d failed", rank)
         endpoint.fail(Failure(rank, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
-    finally:
-        destroy_distributed()
-        conn.close()
-    if failed:
-        sys.exit(1)
+        # No orderly teardown: leaving an NCCL group while a peer waits in a collective can block.
+        logging.shutdown()
+        os._exit(1)
+    destroy_distributed()  # Shutdown: every rank leaves together
+    conn.close()
 
 
 def run_torchrun_worker(recipe: ModelRecipe, parallel: ParallelConfig) -> int:

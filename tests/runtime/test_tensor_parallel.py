@@ -33,7 +33,7 @@ from sits.runtime.engine.scheduler_output import ScheduledSequence, SchedulerOut
 from sits.runtime.engine.sequence import Sequence
 from sits.runtime.models.config import LlamaConfig
 from sits.runtime.models.loading import build_random_model
-from sits.runtime.parallel.commands import WorkerFailedError
+from sits.runtime.parallel.commands import AllocateKVCache, WorkerFailedError
 from sits.runtime.parallel.config import ParallelConfig
 from sits.runtime.parallel.distributed import apply_nccl_env, free_port
 from sits.runtime.parallel.executor import TensorParallelExecutor
@@ -271,6 +271,21 @@ def test_tensor_parallel_worker_crash_fails_the_step_instead_of_hanging():
         assert isinstance(error.value, EngineError)  # the async engine fails in-flight requests with it
         with pytest.raises(WorkerFailedError):  # and keeps refusing: the replica is broken
             runner.execute(step)
+    finally:
+        executor.shutdown()
+    _assert_nothing_left(executor)
+
+
+@pytest.mark.timeout(120)
+def test_tensor_parallel_worker_error_reaches_rank_0_with_its_message():
+    executor = TensorParallelExecutor.start(_recipe(), ParallelConfig(tensor_parallel_size=2), progress=False)
+    try:
+        cpu = torch.device("cpu")
+        executor.make_runner(executor.loaded.model, cpu, torch.float32, BLOCK_SIZE, Sampler((), cpu))
+        with pytest.raises(WorkerFailedError, match=r"rank 1 failed: RuntimeError: .*must be non-negative"):
+            executor.call(AllocateKVCache(-1))  # only the worker runs it: rank 0 never allocates this
+        executor.processes[0].join(10)
+        assert executor.processes[0].exitcode == 1
     finally:
         executor.shutdown()
     _assert_nothing_left(executor)
