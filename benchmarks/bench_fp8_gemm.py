@@ -3,7 +3,8 @@
     python benchmarks/bench_fp8_gemm.py [--json out.json]
 
 a_fp8 [M, K] with per-token scales [M, 1], w_fp8 [N, K] with per-channel scales, bf16 out.
-FLOPs = 2 M N K. Shapes: 8192^3 and Llama-3-8B's projections (qkv 6144x4096, o 4096x4096,
+FLOPs = 2 M N K. Both sides promote the fp8 tensor-core sums to float32 every 128 K elements
+(torch._scaled_mm's default); a few cases also run both with fast accumulation. Shapes: 8192^3 and Llama-3-8B's projections (qkv 6144x4096, o 4096x4096,
 gate_up 28672x4096, down 4096x14336) for M from 32 to 8192. Small problems rotate through
 several weight copies so neither side is timed out of L2. Also: the activation quantizer's
 bandwidth against an eager PyTorch quantizer.
@@ -21,7 +22,7 @@ L2_DEFEAT_BYTES = 256 << 20
 LLAMA3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
 
-def bench_gemm(m, n, k, label) -> Measurement:
+def bench_gemm(m, n, k, label, fast_accum=False) -> Measurement:
     copies = max(1, min(8, L2_DEFEAT_BYTES // (n * k + m * k)))
     sets = []
     for _ in range(copies):
@@ -31,13 +32,16 @@ def bench_gemm(m, n, k, label) -> Measurement:
 
     def scaled_mm(i):
         a, sa, w, _, sw_row = sets[i]
-        return torch._scaled_mm(a, w.t(), scale_a=sa, scale_b=sw_row, out_dtype=torch.bfloat16)
+        return torch._scaled_mm(
+            a, w.t(), scale_a=sa, scale_b=sw_row, out_dtype=torch.bfloat16, use_fast_accum=fast_accum
+        )
 
     def ours(i, use_tma=None):
         a, sa, w, sw, _ = sets[i]
-        return fp8_gemm(a, sa, w, sw, use_tma=use_tma)
+        return fp8_gemm(a, sa, w, sw, use_tma=use_tma, fast_accum=fast_accum)
 
-    peer_name, peer_ms, _ = best_peer({"torch._scaled_mm": rotating(scaled_mm, copies)}, 2 * m * n * k)
+    peer = "torch._scaled_mm" + (" fast_accum" if fast_accum else "")
+    peer_name, peer_ms, _ = best_peer({peer: rotating(scaled_mm, copies)}, 2 * m * n * k)
     ours_ms = time_ms(rotating(ours, copies))
     extra = {"weight_copies": copies}
     if m > 128:  # the pointer kernel, for the record
@@ -45,6 +49,7 @@ def bench_gemm(m, n, k, label) -> Measurement:
     err = ((ours(0).float() - scaled_mm(0).float()).norm() / scaled_mm(0).float().norm()).item()
     extra["rel_err_vs_scaled_mm"] = err
     tflops = lambda ms: 2 * m * n * k / (ms * 1e-3) / 1e12  # noqa: E731
+    label = f"{label} fast-accum" if fast_accum else label
     return Measurement(f"{label} M{m} N{n} K{k}", "TFLOP/s", tflops(ours_ms), tflops(peer_ms), peer_name, ours_ms, peer_ms, extra)
 
 
@@ -66,6 +71,11 @@ def main():
         for m in m_values:
             rows.append(bench_gemm(m, n, k, name))
             print(rows[-1], flush=True)
+    # Both sides with Hopper's fast (reduced-precision) fp8 accumulation, for the record.
+    for m, (n, k), label in ((8192, (8192, 8192), "square"), (8192, LLAMA3_8B["gate_up"], "gate_up"),
+                             (2048, LLAMA3_8B["down"], "down")):  # fmt: skip
+        rows.append(bench_gemm(m, n, k, label, fast_accum=True))
+        print(rows[-1], flush=True)
     rows += [bench_quantize(8192, 4096), bench_quantize(32, 14336)]
     report("FP8 e4m3 GEMM (per-token x per-channel scales, bf16 out)", rows, args.json)
 

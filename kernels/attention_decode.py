@@ -192,13 +192,16 @@ def _decode_merge_kernel(
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
-    """Context splits so that sequences x KV heads x splits gives about 4 programs per multiprocessor.
+    """Context splits: none when sequences x KV heads fill the GPU, else about 4 programs per multiprocessor.
 
     Each split keeps at least MIN_TOKENS_PER_SPLIT tokens, so short contexts are not split into
     pieces whose merge costs more than it saves.
     """
     programs = max(num_seqs * num_kv_heads, 1)
-    wanted = 4 * num_sms(device) // programs
+    sms = num_sms(device)
+    if programs >= sms:
+        return 1  # on an H200, splitting a batch that already fills the GPU only added the merge's cost
+    wanted = 4 * sms // programs
     most = max(1, max_context // MIN_TOKENS_PER_SPLIT)
     return max(1, min(wanted, most, MAX_SPLITS))
 

@@ -102,7 +102,7 @@ def _fp8_gemm_kernel(
     a_ptr, w_ptr, c_ptr, a_scale_ptr, w_scale_ptr,
     M, N, K, stride_am, stride_wn, stride_cm, M_BUCKET,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    GROUP_M: tl.constexpr, ATOMIC: tl.constexpr, EVEN_K: tl.constexpr,
+    GROUP_M: tl.constexpr, ATOMIC: tl.constexpr, FAST_ACCUM: tl.constexpr, EVEN_K: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n = grouped_tile_coordinates(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -124,7 +124,10 @@ def _fp8_gemm_kernel(
         else:
             a = tl.load(a_ptr + rows_a[:, None] * stride_am + k[None, :], mask=k[None, :] < K, other=0.0)
             w = tl.load(w_ptr + rows_w[None, :] * stride_wn + k[:, None], mask=k[:, None] < K, other=0.0)
-        acc = tl.dot(a, w, acc)
+        if FAST_ACCUM:
+            acc = tl.dot(a, w, acc)
+        else:
+            acc = tl.dot(a, w, acc, max_num_imprecise_acc=BLOCK_K)
     _scale_and_store(acc, c_ptr, a_scale_ptr, w_scale_ptr, offs_m, offs_n, M, N, stride_cm, ATOMIC)
 
 
@@ -134,11 +137,11 @@ _fp8_gemm_kernel_even_k = triton.heuristics({"EVEN_K": lambda args: args["K"] % 
 )
 _fp8_gemm_small_m = triton.autotune(
     configs=pick_configs(_SMALL_M_CONFIGS, _INTERPRETER_SPLIT_CONFIG),
-    key=["M_BUCKET", "N", "K"],
+    key=["M_BUCKET", "N", "K", "FAST_ACCUM"],
     prune_configs_by={"early_config_prune": _prune_small_m},
 )(_fp8_gemm_kernel_even_k)
 _fp8_gemm_large_m = triton.autotune(
-    configs=pick_configs(_LARGE_M_POINTER_CONFIGS, _INTERPRETER_CONFIG), key=["M_BUCKET", "N", "K"]
+    configs=pick_configs(_LARGE_M_POINTER_CONFIGS, _INTERPRETER_CONFIG), key=["M_BUCKET", "N", "K", "FAST_ACCUM"]
 )(_fp8_gemm_kernel_even_k)
 
 
@@ -166,12 +169,13 @@ _TMA_CONFIGS = [
 ]
 
 
-@triton.autotune(configs=_TMA_CONFIGS, key=["M_BUCKET", "N", "K"])
+@triton.autotune(configs=_TMA_CONFIGS, key=["M_BUCKET", "N", "K", "FAST_ACCUM"])
 @triton.jit
 def _fp8_gemm_tma_kernel(
     a_desc, w_desc, c_ptr, a_scale_ptr, w_scale_ptr,
     M, N, K, stride_cm, M_BUCKET,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    FAST_ACCUM: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n = grouped_tile_coordinates(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     off_m = pid_m * BLOCK_M
@@ -180,7 +184,10 @@ def _fp8_gemm_tma_kernel(
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         a = a_desc.load([off_m, k * BLOCK_K])
         w = w_desc.load([off_n, k * BLOCK_K])
-        acc = tl.dot(a, w.T, acc)
+        if FAST_ACCUM:
+            acc = tl.dot(a, w.T, acc)
+        else:
+            acc = tl.dot(a, w.T, acc, max_num_imprecise_acc=BLOCK_K)
     offs_m = off_m + tl.arange(0, BLOCK_M)
     offs_n = off_n + tl.arange(0, BLOCK_N)
     _scale_and_store(acc, c_ptr, a_scale_ptr, w_scale_ptr, offs_m, offs_n, M, N, stride_cm, False)
@@ -223,6 +230,7 @@ def fp8_gemm(
     w_scale: torch.Tensor,
     out_dtype: torch.dtype = torch.bfloat16,
     use_tma: bool | None = None,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
     """Scaled e4m3 GEMM: out [M, N] = (a_fp8 * a_scale) @ (w_fp8 * w_scale)^T in out_dtype.
 
@@ -233,6 +241,9 @@ def fp8_gemm(
         w_scale: [N] or [N, 1] float32 per-output-channel scales.
         out_dtype: bfloat16 (default), float16 or float32.
         use_tma: force the TMA kernel on (True) or off (False) for M > SMALL_M; automatic when None.
+        fast_accum: keep Hopper's reduced-precision fp8 tensor-core accumulation over the whole K
+            (faster, less exact). By default the sums are promoted to float32 every K tile of 128,
+            as torch._scaled_mm does by default.
     Returns:
         [M, N] in out_dtype.
     """
@@ -248,7 +259,7 @@ def fp8_gemm(
 
         _fp8_gemm_small_m[grid](
             a_fp8, w_fp8, acc, a_scale, w_scale, m, n, k, a_fp8.stride(0), w_fp8.stride(0), acc.stride(0), bucket,
-            ATOMIC=True,
+            ATOMIC=True, FAST_ACCUM=bool(fast_accum),
         )  # fmt: skip
         return acc if out_dtype == torch.float32 else acc.to(out_dtype)
     out = torch.empty(m, n, dtype=out_dtype, device=a_fp8.device)
@@ -261,10 +272,12 @@ def fp8_gemm(
         placeholder = [16, 16]  # the config pre-hook sets the real block shapes
         a_desc = TensorDescriptor(a_fp8, list(a_fp8.shape), list(a_fp8.stride()), placeholder)
         w_desc = TensorDescriptor(w_fp8, list(w_fp8.shape), list(w_fp8.stride()), placeholder)
-        _fp8_gemm_tma_kernel[grid2d](a_desc, w_desc, out, a_scale, w_scale, m, n, k, out.stride(0), bucket)
+        _fp8_gemm_tma_kernel[grid2d](
+            a_desc, w_desc, out, a_scale, w_scale, m, n, k, out.stride(0), bucket, FAST_ACCUM=bool(fast_accum)
+        )
     else:
         _fp8_gemm_large_m[grid2d](
             a_fp8, w_fp8, out, a_scale, w_scale, m, n, k, a_fp8.stride(0), w_fp8.stride(0), out.stride(0), bucket,
-            ATOMIC=False,
+            ATOMIC=False, FAST_ACCUM=bool(fast_accum),
         )  # fmt: skip
     return out

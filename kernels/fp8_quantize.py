@@ -2,8 +2,8 @@
 
     quantize_fp8_per_token(x [M, K]) -> (x_fp8 [M, K] float8_e4m3fn, scale [M, 1] float32)
 
-scale = max(|x_row|) / 448 (at least 1e-12 / 448), x_fp8 = saturate(x / scale) rounded to nearest
-even, the same arithmetic as the reference (IEEE divisions, so both round identically). Rows up to
+scale = max(|x_row|, 1e-12) * (1 / 448), x_fp8 = saturate(x / scale) rounded to nearest even, the
+same float32 arithmetic as the reference (an IEEE division for the values), so both round alike. Rows up to
 MAX_SINGLE_PASS wide are held in registers and read once; wider rows are read twice (the second
 read mostly hits L2).
 """
@@ -54,7 +54,7 @@ def _quantize_fp8_per_token_kernel(
             chunk = tl.load(x_row + start + cols, mask=start + cols < n_cols, other=0.0).to(tl.float32)
             running = tl.maximum(running, tl.abs(chunk))
         amax = tl.max(running, 0)
-    scale = tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)
+    scale = tl.maximum(amax, 1e-12) * (1.0 / 448.0)
     tl.store(scale_ptr + row, scale)
     if SINGLE_PASS:
         _quantize_row_chunk(x, scale, out_row + cols, mask)

@@ -34,9 +34,9 @@ SMALL_M = 64
 MIN_GROUP = 32
 
 
-def _config(bm, bn, bk, warps, stages, split_k=1, group_m=8, atomic=False):
+def _config(bm, bn, bk, warps, stages, split_k=1, group_m=8, atomic=False, swap_ab=False):
     return triton.Config(
-        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split_k, "GROUP_M": group_m},
+        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split_k, "GROUP_M": group_m, "SWAP_AB": swap_ab},
         num_warps=warps,
         num_stages=stages,
         pre_hook=zero_output_before_launch if atomic else None,
@@ -53,11 +53,18 @@ _LARGE_M_CONFIGS = [
 _SMALL_M_CONFIGS = [
     _config(bm, bn, 128, 4, stages, split_k=split, atomic=True)
     for bm in (16, 64)
-    for bn in (32, 64, 128)
+    for bn in (64, 128)
     for split, stages in ((1, 4), (2, 4), (4, 4), (8, 3))
+] + [
+    # Swapped operands: the weight tile is the dot's M side (64 or 128 rows, the tensor cores'
+    # natural height) and the few activation rows its N side.
+    _config(bm, bn, 128, 4, stages, split_k=split, atomic=True, swap_ab=True)
+    for bm in (16, 64)
+    for bn in (64, 128)
+    for split, stages in ((1, 4), (2, 4), (4, 4))
 ]
 _INTERPRETER_CONFIG = _config(16, 32, 32, 4, 1)
-_INTERPRETER_SPLIT_CONFIG = _config(16, 32, 32, 4, 1, split_k=2, atomic=True)
+_INTERPRETER_SPLIT_CONFIG = _config(16, 32, 32, 4, 1, split_k=2, atomic=True, swap_ab=True)
 
 
 def _prune(configs, named_args, **kwargs):
@@ -74,7 +81,12 @@ def _prune(configs, named_args, **kwargs):
         if m_bucket <= SMALL_M and (m_bucket <= 16) != (c.kwargs["BLOCK_M"] == 16):
             continue
         kept.append(c)
-    return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_K"])]
+    if kept:
+        return kept
+    # No tile fits the group: the first config with K tiles one group long.
+    first = configs[0]
+    kwargs = dict(first.kwargs, BLOCK_K=min(first.kwargs["BLOCK_K"], group_size))
+    return [triton.Config(kwargs, num_warps=first.num_warps, num_stages=first.num_stages, pre_hook=first.pre_hook)]
 
 
 @triton.jit
@@ -82,7 +94,7 @@ def _int8_gemm_kernel(
     x_ptr, w_ptr, scales_ptr, c_ptr,
     M, N, K, stride_xm, stride_wn, stride_sn, stride_cm, M_BUCKET,
     GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, ATOMIC: tl.constexpr,
+    SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, ATOMIC: tl.constexpr, SWAP_AB: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n = grouped_tile_coordinates(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -94,14 +106,25 @@ def _int8_gemm_kernel(
     first = tl.program_id(1) * tiles_per_split
     last = tl.minimum(first + tiles_per_split, k_tiles)
     offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for tile in range(first, last):
-        k = tile * BLOCK_K + offs_k
-        x = tl.load(x_ptr + rows_x[:, None] * stride_xm + k[None, :])
-        w = tl.load(w_ptr + rows_w[None, :] * stride_wn + k[:, None])
-        scale = tl.load(scales_ptr + rows_w * stride_sn + (tile * BLOCK_K) // GROUP_SIZE)
-        w = (w.to(tl.float32) * scale[None, :]).to(x.dtype)
-        acc = tl.dot(x, w, acc)
+    if SWAP_AB:
+        acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for tile in range(first, last):
+            k = tile * BLOCK_K + offs_k
+            x_t = tl.load(x_ptr + rows_x[None, :] * stride_xm + k[:, None])
+            w = tl.load(w_ptr + rows_w[:, None] * stride_wn + k[None, :])
+            scale = tl.load(scales_ptr + rows_w * stride_sn + (tile * BLOCK_K) // GROUP_SIZE)
+            w = (w.to(tl.float32) * scale[:, None]).to(x_t.dtype)
+            acc_t = tl.dot(w, x_t, acc_t)
+        acc = tl.trans(acc_t)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for tile in range(first, last):
+            k = tile * BLOCK_K + offs_k
+            x = tl.load(x_ptr + rows_x[:, None] * stride_xm + k[None, :])
+            w = tl.load(w_ptr + rows_w[None, :] * stride_wn + k[:, None])
+            scale = tl.load(scales_ptr + rows_w * stride_sn + (tile * BLOCK_K) // GROUP_SIZE)
+            w = (w.to(tl.float32) * scale[None, :]).to(x.dtype)
+            acc = tl.dot(x, w, acc)
     ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     if ATOMIC:

@@ -200,7 +200,7 @@ def quantize_fp8_per_token_reference(x: torch.Tensor) -> tuple[torch.Tensor, tor
     """Dynamic per-row e4m3 quantization: x [M, K] -> (x_fp8 [M, K], scale [M, 1] float32)."""
     xf = x.float()
     amax = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)
-    scale = amax / FP8_E4M3_MAX
+    scale = amax * (1.0 / FP8_E4M3_MAX)  # a multiply, as GPU PyTorch divides by a scalar; the kernel matches
     x_fp8 = (xf / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     return x_fp8, scale
 

@@ -33,7 +33,10 @@ def test_fp8_gemm_matches_reference(m, n, k):
     out = fp8_gemm(a_fp8, a_scale, w_fp8, w_scale, out_dtype=torch.float32)
     expected = fp8_gemm_reference(a_fp8, a_scale, w_fp8, w_scale, out_dtype=torch.float32)
     assert out.shape == (m, n) and not out.isnan().any()
-    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    if ON_GPU:  # fp8 tensor cores sum products in reduced precision between float32 promotions
+        assert _relative_error(out, expected) < 2e-3
+    else:
+        torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
 
 
 def test_fp8_gemm_accepts_flat_weight_scales_and_half_output():
@@ -42,7 +45,7 @@ def test_fp8_gemm_accepts_flat_weight_scales_and_half_output():
     out = fp8_gemm(a_fp8, a_scale, w_fp8, w_scale.reshape(-1), out_dtype=torch.float16)
     expected = fp8_gemm_reference(a_fp8, a_scale, w_fp8, w_scale, out_dtype=torch.float16)
     assert out.dtype == torch.float16
-    torch.testing.assert_close(out, expected, atol=2e-3, rtol=2e-3)
+    assert _relative_error(out, expected) < 2e-3
 
 
 def test_quantize_scales_match_reference():
@@ -77,10 +80,10 @@ def test_fp8_gemm_llama_shapes_gpu(m, n, k):
     a_fp8, a_scale = quantize_fp8_per_token(x)
     w_fp8, w_scale = quantize_weight_fp8_per_channel(w)
     expected = fp8_gemm_reference(a_fp8, a_scale, w_fp8, w_scale)
-    for use_tma in (True, False):
-        out = fp8_gemm(a_fp8, a_scale, w_fp8, w_scale, use_tma=use_tma)
+    for use_tma, fast_accum in ((True, False), (False, False), (True, True)):
+        out = fp8_gemm(a_fp8, a_scale, w_fp8, w_scale, use_tma=use_tma, fast_accum=fast_accum)
         assert out.dtype == torch.bfloat16
-        assert _relative_error(out, expected) < 5e-3
+        assert _relative_error(out, expected) < (5e-3 if fast_accum else 3e-3)
     # and the whole fp8 path stays close to the unquantized product
     assert _relative_error(out, x.float() @ w.t()) < 0.06
 
