@@ -105,18 +105,29 @@ class SchedulerConfig:
 
 @dataclass
 class EngineConfig:
-    """Everything the engine needs to start."""
+    """Everything the engine needs to start.
+
+    Attributes:
+        enforce_eager: never capture CUDA graphs (decode steps run eagerly too).
+        cuda_graph_max_batch_size: the largest decode batch captured in a CUDA graph; None takes
+            max_num_seqs (larger decode batches run eagerly).
+        compile: torch.compile the model's non-attention parts (norms, MLPs).
+    """
 
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     attention_backend: str = "auto"
     enforce_eager: bool = False
+    cuda_graph_max_batch_size: int | None = None
+    compile: bool = False
 
     def validate(self) -> None:
         self.model.validate()
         self.cache.validate()
         self.scheduler.validate()
+        if self.cuda_graph_max_batch_size is not None and self.cuda_graph_max_batch_size < 1:
+            raise ConfigError(f"--cuda-graph-max-batch-size must be positive, got {self.cuda_graph_max_batch_size}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(
                 f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"

@@ -11,6 +11,12 @@ A token's slot is `block_id * block_size + offset`; slot -1 means "padding, do n
 
 RoPE table layout (`cos_sin_cache`): [max_positions, rotary_dim] float32, cos in the first
 rotary_dim / 2 columns and sin in the second half (rotate-half / NeoX style, as HF Llama uses).
+
+Each back end declares what it supports (devices, dtypes, head sizes, cache layout, CUDA-graph
+capture) and which version of this interface it implements (`interface_version`, "major.minor"):
+the registry refuses a back end whose major version differs from INTERFACE_VERSION's, so a back
+end written for another contract fails with a clear message instead of a wrong answer. A back end
+may also bring the model's other hot ops (RMSNorm, SiLU·mul) through `kernel_ops()`.
 """
 
 from __future__ import annotations
@@ -20,6 +26,13 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+
+from sits.runtime.models.kernel_ops import TORCH_OPS, KernelOps
+
+# The contract below, "major.minor". A major bump breaks back ends; a minor bump only adds.
+INTERFACE_VERSION = "1.1"
+# The one cache layout the engine allocates: [num_blocks, block_size, num_kv_heads, head_dim].
+PAGED_NHD = "paged-nhd"
 
 
 @dataclass
@@ -73,13 +86,56 @@ class AttentionBackend(ABC):
     """
 
     name: ClassVar[str]
-    version: ClassVar[str] = "1"
+    version: ClassVar[str] = "1"  # the back end's own version (for the log)
+    interface_version: ClassVar[str] = INTERFACE_VERSION  # the contract it implements
     priority: ClassVar[int] = 0  # higher wins when several back ends support a configuration
+    devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
+    dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.float16, torch.bfloat16)
+    head_dims: ClassVar[tuple[int, ...] | None] = None  # None: any head size
+    kv_layout: ClassVar[str] = PAGED_NHD
+    # True when forward() reads only device tensors of fixed shape (never the host lists of the
+    # metadata, never a host sync), so a decode step can be captured in a CUDA graph and replayed.
+    supports_cuda_graphs: ClassVar[bool] = False
 
     @classmethod
-    @abstractmethod
     def unsupported_reason(cls, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
-        """None when this back end can run the configuration, else a short reason for the log."""
+        """None when this back end can run the configuration, else a short reason for the log.
+
+        The default checks the declared devices, dtypes, head sizes and cache layout; back ends
+        with other conditions (a library, an environment) extend it.
+        """
+        if device.type not in cls.devices:
+            return f"runs on {'/'.join(cls.devices)}, not {device.type}"
+        if dtype not in cls.dtypes:
+            return f"supports {', '.join(str(d).removeprefix('torch.') for d in cls.dtypes)}, not " + str(
+                dtype
+            ).removeprefix("torch.")
+        if cls.head_dims is not None and head_dim not in cls.head_dims:
+            return f"supports head_dim {', '.join(map(str, cls.head_dims))}, not {head_dim}"
+        if cls.kv_layout != PAGED_NHD:
+            return f"uses the {cls.kv_layout!r} cache layout; the engine allocates {PAGED_NHD!r}"
+        return None
+
+    @classmethod
+    def auto_unsupported_reason(cls, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+        """Why `--attention-backend auto` should pass this back end over (default: unsupported_reason).
+
+        A back end that can run a configuration only as a debugging aid (Triton's CPU interpreter)
+        runs there when asked for by name, never by auto.
+        """
+        return cls.unsupported_reason(device, dtype, head_dim)
+
+    @classmethod
+    def describe(cls) -> str:
+        """One line for the log: name, versions and what the back end declares."""
+        dims = "any" if cls.head_dims is None else "/".join(map(str, cls.head_dims))
+        dtypes = "/".join(str(d).removeprefix("torch.") for d in cls.dtypes)
+        return (f"{cls.name} v{cls.version} (interface {cls.interface_version}; {'/'.join(cls.devices)}; "
+                f"{dtypes}; head_dim {dims}; {cls.kv_layout}; cuda graphs {'yes' if cls.supports_cuda_graphs else 'no'})")
+
+    def kernel_ops(self) -> KernelOps:
+        """The RMSNorm / SiLU·mul implementation the model should use with this back end."""
+        return TORCH_OPS
 
     @abstractmethod
     def rope_and_cache_write(

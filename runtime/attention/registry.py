@@ -4,16 +4,23 @@ Back ends register themselves with `@register_backend` when their module is impo
 registry imports the known back-end modules on first use (a module that is absent or cannot be
 imported, e.g. Triton on a machine without it, is skipped and the reason logged), so adding a
 back end means writing its module; the engine only ever calls `select_backend`.
+
+External back ends (a package wrapping flash-attn, say) plug in the same way from outside the
+repository: a Python entry point in the group `sits.attention_backends` names a module (or a
+class) to import. Registration checks the interface version the back end declares: a different
+major version than `INTERFACE_VERSION` is refused with a message that says which side to upgrade,
+and selecting it by name repeats that message.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+from importlib.metadata import entry_points
 
 import torch
 
-from sits.runtime.attention.backend import AttentionBackend
+from sits.runtime.attention.backend import INTERFACE_VERSION, AttentionBackend
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +29,7 @@ BACKEND_MODULES = (
     "sits.runtime.attention.torch_ref",
     "sits.runtime.attention.triton",
 )
+ENTRY_POINT_GROUP = "sits.attention_backends"
 
 _registry: dict[str, type[AttentionBackend]] = {}
 _import_failures: dict[str, str] = {}
@@ -32,9 +40,37 @@ class BackendUnavailableError(ValueError):
     """The requested attention back end cannot run this configuration; the message says why."""
 
 
+class BackendVersionError(BackendUnavailableError, ImportError):
+    """A back end implements another major version of the back-end interface."""
+
+
+def interface_compatibility(cls: type[AttentionBackend]) -> str | None:
+    """None when cls implements this runtime's interface major version, else why it cannot be used."""
+    declared = str(getattr(cls, "interface_version", "") or "")
+    ours_major = INTERFACE_VERSION.split(".")[0]
+    theirs_major = declared.split(".")[0]
+    if not theirs_major.isdigit():
+        return f"declares no valid interface_version ({declared!r}); this runtime implements {INTERFACE_VERSION}"
+    if theirs_major == ours_major:
+        return None
+    newer = int(theirs_major) > int(ours_major)
+    fix = "upgrade SITS" if newer else f"upgrade the back end to one written for interface {ours_major}.x"
+    return (f"implements attention back-end interface {declared}, but this runtime implements {INTERFACE_VERSION} "
+            f"(major versions must match): {fix}")
+
+
 def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
-    """Class decorator: make a back end selectable by its `name` (re-registering replaces it)."""
+    """Class decorator: make a back end selectable by its `name` (re-registering replaces it).
+
+    Raises:
+        BackendVersionError: the back end implements another major version of the interface.
+    """
+    problem = interface_compatibility(cls)
+    if problem is not None:
+        _import_failures[cls.name] = problem
+        raise BackendVersionError(f"attention back end {cls.name!r} {problem}")
     _registry[cls.name] = cls
+    _import_failures.pop(cls.name, None)
     return cls
 
 
@@ -57,11 +93,32 @@ def _import_backend_modules() -> None:
     for module in BACKEND_MODULES:
         try:
             importlib.import_module(module)
+        except BackendVersionError as exc:
+            logger.warning("attention back-end module %s refused: %s", module, exc)
         except ImportError as exc:  # absent module or missing optional dependency
-            _import_failures[module.rsplit(".", 1)[-1]] = f"{type(exc).__name__}: {exc}"
+            _import_failures.setdefault(module.rsplit(".", 1)[-1], f"{type(exc).__name__}: {exc}")
             # A module that is simply not there is normal; one that fails to import is worth a warning.
             level = logging.DEBUG if getattr(exc, "name", None) == module else logging.WARNING
             logger.log(level, "attention back-end module %s not loaded: %s", module, exc)
+    for entry_point in entry_points(group=ENTRY_POINT_GROUP):
+        load_external_backend(entry_point.name, entry_point.load)
+
+
+def load_external_backend(name: str, load) -> None:
+    """Import one external back end (`load()` imports its module or returns its class); failures are logged.
+
+    A class that is returned rather than registered by its module is registered here (with the
+    same interface-version check).
+    """
+    try:
+        loaded = load()
+        if isinstance(loaded, type) and issubclass(loaded, AttentionBackend) and loaded.name not in _registry:
+            register_backend(loaded)
+    except BackendVersionError as exc:
+        logger.warning("external attention back end %s refused: %s", name, exc)
+    except Exception as exc:  # noqa: BLE001 - a broken plug-in must not stop the engine
+        _import_failures.setdefault(name, f"{type(exc).__name__}: {exc}")
+        logger.warning("external attention back end %s not loaded: %s", name, exc)
 
 
 def select_backend(name: str, device: torch.device | str, dtype: torch.dtype, head_dim: int) -> AttentionBackend:
@@ -90,15 +147,16 @@ def select_backend(name: str, device: torch.device | str, dtype: torch.dtype, he
             raise BackendUnavailableError(
                 f"attention back end {name!r} cannot run {device.type}/{_dtype_name(dtype)}/head_dim {head_dim}: {reason}"
             )
-        logger.info("attention back end: %s (requested)", name)
+        logger.info("attention back end: %s (requested) — %s", name, cls.describe())
         return cls()
 
     skipped = []
     for cls in candidates:
-        reason = cls.unsupported_reason(device, dtype, head_dim)
+        reason = cls.auto_unsupported_reason(device, dtype, head_dim)
         if reason is None:
             detail = f"; skipped {', '.join(skipped)}" if skipped else ""
-            logger.info("attention back end: %s (auto, priority %d%s)", cls.name, cls.priority, detail)
+            logger.info("attention back end: %s (auto, priority %d%s) — %s", cls.name, cls.priority, detail,
+                        cls.describe())
             return cls()
         skipped.append(f"{cls.name}: {reason}")
     raise BackendUnavailableError(

@@ -20,6 +20,7 @@ from sits.runtime.engine.cache_sizing import check_fits_one_sequence, num_blocks
 from sits.runtime.engine.errors import DuplicateRequestError, InvalidRequestError, PromptTooLongError
 from sits.runtime.engine.eviction import EvictionPolicy
 from sits.runtime.engine.kv_cache import KVCacheManager
+from sits.runtime.engine.nvtx import nvtx_range
 from sits.runtime.engine.output_processor import OutputProcessor
 from sits.runtime.engine.request import RequestMetrics, RequestOutput, SamplingParams
 from sits.runtime.engine.runner import ModelRunner
@@ -74,6 +75,7 @@ class LLMEngine:
             getattr(self.tokenizer, "eos_token_ids", ())
         )
         block_size = config.cache.block_size
+        _quantize(loaded, config.model.quantization)
         sampler = Sampler(self.eos_token_ids, loaded.device, seed=config.model.seed)
         self.runner = ModelRunner(loaded.model, loaded.device, loaded.dtype, block_size, sampler)
 
@@ -85,6 +87,7 @@ class LLMEngine:
         num_blocks = num_blocks_for_budget(config.cache, self.runner.kv_shape, loaded.device, profile)
         check_fits_one_sequence(num_blocks, block_size, self.max_model_len)
         self.runner.allocate_kv_cache(num_blocks)
+        _prepare_execution(self.runner, loaded, config, self.max_model_len)
         if eviction_policy is not None and not isinstance(eviction_policy, EvictionPolicy):
             eviction_policy = eviction_policy(num_blocks)
         self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, eviction_policy)
@@ -219,7 +222,8 @@ class LLMEngine:
     # -- the loop --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one step; return snapshots of the requests that got tokens (deltas filled)."""
-        scheduler_output = self.scheduler.schedule()
+        with nvtx_range("schedule"):
+            scheduler_output = self.scheduler.schedule()
         self.output_processor.mark_scheduled(
             {s.sequence.request_id for s in scheduler_output.scheduled}, time.time()
         )
@@ -269,6 +273,44 @@ def _child_params(params: SamplingParams, index: int) -> SamplingParams:
     """Completion `index`'s params: n = 1, and a seed of seed + index so completions differ."""
     seed = params.seed + index if params.seed is not None else None
     return dataclasses.replace(params, n=1, seed=seed)
+
+
+def _quantize(loaded: LoadedModel, method: str) -> None:
+    """Convert the model's linear layers for --quantization (a no-op when already converted)."""
+    if method == "none":
+        return
+    from sits.runtime.models.quantize import quantization_of, quantize_model
+
+    current = quantization_of(loaded.model)
+    if current == method:
+        return
+    if current != "none":
+        raise ConfigError(f"--quantization {method}: the model is already quantized to {current}")
+    quantize_model(loaded.model, method)
+
+
+def _prepare_execution(runner: ModelRunner, loaded: LoadedModel, config: EngineConfig, max_model_len: int) -> None:
+    """torch.compile (--compile) and CUDA-graph capture of decode steps, with the reason when graphs are off."""
+    from sits.runtime.engine.cuda_graphs import decode_batch_sizes
+
+    if config.compile:
+        from sits.runtime.engine.compilation import compile_non_attention
+
+        compile_non_attention(loaded.model)
+    backend = getattr(loaded.model, "backend", None)
+    if loaded.device.type != "cuda":
+        reason = "not on CUDA"
+    elif config.enforce_eager:
+        reason = "--enforce-eager"
+    elif backend is None or not getattr(backend, "supports_cuda_graphs", False):
+        reason = f"the {getattr(backend, 'name', '?')} attention back end cannot be captured"
+    elif not runner.cuda_graphs_supported:
+        reason = f"{type(runner).__name__} does not support them"
+    else:
+        sizes = decode_batch_sizes(config.scheduler.max_num_seqs, config.cuda_graph_max_batch_size)
+        runner.setup_cuda_graphs(sizes, max_model_len)
+        return
+    logger.info("CUDA graphs off (%s): every step runs eagerly", reason)
 
 
 def _checkpoint_head_dim(config: EngineConfig, progress: bool) -> int:

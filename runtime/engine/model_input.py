@@ -2,7 +2,9 @@
 
 Sequences on the prefill path (several new tokens, or the very first token of a sequence) come
 first, single-token decodes after them, as `AttentionMetadata` documents. Everything is built
-on the host as Python lists and copied to the device once per tensor.
+on the host as Python lists, packed into one host buffer (pinned on CUDA) and sent to the device
+with one non-blocking copy; the tensors are views of that one device buffer, so building a step
+costs one transfer and never waits for the GPU.
 """
 
 from __future__ import annotations
@@ -38,6 +40,11 @@ class ModelInput:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    @property
+    def is_decode_only(self) -> bool:
+        """Every sequence decodes one token (the batches CUDA graphs replay)."""
+        return self.metadata.num_prefills == 0
 
 
 def is_decode(scheduled: ScheduledSequence) -> bool:
@@ -85,26 +92,51 @@ def build_model_input(
     for count in query_lens:
         query_start_loc.append(query_start_loc[-1] + count)
 
-    def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=device)
-
+    wide = (input_ids, positions, slots, logits_rows)
+    narrow = (query_start_loc, seq_lens, [block for row in tables for block in row])
+    (ids_t, positions_t, slots_t, logits_t), (qsl_t, seq_lens_t, tables_t) = _to_device(wide, narrow, device)
     metadata = AttentionMetadata(
         num_prefills=len(prefills),
         num_prefill_tokens=sum(query_lens[: len(prefills)]),
         num_decodes=len(decodes),
-        slot_mapping=tensor(slots, torch.int64),
-        query_start_loc=tensor(query_start_loc, torch.int32),
-        seq_lens=tensor(seq_lens, torch.int32),
-        block_tables=tensor(tables, torch.int32),
+        slot_mapping=slots_t,
+        query_start_loc=qsl_t,
+        seq_lens=seq_lens_t,
+        block_tables=tables_t.view(len(ordered), max_blocks),
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
         seq_lens_list=seq_lens,
         query_lens_list=query_lens,
     )
     return ModelInput(
-        input_ids=tensor(input_ids, torch.int64),
-        positions=tensor(positions, torch.int64),
+        input_ids=ids_t,
+        positions=positions_t,
         metadata=metadata,
-        logits_indices=tensor(logits_rows, torch.int64),
+        logits_indices=logits_t,
         sample_sequences=sample_sequences,
     )
+
+
+def _to_device(
+    wide: Sequence[list[int]], narrow: Sequence[list[int]], device: torch.device | str
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """int64 tensors of `wide` and int32 tensors of `narrow`, all views of one buffer on `device`.
+
+    Each part starts on a 16-byte boundary (Triton specializes kernels on pointer alignment, so an
+    unaligned view would compile a second variant). On CUDA the host buffer is pinned, so the one
+    copy is asynchronous.
+    """
+    device = torch.device(device)
+    parts = [(part, torch.int64, 2) for part in wide] + [(part, torch.int32, 4) for part in narrow]
+    offsets, total = [], 0  # in 16-byte units
+    for values, _, per_unit in parts:
+        offsets.append(total)
+        total += -(-len(values) // per_unit)
+    host = torch.zeros(2 * total, dtype=torch.int64, pin_memory=device.type == "cuda")
+    for (values, dtype, _), offset in zip(parts, offsets, strict=True):
+        if values:
+            host[2 * offset:].view(dtype)[: len(values)] = torch.tensor(values, dtype=dtype)
+    on_device = host.to(device, non_blocking=True)
+    tensors = [on_device[2 * offset:].view(dtype)[: len(values)]
+               for (values, dtype, _), offset in zip(parts, offsets, strict=True)]
+    return tensors[: len(wide)], tensors[len(wide):]

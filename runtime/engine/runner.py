@@ -1,7 +1,9 @@
 """The model runner: owns the KV-cache tensors, runs the model on a step's batch, samples.
 
-Eager execution. CUDA graphs plug in at `_forward` (a subclass captures fixed decode batch
-sizes and replays them there, with static input buffers); nothing else changes.
+Prefill and mixed steps run eagerly. Decode-only steps replay a CUDA graph of their batch-size
+bucket once `setup_cuda_graphs` captured them (`cuda_graphs.py`); sampling always runs eagerly.
+The step's batch is built on the host and sent in one copy (`model_input.py`); nothing in the
+forward syncs with the GPU, the sampler's token ids are the step's one sync.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ import logging
 import torch
 
 from sits.runtime.engine.cache_sizing import KVShape, MemoryProfile
+from sits.runtime.engine.cuda_graphs import DecodeGraphs
 from sits.runtime.engine.model_input import ModelInput, build_model_input
+from sits.runtime.engine.nvtx import nvtx_range
 from sits.runtime.engine.request import SamplingParams
 from sits.runtime.engine.sampler import Sampler
 from sits.runtime.engine.scheduler_output import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
@@ -25,6 +29,9 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 class ModelRunner:
     """Runs `model` over flat batches against a paged KV cache.
 
+    Subclasses whose forward involves other processes (tensor parallelism) set
+    `cuda_graphs_supported = False` until every rank captures and replays in step.
+
     Args:
         model: a decoder with `forward(input_ids, positions, kv_caches, metadata) -> [T, H]`,
             `compute_logits(hidden [N, H]) -> [N, V] float32` and a `config` (LlamaConfig).
@@ -32,6 +39,8 @@ class ModelRunner:
         block_size: tokens per KV block.
         sampler: picks tokens from the logits.
     """
+
+    cuda_graphs_supported = True
 
     def __init__(
         self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype, block_size: int, sampler: Sampler
@@ -44,6 +53,7 @@ class ModelRunner:
         config = model.config
         self.kv_shape = KVShape(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, dtype)
         self.kv_caches: KVCaches = []
+        self.decode_graphs: DecodeGraphs | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -66,6 +76,17 @@ class ModelRunner:
             for _ in range(self.kv_shape.num_layers)
         ]
 
+    def setup_cuda_graphs(self, batch_sizes: list[int], max_model_len: int, capture: bool = True) -> None:
+        """Capture the decode forward for these batch sizes (after allocate_kv_cache).
+
+        capture=False keeps the static padded buffers but runs them eagerly (CPU tests of the padding).
+        """
+        if not self.kv_caches:
+            raise RuntimeError("allocate the KV cache before capturing CUDA graphs")
+        graphs = DecodeGraphs(self.model, self.kv_caches, batch_sizes, max_model_len, self.block_size, capture)
+        graphs.capture()
+        self.decode_graphs = graphs
+
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: build the batch, run the model, sample the sequences that reached their end."""
@@ -73,17 +94,21 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return ModelRunnerOutput()
         model_input = build_model_input(scheduler_output.scheduled, self.block_size, self.device)
-        hidden = self._forward(model_input)
+        with nvtx_range("decode" if model_input.is_decode_only else "prefill"):
+            hidden = self._forward(model_input)
         if not model_input.sample_sequences:
             return ModelRunnerOutput()
-        logits = self.model.compute_logits(hidden[model_input.logits_indices])
-        sampled = self.sampler(logits, model_input.sample_sequences)
+        with nvtx_range("sample"):
+            logits = self.model.compute_logits(hidden[model_input.logits_indices])
+            sampled = self.sampler(logits, model_input.sample_sequences)
         return ModelRunnerOutput(
             sampled={seq.seq_id: token for seq, token in zip(model_input.sample_sequences, sampled, strict=True)}
         )
 
     def _forward(self, model_input: ModelInput) -> torch.Tensor:
-        """[num_tokens, hidden] hidden states of the batch (the seam for CUDA-graph replay)."""
+        """[num_tokens, hidden] hidden states of the batch: a graph replay for decode-only batches."""
+        if self.decode_graphs is not None and self.decode_graphs.can_run(model_input):
+            return self.decode_graphs.run(model_input)
         return self.model(model_input.input_ids, model_input.positions, self.kv_caches, model_input.metadata)
 
     @torch.inference_mode()

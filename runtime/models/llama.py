@@ -6,7 +6,9 @@ which writes K/V into the paged cache and reads each sequence's context through 
 the batch layout arrives explicitly in `AttentionMetadata`.
 
 Q/K/V and gate/up projections are fused into one matrix each (one GEMM instead of three / two);
-`load_weights` accepts HF tensor names and copies each into its slice.
+`load_weights` accepts HF tensor names and copies each into its slice; `export_weights` gives them back.
+RMSNorm and SiLU·mul go through the `KernelOps` the attention back end brings (plain PyTorch by
+default, fused Triton kernels with the Triton back end), so the model has no device branches.
 """
 
 from __future__ import annotations
@@ -14,11 +16,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from sits.runtime.attention.backend import AttentionBackend, AttentionMetadata
 from sits.runtime.models.config import LlamaConfig
+from sits.runtime.models.kernel_ops import TORCH_OPS, KernelOps
 from sits.runtime.models.rotary import build_cos_sin_cache
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blocks, block_size, kv_heads, head_dim]
@@ -27,16 +29,20 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blo
 class RMSNorm(nn.Module):
     """Root-mean-square norm, computed in float32 and cast back (as HF Llama does)."""
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, ops: KernelOps = TORCH_OPS) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.ops = ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [num_tokens, hidden_size] → same shape and dtype."""
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """x: [num_tokens, hidden_size] → same shape and dtype.
+
+        With `residual`, returns (norm(x + residual), x + residual): the add fused into the norm.
+        """
+        if residual is None:
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class LlamaAttention(nn.Module):
@@ -79,42 +85,42 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, ops: KernelOps = TORCH_OPS) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: LlamaConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: LlamaConfig, backend: AttentionBackend, ops: KernelOps = TORCH_OPS) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.self_attn = LlamaAttention(config, backend)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.mlp = LlamaMLP(config, ops)
 
     def forward(self, hidden, positions, cos_sin_cache, kv_cache, metadata) -> torch.Tensor:
-        residual = hidden
-        hidden = self.self_attn(self.input_layernorm(hidden), positions, cos_sin_cache, kv_cache, metadata)
-        hidden = residual + hidden
-        residual = hidden
-        return residual + self.mlp(self.post_attention_layernorm(hidden))
+        attention = self.self_attn(self.input_layernorm(hidden), positions, cos_sin_cache, kv_cache, metadata)
+        normed, hidden = self.post_attention_layernorm(attention, residual=hidden)  # hidden += attention
+        return hidden + self.mlp(normed)
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: LlamaConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: LlamaConfig, backend: AttentionBackend, ops: KernelOps = TORCH_OPS) -> None:
         super().__init__()
         # Given an empty weight, nn.Embedding skips its random init: the checkpoint (or
         # build_random_model) fills it, and on the meta device normal_() costs seconds of imports.
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
                                          _weight=torch.empty(config.vocab_size, config.hidden_size))
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, backend) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, backend, ops) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -130,7 +136,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.backend = backend
-        self.model = LlamaModel(config, backend)
+        self.model = LlamaModel(config, backend, backend.kernel_ops())
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -233,6 +239,13 @@ class LlamaForCausalLM(nn.Module):
             if f".{hf_part}." in hf_name:
                 return hf_name.replace(hf_part, ours), start, size
         return hf_name, None, 0
+
+    def export_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """The inverse of load_weights: (HF tensor name, tensor) pairs, fused projections split (views)."""
+        params = dict(self.named_parameters())
+        for hf_name in sorted(self.expected_checkpoint_names()):
+            name, start, size = self._param_slot(hf_name)
+            yield hf_name, params[name] if start is None else params[name][start:start + size]
 
     def expected_checkpoint_names(self) -> set[str]:
         """The HF tensor names a complete checkpoint of this model holds."""

@@ -1,0 +1,100 @@
+"""The Triton attention back end: the `sits.kernels` paged kernels behind the back-end contract.
+
+    rope_and_cache_write  → kernels.rope_kv_write (RoPE on q and k, K/V into their slots, one launch)
+    forward, prefill rows → kernels.attention_prefill.paged_prefill_attention (varlen, causal, GQA)
+    forward, decode rows  → kernels.attention_decode.paged_decode_attention (flash-decoding)
+    kernel_ops()          → fused RMSNorm (+ residual) and SiLU·mul kernels
+
+The forward reads only device tensors and host integers that the runner fixes per captured
+batch size (max_query_len, max_seq_len), never the host lists of the metadata and never syncs, so
+a decode step can be captured in a CUDA graph. It runs on CUDA in float16 / bfloat16; on a CPU it
+runs through Triton's interpreter (TRITON_INTERPRET=1, float16 only: the interpreter's bfloat16
+arithmetic is broken) when asked for by name, which is how CPU tests check it against the torch
+back end.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# The kernels import triton: on a machine without it this module raises ImportError, which the
+# registry logs and skips.
+from sits.kernels.attention_decode import paged_decode_attention
+from sits.kernels.attention_prefill import SUPPORTED_HEAD_DIMS, paged_prefill_attention
+from sits.kernels.rope_kv_write import rope_and_cache_write
+from sits.runtime.attention.backend import AttentionBackend, AttentionMetadata
+from sits.runtime.attention.registry import register_backend
+from sits.runtime.models.kernel_ops import KernelOps, TritonKernelOps
+
+_TRITON_OPS = TritonKernelOps()
+
+
+def _interpreter_on() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@register_backend
+class TritonAttentionBackend(AttentionBackend):
+    """Paged attention, fused RoPE + KV write and the model's element-wise ops as Triton kernels."""
+
+    name = "triton"
+    version = "1"
+    priority = 10  # ahead of the torch reference wherever it can run
+    devices = ("cuda", "cpu")
+    dtypes = (torch.float16, torch.bfloat16)
+    head_dims = SUPPORTED_HEAD_DIMS
+    supports_cuda_graphs = True
+
+    @classmethod
+    def unsupported_reason(cls, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+        reason = super().unsupported_reason(device, dtype, head_dim)
+        if reason is not None:
+            return reason
+        if device.type == "cuda" and not torch.cuda.is_available():
+            return "no CUDA device"
+        if device.type == "cpu":
+            if not _interpreter_on():
+                return "on a CPU it needs Triton's interpreter (TRITON_INTERPRET=1)"
+            if dtype != torch.float16:
+                return "the Triton interpreter computes only float16 correctly (bfloat16 arithmetic is broken there)"
+        return None
+
+    @classmethod
+    def auto_unsupported_reason(cls, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+        if device.type == "cpu":
+            return "the CPU interpreter is a debugging aid: ask for --attention-backend triton by name"
+        return cls.unsupported_reason(device, dtype, head_dim)
+
+    def kernel_ops(self) -> KernelOps:
+        return _TRITON_OPS
+
+    def rope_and_cache_write(self, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping):
+        """See AttentionBackend.rope_and_cache_write; rotates q and k in place."""
+        return rope_and_cache_write(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+
+    def forward(self, q, k, v, k_cache, v_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        """See AttentionBackend.forward. Prefill rows and decode rows each go to their kernel.
+
+        Rows past metadata.num_tokens (padding) are left uninitialised.
+        """
+        num_tokens, num_heads, head_dim = q.shape
+        out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+        prefills, prefill_tokens = metadata.num_prefills, metadata.num_prefill_tokens
+        if prefills:
+            paged_prefill_attention(
+                q[:prefill_tokens], k_cache, v_cache,
+                metadata.query_start_loc[: prefills + 1], metadata.seq_lens[:prefills],
+                metadata.block_tables[:prefills], scale, metadata.max_query_len,
+                out=out[:prefill_tokens],
+            )  # fmt: skip
+        if metadata.num_decodes:
+            rows = slice(prefill_tokens, prefill_tokens + metadata.num_decodes)
+            paged_decode_attention(
+                q[rows], k_cache, v_cache,
+                metadata.block_tables[prefills: prefills + metadata.num_decodes],
+                metadata.seq_lens[prefills: prefills + metadata.num_decodes], scale,
+                out=out[rows], max_seq_len=metadata.max_seq_len,
+            )  # fmt: skip
+        return out

@@ -1,0 +1,153 @@
+"""CUDA graphs for decode steps: the whole model forward captured once per batch-size bucket.
+
+A decode step launches a few hundred small kernels; replaying a captured graph launches them all
+with one call, so the GPU never waits for Python. As nano-vllm does it:
+
+* fixed batch sizes (1, 2, 4, 8, then steps of 8 up to 128 and of 16 beyond, up to max_num_seqs);
+  a step of n decodes replays the smallest bucket >= n, its extra rows padded (slot -1: no cache
+  write; seq_len 0: the attention kernel reads nothing and returns zeros);
+* static input buffers sized for the largest bucket, the batch copied into them before a replay;
+  the attention metadata of each bucket is a set of fixed views of those buffers, with the block
+  table as wide as max_model_len needs and max_seq_len fixed to that width, so every launch's
+  grid is the same at capture and at replay;
+* captured largest first into one shared memory pool; prefill (and mixed) steps run eagerly;
+* sampling stays outside the graph.
+
+Before capturing a bucket, one eager forward with full-length contexts runs at that batch size, so
+Triton compiles and autotunes its kernels on realistic work (autotuning cannot run inside a capture).
+
+`capture=False` keeps all of the above except the capture itself: the forward runs eagerly on the
+static, padded buffers. It exists so CPU tests (Triton's interpreter) can check the padding and
+buffer handling that the graphs replay.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from sits.runtime.attention.backend import AttentionMetadata
+from sits.runtime.engine.model_input import ModelInput
+
+logger = logging.getLogger(__name__)
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def decode_batch_sizes(max_num_seqs: int, largest: int | None = None) -> list[int]:
+    """The buckets, ascending: 1, 2, 4, 8, 16, 24, ... 128, 144, ... up to min(max_num_seqs, largest).
+
+    The cap itself is always a bucket, so every batch the scheduler can build has one.
+    """
+    cap = max(1, min(max_num_seqs, largest or max_num_seqs))
+    sizes = [1, 2, 4] + list(range(8, 129, 8)) + list(range(144, cap + 1, 16))
+    return sorted({size for size in sizes if size < cap} | {cap})
+
+
+class DecodeGraphs:
+    """Captured decode forwards of one model over one KV cache.
+
+    Args:
+        model: the decoder (`forward(input_ids, positions, kv_caches, metadata) -> [T, H]`).
+        kv_caches: the runner's caches (their storage must not move after capture).
+        batch_sizes: the buckets (decode_batch_sizes).
+        max_model_len: the longest context, in tokens (sets the block-table width).
+        block_size: tokens per KV block.
+        capture: False runs the static, padded batch eagerly instead of replaying graphs (tests).
+    """
+
+    def __init__(self, model: torch.nn.Module, kv_caches: KVCaches, batch_sizes: list[int], max_model_len: int,
+                 block_size: int, capture: bool = True) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.batch_sizes = sorted(batch_sizes)
+        self.block_size = block_size
+        self.max_blocks = -(-max_model_len // block_size)
+        self.capture_enabled = capture
+        device = kv_caches[0][0].device
+        largest = self.batch_sizes[-1]
+        self.input_ids = torch.zeros(largest, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(largest, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((largest,), -1, dtype=torch.int64, device=device)
+        self.seq_lens = torch.zeros(largest, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(largest, self.max_blocks, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None
+
+    @property
+    def largest(self) -> int:
+        return self.batch_sizes[-1]
+
+    def bucket(self, num_seqs: int) -> int:
+        """The smallest captured batch size that holds num_seqs decodes."""
+        return next(size for size in self.batch_sizes if size >= num_seqs)
+
+    def can_run(self, model_input: ModelInput) -> bool:
+        """A decode-only batch that fits the largest bucket and the block-table width."""
+        metadata = model_input.metadata
+        return (model_input.is_decode_only and 0 < metadata.num_decodes <= self.largest
+                and metadata.block_tables.shape[1] <= self.max_blocks)
+
+    def _metadata(self, size: int, seq_lens_list: list[int] | None = None) -> AttentionMetadata:
+        """Fixed views of the static buffers for a bucket (max_seq_len is the table's whole width)."""
+        max_seq_len = self.max_blocks * self.block_size
+        return AttentionMetadata(
+            num_prefills=0, num_prefill_tokens=0, num_decodes=size,
+            slot_mapping=self.slot_mapping[:size], query_start_loc=self.query_start_loc[: size + 1],
+            seq_lens=self.seq_lens[:size], block_tables=self.block_tables[:size],
+            max_query_len=1, max_seq_len=max_seq_len,
+            seq_lens_list=seq_lens_list or [max_seq_len] * size, query_lens_list=[1] * size,
+        )  # fmt: skip
+
+    def _forward_static(self, size: int, seq_lens_list: list[int] | None = None) -> torch.Tensor:
+        return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches,
+                          self._metadata(size, seq_lens_list))
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Warm up and capture every bucket, largest first, into one memory pool."""
+        if not self.capture_enabled:
+            return
+        start = time.perf_counter()
+        num_blocks = self.kv_caches[0][0].shape[0]
+        table_row = torch.arange(self.max_blocks, dtype=torch.int32, device=self.block_tables.device) % num_blocks
+        for size in reversed(self.batch_sizes):
+            # Realistic work for the autotuners: every row a full-length context, no cache writes.
+            self.slot_mapping.fill_(-1)
+            self.block_tables.copy_(table_row.expand_as(self.block_tables))
+            self.seq_lens.fill_(self.max_blocks * self.block_size)
+            self._forward_static(size)
+            self.seq_lens.zero_()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.outputs[size] = self._forward_static(size)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[size] = graph
+        torch.cuda.synchronize()
+        logger.info("CUDA graphs: captured %d decode batch sizes (%s) in %.1f s", len(self.graphs),
+                    ", ".join(map(str, self.batch_sizes)), time.perf_counter() - start)
+
+    def run(self, model_input: ModelInput) -> torch.Tensor:
+        """[num_decodes, hidden] hidden states of a decode-only batch (a view of the bucket's output)."""
+        metadata = model_input.metadata
+        count = metadata.num_decodes
+        size = self.bucket(count)
+        width = metadata.block_tables.shape[1]
+        self.input_ids[:count].copy_(model_input.input_ids)
+        self.positions[:count].copy_(model_input.positions)
+        self.slot_mapping[:count].copy_(metadata.slot_mapping)
+        self.seq_lens[:count].copy_(metadata.seq_lens)
+        self.block_tables[:count, :width].copy_(metadata.block_tables)
+        if size > count:
+            self.slot_mapping[count:size].fill_(-1)
+            self.seq_lens[count:size].zero_()
+        if size in self.graphs:
+            self.graphs[size].replay()
+            return self.outputs[size][:count]
+        return self._forward_static(size, list(metadata.seq_lens_list) + [0] * (size - count))[:count]

@@ -1,0 +1,65 @@
+"""The model's element-wise hot ops (RMSNorm, RMSNorm fused with the residual add, SiLU·mul), swappable.
+
+`llama.py` calls these through a `KernelOps` object instead of spelling the math inline, so an
+attention back end can bring fused GPU kernels for them (`AttentionBackend.kernel_ops()`) without
+device branches in the model. `KernelOps` itself is the plain-PyTorch version, written to match HF
+transformers' Llama bit for bit; `TritonKernelOps` runs the Triton kernels of `sits.kernels`, which
+follow the same rounding steps.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class KernelOps:
+    """Plain PyTorch (any device, any float dtype): HF Llama's arithmetic."""
+
+    name = "torch"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x: [num_tokens, hidden] → same shape; mean of squares in float32, as HF Llama."""
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * xf.to(x.dtype)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(x + residual), x + residual), the sum rounded to x's dtype first as the unfused model does."""
+        summed = x + residual
+        return self.rms_norm(summed, weight, eps), summed
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up: [num_tokens, 2F] (gate first) → silu(gate) * up, [num_tokens, F]."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class TritonKernelOps(KernelOps):
+    """The Triton kernels: RMSNorm with the residual add fused into one pass, SiLU·mul in one pass.
+
+    They take float16 / bfloat16 / float32 with a contiguous last dimension (what the model's
+    linear layers produce).
+    """
+
+    name = "triton"
+
+    def rms_norm(self, x, weight, eps):
+        from sits.kernels.rmsnorm import rms_norm
+
+        return rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        from sits.kernels.rmsnorm import rms_norm
+
+        return rms_norm(x, weight, eps, residual=residual)
+
+    def silu_mul(self, gate_up):
+        from sits.kernels.silu_mul import silu_mul
+
+        return silu_mul(gate_up)
+
+
+TORCH_OPS = KernelOps()

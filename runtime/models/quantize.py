@@ -1,0 +1,190 @@
+"""Weight quantization of a built model: its nn.Linear layers become Fp8Linear or Int8Linear.
+
+As gpt-fast's quantize.py: the model stays plain nn.Module code, and quantization is a conversion
+applied to the built (loaded) model, chosen by config (`--quantization fp8|int8`), never by a file
+name.
+
+* fp8 (W8A8): weights to e4m3 with one float32 scale per output channel, at load; activations
+  quantized per token at run time (one scale per row), then the scaled e4m3 GEMM. On CUDA these
+  are the Triton kernels of `sits.kernels` (fp8_quantize, fp8_gemm); elsewhere their plain-PyTorch
+  references, which compute the same function (CPU tests, accuracy checks).
+* int8 (W8A16): weights to int8 with one scale per group of `group_size` input features;
+  activations stay in the model dtype and each weight tile is dequantized inside the GEMM
+  (sits.kernels.int8_gemm on CUDA, its reference elsewhere).
+
+The output head (`lm_head`, often tied to the embedding) stays in the model dtype: it is read once
+per step like any layer, but its rounding errors land directly on the logits.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from sits.kernels.quantization import quantize_weight_fp8_per_channel, quantize_weight_int8
+from sits.kernels.reference import (
+    fp8_gemm_reference,
+    int8_weight_only_gemm_reference,
+    quantize_fp8_per_token_reference,
+)
+
+logger = logging.getLogger(__name__)
+
+METHODS = ("none", "fp8", "int8")
+DEFAULT_SKIP = ("lm_head",)
+INT8_GROUP_SIZES = (128, 64, 32)  # the largest that divides in_features is used
+
+
+def _fp8_matmul_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    from sits.kernels.fp8_gemm import fp8_gemm
+    from sits.kernels.fp8_quantize import quantize_fp8_per_token
+
+    x_fp8, x_scale = quantize_fp8_per_token(x)
+    return fp8_gemm(x_fp8, x_scale, weight, scale, out_dtype=x.dtype)
+
+
+def _fp8_matmul_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    x_fp8, x_scale = quantize_fp8_per_token_reference(x)
+    return fp8_gemm_reference(x_fp8, x_scale, weight, scale, out_dtype=x.dtype)
+
+
+def _int8_matmul_triton(x, weight, scales, group_size):
+    from sits.kernels.int8_gemm import int8_weight_only_gemm
+
+    return int8_weight_only_gemm(x, weight, scales, group_size)
+
+
+def _int8_matmul_reference(x, weight, scales, group_size):
+    return int8_weight_only_gemm_reference(x, weight, scales, group_size)
+
+
+class Fp8Linear(nn.Module):
+    """y = x Wᵀ + b with W in e4m3 [out, in] and per-channel scales [out]; x quantized per token.
+
+    Args:
+        weight: [out_features, in_features] float8_e4m3fn.
+        weight_scale: [out_features] float32.
+        bias: [out_features] in the model dtype, or None.
+    """
+
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", weight)
+        self.register_buffer("weight_scale", weight_scale.reshape(-1).contiguous())
+        self.register_buffer("bias", bias)
+        self._matmul = _fp8_matmul_triton if weight.is_cuda else _fp8_matmul_reference
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Fp8Linear:
+        weight, scale = quantize_weight_fp8_per_channel(linear.weight.detach())
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        return cls(weight, scale, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., in_features] → [..., out_features] in x's dtype."""
+        rows = x.reshape(-1, self.in_features)
+        out = self._matmul(rows, self.weight, self.weight_scale)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3 per-channel"
+
+
+class Int8Linear(nn.Module):
+    """y = x dequant(W)ᵀ + b with W in int8 [out, in] and one scale per group of input features.
+
+    Args:
+        weight: [out_features, in_features] int8.
+        scales: [out_features, in_features // group_size] float32.
+        bias: [out_features] in the model dtype, or None.
+        group_size: input features per scale.
+    """
+
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, group_size: int) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.group_size = group_size
+        self.register_buffer("weight", weight)
+        self.register_buffer("scales", scales)
+        self.register_buffer("bias", bias)
+        self._matmul = _int8_matmul_triton if weight.is_cuda else _int8_matmul_reference
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int) -> Int8Linear:
+        weight, scales = quantize_weight_int8(linear.weight.detach(), group_size)
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        return cls(weight, scales, bias, group_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        out = self._matmul(rows, self.weight, self.scales, self.group_size)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"int8 weight-only, group {self.group_size}")
+
+
+def int8_group_size(in_features: int) -> int | None:
+    """The largest supported group size dividing in_features, or None."""
+    return next((g for g in INT8_GROUP_SIZES if in_features % g == 0), None)
+
+
+def _convert(linear: nn.Linear, method: str) -> nn.Module | None:
+    if method == "fp8":
+        if linear.in_features % 16:
+            return None  # fp8 tensor cores need K % 16 == 0
+        return Fp8Linear.from_linear(linear)
+    group_size = int8_group_size(linear.in_features)
+    return None if group_size is None else Int8Linear.from_linear(linear, group_size)
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, method: str, skip: tuple[str, ...] = DEFAULT_SKIP) -> int:
+    """Replace the model's nn.Linear layers in place; returns how many were converted.
+
+    Args:
+        model: a built model (weights loaded), on the device it will run on.
+        method: "none", "fp8" or "int8".
+        skip: module names (last component) kept in the model dtype.
+    Raises:
+        ValueError: an unknown method.
+    """
+    if method not in METHODS:
+        raise ValueError(f"quantization must be one of {', '.join(METHODS)}, got {method!r}")
+    if method == "none":
+        return 0
+    converted, kept = 0, []
+    targets = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    for name, linear in targets:
+        parent_name, _, child = name.rpartition(".")
+        if child in skip:
+            continue
+        replacement = _convert(linear, method)
+        if replacement is None:
+            kept.append(name)
+            continue
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, replacement)
+        converted += 1
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the bf16 weights just released
+    logger.info("quantization %s: %d linear layers converted%s", method, converted,
+                f"; kept in the model dtype (shape unsupported): {', '.join(kept)}" if kept else "")
+    return converted
+
+
+def quantization_of(model: nn.Module) -> str:
+    """"fp8", "int8" or "none": how the model's linear layers are stored."""
+    for module in model.modules():
+        if isinstance(module, Fp8Linear):
+            return "fp8"
+        if isinstance(module, Int8Linear):
+            return "int8"
+    return "none"

@@ -1,0 +1,156 @@
+"""The Triton attention back end against the torch reference, through the real engine.
+
+On a CPU the Triton kernels run in Triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py)
+on a tiny float16 random Llama; on a GPU they run natively. Both back ends get the same seeded
+weights and must produce the same greedy tokens in every batch shape the scheduler builds: prefill
+and decode mixed in one step, prompts chunked across steps, prompts that hit the prefix cache, and
+decode steps through the static padded buffers the CUDA graphs replay.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sits.runtime.attention.backend import INTERFACE_VERSION, AttentionBackend
+from sits.runtime.attention.registry import (
+    BackendUnavailableError,
+    BackendVersionError,
+    load_external_backend,
+    register_backend,
+    select_backend,
+    unregister_backend,
+)
+from sits.runtime.attention.torch_ref import TorchAttentionBackend
+from sits.runtime.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from sits.runtime.engine.engine import LLMEngine
+from sits.runtime.engine.request import SamplingParams
+from sits.runtime.models.config import LlamaConfig
+from sits.runtime.models.random_model import random_loaded_model
+
+pytest.importorskip("triton")
+from sits.runtime.attention.triton import TritonAttentionBackend  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TINY = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+                   eos_token_ids=[2])
+BLOCK_SIZE = 16
+
+
+def tiny_model(backend_name: str):
+    """The tiny Llama in float16 with `backend_name`; the same seed gives both back ends the same weights."""
+    backend = TritonAttentionBackend() if backend_name == "triton" else TorchAttentionBackend()
+    loaded = random_loaded_model(TINY, backend, "cpu", torch.float32, seed=3)
+    with torch.no_grad():
+        loaded.model.lm_head.weight.mul_(8.0)  # sharper logits: greedy ties cannot hide a wrong kernel
+    loaded.model.to(device=DEVICE, dtype=torch.float16)
+    loaded.device, loaded.dtype = torch.device(DEVICE), torch.float16
+    return loaded
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {name: tiny_model(name) for name in ("torch", "triton")}
+
+
+def engine_for(loaded, *, max_batched=512, num_blocks=48, enforce_eager=True) -> LLMEngine:
+    config = EngineConfig(
+        model=ModelConfig(device=DEVICE, dtype="float16", max_model_len=128),
+        cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_batched),
+        enforce_eager=enforce_eager,
+    )
+    return LLMEngine.from_loaded(loaded, config)
+
+
+def greedy(tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=tokens, min_tokens=tokens)
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, TINY.vocab_size, (length,), generator=generator).tolist()
+
+
+def run_schedule(engine: LLMEngine, waves: list[list[tuple[str, list[int], int]]], steps_between: int = 2):
+    """Add each wave of (id, prompt, tokens) requests, stepping a little between waves; tokens per id."""
+    results: dict[str, list[int]] = {}
+    for wave in waves:
+        for request_id, ids, tokens in wave:
+            engine.add_request(request_id, ids, greedy(tokens))
+        for _ in range(steps_between):
+            for output in engine.step():
+                if output.finished:
+                    results[output.request_id] = output.outputs[0].token_ids
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                results[output.request_id] = output.outputs[0].token_ids
+    return results
+
+
+# Two prompts start; two more arrive while the first decode (mixed prefill + decode steps); the last
+# repeats a long prefix of the first (a prefix-cache hit: prefill after cached blocks).
+SHARED = prompt(1, 40)
+WAVES = [
+    [("a", SHARED, 10), ("b", prompt(2, 7), 12)],
+    [("c", prompt(3, 23), 8), ("d", prompt(4, 1), 9)],
+    [("e", SHARED[:35] + prompt(5, 6), 8)],
+]
+
+
+@pytest.mark.parametrize("max_batched", [512, 16], ids=["whole-prompts", "chunked-prefill"])
+def test_triton_back_end_matches_torch_through_the_engine(models, max_batched):
+    expected = run_schedule(engine_for(models["torch"], max_batched=max_batched), WAVES)
+    engine = engine_for(models["triton"], max_batched=max_batched)
+    got = run_schedule(engine, WAVES)
+    assert got == expected
+    assert engine.stats().prefix_cache_hits > 0, "the last prompt should reuse the first one's blocks"
+
+
+def test_padded_decode_buffers_give_the_same_tokens(models):
+    """The CUDA-graph path's static buffers (3 decodes padded to a bucket of 4), run eagerly on CPU."""
+    waves = [[("x", prompt(6, 9), 6), ("y", prompt(7, 17), 6), ("z", prompt(8, 30), 6)]]
+    expected = run_schedule(engine_for(models["triton"]), waves)
+    engine = engine_for(models["triton"])
+    engine.runner.setup_cuda_graphs([1, 2, 4], max_model_len=128, capture=torch.cuda.is_available())
+    assert run_schedule(engine, waves) == expected
+
+
+# -- the registry: declarations, auto selection, interface versions ---------------------------------
+
+
+def test_triton_declares_what_it_supports_and_auto_keeps_the_interpreter_off():
+    assert TritonAttentionBackend.supports_cuda_graphs and not TorchAttentionBackend.supports_cuda_graphs
+    assert "head_dim 16/32/64/128/256" in TritonAttentionBackend.describe()
+    assert TritonAttentionBackend.unsupported_reason(torch.device("cpu"), torch.float16, 96) is not None
+    if not torch.cuda.is_available():
+        assert type(select_backend("auto", "cpu", torch.float16, 64)) is TorchAttentionBackend
+        assert type(select_backend("triton", "cpu", torch.float16, 64)) is TritonAttentionBackend
+        with pytest.raises(BackendUnavailableError, match="bfloat16 arithmetic is broken"):
+            select_backend("triton", "cpu", torch.bfloat16, 64)
+
+
+class _FutureBackend(TorchAttentionBackend):
+    name = "test-future"
+    interface_version = "2.0"
+
+
+class _CompatibleBackend(TorchAttentionBackend):
+    name = "test-compatible"
+    interface_version = INTERFACE_VERSION.split(".")[0] + ".0"
+    priority = -1
+
+
+def test_an_external_back_end_of_another_major_version_is_refused_clearly():
+    with pytest.raises(BackendVersionError, match="interface 2.0.*this runtime implements.*upgrade SITS"):
+        register_backend(_FutureBackend)
+    with pytest.raises(BackendUnavailableError, match="'test-future' is not available .*interface 2.0"):
+        select_backend("test-future", "cpu", torch.float32, 64)
+    # the entry-point path: a plug-in that hands back its class is registered after the same check
+    load_external_backend("test-compatible", lambda: _CompatibleBackend)
+    try:
+        assert isinstance(select_backend("test-compatible", "cpu", torch.float32, 64), AttentionBackend)
+    finally:
+        unregister_backend(_CompatibleBackend.name)
