@@ -28,18 +28,10 @@ from sits.runtime.engine.runner import ModelRunner
 from sits.runtime.engine.sampler import Sampler
 from sits.runtime.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from sits.runtime.engine.sequence import Sequence
-from sits.runtime.models.config import LlamaConfig
+from sits.runtime.models.presets import PRESETS, preset_config
 from sits.runtime.parallel.config import ParallelConfig
 from sits.runtime.parallel.executor import TensorParallelExecutor
 from sits.runtime.parallel.recipe import ModelRecipe
-
-PRESETS = {
-    "llama3-8b": LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                             num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
-                             max_position_embeddings=8192),
-    "tiny": LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256),
-}
 
 
 @dataclass
@@ -121,8 +113,16 @@ def run_workload(runner: ModelRunner, args: argparse.Namespace, vocab_size: int,
     return Result(tp, prefill_s, time.perf_counter() - started, steps, args.batch * args.output_len)
 
 
+def warmed_run(runner: ModelRunner, args: argparse.Namespace, vocab_size: int, tp: int) -> Result:
+    """A short untimed pass first (kernel compilation, allocator, NCCL warm-up), then the measured one."""
+    warmup = argparse.Namespace(**{**vars(args), "batch": min(2, args.batch), "prompt_len": min(32, args.prompt_len),
+                                   "output_len": min(4, args.output_len)})
+    run_workload(runner, warmup, vocab_size, tp)
+    return run_workload(runner, args, vocab_size, tp)
+
+
 def measure(tp: int, args: argparse.Namespace) -> Result:
-    config = PRESETS[args.preset]
+    config = preset_config(args.preset)
     recipe = ModelRecipe.random(config, seed=0, device=args.device, dtype=args.dtype,
                                 attention_backend=args.attention_backend,
                                 max_model_len=args.prompt_len + args.output_len)
@@ -132,7 +132,7 @@ def measure(tp: int, args: argparse.Namespace) -> Result:
             torch.cuda.set_device(device)
         loaded = recipe.load(device)
         runner = ModelRunner(loaded.model, device, loaded.dtype, args.block_size, Sampler((), device))
-        result = run_workload(runner, args, config.vocab_size, tp)
+        result = warmed_run(runner, args, config.vocab_size, tp)
         del runner, loaded
     else:
         executor = TensorParallelExecutor.start(recipe, ParallelConfig(tensor_parallel_size=tp), progress=False)
@@ -140,7 +140,7 @@ def measure(tp: int, args: argparse.Namespace) -> Result:
             loaded = executor.loaded
             runner = executor.make_runner(loaded.model, loaded.device, loaded.dtype, args.block_size,
                                           Sampler((), loaded.device))
-            result = run_workload(runner, args, config.vocab_size, tp)
+            result = warmed_run(runner, args, config.vocab_size, tp)
             del runner, loaded
         finally:
             executor.shutdown()
@@ -152,7 +152,7 @@ def measure(tp: int, args: argparse.Namespace) -> Result:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="llama3-8b")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="llama-3-8b")
     parser.add_argument("--tp-sizes", default="1,2", help="comma-separated; 1 is the peer every size is compared to")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=2048)

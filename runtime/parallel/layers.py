@@ -25,6 +25,9 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 class RowParallelLinear(nn.Module):
     """y = all_reduce_sum(x_shard @ W_shard^T) + b.
 
+    The local product is an ordinary `nn.Linear` (`self.linear`, no bias), so a conversion that
+    swaps nn.Linear layers (weight quantization) converts the shard too.
+
     Args:
         weight: [out_features, in_features / world_size], this rank's columns of the full weight.
         bias: [out_features] or None; the full bias, added once after the reduction.
@@ -33,19 +36,20 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
+        out_features, in_shard = weight.shape
+        self.linear = nn.Linear(in_shard, out_features, bias=False, device="meta")  # no init: the shard fills it
+        self.linear.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, in_features / world_size] → [num_tokens, out_features], equal on every rank."""
-        out = F.linear(x, self.weight)
+        out = self.linear(x)
         dist.all_reduce(out, group=self.group)
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
-        out_features, in_shard = self.weight.shape
-        return f"in_features_per_rank={in_shard}, out_features={out_features}, bias={self.bias is not None}"
+        return f"bias={self.bias is not None}"
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sits.runtime.config import EngineConfig, ModelConfig
+from sits.runtime.config import ConfigError, EngineConfig, ModelConfig
 from sits.runtime.models.config import LlamaConfig
 from sits.runtime.models.loading import LoadedModel
 
@@ -68,13 +68,21 @@ class ModelRecipe:
         return LlamaConfig.from_hf_dict(read_hf_config(directory))
 
     def load(self, device: torch.device, progress: bool = False) -> LoadedModel:
-        """The full (unsharded) model on `device` (a CUDA device must be the current one)."""
-        from sits.runtime.attention.registry import select_backend
+        """The full (unsharded) model on `device` (a CUDA device must be the current one).
+
+        Raises:
+            ConfigError: the attention back end cannot run this model here.
+            ModelLoadError: the checkpoint cannot be loaded.
+        """
+        from sits.runtime.attention.registry import BackendUnavailableError, select_backend
         from sits.runtime.models.loading import build_random_model, load_model, resolve_device_dtype
 
         dtype = resolve_device_dtype(self.model)[1]
         config = self.llama_config(progress)
-        backend = select_backend(self.attention_backend, device, dtype, config.head_dim)
+        try:
+            backend = select_backend(self.attention_backend, device, dtype, config.head_dim)
+        except BackendUnavailableError as exc:
+            raise ConfigError(f"--attention-backend: {exc}") from exc
         if self.random_config is None:
             return load_model(self.model, backend, progress=progress)
         max_positions = max(config.max_position_embeddings, self.model.max_model_len or 0)

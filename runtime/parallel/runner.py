@@ -33,6 +33,8 @@ def local_kv_shape(model: torch.nn.Module, dtype: torch.dtype) -> KVShape:
 class ShardModelRunner(ModelRunner):
     """A worker's runner: runs each broadcast batch through its shard; rank 0 samples."""
 
+    cuda_graphs_supported = False  # until every rank captures and replays its graphs in step
+
     def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype, block_size: int) -> None:
         super().__init__(model, device, dtype, block_size, Sampler((), device))
         self.kv_shape = local_kv_shape(model, dtype)
@@ -52,6 +54,8 @@ class TensorParallelModelRunner(ModelRunner):
         model, device, dtype, block_size, sampler: as for ModelRunner; `model` is rank 0's shard.
         executor: the replica's workers and channels.
     """
+
+    cuda_graphs_supported = False  # until every rank captures and replays its graphs in step
 
     def __init__(
         self,

@@ -49,9 +49,14 @@ COLLECTIVE_TIMEOUT_S = 600.0
 
 def load_and_shard(recipe: ModelRecipe, device: torch.device, rank: int, world_size: int,
                    group, progress: bool = False) -> LoadedModel:
-    """Build the full model from the recipe on this rank's device, then keep this rank's shard."""
+    """Build the full model from the recipe on this rank's device, keep this rank's shard, and
+    quantize the shard when the recipe asks (every rank alike; the engine then finds rank 0's done)."""
     loaded = recipe.load(device, progress=progress)
     apply_tensor_parallel(loaded.model, rank, world_size, group)
+    if recipe.model.quantization != "none":
+        from sits.runtime.models.quantize import quantize_model
+
+        quantize_model(loaded.model, recipe.model.quantization)
     return loaded
 
 
