@@ -21,6 +21,7 @@ from sits.kernels.launch_utils import (
     check_shape,
     check_tensor,
     next_power_of_2,
+    pick_configs,
     require,
 )
 from sits.kernels.reference import rms_norm_reference
@@ -30,6 +31,12 @@ __all__ = ["rms_norm", "rms_norm_reference"]
 MAX_HIDDEN = 65536  # one row must fit one program's registers
 
 
+@triton.autotune(
+    configs=pick_configs(
+        [triton.Config({}, num_warps=w) for w in (4, 8, 16)], triton.Config({}, num_warps=4)
+    ),
+    key=["BLOCK_N", "HAS_RESIDUAL"],
+)
 @triton.jit
 def _rms_norm_kernel(
     x_ptr,
@@ -61,11 +68,6 @@ def _rms_norm_kernel(
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     normed = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, (normed * weight).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def _num_warps(block_n: int, element_size: int) -> int:
-    """About 16 bytes per thread per load: wide rows get more warps."""
-    return max(1, min(16, block_n * element_size // 512))
 
 
 def rms_norm(
@@ -118,6 +120,5 @@ def rms_norm(
             x2d.stride(0), out2d.stride(0), res2d.stride(0), res_out2d.stride(0),
             n_cols, float(eps),
             BLOCK_N=block_n, HAS_RESIDUAL=residual is not None,
-            num_warps=_num_warps(block_n, x.element_size()),
         )  # fmt: skip
     return out if residual is None else (out, new_residual)
