@@ -23,25 +23,21 @@ import torch
 import triton
 import triton.language as tl
 
-from sits.kernels.launch_utils import (
-    HALF_DTYPES,
-    cdiv,
-    check_inner_contiguous,
-    check_shape,
-    check_tensor,
-    length_bucket,
-    next_power_of_2,
-    num_sms,
-    pick_configs,
-    require,
+from sits.kernels.attention_checks import (
+    check_block_tables,
+    check_fp8_scales,
+    check_index,
+    check_paged_caches,
+    check_query,
+    prepare_out,
 )
+from sits.kernels.launch_utils import cdiv, length_bucket, next_power_of_2, num_sms, pick_configs, require
 from sits.kernels.paged_kv import paged_tile_blocks
 from sits.kernels.reference import paged_decode_attention_reference
 
 __all__ = ["choose_num_splits", "paged_decode_attention", "paged_decode_attention_reference"]
 
 LOG2_E = 1.4426950408889634
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 SPLIT_GRANULE = 128  # tokens; every split length is a multiple of every BLOCK_N below
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 64
@@ -207,40 +203,13 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device
 
 
 def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out, k_scale, v_scale):
-    check_tensor(q, "q", ndim=3, dtypes=HALF_DTYPES)
-    check_inner_contiguous(q, "q")
-    num_seqs, num_q_heads, head_dim = q.shape
-    require(head_dim in SUPPORTED_HEAD_DIMS, f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
-    for cache, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
-        check_tensor(cache, name, ndim=4, dtypes=(q.dtype, torch.float8_e4m3fn), device=q.device)
-        check_inner_contiguous(cache, name)
-    require(k_cache.shape == v_cache.shape, "k_cache and v_cache must have the same shape")
-    require(k_cache.dtype == v_cache.dtype, "k_cache and v_cache must have the same dtype")
-    require(k_cache.shape[3] == head_dim, f"the caches' head_dim {k_cache.shape[3]} differs from q's {head_dim}")
-    num_kv_heads = k_cache.shape[2]
-    require(
-        num_kv_heads > 0 and num_q_heads % num_kv_heads == 0,
-        f"query heads ({num_q_heads}) must be a multiple of KV heads ({num_kv_heads})",
-    )
-    check_tensor(block_tables, "block_tables", ndim=2, dtypes=(torch.int32,), device=q.device)
-    require(block_tables.shape[0] >= num_seqs, f"block_tables needs a row for each of the {num_seqs} sequences")
-    check_inner_contiguous(block_tables, "block_tables")
-    check_tensor(seq_lens, "seq_lens", ndim=1, dtypes=(torch.int32,), device=q.device)
-    check_shape(seq_lens, "seq_lens", (num_seqs,))
-    require(seq_lens.is_contiguous(), "seq_lens must be contiguous")
+    num_seqs = check_query(q)[0]
+    check_paged_caches(q, k_cache, v_cache)
+    check_block_tables(block_tables, num_seqs, q.device)
+    check_index(seq_lens, "seq_lens", num_seqs, q.device)
     if out is not None:
-        check_tensor(out, "out", dtypes=(q.dtype,), device=q.device)
-        check_shape(out, "out", q.shape)
-        check_inner_contiguous(out, "out")
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
-    for scale, name in ((k_scale, "k_scale"), (v_scale, "v_scale")):
-        if not fp8:
-            require(scale is None, f"{name} is only used with an fp8 cache")
-            continue
-        require(scale is not None, f"an fp8 cache needs {name} [num_kv_heads] float32")
-        check_tensor(scale, name, ndim=1, dtypes=(torch.float32,), device=q.device)
-        check_shape(scale, name, (num_kv_heads,))
-        require(scale.is_contiguous(), f"{name} must be contiguous")
+        prepare_out(out, q)
+    check_fp8_scales(k_cache, k_scale, v_scale)
 
 
 def paged_decode_attention(

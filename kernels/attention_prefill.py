@@ -29,10 +29,17 @@ import torch
 import triton
 import triton.language as tl
 
+from sits.kernels.attention_checks import (
+    check_block_tables,
+    check_fp8_scales,
+    check_index,
+    check_kv_heads,
+    check_paged_caches,
+    check_query,
+    prepare_out,
+)
 from sits.kernels.launch_utils import (
-    HALF_DTYPES,
     check_inner_contiguous,
-    check_shape,
     check_tensor,
     length_bucket,
     pick_configs,
@@ -49,7 +56,6 @@ __all__ = [
 ]
 
 LOG2_E = 1.4426950408889634
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
 def _config(block_m, block_n, warps, stages):
@@ -229,49 +235,6 @@ def _prefill_attention_kernel(
     )
 
 
-def _check_query(q: torch.Tensor) -> tuple[int, int, int]:
-    check_tensor(q, "q", ndim=3, dtypes=HALF_DTYPES)
-    check_inner_contiguous(q, "q")
-    head_dim = q.shape[2]
-    require(head_dim in SUPPORTED_HEAD_DIMS, f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
-    return q.shape
-
-
-def _check_kv_heads(num_q_heads: int, num_kv_heads: int) -> None:
-    require(
-        num_kv_heads > 0 and num_q_heads % num_kv_heads == 0,
-        f"query heads ({num_q_heads}) must be a multiple of KV heads ({num_kv_heads})",
-    )
-
-
-def _check_index(tensor: torch.Tensor, name: str, length: int | None, device: torch.device) -> None:
-    check_tensor(tensor, name, ndim=1, dtypes=(torch.int32,), device=device)
-    if length is not None:
-        check_shape(tensor, name, (length,))
-    require(tensor.is_contiguous(), f"{name} must be contiguous")
-
-
-def _check_fp8_scales(cache: torch.Tensor, k_scale, v_scale) -> None:
-    fp8 = cache.dtype == torch.float8_e4m3fn
-    for scale, name in ((k_scale, "k_scale"), (v_scale, "v_scale")):
-        if not fp8:
-            require(scale is None, f"{name} is only used with an fp8 cache")
-            continue
-        require(scale is not None, f"an fp8 cache needs {name} [num_kv_heads] float32")
-        check_tensor(scale, name, ndim=1, dtypes=(torch.float32,), device=cache.device)
-        check_shape(scale, name, (cache.shape[2],))
-        require(scale.is_contiguous(), f"{name} must be contiguous")
-
-
-def _prepare_out(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
-    if out is None:
-        return torch.empty_like(q)
-    check_tensor(out, "out", dtypes=(q.dtype,), device=q.device)
-    check_shape(out, "out", q.shape)
-    check_inner_contiguous(out, "out")
-    return out
-
-
 def _launch(
     q, k, v, out, cu_seqlens_q, kv_lengths, block_tables, scale, max_query_len, paged, causal, group,
     k_scale=None, v_scale=None,
@@ -338,24 +301,16 @@ def paged_prefill_attention(
     Returns:
         out [T, Hq, D].
     """
-    num_tokens, num_q_heads, head_dim = _check_query(q)
-    for cache, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
-        check_tensor(cache, name, ndim=4, dtypes=(q.dtype, torch.float8_e4m3fn), device=q.device)
-        check_inner_contiguous(cache, name)
-    require(k_cache.shape == v_cache.shape, "k_cache and v_cache must have the same shape")
-    require(k_cache.dtype == v_cache.dtype, "k_cache and v_cache must have the same dtype")
-    _check_fp8_scales(k_cache, k_scale, v_scale)
-    require(k_cache.shape[3] == head_dim, f"the caches' head_dim {k_cache.shape[3]} differs from q's {head_dim}")
-    _check_kv_heads(num_q_heads, k_cache.shape[2])
-    _check_index(cu_seqlens_q, "cu_seqlens_q", None, q.device)
+    num_tokens, num_q_heads, head_dim = check_query(q)
+    check_paged_caches(q, k_cache, v_cache)
+    check_fp8_scales(k_cache, k_scale, v_scale)
+    check_index(cu_seqlens_q, "cu_seqlens_q", None, q.device)
     num_seqs = cu_seqlens_q.shape[0] - 1
     require(num_seqs >= 0, "cu_seqlens_q needs at least one entry")
-    _check_index(seq_lens, "seq_lens", num_seqs, q.device)
-    check_tensor(block_tables, "block_tables", ndim=2, dtypes=(torch.int32,), device=q.device)
-    require(block_tables.shape[0] >= num_seqs, f"block_tables needs a row for each of the {num_seqs} sequences")
-    check_inner_contiguous(block_tables, "block_tables")
+    check_index(seq_lens, "seq_lens", num_seqs, q.device)
+    check_block_tables(block_tables, num_seqs, q.device)
     require(int(max_query_len) >= 0, f"max_query_len must be >= 0, got {max_query_len}")
-    out = _prepare_out(out, q)
+    out = prepare_out(out, q)
     group = num_q_heads // k_cache.shape[2]
     return _launch(
         q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, scale, int(max_query_len), True, True, group,
@@ -388,17 +343,17 @@ def varlen_prefill_attention(
     Returns:
         out [Tq, Hq, D].
     """
-    num_tokens, num_q_heads, head_dim = _check_query(q)
+    num_tokens, num_q_heads, head_dim = check_query(q)
     for tensor, name in ((k, "k"), (v, "v")):
         check_tensor(tensor, name, ndim=3, dtypes=(q.dtype,), device=q.device)
         check_inner_contiguous(tensor, name)
     require(k.shape == v.shape, f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     require(k.shape[2] == head_dim, f"k's head_dim {k.shape[2]} differs from q's {head_dim}")
-    _check_kv_heads(num_q_heads, k.shape[1])
-    _check_index(cu_seqlens_q, "cu_seqlens_q", None, q.device)
-    _check_index(cu_seqlens_k, "cu_seqlens_k", cu_seqlens_q.shape[0], q.device)
+    check_kv_heads(num_q_heads, k.shape[1])
+    check_index(cu_seqlens_q, "cu_seqlens_q", None, q.device)
+    check_index(cu_seqlens_k, "cu_seqlens_k", cu_seqlens_q.shape[0], q.device)
     if max_query_len is None:
         max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if cu_seqlens_q.shape[0] > 1 else 0
-    out = _prepare_out(out, q)
+    out = prepare_out(out, q)
     group = num_q_heads // k.shape[1]
     return _launch(q, k, v, out, cu_seqlens_q, cu_seqlens_k, cu_seqlens_q, scale, int(max_query_len), False, causal, group)
