@@ -52,7 +52,10 @@ def load_and_shard(recipe: ModelRecipe, device: torch.device, rank: int, world_s
     """Build the full model from the recipe on this rank's device, keep this rank's shard, and
     quantize the shard when the recipe asks (every rank alike; the engine then finds rank 0's done)."""
     loaded = recipe.load(device, progress=progress)
-    apply_tensor_parallel(loaded.model, rank, world_size, group)
+    layout = apply_tensor_parallel(loaded.model, rank, world_size, group).tensor_parallel
+    logger.info("tensor parallel rank %d/%d holds %d query heads, %d K/V heads, %d MLP columns, vocabulary rows %d..%d",
+                rank, world_size, layout.num_heads, layout.num_kv_heads, layout.intermediate_size,
+                layout.vocab_start, layout.vocab_start + layout.vocab_rows - 1)
     if recipe.model.quantization != "none":
         from sits.runtime.models.quantize import quantize_model
 
