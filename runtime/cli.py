@@ -16,6 +16,7 @@ from collections.abc import Sequence
 COMMANDS: dict[str, str] = {
     "serve": "sits.runtime.commands.serve",
     "generate": "sits.runtime.commands.generate",
+    "bench": "sits.runtime.commands.bench",
 }
 
 

@@ -22,13 +22,14 @@ import torch
 # The kernels import triton: on a machine without it this module raises ImportError, which the
 # registry logs and skips.
 from sits.kernels.attention_decode import paged_decode_attention
-from sits.kernels.attention_prefill import SUPPORTED_HEAD_DIMS, paged_prefill_attention
+from sits.kernels.attention_prefill import paged_prefill_attention
 from sits.kernels.rope_kv_write import rope_and_cache_write
 from sits.runtime.attention.backend import AttentionBackend, AttentionMetadata
 from sits.runtime.attention.registry import register_backend
 from sits.runtime.models.kernel_ops import KernelOps, TritonKernelOps
 
 _TRITON_OPS = TritonKernelOps()
+HEAD_DIMS = (16, 32, 64, 128, 256)  # the paged kernels' tl.arange over a head needs a power of two
 
 
 def _interpreter_on() -> bool:
@@ -44,7 +45,7 @@ class TritonAttentionBackend(AttentionBackend):
     priority = 10  # ahead of the torch reference wherever it can run
     devices = ("cuda", "cpu")
     dtypes = (torch.float16, torch.bfloat16)
-    head_dims = SUPPORTED_HEAD_DIMS
+    head_dims = HEAD_DIMS
     supports_cuda_graphs = True
 
     @classmethod

@@ -1,7 +1,8 @@
 """Engine flags shared by `sits serve` and `sits generate`, and the EngineConfig they build.
 
 Flags a user leaves out stay None here and get a default that suits the device: a CPU has a few
-cores and no HBM, so it batches fewer tokens per step and runs fewer sequences at once.
+cores and no HBM, so it batches fewer tokens per step and runs fewer sequences at once; a GPU's
+defaults come from its kind and free memory (`sits.runtime.hardware`), logged with the reason.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import sys
 from sits.runtime.config import (
     ATTENTION_BACKENDS,
     DTYPES,
+    QUANTIZATIONS,
     CacheConfig,
     ConfigError,
     EngineConfig,
@@ -21,9 +23,6 @@ from sits.runtime.config import (
 )
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
-CPU_DEFAULTS = {"max_num_batched_tokens": 512, "max_num_seqs": 32}
-GPU_DEFAULTS = {"max_num_batched_tokens": SchedulerConfig.max_num_batched_tokens,
-                "max_num_seqs": SchedulerConfig.max_num_seqs}
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,12 +33,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: float32 on CPU, bfloat16 on CUDA")
     model.add_argument("--device", default="auto", help="auto, cpu or cuda (auto: cuda when available)")
     model.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens per sequence")
-    model.add_argument("--quantization", default="none", help="none, fp8 or int8 (GPU)")
+    model.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
+                       help="fp8: e4m3 weights with per-channel scales and per-token activation scales; "
+                            "int8: weight-only with per-group scales")
     model.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
     engine = parser.add_argument_group("engine")
-    engine.add_argument("--max-num-seqs", type=int, default=None, help="sequences running at once (CPU: 32)")
+    engine.add_argument("--max-num-seqs", type=int, default=None,
+                        help="sequences running at once (CPU: 32; GPU: from the GPU and its free memory)")
     engine.add_argument("--max-num-batched-tokens", type=int, default=None,
-                        help="new tokens per engine step (CPU: 512, GPU: 2048)")
+                        help="new tokens per engine step (CPU: 512; GPU: from the GPU, e.g. 8192 on an H100/H200)")
     engine.add_argument("--block-size", type=int, default=CacheConfig.block_size, help="tokens per KV block")
     engine.add_argument("--kv-cache-gb", type=float, default=CacheConfig.kv_cache_gb, help="KV cache on CPU, GiB")
     engine.add_argument("--gpu-memory-utilization", type=float, default=CacheConfig.gpu_memory_utilization,
@@ -50,7 +52,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                         help="split long prompts across steps")
     engine.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
-    engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: decode steps run eagerly too")
+    engine.add_argument("--cuda-graph-max-batch-size", type=int, default=None,
+                        help="largest decode batch captured in a CUDA graph (default: from the GPU, at most "
+                             "--max-num-seqs)")
+    engine.add_argument("--compile", action="store_true",
+                        help="torch.compile the norms and MLPs (attention stays on its back end)")
     parser.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS)
 
 
@@ -64,9 +71,23 @@ def _on_cpu(device: str) -> bool:
     return False
 
 
+def device_defaults(device: str):
+    """The limits (`sits.runtime.hardware.EngineDefaults`) that suit the device the engine will run on."""
+    from sits.runtime.hardware import CPU_DEFAULTS, detect_gpu, engine_defaults
+
+    return CPU_DEFAULTS if _on_cpu(device) else engine_defaults(detect_gpu())
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The validated EngineConfig; raises ConfigError naming the flag."""
-    defaults = CPU_DEFAULTS if _on_cpu(args.device) else GPU_DEFAULTS
+    from sits.runtime.hardware import CPU_DEFAULTS, log_defaults
+
+    chosen = device_defaults(args.device)
+    defaults = {"max_num_seqs": chosen.max_num_seqs, "max_num_batched_tokens": chosen.max_num_batched_tokens}
+    graph_max = getattr(args, "cuda_graph_max_batch_size", None)
+    if chosen is not CPU_DEFAULTS:
+        log_defaults(chosen, {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+                              "cuda_graph_max_batch_size": graph_max})
     config = EngineConfig(
         model=ModelConfig(model=args.model, served_model_name=args.served_model_name, dtype=args.dtype,
                           device=args.device, max_model_len=args.max_model_len, quantization=args.quantization,
@@ -81,6 +102,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             enable_chunked_prefill=args.enable_chunked_prefill),
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
+        cuda_graph_max_batch_size=graph_max if graph_max is not None else chosen.cuda_graph_max_batch_size,
+        compile=getattr(args, "compile", False),
     )
     config.validate()
     return config

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The GPU engine on one CUDA machine, in one go: end-to-end benchmarks against transformers and the
+# engine's GPU tests. Each step has its own time limit and runs even when an earlier one failed.
+#
+#   benchmarks/gpu_engine_run.sh [LOG_DIR]        (default: $OUT, else ./gpu-engine-logs)
+#   STEPS="bf16 tests" benchmarks/gpu_engine_run.sh
+#
+# Steps (in this order by default, most important first):
+#   bf16   Llama-3-8B shape, random bf16 weights, batch 32, 2,048 in / 512 out: SITS and transformers
+#          generate measured in the same process (bench_e2e.py), table + JSON
+#   tests  tests/runtime/test_gpu_engine.py (Triton vs torch over 512 tokens, CUDA graphs on vs off,
+#          fp8 / int8 accuracy) and tests/runtime/test_triton_backend.py on the GPU
+#   fp8    the bf16 run's batch with fp8 weights; transformers' figure is the bf16 step's, same run
+#   itl    batch 1, 2,048 in / 128 out: decode inter-token latency, beside transformers
+# The summary (every table, the tests' RESULT lines, each step's exit code) is printed last and
+# written to LOG_DIR/summary.md.
+set -u
+LOG_DIR=${1:-${OUT:-gpu-engine-logs}}
+mkdir -p "$LOG_DIR"
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+export PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1
+if ! python3 -c "import sits.runtime.engine.engine" 2>/dev/null; then
+  # No installed package (an offline GPU image): map sits.* onto the repository folders.
+  SHIM=$(mktemp -d)
+  mkdir -p "$SHIM/sits" && touch "$SHIM/sits/__init__.py"
+  ln -s "$ROOT/kernels" "$SHIM/sits/kernels" && ln -s "$ROOT/runtime" "$SHIM/sits/runtime"
+  export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
+fi
+python3 -c "import sits.runtime.engine.engine, torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
+STEPS=${STEPS:-"bf16 tests fp8 itl"}
+BENCH="python3 benchmarks/bench_e2e.py --config ${BENCH_CONFIG:-llama-3-8b} --log-level info"
+SUMMARY="$LOG_DIR/summary.md"
+echo "# GPU engine run $(date -u +%Y-%m-%dT%H:%MZ)" >"$SUMMARY"
+for step in $STEPS; do
+  start=$(date +%s)
+  case $step in
+    bf16)
+      timeout "${BF16_TIMEOUT:-260}" $BENCH --batch 32 --input-len 2048 --output-len 512 \
+        --json "$LOG_DIR/bf16.json" >"$LOG_DIR/bf16.log" 2>&1 ;;
+    tests)
+      PYTHONSAFEPATH=1 timeout "${TESTS_TIMEOUT:-150}" python3 -m pytest tests/runtime/test_gpu_engine.py \
+        tests/runtime/test_triton_backend.py -q -s -p no:cacheprovider --confcutdir=tests/runtime \
+        --durations=8 >"$LOG_DIR/tests.log" 2>&1 ;;
+    fp8)
+      peer=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['peer']['output_tok_s'])" \
+        "$LOG_DIR/bf16.json" 2>/dev/null)
+      peer_flag=${peer:+--peer-output-tok-s $peer}
+      timeout "${FP8_TIMEOUT:-150}" $BENCH --batch 32 --input-len 2048 --output-len 512 --quantization fp8 \
+        ${peer_flag:---peer none} --json "$LOG_DIR/fp8.json" >"$LOG_DIR/fp8.log" 2>&1 ;;
+    itl)
+      timeout "${ITL_TIMEOUT:-90}" $BENCH --batch 1 --input-len 2048 --output-len 128 \
+        --json "$LOG_DIR/itl.json" >"$LOG_DIR/itl.log" 2>&1 ;;
+    *) echo "unknown step $step"; continue ;;
+  esac
+  rc=$?
+  echo "step $step rc=$rc in $(($(date +%s) - start)) s" | tee -a "$SUMMARY"
+done
+for step in $STEPS; do
+  log="$LOG_DIR/$step.log"
+  [ -f "$log" ] || continue
+  { echo; echo "## $step"; grep -E "^\||^sits bench|^RESULT|passed|failed|Error|error:" "$log" | tail -n 25; } >>"$SUMMARY"
+done
+cat "$SUMMARY"

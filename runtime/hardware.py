@@ -1,0 +1,121 @@
+"""What GPU the engine runs on, and the engine limits that suit it.
+
+`detect_gpu()` names the device (A100, H100, H200 or other) and carries its memory and the rates a
+roofline needs (HBM bandwidth, dense bf16 / fp8 matrix rates). The rates of the H200 are the ones
+measured on the project's H200 (BASELINES.md); the others are datasheet figures scaled the same way.
+
+`engine_defaults()` picks the step token budget, the sequences running at once and the largest
+CUDA-graph batch from the device's memory: a large HBM holds the KV cache of many sequences, and a
+fast one wants big decode batches to turn weight reads into useful work. Every value is logged with
+its reason and a flag overrides it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class GpuProfile:
+    """One CUDA device.
+
+    Attributes:
+        name: the device name CUDA reports.
+        family: "H200", "H100", "A100" or "other".
+        memory_bytes: the device's memory.
+        free_bytes: free when detected.
+        hbm_bytes_per_s: achievable memory bandwidth (read + write), bytes/s.
+        bf16_flops: achievable dense bf16 matrix rate, FLOP/s.
+        fp8_flops: achievable dense fp8 matrix rate, FLOP/s (None before Hopper).
+        multiprocessors: streaming multiprocessors.
+    """
+
+    name: str
+    family: str
+    memory_bytes: int
+    free_bytes: int
+    hbm_bytes_per_s: float
+    bf16_flops: float
+    fp8_flops: float | None
+    multiprocessors: int
+
+
+# family -> (HBM bytes/s, bf16 FLOP/s, fp8 FLOP/s); H200 measured (BASELINES.md), others scaled alike.
+_RATES = {
+    "H200": (4.29e12, 785e12, 1430e12),
+    "H100": (3.0e12, 760e12, 1400e12),
+    "A100": (1.75e12, 280e12, None),
+}
+
+
+def _family(name: str) -> str:
+    upper = name.upper()
+    for family in ("H200", "H100", "A100"):
+        if family in upper:
+            return family
+    return "other"
+
+
+def detect_gpu(device: torch.device | str | int = 0) -> GpuProfile | None:
+    """The CUDA device's profile, or None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    props = torch.cuda.get_device_properties(device)
+    free, total = torch.cuda.mem_get_info(device)
+    family = _family(props.name)
+    hbm, bf16, fp8 = _RATES.get(family, (1.0e12, 100e12, None))
+    return GpuProfile(props.name, family, total, free, hbm, bf16, fp8, props.multi_processor_count)
+
+
+@dataclass(frozen=True)
+class EngineDefaults:
+    """Limits for the engine, with the reason they were chosen.
+
+    Attributes:
+        max_num_batched_tokens: new tokens per step (prefill chunks + decodes).
+        max_num_seqs: sequences running at once.
+        cuda_graph_max_batch_size: the largest decode batch captured in a CUDA graph.
+        reason: one line for the log.
+    """
+
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    cuda_graph_max_batch_size: int
+    reason: str
+
+
+CPU_DEFAULTS = EngineDefaults(512, 32, 32, "CPU: a few cores, small steps")
+
+
+def engine_defaults(profile: GpuProfile | None) -> EngineDefaults:
+    """The limits that suit a device (CPU_DEFAULTS when profile is None)."""
+    if profile is None:
+        return CPU_DEFAULTS
+    free_gib = profile.free_bytes / GIB
+    if profile.family in ("H200", "H100") and free_gib >= 60:
+        tokens, seqs, graphs = 8192, 256, 256
+    elif free_gib >= 60:
+        tokens, seqs, graphs = 8192, 256, 128
+    elif free_gib >= 30:
+        tokens, seqs, graphs = 4096, 128, 128
+    else:
+        tokens, seqs, graphs = 2048, 64, 64
+    reason = (f"{profile.name} ({profile.family}, {profile.memory_bytes / GIB:.0f} GiB, "
+              f"{free_gib:.0f} GiB free, {profile.multiprocessors} SMs)")
+    return EngineDefaults(tokens, seqs, graphs, reason)
+
+
+def log_defaults(defaults: EngineDefaults, overridden: dict[str, object]) -> None:
+    """One info line: the chosen limits, which flags overrode them, and why."""
+    chosen = (f"max_num_batched_tokens {defaults.max_num_batched_tokens}, max_num_seqs {defaults.max_num_seqs}, "
+              f"CUDA graphs up to batch {defaults.cuda_graph_max_batch_size}")
+    flags = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in overridden.items() if v is not None)
+    logger.info("hardware defaults for %s: %s%s", defaults.reason, chosen, f" (overridden: {flags})" if flags else "")
