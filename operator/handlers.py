@@ -57,7 +57,10 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> Operato
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="sits.ai")
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
             prefix="sits.ai", key="last-handled-configuration")
-        settings.posting.level = logging.WARNING  # rollout Events are posted by the reconciler itself
+        # Handler failures (a PermanentError for an invalid spec) become Warning/Error Events; the
+        # rollout's own Events are posted by the reconciler
+        settings.posting.loggers = True
+        settings.posting.level = logging.WARNING
         settings.watching.server_timeout = 300
         settings.networking.request_timeout = 60
         state.reconciler = Reconciler(KubeClient.from_environment())
@@ -74,25 +77,25 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> Operato
             state.reconciler.providers.terminate_all()
             state.reconciler.kube.close()
 
-    @kopf.on.resume(*RESOURCE, registry=registry, backoff=backoff)
-    @kopf.on.create(*RESOURCE, registry=registry, backoff=backoff)
-    @kopf.on.update(*RESOURCE, registry=registry, backoff=backoff)
+    @kopf.on.resume(*RESOURCE, id="reconcile", registry=registry, backoff=backoff)
+    @kopf.on.create(*RESOURCE, id="reconcile", registry=registry, backoff=backoff)
+    @kopf.on.update(*RESOURCE, id="reconcile", registry=registry, backoff=backoff)
     def reconcile(name: str, namespace: str, **_: Any) -> None:
         result = state.require().reconcile(namespace, name)
         if result.error is not None:
             raise kopf.PermanentError(str(result.error))
 
-    @kopf.timer(*RESOURCE, registry=registry, interval=config.resync_interval_s, backoff=backoff,
+    @kopf.timer(*RESOURCE, id="resync", registry=registry, interval=config.resync_interval_s, backoff=backoff,
                 errors=kopf.ErrorsMode.IGNORED)
     def resync(name: str, namespace: str, **_: Any) -> None:
         state.require().reconcile(namespace, name)
 
-    @kopf.timer(*RESOURCE, registry=registry, interval=config.tenancy_interval_s, backoff=backoff,
+    @kopf.timer(*RESOURCE, id="tenants", registry=registry, interval=config.tenancy_interval_s, backoff=backoff,
                 errors=kopf.ErrorsMode.IGNORED)
     def sync_tenants(name: str, namespace: str, **_: Any) -> None:
         state.require().sync_tenants(namespace, name)
 
-    @kopf.on.delete(*RESOURCE, registry=registry, optional=True)
+    @kopf.on.delete(*RESOURCE, id="cleanup", registry=registry, optional=True)
     def deleted(name: str, namespace: str, spec: Any, **_: Any) -> None:
         # Owned objects go with the resource (owner references); only Redis needs cleaning up
         if state.reconciler is not None:

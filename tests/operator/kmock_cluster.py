@@ -10,8 +10,8 @@ storage and discovery but owns every state change:
   API server (KMock merged any patch into the whole object);
 - watches resume from the requested `resourceVersion` out of an event log written under the same
   lock as the objects (KMock replayed every object and lost the events between list and watch);
-- DELETE honours finalizers; `/api/v1` discovery names its group version `v1` (KMock: `/v1`,
-  which hides every core resource from kubectl);
+- DELETE honours finalizers; discovery names the core group version `v1` (KMock: `/v1`, which hides
+  every core resource from kubectl) and prefers a group's newest version (KMock: any, at random);
 - resource requests are answered directly, skipping KMock's reaction matching (no test here
   defines reactions, and the matching cost ~10 ms per request, the whole reconcile budget).
 
@@ -28,6 +28,7 @@ import contextlib
 import copy
 import datetime as dt
 import json
+import re
 import secrets
 import threading
 import time
@@ -65,6 +66,22 @@ def _strip_directives(value: Any) -> Any:
     if isinstance(value, list):
         return [_strip_directives(v) for v in value]
     return value
+
+
+def _version_priority(version: str) -> tuple[int, int, int]:
+    """Kubernetes' order of API versions: GA, then beta, then alpha; higher numbers first."""
+    match = re.match(r"^v(\d+)(?:(alpha|beta)(\d+))?$", version)
+    if match is None:
+        return (0, 0, 0)
+    stage = {"alpha": 1, "beta": 2}.get(match.group(2) or "", 3)
+    return (stage, int(match.group(1)), int(match.group(3) or 0))
+
+
+def _prefer_newest(group: dict[str, Any]) -> dict[str, Any]:
+    """KMock picks a group's preferred version from a set, at random; kubectl then may ask v1beta1."""
+    group["versions"].sort(key=lambda v: _version_priority(v["version"]), reverse=True)
+    group["preferredVersion"] = group["versions"][0]
+    return group
 
 
 def _invalid(message: str) -> kmock.KubernetesError:
@@ -203,6 +220,15 @@ class FixedEmulator(kmock.KubernetesEmulator):
         self._answers[id(request)] = key
 
     # -- answers --------------------------------------------------------------------------------
+
+    async def _serve_apis(self, request: kmock.Request) -> Any:
+        answer = await super()._serve_apis(request)
+        for group in answer["groups"]:
+            _prefer_newest(group)
+        return answer
+
+    async def _serve_group(self, request: kmock.Request) -> Any:
+        return _prefer_newest(await super()._serve_group(request))
 
     async def _serve_version(self, request: kmock.Request) -> Any:
         # KMock names the core group version "/v1"; kubectl then finds no core resource at all
