@@ -8,6 +8,7 @@ $KUBECONFIG (or the pod's service account), and serves the Alertmanager webhook 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Sequence
 
@@ -18,7 +19,8 @@ DEFAULTS = OperatorConfig()
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--namespace", default=None, help="watch only this namespace (default: all)")
-    parser.add_argument("--webhook-host", default=DEFAULTS.webhook_host, help="the Alertmanager receiver's address")
+    parser.add_argument("--listen-host", default=DEFAULTS.listen_host,
+                        help="the address the webhook and the health endpoint listen on")
     parser.add_argument("--webhook-port", type=int, default=DEFAULTS.webhook_port,
                         help="the Alertmanager receiver's port (POST /alertmanager); 0 turns it off")
     parser.add_argument("--health-port", type=int, default=DEFAULTS.health_port,
@@ -39,7 +41,7 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
     for flag, value in (("--resync-interval", args.resync_interval), ("--tenancy-interval", args.tenancy_interval)):
         if value <= 0:
             raise ValueError(f"{flag} must be positive, got {value}")
-    return OperatorConfig(namespace=args.namespace, webhook_host=args.webhook_host, webhook_port=args.webhook_port,
+    return OperatorConfig(namespace=args.namespace, listen_host=args.listen_host, webhook_port=args.webhook_port,
                           resync_interval_s=args.resync_interval, tenancy_interval_s=args.tenancy_interval,
                           health_port=args.health_port, peering=args.peering)
 
@@ -55,6 +57,9 @@ def run(args: argparse.Namespace) -> int:
     from sits.operator.handlers import register
 
     kopf.configure(verbose=args.verbose, debug=args.debug)
+    if not (args.verbose or args.debug):
+        # kopf logs every timer tick ("Timer 'resync' succeeded"); the operator logs what changed
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     registry = kopf.OperatorRegistry()
     register(registry, config)
     kopf.run(
@@ -63,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         namespaces=[config.namespace] if config.namespace else (),
         standalone=config.peering is None,
         peering_name=config.peering,
-        liveness_endpoint=f"http://0.0.0.0:{config.health_port}/healthz" if config.health_port else None,
+        liveness_endpoint=f"http://{config.listen_host}:{config.health_port}/healthz" if config.health_port else None,
     )
     return 0
 

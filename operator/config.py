@@ -9,7 +9,8 @@ from dataclasses import dataclass
 class OperatorConfig:
     """Attributes:
         namespace: watch only this namespace (None: all namespaces).
-        webhook_host, webhook_port: the Alertmanager receiver (`POST /alertmanager`); port 0 turns it off.
+        listen_host: the address the webhook and the health endpoint listen on.
+        webhook_port: the Alertmanager receiver (`POST /alertmanager`); 0 turns it off.
         resync_interval_s: how often every resource is reconciled even without changes: the clock of
             pauses, readiness waits and analysis runs (their own intervals are multiples of it).
         tenancy_interval_s: how often tenant tables are checked against Redis (written when changed).
@@ -18,7 +19,7 @@ class OperatorConfig:
     """
 
     namespace: str | None = None
-    webhook_host: str = "0.0.0.0"
+    listen_host: str = "0.0.0.0"
     webhook_port: int = 8081
     resync_interval_s: float = 5.0
     tenancy_interval_s: float = 30.0

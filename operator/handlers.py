@@ -47,11 +47,11 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> Operato
     state = OperatorState()
     backoff = max(config.resync_interval_s, 0.5)
 
-    @kopf.on.login(registry=registry)
+    @kopf.on.login(id="login", registry=registry)
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
         return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
 
-    @kopf.on.startup(registry=registry)
+    @kopf.on.startup(id="startup", registry=registry)
     async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
         # Our own annotations, not kopf.zalando.org/*; status.kopf would be pruned by the CRD schema
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="sits.ai")
@@ -65,10 +65,10 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> Operato
         settings.networking.request_timeout = 60
         state.reconciler = Reconciler(KubeClient.from_environment())
         if config.webhook_port:
-            state.webhook = await start_webhook(state.reconciler, config.webhook_host, config.webhook_port,
+            state.webhook = await start_webhook(state.reconciler, config.listen_host, config.webhook_port,
                                                 config.namespace)
 
-    @kopf.on.cleanup(registry=registry)
+    @kopf.on.cleanup(id="cleanup", registry=registry)
     async def cleanup(**_: Any) -> None:
         if state.webhook is not None:
             await state.webhook.cleanup()

@@ -47,6 +47,14 @@ class Owner:
                 "controller": True, "blockOwnerDeletion": True}
 
 
+def deployment_id(namespace: str, name: str) -> str:
+    """The runtime's `--deployment` of a SitsDeployment: its tenancy keys in Redis are `sits:{id}:...`.
+
+    Namespaces are DNS labels (no dots), so `{namespace}.{name}` never names two resources.
+    """
+    return f"{namespace}.{name}"
+
+
 def config_map_name(name: str) -> str:
     return f"{name}-engine"
 

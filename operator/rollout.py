@@ -15,13 +15,13 @@ or an alert, abort: weight 0, canary at 0 replicas, RolledBack, until the templa
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from sits.operator.fields import SpecError
 from sits.operator.meta import DEPLOYMENT_LABEL, Owner
 from sits.operator.observations import FAILED, PASSED, AnalysisOutcome, Observations
 from sits.operator.plan import Plan, TrackPlan
+from sits.operator.replicas import canary_replicas, stable_replicas
 from sits.operator.revisions import revision_of
 from sits.operator.spec import SitsDeploymentSpec, WorkloadSpec, parse_workload
 from sits.operator.status import AnalysisState, Status
@@ -99,25 +99,6 @@ def decide(spec: SitsDeploymentSpec, owner: Owner, status: Status, obs: Observat
                     f"{obs.stable.ready_of(s.stable_revision)}/{spec.replicas} stable replicas ready at revision "
                     f"{s.stable_revision}", now)
     return Decision(status=s, plan=plan, events=tuple(ctx.events), consume_resume=ctx.consume_resume)
-
-
-def canary_replicas(spec: SitsDeploymentSpec, weight: int) -> int:
-    """Canary pods for a traffic weight: the weight's share of replicas, at least 1 while it gets traffic."""
-    if spec.replicas == 0:
-        return 0
-    wanted = math.ceil(spec.replicas * weight / 100) if weight > 0 else 0
-    if wanted == 0 and (weight > 0 or spec.rollout.canary.tenants):
-        wanted = 1  # tenant-routed canaries serve their tenants from the first step
-    return min(wanted, spec.replicas)
-
-
-def _stable_replicas(ctx: _Context, weight: int, canary_target: int) -> int:
-    """Stable pods: all replicas behind an HTTPRoute; without one, what the ready canary pods replace."""
-    replicas = ctx.spec.replicas
-    if ctx.spec.rollout.gateway_api is not None or replicas == 0:
-        return replicas
-    replaced = min(ctx.obs.canary.ready_of(ctx.status.canary_revision), canary_target)
-    return max(replicas - replaced, 0 if weight >= 100 else 1)
 
 
 def _stable_workload(s: Status, spec: SitsDeploymentSpec, owner: Owner) -> WorkloadSpec:
@@ -308,7 +289,7 @@ def _progress(ctx: _Context) -> Plan:
                     f"canary {s.canary_revision}, step {i + 1}/{len(steps)} ({steps[i].describe()}): "
                     f"{waiting or 'held by ' + str(s.pause_reason)}", now)
     target = canary_replicas(spec, s.canary_weight)
-    return Plan(stable=TrackPlan(ctx.stable_workload, s.stable_revision or "", _stable_replicas(ctx, s.canary_weight, target)),
+    return Plan(stable=TrackPlan(ctx.stable_workload, s.stable_revision or "", stable_replicas(spec, s.canary_weight, target, obs.canary.ready_of(s.canary_revision))),
                 canary=TrackPlan(spec.workload, ctx.desired_revision, target),
                 canary_weight=s.canary_weight, canary_active=True)
 

@@ -21,14 +21,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from sits.operator.meta import deployment_id
 from sits.operator.tenants import TenantRecord
 from sits.runtime.tenancy.redis_scripts import PUT_TENANTS
 from sits.runtime.tenancy.state_store import redact_url
-
-
-def deployment_id(namespace: str, name: str) -> str:
-    """The runtime's `deployment` of a SitsDeployment (namespaces are DNS labels: no dots)."""
-    return f"{namespace}.{name}"
 
 
 def table_key(namespace: str, name: str) -> str:

@@ -15,6 +15,7 @@ from sits.operator.meta import (
     Owner,
     common_labels,
     config_map_name,
+    deployment_id,
     deployment_name,
     object_meta,
 )
@@ -30,8 +31,12 @@ GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 DRAIN_SECONDS = 45  # > the runtime's default 30 s drain, so in-flight requests finish on SIGTERM
 
 
-def engine_args(workload: WorkloadSpec) -> list[str]:
-    """`sits serve` flags for this workload (the track flag is added per Deployment)."""
+def engine_args(workload: WorkloadSpec, deployment: str) -> list[str]:
+    """`sits serve` flags for this workload (the track flag is added per Deployment).
+
+    `deployment` (`{namespace}.{name}`) names the tenancy state in a shared Redis
+    (`sits:{deployment}:...`), where the operator writes the tenant table.
+    """
     model, engine = workload.model, workload.engine
     args = ["serve", "--host", "0.0.0.0", "--port", str(HTTP_PORT),
             "--model", _model_path(model.uri), "--served-model-name", model.name,
@@ -49,7 +54,7 @@ def engine_args(workload: WorkloadSpec) -> list[str]:
     if workload.tenants_file:
         args += ["--tenants", TENANTS_FILE]
     if workload.redis_url:
-        args += ["--state-store", workload.redis_url]
+        args += ["--state-store", workload.redis_url, "--deployment", deployment]
     return args
 
 
@@ -63,10 +68,9 @@ def _model_path(uri: str) -> str:
     return rest  # file:///path -> /path inside the image
 
 
-def _env(workload: WorkloadSpec, owner_name: str, namespace: str) -> list[dict[str, Any]]:
+def _env(workload: WorkloadSpec) -> list[dict[str, Any]]:
     values = {"NCCL_SOCKET_NTHREADS": str(workload.nccl.socket_nthreads),
-              "NCCL_MIN_NCHANNELS": str(workload.nccl.min_channels),
-              "SITS_DEPLOYMENT": f"{namespace}.{owner_name}"}
+              "NCCL_MIN_NCHANNELS": str(workload.nccl.min_channels)}
     values.update(dict(workload.nccl.env))  # the spec's own NCCL_* win over the defaults
     return [{"name": key, "value": values[key]} for key in sorted(values)]
 
@@ -96,11 +100,11 @@ def build_pod_template(owner: Owner, workload: WorkloadSpec, track: str | None =
         claim = workload.model.uri[len("pvc://"):].partition("/")[0]
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
         mounts.append({"name": "model", "mountPath": MODEL_DIR, "readOnly": True})
-    args = engine_args(workload) + (["--track", track] if track else [])
+    args = engine_args(workload, deployment_id(owner.namespace, owner.name)) + (["--track", track] if track else [])
     container: dict[str, Any] = {
         "name": "sits", "image": workload.image, "args": args,
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
-        "env": _env(workload, owner.name, owner.namespace),
+        "env": _env(workload),
         "resources": _resources(workload),
         "volumeMounts": mounts,
         "startupProbe": _probe(10, 5, 180),  # loading a large checkpoint may take up to 30 minutes
@@ -144,9 +148,9 @@ def build_deployment(owner: Owner, track: str, track_plan: TrackPlan) -> dict[st
 
 def build_config_map(owner: Owner, plan: Plan, tenants: list[TenantRecord] | None) -> dict[str, Any]:
     """The engine config of each running track, and the tenants file (API-key digests only)."""
-    data = {"engine-stable.yaml": _engine_document(plan.stable)}
+    data = {"engine-stable.yaml": _engine_document(owner, plan.stable)}
     if plan.canary_active:
-        data["engine-canary.yaml"] = _engine_document(plan.canary)
+        data["engine-canary.yaml"] = _engine_document(owner, plan.canary)
     if tenants is not None:
         document = {"tenants": [tenant.to_document() for tenant in tenants]}
         data["tenants.yaml"] = yaml.safe_dump(document, sort_keys=False)
@@ -154,7 +158,7 @@ def build_config_map(owner: Owner, plan: Plan, tenants: list[TenantRecord] | Non
             "metadata": object_meta(owner, config_map_name(owner.name)), "data": data}
 
 
-def _engine_document(track_plan: TrackPlan) -> str:
+def _engine_document(owner: Owner, track_plan: TrackPlan) -> str:
     document = {"revision": track_plan.revision, **track_plan.workload.to_dict(),
-                "args": engine_args(track_plan.workload)}
+                "args": engine_args(track_plan.workload, deployment_id(owner.namespace, owner.name))}
     return yaml.safe_dump(document, sort_keys=True)

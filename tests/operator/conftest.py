@@ -45,7 +45,7 @@ def deployments(kube: KubeClient) -> Iterator[DeploymentController]:
 
 @pytest.fixture
 def operator_config() -> OperatorConfig:
-    return OperatorConfig(webhook_host="127.0.0.1", webhook_port=free_port(), resync_interval_s=RESYNC_S,
+    return OperatorConfig(listen_host="127.0.0.1", webhook_port=free_port(), resync_interval_s=RESYNC_S,
                           tenancy_interval_s=0.5, health_port=0)
 
 

@@ -10,6 +10,7 @@ storage and discovery but owns every state change:
   API server (KMock merged any patch into the whole object);
 - watches resume from the requested `resourceVersion` out of an event log written under the same
   lock as the objects (KMock replayed every object and lost the events between list and watch);
+- `/api/v1/namespaces` is the namespaces resource (KMock failed to parse it);
 - DELETE honours finalizers; discovery names the core group version `v1` (KMock: `/v1`, which hides
   every core resource from kubectl) and prefers a group's newest version (KMock: any, at random);
 - resource requests are answered directly, skipping KMock's reaction matching (no test here
@@ -42,6 +43,7 @@ import jsonpatch
 import kmock
 import yaml
 from kmock._internal import dicts as kmock_dicts
+from kmock._internal import parsing as kmock_parsing
 
 from sits.operator.kube import ApiError, KubeClient
 
@@ -86,6 +88,24 @@ def _prefer_newest(group: dict[str, Any]) -> dict[str, Any]:
 
 def _invalid(message: str) -> kmock.KubernetesError:
     return kmock.KubernetesError(status=422, reason="Invalid", message=message, details={})
+
+
+_parse_path = kmock_parsing.parse_path
+
+
+def _parse_namespaces(path: str) -> kmock_parsing.ParsedPath:
+    """KMock reads `/api/v1/namespaces[/name]` as a namespaced URL with no resource (and fails);
+    it is the cluster-scoped `namespaces` resource, which kopf lists when given --namespace."""
+    parts = path.strip("/").split("/")
+    if parts[:3] == ["api", "v1", "namespaces"] and (
+            len(parts) in (3, 4) or (len(parts) == 5 and parts[4] in ("status", "finalize"))):
+        return kmock_parsing.ParsedPath(group="", version="v1", plural="namespaces", namespace=None,
+                                        name=parts[3] if len(parts) > 3 else None,
+                                        subresource=parts[4] if len(parts) > 4 else None)
+    return _parse_path(path)
+
+
+kmock_parsing.parse_path = _parse_namespaces  # rendering.Request._parse looks it up on the module
 
 
 class FixedEmulator(kmock.KubernetesEmulator):

@@ -92,6 +92,8 @@ def test_runtime_flags_follow_the_spec():
     assert (flags["--max-num-batched-tokens"], flags["--block-size"]) == ("8192", "16")
     assert flags["--gpu-memory-utilization"] == "0.9" and flags["--port"] == "8000"
     assert "--enforce-eager" not in args  # cudaGraphs: true
+    assert flags["--tenants"] == "/etc/sits/tenants.yaml"  # the ConfigMap's file
+    assert (flags["--state-store"], flags["--deployment"]) == ("redis://sits-redis:6379/0", "llm.llama3-8b")
     eager = parse_spec({**EXAMPLE["spec"], "engine": {"cudaGraphs": False}, "gpusPerReplica": 0}, "x").workload
     args = container(objects(plan=Plan(TrackPlan(eager, "r", 1), TrackPlan(eager, "r", 0)))[("Deployment", "llama3-8b-stable")])["args"]
     assert "--enforce-eager" in args and args[args.index("--device") + 1] == "cpu"

@@ -21,7 +21,8 @@ from sits.operator.observations import (
     DeploymentObservation,
     Observations,
 )
-from sits.operator.rollout import analysis_due, canary_replicas, decide
+from sits.operator.replicas import canary_replicas
+from sits.operator.rollout import analysis_due, decide
 from sits.operator.spec import parse_spec
 from sits.operator.status import Status
 

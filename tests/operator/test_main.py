@@ -1,0 +1,66 @@
+"""`python -m sits.operator` and the `sits operator` subcommand."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+
+from sits.operator.__main__ import config_from_args, main, register, run
+from tests.operator.helpers import sitsdeployment, wait_for, wait_for_status
+from tests.support.services import free_port, wait_for_port
+
+
+def test_the_subcommand_registers_with_the_sits_cli_and_parses_its_flags():
+    parser = argparse.ArgumentParser(prog="sits")
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["operator", "--namespace", "llm", "--webhook-port", "9000", "--resync-interval", "2"])
+    assert args.handler is run
+    config = config_from_args(args)
+    assert (config.namespace, config.webhook_port, config.resync_interval_s) == ("llm", 9000, 2.0)
+    defaults = config_from_args(parser.parse_args(["operator"]))
+    assert (defaults.namespace, defaults.webhook_port, defaults.health_port) == (None, 8081, 8080)
+
+
+def test_bad_flags_are_one_line_errors(capsys):
+    assert main(["--webhook-port", "70000"]) == 2
+    assert capsys.readouterr().err.strip() == "sits operator: error: --webhook-port must be between 0 and 65535, got 70000"
+    assert main(["--resync-interval", "0"]) == 2
+
+
+def get_json(url: str) -> tuple[int, dict]:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return response.status, json.loads(response.read() or b"{}")
+
+
+def test_python_m_sits_operator_runs_until_sigterm(cluster, kube, deployments, tmp_path):
+    for namespace in ("llm", "other"):  # kopf waits for a --namespace to exist
+        kube.request("POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
+                                                    "metadata": {"name": namespace}})
+    webhook, health = free_port(), free_port()
+    argv = [sys.executable, "-m", "sits.operator", "--namespace", "llm", "--listen-host", "127.0.0.1",
+            "--webhook-port", str(webhook), "--health-port", str(health), "--resync-interval", "0.3"]
+    with open(tmp_path / "operator.log", "wb") as log:
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "KUBECONFIG": str(cluster.kubeconfig)})
+    try:
+        wait_for_port(webhook, timeout_s=30, process=process)
+        kube.create(sitsdeployment("cli"))
+        kube.create(sitsdeployment("elsewhere", namespace="other"))
+        wait_for_status(kube, "cli", lambda s: s.get("phase") == "Healthy", timeout_s=30, what="Healthy")
+        assert get_json(f"http://127.0.0.1:{webhook}/healthz") == (200, {"status": "ok"})
+        assert wait_for(lambda: get_json(f"http://127.0.0.1:{health}/healthz")[0] == 200, what="kopf's liveness")
+        assert kube.get("apps/v1", "Deployment", "other", "elsewhere-stable") is None, "--namespace restricts it"
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            code = process.wait(timeout=20)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    assert code == 0, (tmp_path / "operator.log").read_text()[-3000:]
