@@ -1,13 +1,17 @@
 """A small REST client over the official `kubernetes` client's auth and transport, and `apply`.
 
-`KubeClient.apply(obj)` makes an object look like `obj` idempotently: it creates what is missing,
-merge-patches what differs, and does nothing when every field `obj` sets already has that value,
-so a reconcile run twice writes nothing the second time.
+`KubeClient.apply(obj)` makes an object look like `obj` idempotently: it creates what is missing
+and server-side-applies (field manager `sits-operator`) what differs, so fields the operator set
+before and no longer wants are removed. It does nothing when the object still carries the digest
+of `obj` and every field `obj` sets has that value, so a reconcile run twice writes nothing the
+second time.
 """
 
 from __future__ import annotations
 
+import copy
 import datetime as dt
+import hashlib
 import json
 import logging
 import os
@@ -23,6 +27,8 @@ from sits.operator.meta import MANAGED_BY, Owner
 logger = logging.getLogger("sits.operator.kube")
 
 MERGE_PATCH = "application/merge-patch+json"
+APPLY_PATCH = "application/apply-patch+yaml"  # server-side apply; JSON is YAML
+APPLIED_ANNOTATION = "sits.ai/applied"  # digest of what the operator last applied to an object
 
 # kind -> plural, for the kinds the operator reads or writes
 PLURALS = {
@@ -51,6 +57,11 @@ def resource_path(api_version: str, kind: str, namespace: str | None, name: str 
     if subresource:
         path += f"/{subresource}"
     return path
+
+
+def digest(obj: dict[str, Any]) -> str:
+    """A short hash of an object as built (what `apply` compares with what it applied last)."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
 
 
 def is_subset(desired: Any, actual: Any) -> bool:
@@ -126,9 +137,10 @@ class KubeClient:
         return self.request("POST", resource_path(obj["apiVersion"], obj["kind"], meta.get("namespace")), obj)
 
     def patch(self, api_version: str, kind: str, namespace: str | None, name: str, patch: Any,
-              subresource: str | None = None, content_type: str = MERGE_PATCH) -> dict[str, Any]:
+              subresource: str | None = None, content_type: str = MERGE_PATCH,
+              query: dict[str, str] | None = None) -> dict[str, Any]:
         return self.request("PATCH", resource_path(api_version, kind, namespace, name, subresource), patch,
-                            content_type=content_type)
+                            query=query, content_type=content_type)
 
     def delete(self, api_version: str, kind: str, namespace: str | None, name: str) -> bool:
         try:
@@ -140,8 +152,10 @@ class KubeClient:
             raise
 
     def apply(self, obj: dict[str, Any]) -> str:
-        """Create or merge-patch `obj` so it matches; returns "created", "updated" or "unchanged"."""
+        """Create or server-side-apply `obj`; returns "created", "updated" or "unchanged"."""
+        obj = copy.deepcopy(obj)
         meta = obj["metadata"]
+        meta.setdefault("annotations", {})[APPLIED_ANNOTATION] = digest(obj)
         current = self.get(obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"])
         if current is None:
             try:
@@ -150,11 +164,12 @@ class KubeClient:
             except ApiError as error:
                 if error.status != 409:
                     raise
-                current = self.get(obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"]) or {}
+                current = {}
         desired = {key: value for key, value in obj.items() if key not in ("apiVersion", "kind", "status")}
-        if is_subset(desired, current):
+        if is_subset(desired, current):  # the same digest, and nothing drifted
             return "unchanged"
-        self.patch(obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"], desired)
+        self.patch(obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"], obj,
+                   content_type=APPLY_PATCH, query={"fieldManager": MANAGED_BY, "force": "true"})
         return "updated"
 
     def post_event(self, owner: Owner, event_type: str, reason: str, message: str) -> None:

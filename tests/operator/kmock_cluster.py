@@ -11,6 +11,8 @@ storage and discovery but owns every state change:
 - watches resume from the requested `resourceVersion` out of an event log written under the same
   lock as the objects (KMock replayed every object and lost the events between list and watch);
 - `/api/v1/namespaces` is the namespaces resource (KMock failed to parse it);
+- server-side apply (`application/apply-patch+yaml`) replaces what the one field manager applied,
+  as the API server does when a single manager owns the fields (KMock merged it);
 - DELETE honours finalizers; discovery names the core group version `v1` (KMock: `/v1`, which hides
   every core resource from kubectl) and prefers a group's newest version (KMock: any, at random);
 - resource requests are answered directly, skipping KMock's reaction matching (no test here
@@ -198,6 +200,11 @@ class FixedEmulator(kmock.KubernetesEmulator):
                 new = jsonpatch.apply_patch(current, request.data, in_place=False)
             except (jsonpatch.JsonPatchTestFailed, jsonpatch.JsonPatchConflict) as error:
                 raise _invalid(f"the JSON patch does not apply: {error}") from None
+        elif isinstance(request.data, dict) and "apply-patch" in request.headers.get("Content-Type", ""):
+            # Server-side apply with one field manager: what it applied before and leaves out goes
+            new = copy.deepcopy(request.data)
+            if "status" in current:
+                new["status"] = current["status"]
         elif isinstance(request.data, dict):
             patch = copy.deepcopy(_strip_directives(request.data))
             if self._has_status(request.resource):

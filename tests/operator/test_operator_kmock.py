@@ -245,3 +245,17 @@ def test_an_invalid_spec_is_a_permanent_error_and_a_condition_naming_the_field(k
         kube.patch(API_VERSION, KIND, "llm", "broken", {"spec": {"rollout": {"trafficRouting": GATEWAY}}})
         status = wait_for_status(kube, "broken", lambda s: s.get("phase") == "Healthy", what="fixed")
         assert condition(status, "InvalidSpec") is None
+
+
+def test_fields_the_spec_drops_leave_the_workloads(kube, deployments, run_operator):
+    """Server-side apply removes what the operator applied before and the new spec leaves out."""
+    with run_operator():
+        kube.create(sitsdeployment("pinned", gpuProduct="NVIDIA-H100-80GB-HBM3"))
+        first = wait_for_status(kube, "pinned", lambda s: s.get("phase") == "Healthy", what="Healthy")
+        pod = deployment(kube, "pinned", "stable")["spec"]["template"]["spec"]
+        assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+        kube.patch(API_VERSION, KIND, "llm", "pinned", {"spec": {"gpuProduct": None}})  # no steps: straight through
+        wait_for_status(kube, "pinned", lambda s: s.get("phase") == "Healthy"
+                        and s.get("stableRevision") != first["stableRevision"], what="the new revision stable")
+        for track in ("stable", "canary"):
+            assert "nodeSelector" not in deployment(kube, "pinned", track)["spec"]["template"]["spec"]
