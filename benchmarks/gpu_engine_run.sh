@@ -39,7 +39,7 @@ for step in $STEPS; do
       timeout "${BF16_TIMEOUT:-260}" $BENCH --batch 32 --input-len 2048 --output-len 512 \
         --json "$LOG_DIR/bf16.json" >"$LOG_DIR/bf16.log" 2>&1 ;;
     tests)
-      PYTHONSAFEPATH=1 timeout "${TESTS_TIMEOUT:-150}" python3 -m pytest tests/runtime/test_gpu_engine.py \
+      PYTHONSAFEPATH=1 timeout "${TESTS_TIMEOUT:-180}" python3 -m pytest tests/runtime/test_gpu_engine.py \
         tests/runtime/test_triton_backend.py -q -s -p no:cacheprovider --confcutdir=tests/runtime \
         --durations=8 >"$LOG_DIR/tests.log" 2>&1 ;;
     fp8)

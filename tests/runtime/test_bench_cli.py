@@ -1,0 +1,96 @@
+"""`sits bench`: the table and JSON it prints, its peer on the same weights, its roofline and its flag errors.
+
+On a CPU the benchmark runs a tiny random Llama with transformers beside it; the GPU figures come from
+benchmarks/gpu_engine_run.sh (recorded in benchmarks/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from sits.runtime.attention.torch_ref import TorchAttentionBackend
+from sits.runtime.cli import main
+from sits.runtime.commands.bench_peer import transformers_model
+from sits.runtime.commands.bench_report import percentile, roofline
+from sits.runtime.engine.cuda_graphs import decode_batch_sizes
+from sits.runtime.hardware import CPU_DEFAULTS, GpuProfile, engine_defaults
+from sits.runtime.models.presets import preset_config
+from sits.runtime.models.random_model import TokenIdTokenizer, random_loaded_model
+from tests.support.model_driver import PagedKVCache, PagedSequence, build_metadata
+
+
+def test_bench_prints_sits_beside_transformers_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--config", "tiny", "--batch", "3", "--input-len", "12", "--output-len", "5",
+                 "--device", "cpu", "--log-level", "warning", "--json", str(out)])
+    assert code == 0
+    table = capsys.readouterr().out
+    assert "| transformers" in table and "| SITS float32, torch attention, eager |" in table
+    assert "x |" in table  # the ratio column
+    record = json.loads(out.read_text())
+    sits, peer = record["results"][0], record["peer"]
+    assert sits["output_tokens"] == peer["output_tokens"] == 15
+    assert sits["prompt_tokens"] == 36 and sits["measured"] and peer["measured"]
+    assert sits["ratio_vs_peer"] == pytest.approx(sits["output_tok_s"] / peer["output_tok_s"])
+    assert 0 < sits["ttft_p50_s"] <= sits["seconds"] and sits["itl_p50_s"] > 0
+    assert record["setup"]["max_num_seqs"] == 3 and record["roofline"] is None  # no roofline on a CPU
+
+
+def test_a_given_peer_figure_is_marked_as_not_measured(capsys):
+    assert main(["bench", "--config", "tiny", "--batch", "2", "--input-len", "8", "--output-len", "3",
+                 "--device", "cpu", "--log-level", "warning", "--peer-output-tok-s", "100"]) == 0
+    assert "| transformers generate (figure from an earlier run) | 0.06 | 100 |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--config", "tiny", "--model", "/nowhere"], "exactly one of --config NAME"),
+    (["--config", "gpt-5"], "unknown model config 'gpt-5'; known: llama-3-8b"),
+    (["--config", "tiny", "--batch", "0"], "--batch must be positive"),
+    (["--model", "/does/not/exist"], "does not exist"),
+])
+def test_bad_flags_are_one_line_errors(argv, message, capsys):
+    assert main(["bench", "--device", "cpu", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and err.startswith("sits bench: error:")
+
+
+@torch.inference_mode()
+def test_transformers_gets_the_very_same_weights():
+    loaded = random_loaded_model(preset_config("tiny"), TorchAttentionBackend(), "cpu", torch.float32, seed=4)
+    hf = transformers_model(loaded.model, torch.device("cpu"), torch.float32)
+    tokens = list(range(3, 40))
+    cache = PagedKVCache(loaded.model, 4, 16)
+    positions, metadata, _ = build_metadata(cache, [(PagedSequence(tokens), len(tokens))], torch.device("cpu"))
+    ours = loaded.model.compute_logits(loaded.model(torch.tensor(tokens), positions, cache.caches, metadata))
+    theirs = hf(torch.tensor([tokens])).logits[0].float()
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_the_roofline_is_the_one_baselines_describes():
+    floor = roofline(preset_config("llama-3-8b"), int(16.06e9), 32, 2048, 512, 782e12, 4.29e12)
+    assert floor.seconds == pytest.approx(4.4, rel=0.02)  # BASELINES.md: 4.4 s, ~3,710 output tok/s
+    assert 16384 / floor.seconds == pytest.approx(3710, rel=0.02)
+    assert roofline(preset_config("llama-3-8b"), int(16.06e9), 1, 2048, 1, 782e12, 4.29e12).decode_s == pytest.approx(
+        3.74e-3 + 2048 * 131072 / 4.29e12, rel=0.01)
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5 and percentile([7.0], 99) == 7.0
+
+
+def test_hardware_defaults_and_graph_buckets():
+    h200 = GpuProfile("NVIDIA H200", "H200", 141 << 30, 139 << 30, 4.29e12, 785e12, 1430e12, 132)
+    small = GpuProfile("NVIDIA L4", "other", 24 << 30, 22 << 30, 0.3e12, 120e12, None, 58)
+    assert (engine_defaults(h200).max_num_batched_tokens, engine_defaults(h200).max_num_seqs) == (8192, 256)
+    assert engine_defaults(small).max_num_seqs == 64 and "NVIDIA L4" in engine_defaults(small).reason
+    assert engine_defaults(None) is CPU_DEFAULTS
+    assert decode_batch_sizes(32) == [1, 2, 4, 8, 16, 24, 32]
+    assert decode_batch_sizes(256)[-3:] == [224, 240, 256] and decode_batch_sizes(30)[-1] == 30
+    assert decode_batch_sizes(256, largest=12) == [1, 2, 4, 8, 12]
+
+
+def test_token_id_tokenizer_round_trips():
+    tokenizer = TokenIdTokenizer(100, eos_token_ids=[2])
+    assert tokenizer.decode([5, 2, 17]) == " 5 17" and tokenizer.encode(" 5 17") == [5, 17]
+    with pytest.raises(ValueError, match="out of range"):
+        tokenizer.encode("100")
