@@ -82,8 +82,8 @@ def _resources(workload: WorkloadSpec) -> dict[str, Any]:
     return resources
 
 
-def _probe(period_s: int, timeout_s: int, failures: int) -> dict[str, Any]:
-    return {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": period_s,
+def _probe(path: str, period_s: int, timeout_s: int, failures: int) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period_s,
             "timeoutSeconds": timeout_s, "failureThreshold": failures}
 
 
@@ -107,9 +107,11 @@ def build_pod_template(owner: Owner, workload: WorkloadSpec, track: str | None =
         "env": _env(workload),
         "resources": _resources(workload),
         "volumeMounts": mounts,
-        "startupProbe": _probe(10, 5, 180),  # loading a large checkpoint may take up to 30 minutes
-        "readinessProbe": _probe(5, 2, 3),
-        "livenessProbe": _probe(10, 5, 6),
+        # /health is readiness (503 while draining or unable to serve); /health/live fails only when
+        # the engine is dead, so a drain or a busy spell never gets the pod restarted
+        "startupProbe": _probe("/health/live", 10, 5, 180),  # a large checkpoint may load for 30 minutes
+        "readinessProbe": _probe("/health", 5, 2, 3),
+        "livenessProbe": _probe("/health/live", 10, 5, 6),
     }
     if workload.image_pull_policy:
         container["imagePullPolicy"] = workload.image_pull_policy

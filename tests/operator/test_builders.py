@@ -76,8 +76,9 @@ def test_deployment_of_a_track(track):
     shm = next(v for v in pod["spec"]["volumes"] if v["name"] == "dshm")
     assert shm["emptyDir"] == {"medium": "Memory"}
     assert {"name": "dshm", "mountPath": "/dev/shm"} in main["volumeMounts"]
-    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
-        assert main[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    assert main["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    for probe in ("livenessProbe", "startupProbe"):
+        assert main[probe]["httpGet"] == {"path": "/health/live", "port": "http"}
     assert main["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
     assert pod["metadata"]["annotations"]["prometheus.io/path"] == "/metrics"
 
