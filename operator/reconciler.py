@@ -11,13 +11,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sits.operator.analysis import ProviderRegistry, run_analysis
 from sits.operator.builders import OPTIONAL_KINDS, build_all
 from sits.operator.fields import SpecError
-from sits.operator.kube import ApiError, KubeClient
+from sits.operator.kube import ApiError, KubeClient, digest
 from sits.operator.meta import (
     API_VERSION,
     DEPLOYMENT_LABEL,
@@ -29,14 +29,25 @@ from sits.operator.meta import (
 )
 from sits.operator.observations import DeploymentObservation, Observations
 from sits.operator.rollout import analysis_due, decide
-from sits.operator.spec import SitsDeploymentSpec, parse_spec
+from sits.operator.spec import SitsDeploymentSpec, TenancySpec, parse_spec
 from sits.operator.status import Status, status_patch, to_timestamp
 from sits.operator.tenancy_sync import sync_tenant_table
-from sits.operator.tenants import resolve_tenants
+from sits.operator.tenants import TenantRecord, resolve_tenants
 
 logger = logging.getLogger("sits.operator")
 
 OPTIONAL_KIND_NAMES = {kind for _, kind in OPTIONAL_KINDS}
+
+
+@dataclass
+class _Applied:
+    """What this process last applied for one resource (digests of the built objects)."""
+
+    checked_at: float
+    digests: dict[tuple[str, str], str] = field(default_factory=dict)
+    optional: frozenset[tuple[str, str]] = frozenset()
+    tenancy: TenancySpec | None = None
+    tenants: list[TenantRecord] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -48,12 +59,16 @@ class ReconcileResult:
 
 class Reconciler:
     def __init__(self, kube: KubeClient, providers: ProviderRegistry | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, drift_check_s: float = 60.0) -> None:
+        """`drift_check_s`: how often every owned object is read back even when nothing changed
+        (someone may have edited or deleted it); between those, only what changed is applied."""
         self.kube = kube
         self.providers = providers or ProviderRegistry()
         self.clock = clock
+        self.drift_check_s = drift_check_s
         self._locks: dict[tuple[str, str], threading.RLock] = {}
         self._locks_guard = threading.Lock()
+        self._applied: dict[tuple[str, str], _Applied] = {}
 
     def lock(self, namespace: str, name: str) -> threading.RLock:
         with self._locks_guard:
@@ -62,6 +77,7 @@ class Reconciler:
     def forget(self, namespace: str, name: str) -> None:
         with self._locks_guard:
             self._locks.pop((namespace, name), None)
+            self._applied.pop((namespace, name), None)
 
     def _get(self, namespace: str, name: str) -> dict[str, Any] | None:
         body = self.kube.get(API_VERSION, KIND, namespace, name)
@@ -91,7 +107,7 @@ class Reconciler:
                 obs = replace(obs, analysis=outcome)
                 now = self.clock()
             decision = decide(spec, owner, status, obs, now)
-            self._apply(owner, spec, decision.plan, decision.status, now)
+            self._apply(owner, spec, decision.plan, decision.status, now, obs)
             if decision.consume_resume:
                 # Before the status: a crash in between loses a resume rather than resuming twice
                 self.kube.patch(API_VERSION, KIND, namespace, name,
@@ -114,14 +130,28 @@ class Reconciler:
                             generation=generation if isinstance(generation, int) else None,
                             resume_requested=RESUME_ANNOTATION in (meta.get("annotations") or {}))
 
-    def _apply(self, owner: Owner, spec: SitsDeploymentSpec, plan: Any, status: Status, now: float) -> None:
+    def _apply(self, owner: Owner, spec: SitsDeploymentSpec, plan: Any, status: Status, now: float,
+               obs: Observations) -> None:
+        """Apply what changed since the last apply; everything (and cleanup) once per drift check."""
+        key = (owner.namespace, owner.name)
+        memo = self._applied.get(key)
+        if memo is None or now - memo.checked_at >= self.drift_check_s or not (obs.stable.exists and obs.canary.exists):
+            memo = _Applied(checked_at=now)  # a full pass: read every object back, catch drift
+        full = not memo.digests
         tenants = None
         if spec.tenancy.tenants:
-            tenants = resolve_tenants(spec.tenancy, self._secret_reader(owner.namespace)).records
+            if memo.tenancy != spec.tenancy:
+                memo.tenancy = spec.tenancy
+                memo.tenants = resolve_tenants(spec.tenancy, self._secret_reader(owner.namespace)).records
+            tenants = memo.tenants
         wanted: set[tuple[str, str]] = set()
         missing_kinds: list[str] = []
         for obj in build_all(owner, spec, plan, tenants):
-            wanted.add((obj["kind"], obj["metadata"]["name"]))
+            name = (obj["kind"], obj["metadata"]["name"])
+            wanted.add(name)
+            built = digest(obj)
+            if memo.digests.get(name) == built:
+                continue
             try:
                 outcome = self.kube.apply(obj)
             except ApiError as error:
@@ -129,9 +159,14 @@ class Reconciler:
                     missing_kinds.append(obj["kind"])  # its CRD is not installed
                     continue
                 raise
+            memo.digests[name] = built
             if outcome != "unchanged":
                 logger.info("%s %s %s/%s", outcome, obj["kind"], owner.namespace, obj["metadata"]["name"])
-        self._delete_unwanted(owner, wanted)
+        optional = frozenset(n for n in wanted if n[0] in OPTIONAL_KIND_NAMES)
+        if full or optional != memo.optional:
+            self._delete_unwanted(owner, wanted)
+            memo.optional = optional
+        self._applied[key] = memo
         if missing_kinds:
             status.set_condition("ResourcesReady", False, "CRDMissing",
                                  f"cannot create {', '.join(missing_kinds)}: the CRD is not installed", now)
@@ -222,6 +257,9 @@ class Reconciler:
             message = "; ".join(resolution.problems) + "; " + message
         tenancy = {"synced": synced, "reason": reason, "message": message,
                    "tenants": len(resolution.records), "digest": resolution.digest()}
+        memo = self._applied.get((namespace, name))
+        if memo is not None and memo.tenants != resolution.records:
+            memo.tenancy = None  # a Secret changed: the next reconcile rebuilds the tenants file
         if stored != tenancy:
             self.kube.patch(API_VERSION, KIND, namespace, name, {"status": {"tenancy": tenancy}},
                             subresource="status")
