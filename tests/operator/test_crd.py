@@ -155,3 +155,26 @@ def test_every_field_the_crd_allows_the_operator_accepts():
     assert parsed.rollout.gateway_api.parent_refs[0] == tuple(sorted(MAXIMAL["rollout"]["trafficRouting"]
                                                                       ["gatewayAPI"]["parentRefs"][0].items()))
     assert parsed.workload.resources == (("requests", (("cpu", "8"),)), ("limits", (("memory", "64Gi"),)))
+
+
+def test_every_status_field_the_operator_writes_survives_pruning():
+    """A structural schema prunes unknown fields: all rollout state must be declared, or it is lost."""
+    from sits.operator.status import AnalysisState, Status
+
+    status_schema = SCHEMA["properties"]["status"]["properties"]
+    written = Status(phase="Progressing", observed_generation=2, stable_revision="a", stable_spec={"image": "x"},
+                     canary_revision="b", canary_started_at=1.0, canary_weight=10, current_step=1, step_started_at=2.0,
+                     pause_reason="CanaryPauseStep", aborted_revision="c",
+                     abort_request={"revision": "b", "reason": "AlertFiring", "message": "m", "requestedAt": "t"},
+                     analysis=AnalysisState(last_delta_ms=1.0, last_result="Passed", last_run_at=3.0, next_run_at=4.0,
+                                            message="m", consecutive_failures=1, consecutive_inconclusive=1),
+                     replicas=3, ready_replicas=3, ready="3/3", selector="s",
+                     conditions=[{"type": "Healthy", "status": "True", "reason": "Ready", "message": "",
+                                  "lastTransitionTime": "t"}]).to_dict()
+    assert set(written) <= set(status_schema)
+    assert set(written["analysis"]) <= set(status_schema["analysis"]["properties"])
+    assert set(written["abortRequest"]) <= set(status_schema["abortRequest"]["properties"])
+    tenancy = {"synced", "reason", "message", "tenants", "digest"}  # written by Reconciler.sync_tenants
+    assert tenancy <= set(status_schema["tenancy"]["properties"])
+    VALIDATOR.validate({**EXAMPLE, "status": {**written, "tenancy": dict.fromkeys(tenancy, "x") | {
+        "synced": True, "tenants": 1}}})
