@@ -145,6 +145,7 @@ def main() -> int:
     print(f"CPU: {cpu_name()} ({os.cpu_count()} cores, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads)")
     print(f"{args.concurrency} chat requests x {args.max_tokens} output tokens, SmolLM2-135M-Instruct fp32, greedy")
+    print("load average (1/5/15 min) at the start: " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
 
     port = free_port()
     with tempfile.NamedTemporaryFile("w+b", prefix="sits-bench-", suffix=".log", delete=False) as log:
@@ -165,6 +166,8 @@ def main() -> int:
           f"{peer.tokens_per_s:>10.1f}")
     print(f"SITS TTFT: median {ttfts[len(ttfts) // 2]:.2f} s, max {ttfts[-1]:.2f} s")
     print(f"ratio (SITS / transformers): {ratio:.2f}x (target >= 3x)")
+    # Other work on the same cores slows the one-by-one peer far more than the batched server.
+    print("load average (1/5/15 min) at the end: " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
     return 0
 
 
