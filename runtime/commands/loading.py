@@ -27,7 +27,7 @@ def load_engine(config: EngineConfig, prog: str, progress: bool = True) -> Any:
 def log_engine_summary(engine: Any, config: EngineConfig) -> None:
     stats = engine.stats()
     block_size = stats.kv_block_size or config.cache.block_size
-    loaded = getattr(engine, "loaded_model", None)
+    loaded = getattr(getattr(engine, "engine", None), "loaded_model", None)  # AsyncEngine -> LLMEngine
     device = getattr(loaded, "device", config.model.device)
     dtype = str(getattr(loaded, "dtype", config.model.dtype)).removeprefix("torch.")
     logger.info("model %s (%s) on %s, %s; max_model_len %d", engine.model_name,

@@ -180,6 +180,18 @@ def test_chat_prompt_is_the_transformers_chat_template(client, model, hf_smollm2
     assert via_chat.choices[0].message.content == via_ids.choices[0].text
 
 
+def test_text_content_parts_and_the_developer_role_are_accepted(client, model):
+    plain = client.chat.completions.create(
+        model=model, max_tokens=3, temperature=0,
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a color."}])
+    parts = client.chat.completions.create(
+        model=model, max_tokens=3, temperature=0,
+        messages=[{"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
+                  {"role": "user", "content": [{"type": "text", "text": "Name a "}, {"type": "text", "text": "color."}]}])
+    assert parts.usage.prompt_tokens == plain.usage.prompt_tokens
+    assert parts.choices[0].message.content == plain.choices[0].message.content
+
+
 def test_repeated_long_prompt_hits_the_prefix_cache(client, model, served):
     server, _ = served
     prompt = "Here is a long list of facts about the ocean. " * 30  # ~300 tokens: many full blocks

@@ -13,7 +13,7 @@ import pytest
 
 from tests.support.services import RunningService, free_port, started
 
-DRAIN_TIMEOUT_S = 3.0
+DRAIN_TIMEOUT_S = 6.0  # ample for the short stream on busy cores; the long one cannot finish
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def test_sigterm_drains_in_flight_streams_refuses_new_ones_and_exits_0(serve_pro
     url = serve_process.url
     short, long = {}, {}
     short_started, long_started = threading.Event(), threading.Event()
-    threads = [threading.Thread(target=stream_completion, args=(url, 12, short_started, short)),
+    threads = [threading.Thread(target=stream_completion, args=(url, 8, short_started, short)),
                threading.Thread(target=stream_completion, args=(url, 1500, long_started, long))]
     for thread in threads:
         thread.start()
