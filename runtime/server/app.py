@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -34,7 +34,7 @@ GENERATION_PATHS = {"/v1/chat/completions", "/v1/completions"}
 
 def build_app(engine: Any, server_config: ServerConfig | None = None, *, served_model_name: str | None = None,
               tenant_resolver: TenantResolver | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              manage_engine: bool = True) -> FastAPI:
+              manage_engine: bool = True, usage_observer: Callable[[str, int, int], None] | None = None) -> FastAPI:
     """The server app around an AsyncEngine.
 
     Args:
@@ -43,12 +43,14 @@ def build_app(engine: Any, server_config: ServerConfig | None = None, *, served_
         served_model_name: the OpenAI model id; defaults to the engine's model name.
         tenant_resolver: decides each request's tenant (default: everyone is "default").
         max_body_bytes: larger request bodies get 413.
+        usage_observer: called as (tenant, prompt_tokens, output_tokens) after each engine request.
     """
     config = server_config or ServerConfig()
     model_name = served_model_name or engine.model_name
     lifecycle = Lifecycle()
     metrics = ServerMetrics(model_name, config.track, engine.stats)
-    ctx = ServingContext(engine=engine, model_name=model_name, metrics=metrics, lifecycle=lifecycle)
+    ctx = ServingContext(engine=engine, model_name=model_name, metrics=metrics, lifecycle=lifecycle,
+                         usage_observer=usage_observer)
     created = int(time.time())
 
     @contextlib.asynccontextmanager

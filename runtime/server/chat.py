@@ -18,7 +18,13 @@ from sits.runtime.server.protocol import ChatCompletionRequest, ChatMessage
 from sits.runtime.server.request_ids import new_request_id
 from sits.runtime.server.responses import DONE, SSE_HEADERS, finish_text, sse, usage
 from sits.runtime.server.sampling import output_budget, sampling_params
-from sits.runtime.server.serving import ClientGone, ServingContext, collect_unless_disconnected, merge_streams
+from sits.runtime.server.serving import (
+    ClientGone,
+    ServingContext,
+    collect_unless_disconnected,
+    merge_streams,
+)
+from sits.runtime.server.tenant import request_priority
 
 
 class ChatCompletions:
@@ -53,7 +59,7 @@ class ChatCompletions:
                                    param=limit_param, prompt_name="messages")
         params = sampling_params(body, max_tokens=max_tokens, logprobs=body.num_logprobs)
         response_id = new_request_id("chatcmpl")
-        stream = merge_streams([self.ctx.generate(prompt_ids, params, response_id, tenant, arrival)])
+        stream = merge_streams([self.ctx.generate(prompt_ids, params, response_id, tenant, arrival, request_priority(request))])
         head = {"id": response_id, "created": int(time.time()), "model": self.ctx.model_name}
         headers = {"x-request-id": response_id}
         if body.stream:

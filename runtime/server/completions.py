@@ -22,7 +22,13 @@ from sits.runtime.server.protocol import CompletionRequest
 from sits.runtime.server.request_ids import new_request_id
 from sits.runtime.server.responses import DONE, SSE_HEADERS, finish_text, sse, usage
 from sits.runtime.server.sampling import output_budget, sampling_params
-from sits.runtime.server.serving import ClientGone, ServingContext, collect_unless_disconnected, merge_streams
+from sits.runtime.server.serving import (
+    ClientGone,
+    ServingContext,
+    collect_unless_disconnected,
+    merge_streams,
+)
+from sits.runtime.server.tenant import request_priority
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -57,7 +63,7 @@ class Completions:
         params = [sampling_params(body, max_tokens=budget, logprobs=body.logprobs) for budget in budgets]
         response_id = new_request_id("cmpl")
         engine_ids = [response_id] if len(prompts) == 1 else [f"{response_id}-{i}" for i in range(len(prompts))]
-        stream = merge_streams([self.ctx.generate(ids, p, rid, tenant, arrival)
+        stream = merge_streams([self.ctx.generate(ids, p, rid, tenant, arrival, request_priority(request))
                                 for ids, p, rid in zip(prompts, params, engine_ids, strict=True)])
         head = {"id": response_id, "object": "text_completion", "created": int(time.time()),
                 "model": self.ctx.model_name}

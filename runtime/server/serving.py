@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -22,6 +23,7 @@ from sits.runtime.server.lifecycle import Lifecycle
 from sits.runtime.server.metrics import ServerMetrics
 
 T = TypeVar("T")
+logger = logging.getLogger("sits.server")
 
 
 class ClientGone(Exception):
@@ -36,6 +38,8 @@ class ServingContext:
     model_name: str
     metrics: ServerMetrics
     lifecycle: Lifecycle
+    # Called as (tenant, prompt_tokens, output_tokens) when an engine request ends (e.g. token quotas).
+    usage_observer: Callable[[str, int, int], None] | None = None
 
     @property
     def tokenizer(self) -> Any:
@@ -69,13 +73,14 @@ class ServingContext:
         return list(token_ids)
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                       tenant: str, arrival: float) -> AsyncIterator[RequestOutput]:
+                       tenant: str, arrival: float, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """The engine's outputs for one request; closing this early aborts the request.
 
-        arrival is the request's time.perf_counter() when it reached the server (for TTFT).
+        arrival is the request's time.perf_counter() when it reached the server (for TTFT);
+        priority is what the tenant resolver left on request.state (0 by default).
         """
         self.lifecycle.track(request_id)
-        stream = self.engine.generate(prompt_token_ids, params, request_id, tenant=tenant)
+        stream = self.engine.generate(prompt_token_ids, params, request_id, tenant=tenant, priority=priority)
         first_token_at: float | None = None
         last: RequestOutput | None = None
         try:
@@ -102,6 +107,11 @@ class ServingContext:
         self.metrics.observe_generation(
             tenant, prompt_tokens=len(prompt_token_ids), output_tokens=sum(lengths),
             ttft_s=None if first_token_at is None else first_token_at - arrival, tpot_s=tpot)
+        if self.usage_observer is not None:
+            try:
+                self.usage_observer(tenant, len(prompt_token_ids), sum(lengths))
+            except Exception:  # accounting must never break a response
+                logger.exception("usage observer failed")
 
 
 async def merge_streams(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:

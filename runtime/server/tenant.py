@@ -3,7 +3,8 @@
 Until tenancy lands every request is the tenant "default". The tenancy work plugs in by putting its
 own `TenantResolver` on `app.state.tenant_resolver` (API key -> tenant); a resolver may raise
 `OpenAIError(401, ...)` for a missing or unknown key and `OpenAIError(429, ...)` for a tenant over
-its rate limit, and every endpoint that depends on `request_tenant` answers accordingly.
+its rate limit, and every endpoint that depends on `request_tenant` answers accordingly. A resolver
+may also set `request.state.priority` (an int, 0 by default): the engine schedules by it.
 """
 
 from __future__ import annotations
@@ -37,3 +38,8 @@ async def request_tenant(request: Request) -> str:
     tenant = await request.app.state.tenant_resolver.resolve(request)
     request.state.tenant = tenant
     return tenant
+
+
+def request_priority(request: Request) -> int:
+    """The scheduling priority the tenant resolver left on the request (0 when it set none)."""
+    return int(getattr(request.state, "priority", 0) or 0)
