@@ -93,19 +93,22 @@ class BackgroundServer:
     """
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
-        if port == 0:
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-                sock.bind((host, 0))
-                port = sock.getsockname()[1]
+        # Bound here and handed to uvicorn, so no other process can take a port picked as free.
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
         self.app = app
         self.host = host
-        self.port = port
-        self.server = uvicorn.Server(uvicorn_config(app, host, port, log_level))
-        self._thread = threading.Thread(target=self.server.run, name=f"sits-server-{port}", daemon=True)
+        self.port = self._sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn_config(app, host, self.port, log_level))
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]},
+                                        name=f"sits-server-{self.port}", daemon=True)
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
 
     def start(self, timeout_s: float = 120.0) -> BackgroundServer:
         self._thread.start()
@@ -121,7 +124,9 @@ class BackgroundServer:
 
     def stop(self, timeout_s: float = 30.0) -> None:
         self.server.should_exit = True
-        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+        self._sock.close()
 
     def __enter__(self) -> BackgroundServer:
         return self.start()
