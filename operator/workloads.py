@@ -49,6 +49,8 @@ def engine_args(workload: WorkloadSpec, deployment: str) -> list[str]:
         args += ["--max-model-len", str(model.max_model_len)]
     if workload.gpus_per_replica == 0:
         args += ["--device", "cpu"]
+    elif workload.gpus_per_replica > 1:
+        args += ["--tensor-parallel-size", str(workload.gpus_per_replica)]
     if not engine.cuda_graphs:
         args.append("--enforce-eager")
     if workload.tenants_file:

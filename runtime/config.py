@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from sits.runtime.parallel.config import ParallelConfig
+
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -117,6 +119,7 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     attention_backend: str = "auto"
     enforce_eager: bool = False
     cuda_graph_max_batch_size: int | None = None
@@ -126,6 +129,9 @@ class EngineConfig:
         self.model.validate()
         self.cache.validate()
         self.scheduler.validate()
+        self.parallel.validate()
+        if self.parallel.tensor_parallel_size > 1 and self.compile:
+            raise ConfigError("--compile does not run with --tensor-parallel-size > 1 yet (every rank would compile)")
         if self.cuda_graph_max_batch_size is not None and self.cuda_graph_max_batch_size < 1:
             raise ConfigError(f"--cuda-graph-max-batch-size must be positive, got {self.cuda_graph_max_batch_size}")
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -21,6 +21,7 @@ from sits.runtime.config import (
     ModelConfig,
     SchedulerConfig,
 )
+from sits.runtime.parallel.cli_args import add_parallel_arguments, parallel_config_from_args
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -58,6 +59,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "--max-num-seqs)")
     engine.add_argument("--compile", action="store_true",
                         help="torch.compile the norms and MLPs (attention stays on its back end)")
+    add_parallel_arguments(parser)
     parser.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS)
 
 
@@ -100,6 +102,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_num_batched_tokens=(args.max_num_batched_tokens if args.max_num_batched_tokens is not None
                                     else defaults["max_num_batched_tokens"]),
             enable_chunked_prefill=args.enable_chunked_prefill),
+        parallel=parallel_config_from_args(args),
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
         cuda_graph_max_batch_size=graph_max if graph_max is not None else chosen.cuda_graph_max_batch_size,

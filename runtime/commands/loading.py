@@ -14,11 +14,12 @@ logger = logging.getLogger("sits.serve")
 def load_engine(config: EngineConfig, prog: str, progress: bool = True) -> Any:
     """The AsyncEngine for config, or an exit code (2) after a one-line error for a bad model or option."""
     from sits.runtime.engine.async_engine import AsyncEngine
+    from sits.runtime.engine.errors import EngineError
     from sits.runtime.models.errors import ModelLoadError
 
     try:
         engine = AsyncEngine.from_config(config, progress=progress)
-    except (ConfigError, ModelLoadError, FileNotFoundError) as error:
+    except (ConfigError, ModelLoadError, FileNotFoundError, EngineError) as error:
         return fail(prog, str(error))
     log_engine_summary(engine, config)
     return engine

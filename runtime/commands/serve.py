@@ -60,6 +60,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         engine_config = engine_config_from_args(args)
         server_config = server_config_from_args(args)
+        from sits.runtime.parallel.cli_args import run_if_torchrun_worker
+
+        worker_exit_code = run_if_torchrun_worker(engine_config, engine_config.parallel)
+        if worker_exit_code is not None:  # torchrun ranks 1..N-1 serve rank 0's steps, not HTTP
+            return worker_exit_code
         sock = bind(server_config.host, server_config.port)
     except ConfigError as error:
         return fail(PROG, str(error))

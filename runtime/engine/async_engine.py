@@ -139,6 +139,7 @@ class AsyncEngine:
         abort the rest (their streams end with finish_reason "abort"), then stop the thread."""
         self._accepting = False
         if self._thread is None:
+            self.engine.shutdown()
             return
         if drain_timeout_s > 0:
             await asyncio.to_thread(self._idle.wait, drain_timeout_s)
@@ -146,6 +147,7 @@ class AsyncEngine:
             self._stop = True
             self._cond.notify()
         await asyncio.to_thread(self._thread.join)
+        self.engine.shutdown()
 
     # -- requests --------------------------------------------------------------------------
     async def generate(

@@ -57,6 +57,7 @@ class LLMEngine:
         eviction_policy: EvictionPolicy | Callable[[int], EvictionPolicy] | None = None,
         scheduling_policy: SchedulingPolicy | None = None,
         waiting_queue: WaitingQueue | None = None,
+        runner_factory: Callable[..., ModelRunner] = ModelRunner,
     ) -> None:
         config.validate()
         self.config = config
@@ -77,7 +78,7 @@ class LLMEngine:
         block_size = config.cache.block_size
         _quantize(loaded, config.model.quantization)
         sampler = Sampler(self.eos_token_ids, loaded.device, seed=config.model.seed)
-        self.runner = ModelRunner(loaded.model, loaded.device, loaded.dtype, block_size, sampler)
+        self.runner = runner_factory(loaded.model, loaded.device, loaded.dtype, block_size, sampler)
 
         profile = None
         if loaded.device.type == "cuda" and config.cache.num_blocks is None:
@@ -111,6 +112,17 @@ class LLMEngine:
         from sits.runtime.models import loading
 
         config.validate()
+        if config.parallel.tensor_parallel_size > 1:
+            from sits.runtime.parallel.executor import TensorParallelExecutor
+            from sits.runtime.parallel.recipe import ModelRecipe
+
+            executor = TensorParallelExecutor.start(ModelRecipe.from_engine_config(config), config.parallel,
+                                                    progress=progress)
+            try:
+                return cls(executor.loaded, config, runner_factory=executor.make_runner, **hooks)
+            except BaseException:
+                executor.shutdown()
+                raise
         device, dtype = loading.resolve_device_dtype(config.model)
         head_dim = _checkpoint_head_dim(config, progress)
         try:
@@ -241,6 +253,12 @@ class LLMEngine:
             if output.finished and self._children.pop(output.request_id, None) is not None:
                 self._counters["finished"] += 1
         return outputs
+
+    def shutdown(self) -> None:
+        """Stop what outlives steps: a tensor-parallel runner's worker processes (idempotent)."""
+        shutdown = getattr(self.runner, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
 
     def stats(self) -> EngineStats:
         s = self.scheduler.stats()

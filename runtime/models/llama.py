@@ -166,7 +166,8 @@ class LlamaForCausalLM(nn.Module):
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
         """Shape of one layer's k_cache and v_cache: [num_blocks, block_size, num_kv_heads, head_dim]."""
-        return self.config.kv_cache_shape(num_blocks, block_size)
+        attention = self.model.layers[0].self_attn  # its own heads: a tensor-parallel shard holds a share
+        return (num_blocks, block_size, attention.num_kv_heads, attention.head_dim)
 
     def forward(
         self,
