@@ -46,8 +46,10 @@ def rope_inverse_frequencies(
     """[rotary_dim / 2] float32 inverse frequencies, optionally scaled.
 
     rope_scaling follows HF's config format: None or {"rope_type": "default"} for none,
-    {"rope_type": "linear", "factor": f}, or {"rope_type": "llama3", "factor", "low_freq_factor",
-    "high_freq_factor", "original_max_position_embeddings"} ("type" is accepted for "rope_type").
+    {"rope_type": "linear", "factor": f}, {"rope_type": "llama3", "factor", "low_freq_factor",
+    "high_freq_factor", "original_max_position_embeddings"} ("type" is accepted for "rope_type"), or
+    {"rope_type": "freq_factors", "factors": [...]}: a divisor per frequency, the form GGUF files
+    store Llama 3.1's scaling in (`rope_freqs.weight`).
     """
     if rotary_dim <= 0 or rotary_dim % 2:
         raise ValueError(f"rotary_dim must be a positive even number, got {rotary_dim}")
@@ -64,7 +66,12 @@ def rope_inverse_frequencies(
         return inv_freq / float(rope_scaling["factor"])
     if rope_type == "llama3":
         return _llama3_scaled(inv_freq, rope_scaling)
-    raise ValueError(f"unsupported rope_type {rope_type!r}; expected default, linear or llama3")
+    if rope_type == "freq_factors":
+        factors = torch.as_tensor(rope_scaling["factors"], dtype=torch.float32, device=inv_freq.device)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"freq_factors needs {inv_freq.numel()} factors, got {factors.numel()}")
+        return inv_freq / factors
+    raise ValueError(f"unsupported rope_type {rope_type!r}; expected default, linear, llama3 or freq_factors")
 
 
 def build_cos_sin_cache(

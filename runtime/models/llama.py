@@ -162,7 +162,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _rope_table(self, device: torch.device | str | None = None) -> torch.Tensor:
         c = self.config
-        return build_cos_sin_cache(self.max_positions, c.head_dim, c.rope_theta, c.rope_scaling, device)
+        return build_cos_sin_cache(c.head_dim, self.max_positions, c.rope_theta, c.rope_scaling, device=device)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
         """Shape of one layer's k_cache and v_cache: [num_blocks, block_size, num_kv_heads, head_dim]."""

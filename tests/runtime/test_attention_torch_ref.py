@@ -16,7 +16,7 @@ from sits.runtime.attention.registry import (
     unregister_backend,
 )
 from sits.runtime.attention.torch_ref import TorchAttentionBackend, write_kv_cache
-from sits.runtime.models.rotary import apply_rotary, build_cos_sin_cache
+from sits.runtime.models.rotary import apply_rotary, build_cos_sin_cache, rope_inverse_frequencies
 from tests.support.model_driver import PagedKVCache, PagedSequence, build_metadata
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 16, 4
@@ -105,7 +105,7 @@ def test_long_prefill_is_computed_in_query_chunks():
 
 def test_rope_and_cache_write_rotates_and_skips_padding():
     gen = torch.Generator().manual_seed(2)
-    table = build_cos_sin_cache(64, HEAD_DIM, 10000.0)
+    table = build_cos_sin_cache(HEAD_DIM, 64, 10000.0)
     q = torch.randn(3, HEADS, HEAD_DIM, generator=gen)
     k = torch.randn(3, KV_HEADS, HEAD_DIM, generator=gen)
     v = torch.randn(3, KV_HEADS, HEAD_DIM, generator=gen)
@@ -134,8 +134,6 @@ def test_rope_matches_transformers(rope_scaling):
     from transformers import LlamaConfig as HFLlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-    from sits.kernels.rope_tables import build_cos_sin_cache as kernel_table
-
     params = {"rope_type": "default", "rope_theta": 500000.0, **(rope_scaling or {})}
     hf_config = HFLlamaConfig(hidden_size=HEADS * 32, num_attention_heads=HEADS, max_position_embeddings=256,
                               rope_parameters=params)
@@ -144,11 +142,19 @@ def test_rope_matches_transformers(rope_scaling):
     cos, sin = LlamaRotaryEmbedding(hf_config)(x, positions[None])
     expected, _ = apply_rotary_pos_emb(x, x, cos, sin)
 
-    table = build_cos_sin_cache(256, 32, 500000.0, rope_scaling)
+    table = build_cos_sin_cache(32, 256, 500000.0, rope_scaling)
     ours = apply_rotary(x[0].transpose(0, 1), positions, table).transpose(0, 1)
     torch.testing.assert_close(ours, expected[0], atol=1e-6, rtol=1e-6)
-    # the Triton kernels build their own table: it must be the same one
-    torch.testing.assert_close(kernel_table(32, 256, 500000.0, rope_scaling), table, atol=0, rtol=0)
+
+
+def test_gguf_frequency_factors_give_the_llama3_table():
+    """GGUF stores Llama 3.1's scaling as one divisor per frequency; both spellings give one table."""
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 64}
+    plain = rope_inverse_frequencies(32, 500000.0)
+    factors = (plain / rope_inverse_frequencies(32, 500000.0, llama3)).tolist()
+    torch.testing.assert_close(build_cos_sin_cache(32, 256, 500000.0, {"rope_type": "freq_factors", "factors": factors}),
+                               build_cos_sin_cache(32, 256, 500000.0, llama3), atol=1e-5, rtol=1e-5)
 
 
 # -- registry --------------------------------------------------------------------------------------
