@@ -6,6 +6,10 @@ under a lock; the thread applies them between steps, runs a step, and hands each
 `RequestOutput` to its stream's event loop with `loop.call_soon_threadsafe`. With nothing to do
 the thread sleeps on a condition variable (no polling) until a command arrives.
 
+Periodic work that must read engine state on its own thread (the tenancy layer publishing its
+eviction index) is registered with `add_periodic`: it runs between steps when due, and once more
+when the engine goes idle, never while a step runs.
+
 Failure handling: if a step raises, every in-flight stream fails with `EngineError`, the engine is
 marked unhealthy (`is_healthy` False) and new requests get `EngineDeadError`; nothing hangs.
 """
@@ -16,7 +20,8 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncIterator, Iterable
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +68,16 @@ class _Abort:
     request_ids: list[str]
 
 
+@dataclass
+class _Periodic:
+    """A callback run on the engine thread every interval_s while the engine state changes."""
+
+    callback: Callable[[], None]
+    interval_s: float
+    next_at: float = 0.0
+    dirty: bool = False  # the engine changed since the last run
+
+
 class AsyncEngine:
     """An `LLMEngine` served to asyncio code.
 
@@ -82,6 +97,7 @@ class AsyncEngine:
         self._idle = threading.Event()  # set while the engine holds no request
         self._idle.set()
         self._stats: EngineStats = engine.stats()
+        self._periodic: list[_Periodic] = []
 
     @classmethod
     def from_config(cls, config: EngineConfig, *, progress: bool = True, **hooks: Any) -> AsyncEngine:
@@ -122,6 +138,15 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         """The snapshot published after the latest step or command (never blocks on the loop)."""
         return self._stats
+
+    def add_periodic(self, callback: Callable[[], None], interval_s: float) -> None:
+        """Run `callback` on the engine thread about every interval_s seconds while requests
+        change the engine's state, and once when it goes idle. It may read engine state (no step
+        runs meanwhile) and must be quick; its errors are logged, never raised. Register before
+        the first request."""
+        if interval_s <= 0:
+            raise ValueError(f"interval_s must be positive, got {interval_s}")
+        self._periodic.append(_Periodic(callback, interval_s))
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -174,7 +199,7 @@ class AsyncEngine:
             raise EngineDeadError("the engine stopped after an error and accepts no requests")
         if not self._accepting:
             raise EngineShuttingDownError("the engine is shutting down and accepts no new requests")
-        self.engine.validate_request(prompt_token_ids, params)  # reads immutable limits only
+        self.engine.validate_request(prompt_token_ids, params, tenant)  # reads limits only (ints)
         self._ensure_started()
         stream = _Stream(asyncio.get_running_loop())
         with self._cond:  # re-checked under the lock: a crash or shutdown may have just happened
@@ -218,6 +243,8 @@ class AsyncEngine:
             while True:
                 with self._cond:
                     while not (self._commands or self._stop or self.engine.has_unfinished_requests()):
+                        if any(p.dirty for p in self._periodic):
+                            break  # publish the final state before sleeping
                         self._idle.set()
                         self._cond.wait()
                     commands, self._commands = self._commands, []
@@ -226,14 +253,29 @@ class AsyncEngine:
                 if stop:
                     self._abort_all()
                     return
-                if self.engine.has_unfinished_requests():
+                busy = self.engine.has_unfinished_requests()
+                if busy:
                     self._deliver(self.engine.step())
                     if self.engine.last_step_num_tokens == 0:
                         self._back_off()
                 self._stats = self.engine.stats()
+                self._run_periodic(changed=busy or bool(commands), idle=not busy)
         except Exception as exc:  # a crashed step must not leave any stream waiting forever
             logger.exception("engine step failed; failing in-flight requests")
             self._fail_all(exc)
+
+    def _run_periodic(self, changed: bool, idle: bool) -> None:
+        now = time.monotonic()
+        for periodic in self._periodic:
+            periodic.dirty |= changed
+            if not periodic.dirty or (now < periodic.next_at and not idle):
+                continue
+            periodic.dirty = False
+            periodic.next_at = now + periodic.interval_s
+            try:
+                periodic.callback()
+            except Exception:  # bookkeeping must never stop the engine
+                logger.exception("periodic engine task %r failed", periodic.callback)
 
     def _back_off(self) -> None:
         """Nothing could run (e.g. an eviction policy refuses blocks): wait for a command or a

@@ -74,6 +74,10 @@ class BlockPool:
         """Referenced blocks per tenant (a shared block counts for the tenant that referenced it first)."""
         return {tenant: count for tenant, count in self._used_by_tenant.items() if count > 0}
 
+    def holder_of(self, block: KVBlock) -> str | None:
+        """The tenant holding a non-empty block: the one it was allocated to (who computed it)."""
+        return self._holder[block.block_id]
+
     def lookup(self, block_hash: BlockHash) -> KVBlock | None:
         """The cached block holding this prefix hash, in use or evictable, or None."""
         return self._cached.get(block_hash)

@@ -47,6 +47,8 @@ class LLMEngine:
             shard-aware score policy needs it).
         scheduling_policy: preemption order and the default admission order (FCFS by default).
         waiting_queue: replaces the admission order (the tenancy layer's fair queue).
+        shared_cache_salt: the prefix-cache salt of prompts marked for the shared-prefix pool
+            (hits under it on another tenant's blocks are counted as shared, not cross-tenant).
     """
 
     def __init__(
@@ -58,6 +60,7 @@ class LLMEngine:
         scheduling_policy: SchedulingPolicy | None = None,
         waiting_queue: WaitingQueue | None = None,
         runner_factory: Callable[..., ModelRunner] = ModelRunner,
+        shared_cache_salt: str | None = None,
     ) -> None:
         config.validate()
         self.config = config
@@ -91,7 +94,8 @@ class LLMEngine:
         _prepare_execution(self.runner, loaded, config, self.max_model_len)
         if eviction_policy is not None and not isinstance(eviction_policy, EvictionPolicy):
             eviction_policy = eviction_policy(num_blocks)
-        self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, eviction_policy)
+        self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, eviction_policy,
+                                       shared_cache_salt=shared_cache_salt)
         self.scheduler = Scheduler(
             config.scheduler, self.kv_cache, self.max_model_len, self.eos_token_ids, scheduling_policy, waiting_queue
         )
@@ -106,7 +110,7 @@ class LLMEngine:
     def from_config(cls, config: EngineConfig, *, progress: bool = True, **hooks: Any) -> LLMEngine:
         """Load the model `config.model` names (and pick its attention back end), then build the engine.
 
-        `hooks`: eviction_policy, scheduling_policy, waiting_queue (see the class).
+        `hooks`: eviction_policy, scheduling_policy, waiting_queue, shared_cache_salt (see the class).
         """
         from sits.runtime.attention.registry import BackendUnavailableError, select_backend
         from sits.runtime.models import loading
@@ -138,7 +142,7 @@ class LLMEngine:
         return cls(loaded, config, **hooks)
 
     # -- requests --------------------------------------------------------------------------
-    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams, tenant: str = "default") -> None:
         """Raise (a ValueError subclass, a 400 at the edge) if the request can never be served."""
         params.validate()
         if not prompt_token_ids:
@@ -152,6 +156,13 @@ class LLMEngine:
                 f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
                 f"{len(prompt_token_ids)} tokens and {wanted} more were requested "
                 f"({len(prompt_token_ids) + wanted} in all)"
+            )
+        room = self.kv_cache.max_tokens_for(tenant)
+        if len(prompt_token_ids) + wanted > room:
+            raise PromptTooLongError(
+                f"tenant {tenant!r} can hold at most {room} tokens in the KV cache (its kvCacheShare plus the "
+                f"blocks no tenant is guaranteed); the prompt has {len(prompt_token_ids)} tokens and {wanted} "
+                "more were requested"
             )
 
     def add_request(
@@ -175,9 +186,11 @@ class LLMEngine:
         if request_id in self._children:
             raise DuplicateRequestError(f"request id {request_id!r} is already in the engine")
         prompt_token_ids = list(prompt_token_ids)
-        self.validate_request(prompt_token_ids, params)
+        self.validate_request(prompt_token_ids, params, tenant)
         arrival_time = time.time() if arrival_time is None else arrival_time
-        max_tokens = min(params.max_tokens or self.max_model_len, self.max_model_len - len(prompt_token_ids))
+        # A sequence longer than its tenant's room in the cache could never finish: it stops there.
+        longest = min(self.max_model_len, self.kv_cache.max_tokens_for(tenant))
+        max_tokens = min(params.max_tokens or self.max_model_len, longest - len(prompt_token_ids))
         seq_ids = [child_sequence_id(request_id, i, params.n) for i in range(params.n)]
         order = next(self._arrival_counter)
         self.output_processor.add_request(
@@ -284,6 +297,8 @@ class LLMEngine:
             running_by_tenant=s.running_by_tenant,
             waiting_by_tenant=s.waiting_by_tenant,
             kv_blocks_used_by_tenant=s.kv_blocks_used_by_tenant,
+            preemptions_by_tenant=s.preemptions_by_tenant,
+            prefix_cache_by_tenant=s.prefix_cache_by_tenant,
         )
 
 

@@ -88,6 +88,16 @@ class EvictionPolicy(ABC):
         a victim for it instead, and refuses when there is none."""
         return True
 
+    def max_blocks(self, tenant: str) -> int | None:
+        """The most blocks `tenant` can ever hold at once (None: the whole cache). A sequence that
+        needs more could never finish, so the engine refuses or shortens it up front."""
+        return None
+
+    def preemption_helps(self, requester: BlockOwner, victim: BlockOwner) -> bool:
+        """Whether preempting `victim`'s running sequence frees blocks `requester` may then take
+        (a shard policy says no for a tenant within its guarantee: its blocks are its own)."""
+        return True
+
     def on_allocate(self, block: KVBlock, owner: BlockOwner) -> None:  # noqa: B027 - optional hook
         """An empty block (fresh, or just evicted) was handed to `owner`, who now holds it."""
 

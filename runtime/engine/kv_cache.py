@@ -8,6 +8,10 @@ The scheduler talks to it in sequences and token counts only:
   - `cache_computed_blocks(seq)` after a step, so full blocks whose K/V now exist become hits;
   - `free(seq)` when a sequence finishes, is aborted or preempted.
 
+Prefix-cache figures are kept per tenant (`PrefixCacheCounts`), including hits on a block another
+tenant computed: with per-tenant salts that count stays 0 unless the prompt was marked for the
+shared-prefix pool (its salt is `shared_cache_salt`), and such hits are counted apart.
+
 A block is only made findable once its K/V have been computed (after the step that wrote them),
 never at allocation: a sequence preempted in the same step that allocated would otherwise leave
 hashes pointing at never-written blocks.
@@ -15,6 +19,7 @@ hashes pointing at never-written blocks.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,6 +28,7 @@ from sits.runtime.engine.block_pool import BlockPool
 from sits.runtime.engine.eviction import BlockOwner, EvictionPolicy, KVBlock
 from sits.runtime.engine.prefix_hash import extend_block_hashes
 from sits.runtime.engine.sequence import Sequence
+from sits.runtime.engine.stats import PrefixCacheCounts
 
 
 @dataclass
@@ -55,6 +61,8 @@ class KVCacheManager:
         enable_prefix_caching: reuse full blocks of earlier sequences with the same prefix.
         eviction_policy: which cached block to give up first (LRU by default).
         clock: seconds, stamped on blocks for eviction policies.
+        shared_cache_salt: the salt of prompts marked for the shared-prefix pool; hits under it
+            on another tenant's blocks are expected and counted as shared, not cross-tenant.
     """
 
     def __init__(
@@ -64,14 +72,17 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         eviction_policy: EvictionPolicy | None = None,
         clock: Callable[[], float] = time.monotonic,
+        shared_cache_salt: str | None = None,
     ) -> None:
         self.block_size = block_size
+        self.shared_cache_salt = shared_cache_salt
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching, eviction_policy, clock)
         self._tables: dict[str, list[KVBlock]] = {}
         self._num_committed: dict[str, int] = {}  # leading blocks of a table already cached
         self.prefix_cache_queries = 0  # prompt tokens looked up, in tokens
         self.prefix_cache_hits = 0  # of those, tokens served from the cache
+        self.prefix_counts: dict[str, PrefixCacheCounts] = {}  # the same per tenant, and more
 
     @property
     def num_blocks(self) -> int:
@@ -134,9 +145,36 @@ class KVCacheManager:
         table.extend(hit_blocks)
         table.extend(new_blocks)
         if prefix is not None and self.enable_prefix_caching and seq.num_preemptions == 0:
-            self.prefix_cache_queries += seq.num_tokens
-            self.prefix_cache_hits += prefix.num_tokens
+            self._count_lookup(seq, prefix)
         return [block.block_id for block in new_blocks]
+
+    def prefix_counts_snapshot(self) -> dict[str, PrefixCacheCounts]:
+        """Copies of the per-tenant prefix-cache figures (for stats snapshots)."""
+        return {tenant: dataclasses.replace(counts) for tenant, counts in self.prefix_counts.items()}
+
+    def _count_lookup(self, seq: Sequence, prefix: PrefixHit) -> None:
+        self.prefix_cache_queries += seq.num_tokens
+        self.prefix_cache_hits += prefix.num_tokens
+        counts = self.prefix_counts.get(seq.tenant)
+        if counts is None:
+            counts = self.prefix_counts[seq.tenant] = PrefixCacheCounts()
+        counts.queries += seq.num_tokens
+        counts.hits += prefix.num_tokens
+        foreign = sum(1 for block in prefix.blocks if self.pool.holder_of(block) != seq.tenant)
+        if foreign:
+            if seq.cache_salt is not None and seq.cache_salt == self.shared_cache_salt:
+                counts.shared_hits += foreign * self.block_size
+            else:
+                counts.cross_tenant_hits += foreign * self.block_size
+
+    def max_tokens_for(self, tenant: str) -> int:
+        """The longest sequence (prompt + output, in tokens) `tenant` can hold in the cache."""
+        blocks = self.pool.eviction_policy.max_blocks(tenant)
+        return (self.num_blocks if blocks is None else blocks) * self.block_size
+
+    def preemption_helps(self, requester: Sequence, victim: Sequence) -> bool:
+        """Whether preempting `victim` frees blocks `requester` may take (its shard permitting)."""
+        return self.pool.eviction_policy.preemption_helps(owner_of(requester), owner_of(victim))
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Make the sequence's full blocks whose K/V are computed findable by later prompts."""

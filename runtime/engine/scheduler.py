@@ -5,10 +5,12 @@ Each step fills a budget of `max_num_batched_tokens` new tokens and `max_num_seq
   2. running sequences still prefilling (the next chunk of their prompt);
   3. waiting sequences, in admission order, each starting after its cached prefix.
 A running sequence that cannot get a block preempts the lowest-ranked running sequence (lowest
-priority, latest arrival), possibly itself: the victim's blocks are freed and it goes back to
-the waiting queue to recompute its context later (its full blocks usually come back as prefix
-hits). Waiting sequences are never admitted in a step that preempted, so room freed for running
-sequences is not taken by new ones.
+priority, latest arrival) among those whose blocks it may take (a shard-aware eviction policy
+rules out tenants within their guarantee), possibly itself: the victim's blocks are freed and it
+goes back to the waiting queue to recompute its context later (its full blocks usually come back
+as prefix hits). Waiting sequences are never admitted in a step that preempted, so room freed for
+running sequences is not taken by new ones. When the waiting queue offers several heads (one per
+tenant), a head that cannot get blocks is skipped for the next one instead of holding up all.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ class Scheduler(SchedulerInterface):
         self._sequences: dict[str, Sequence] = {}
         self._finished_since_step: list[str] = []
         self.num_preemptions = 0
+        self.preemptions_by_tenant: Counter[str] = Counter()
 
     # -- requests in and out ---------------------------------------------------------------
     def add_request(self, seq: Sequence) -> None:
@@ -132,7 +135,8 @@ class Scheduler(SchedulerInterface):
             if self.kv_cache.allocate(seq, num_new) is not None:
                 step.add(self._scheduled(seq, num_new))
                 return
-            victim = max(self.running, key=self.policy.preemption_key)
+            candidates = [s for s in self.running if s is seq or self.kv_cache.preemption_helps(seq, s)]
+            victim = max(candidates, key=self.policy.preemption_key)
             self._preempt(victim, step)
             if victim is seq:
                 return
@@ -140,18 +144,22 @@ class Scheduler(SchedulerInterface):
     def _admit_waiting(self, step: _StepPlan) -> None:
         full_budget = self.config.max_num_batched_tokens
         while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting.peek()
-            prefix = self.kv_cache.find_prefix(seq)
-            num_new = seq.num_tokens - prefix.num_tokens
-            if num_new > step.budget:
-                # Without chunked prefill a prompt waits for a step with room for all of it,
-                # unless it could never fit: then it is chunked anyway rather than starved.
-                if not self.config.enable_chunked_prefill and step.budget < full_budget:
-                    return
-                num_new = step.budget
-            if self.kv_cache.allocate(seq, num_new, prefix) is None:
-                return  # the head waits for blocks; admitting later ones would starve it
-            self.waiting.pop()
+            for seq in self.waiting.heads():
+                prefix = self.kv_cache.find_prefix(seq)
+                num_new = seq.num_tokens - prefix.num_tokens
+                if num_new > step.budget:
+                    # Without chunked prefill a prompt waits for a step with room for all of it,
+                    # unless it could never fit: then it is chunked anyway rather than starved.
+                    if not self.config.enable_chunked_prefill and step.budget < full_budget:
+                        return
+                    num_new = step.budget
+                if self.kv_cache.allocate(seq, num_new, prefix) is not None:
+                    break
+                # This head waits for blocks (admitting later ones of its queue would starve it);
+                # the head of another tenant, whose shard has room, may still go.
+            else:
+                return
+            self.waiting.take(seq)
             seq.status = SequenceStatus.RUNNING
             seq.num_computed_tokens = prefix.num_tokens
             if seq.num_preemptions == 0:
@@ -211,6 +219,7 @@ class Scheduler(SchedulerInterface):
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
+        self.preemptions_by_tenant[seq.tenant] += 1
         self.waiting.push_front(seq)
         self._release_siblings(seq, force=True)
 
@@ -274,6 +283,8 @@ class Scheduler(SchedulerInterface):
             running_by_tenant=dict(Counter(s.tenant for s in self.running)),
             waiting_by_tenant=dict(Counter(s.tenant for s in self._waiting_sequences())),
             kv_blocks_used_by_tenant=pool.used_blocks_by_tenant(),
+            preemptions_by_tenant=dict(self.preemptions_by_tenant),
+            prefix_cache_by_tenant=self.kv_cache.prefix_counts_snapshot(),
         )
 
 

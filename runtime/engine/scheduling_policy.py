@@ -83,6 +83,20 @@ class WaitingQueue(ABC):
     @abstractmethod
     def __iter__(self) -> Iterator[Sequence]: ...
 
+    def heads(self) -> Iterator[Sequence]:
+        """The sequences that may be admitted next, in service order; the scheduler `take`s the
+        first one that gets its blocks. One head by default (a strict order: the head waits for
+        blocks and holds up the rest); a per-tenant queue yields each tenant's head, so a tenant
+        whose KV shard is full does not hold up the others."""
+        if len(self):
+            yield self.peek()
+
+    def take(self, seq: Sequence) -> None:
+        """Remove `seq`, one of `heads()`, as `pop` would remove the head."""
+        if not len(self) or self.peek() is not seq:
+            raise ValueError("only a head of the waiting queue can be taken")
+        self.pop()
+
 
 class OrderedWaitingQueue(WaitingQueue):
     """Waiting sequences sorted by `policy.admission_key` (stable for equal keys).

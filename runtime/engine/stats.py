@@ -10,6 +10,24 @@ import time
 from dataclasses import dataclass, field
 
 
+@dataclass
+class PrefixCacheCounts:
+    """One tenant's prefix-cache figures, in prompt tokens (cumulative).
+
+    Attributes:
+        queries: prompt tokens looked up.
+        hits: of those, served from the cache.
+        cross_tenant_hits: hits on blocks another tenant computed, outside the shared-prefix pool
+            (0 when salts isolate tenants).
+        shared_hits: hits on blocks another tenant computed through the shared-prefix pool.
+    """
+
+    queries: int = 0
+    hits: int = 0
+    cross_tenant_hits: int = 0
+    shared_hits: int = 0
+
+
 @dataclass(frozen=True)
 class SchedulerStats:
     """The scheduler's and the KV cache's state after a step.
@@ -21,7 +39,8 @@ class SchedulerStats:
         prefix_cache_queries, prefix_cache_hits: prompt tokens looked up / found (cumulative).
         num_preemptions: times a running sequence lost its KV to make room (cumulative).
         num_evictions: cached blocks whose hash was dropped to reuse them (cumulative).
-        *_by_tenant: the same per tenant.
+        *_by_tenant: the same per tenant (preemptions by the tenant that lost its KV).
+        prefix_cache_by_tenant: each tenant's prefix-cache figures, cross-tenant hits included.
     """
 
     num_running: int = 0
@@ -37,6 +56,8 @@ class SchedulerStats:
     running_by_tenant: dict[str, int] = field(default_factory=dict)
     waiting_by_tenant: dict[str, int] = field(default_factory=dict)
     kv_blocks_used_by_tenant: dict[str, int] = field(default_factory=dict)
+    preemptions_by_tenant: dict[str, int] = field(default_factory=dict)
+    prefix_cache_by_tenant: dict[str, PrefixCacheCounts] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -55,6 +76,7 @@ class EngineStats:
         num_aborted: of those, aborted (cumulative).
         num_prompt_tokens, num_generation_tokens: tokens taken in and produced (cumulative).
         num_steps: engine steps that ran the model (cumulative).
+        *_by_tenant, prefix_cache_by_tenant: as in SchedulerStats.
     """
 
     timestamp: float = field(default_factory=time.time)
@@ -78,6 +100,8 @@ class EngineStats:
     running_by_tenant: dict[str, int] = field(default_factory=dict)
     waiting_by_tenant: dict[str, int] = field(default_factory=dict)
     kv_blocks_used_by_tenant: dict[str, int] = field(default_factory=dict)
+    preemptions_by_tenant: dict[str, int] = field(default_factory=dict)
+    prefix_cache_by_tenant: dict[str, PrefixCacheCounts] = field(default_factory=dict)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

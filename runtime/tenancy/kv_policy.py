@@ -8,7 +8,9 @@ Plugs into `sits.runtime.engine.block_pool.BlockPool` through its `EvictionPolic
 - `pop_victim(requester)` returns only blocks whose eviction raises the requester's headroom (its
   own, or those of a tenant above its share), so one tenant never evicts another's guaranteed blocks;
 - `can_allocate(owner, n)` refuses when neither free blocks within the owner's headroom nor helpful
-  evictions can supply n blocks (the scheduler then preempts or waits).
+  evictions can supply n blocks (the scheduler then preempts or waits);
+- `preemption_helps(requester, victim)` lets the scheduler preempt only its own requests or those of
+  tenants above their share, lowest priority first, when nothing is left to evict.
 
 - `may_take_empty(owner)`, asked before each empty block, says no once the owner's headroom is
   spent: the free blocks left are other tenants' unfilled guarantees, so the pool evicts for it
@@ -86,6 +88,13 @@ class TenantEvictionPolicy(EvictionPolicy):
         self._apply_pending_table()
         shortfall = self.shards.shortfall(owner.tenant, num_blocks)
         return shortfall == 0 or shortfall <= self.scores.evictable_for(owner.tenant)
+
+    def max_blocks(self, tenant: str) -> int | None:
+        return self.shards.capacity(tenant)
+
+    def preemption_helps(self, requester: BlockOwner, victim: BlockOwner) -> bool:
+        self._apply_pending_table()
+        return self.shards.eviction_helps(requester.tenant, victim.tenant)
 
     def on_allocate(self, block: KVBlock, owner: BlockOwner) -> None:
         self._uncharge(block.block_id)  # an evicted block still charged to its last holder

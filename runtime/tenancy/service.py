@@ -1,12 +1,17 @@
 """Everything tenancy for one server process, built from `TenancyConfig` and wired together.
 
     tenancy = Tenancy.from_config(config)      # reads --tenants, opens --state-store (no I/O yet)
+    engine = AsyncEngine.from_config(engine_config, **tenancy.engine_hooks())   # policy, queue, salt
+    engine.add_periodic(tenancy.publish_eviction_index, 1.0)       # on the engine's thread
+    app = build_app(engine, server_config, tenancy=tenancy)         # resolver, usage, metrics, start/close
+
+What `build_app` does with it, piece by piece:
+
     await tenancy.start()                      # connects, syncs the tenant table
     tenant = tenancy.authenticate(headers)     # AuthenticationError -> 401
     decision = await tenancy.limiter.check(tenant, prompt_tokens)   # refused -> 429
-    policy = tenancy.eviction_policy(num_blocks)                    # the engine's EvictionPolicy
-    queue = tenancy.fair_queue()                                     # the scheduler's waiting queue
     registry.register(tenancy.collector(model, track))              # Prometheus
+    tenancy.observe_prompt(name, n); tenancy.observe_usage(name, prompt, completion)   # no I/O
     await tenancy.close()
 
 Live tenant-table updates reach the authenticator, the shards, the eviction priorities and the
@@ -15,6 +20,7 @@ queue weights through the registry's listeners.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping
 
@@ -24,7 +30,9 @@ from sits.runtime.tenancy.limits import RateLimiter
 from sits.runtime.tenancy.metrics import TenancyCollector, TenancySnapshot
 from sits.runtime.tenancy.state_store import StateStore, open_state_store
 from sits.runtime.tenancy.tenant_sync import TenantRegistry, TenantSync
-from sits.runtime.tenancy.tenants import Tenant, TenantTable, load_tenants_file
+from sits.runtime.tenancy.tenants import SHARED_PREFIX_SALT, Tenant, TenantTable, load_tenants_file
+
+log = logging.getLogger(__name__)
 
 
 class Tenancy:
@@ -78,6 +86,19 @@ class Tenancy:
         """`Sequence.cache_salt` for a request of this tenant (prompts marked shared use the pool's)."""
         return self.table.prefix_salt(tenant, shared)
 
+    def observe_prompt(self, tenant_name: str, prompt_tokens: int) -> None:
+        """A request's prompt was tokenized: its tokens count in the tenant's TPM window. No I/O."""
+        tenant = self.table.get(tenant_name)
+        if tenant is not None:
+            self.limiter.record_tokens(tenant, prompt_tokens)
+
+    def observe_usage(self, tenant_name: str, prompt_tokens: int, completion_tokens: int) -> None:
+        """An engine request ended (the server's usage observer): usage counters, and its
+        generated tokens in the TPM window. No I/O."""
+        tenant = self.table.get(tenant_name)
+        if tenant is not None:
+            self.record_usage(tenant, prompt_tokens, completion_tokens)
+
     def record_usage(self, tenant: Tenant, prompt_tokens: int, completion_tokens: int) -> None:
         """A finished request: usage counters, and its generated tokens in the TPM window. No I/O."""
         self.store.add_usage(tenant.name, requests=1, prompt_tokens=prompt_tokens,
@@ -93,7 +114,25 @@ class Tenancy:
                                       engine_start=self.engine_start)
         self.registry.subscribe(policy.apply_table)
         self._policies.append(policy)
+        for name in self.table.names:
+            if policy.shards.capacity(name) == 0:
+                log.warning("tenant %s can hold no KV-cache block: its kvCacheShare is 0 and the other tenants' "
+                            "shares take the whole cache; its requests will be refused", name)
         return policy
+
+    def engine_hooks(self) -> dict:
+        """Keyword arguments for `LLMEngine` / `AsyncEngine.from_config`: the shard-aware eviction
+        policy (built once the cache is sized), the fair waiting queue, the shared-pool salt."""
+        return {"eviction_policy": self.eviction_policy, "waiting_queue": self.fair_queue(),
+                "shared_cache_salt": SHARED_PREFIX_SALT}
+
+    def publish_eviction_index(self) -> None:
+        """Hand this replica's eviction index to the store (written in its next batch; no I/O).
+        Call it on the engine's thread (`AsyncEngine.add_periodic`): it reads the index."""
+        entries: dict = {}
+        for policy in self._policies:
+            entries.update(policy.eviction_index())
+        self.store.publish_eviction_index(entries)
 
     def fair_queue(self):
         """The scheduler's WaitingQueue, weighted by the tenants' `weight`, following live updates."""

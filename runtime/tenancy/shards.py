@@ -98,6 +98,11 @@ class ShardAccountant:
     def over_share_tenants(self) -> set[str]:
         return {name for name, held in self._held.items() if held > self.guaranteed(name)}
 
+    def capacity(self, tenant: str) -> int:
+        """The most blocks `tenant` can hold at once: its guarantee plus the blocks nobody is
+        guaranteed (it can never borrow another tenant's unfilled guarantee)."""
+        return self.guaranteed(tenant) + self.total_blocks - sum(self._guaranteed.values())
+
     def headroom(self, tenant: str) -> int:
         """Blocks `tenant` may take now without eviction (never negative)."""
         others_unfilled = self._unfilled - self._gap(tenant)
