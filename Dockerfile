@@ -38,7 +38,10 @@ ENV VIRTUAL_ENV=/opt/venv \
 RUN python3 -m venv "$VIRTUAL_ENV" \
     && pip install --no-cache-dir --index-url "$TORCH_INDEX" "torch==${TORCH_VERSION}" "triton==${TRITON_VERSION}"
 COPY --from=wheel /wheels /wheels
-RUN pip install --no-cache-dir /wheels/sits-*.whl && rm -rf /wheels
+# with the `tracing` extra (pinned), so --otlp-endpoint works; OpenTelemetry is imported only when it is given
+RUN pip install --no-cache-dir /wheels/sits-*.whl \
+        opentelemetry-sdk==1.45.2 opentelemetry-exporter-otlp-proto-http==1.45.2 \
+    && rm -rf /wheels
 RUN useradd --uid 10001 --create-home --home-dir /home/sits --shell /usr/sbin/nologin sits
 ENV HOME=/home/sits \
     SITS_CACHE_DIR=/home/sits/.cache/sits \

@@ -14,6 +14,7 @@ from sits.runtime.commands.engine_args import (
     fail,
 )
 from sits.runtime.config import ServerConfig
+from sits.runtime.tracing import build_tracer
 
 PROG = "sits serve"
 logger = logging.getLogger("sits.serve")
@@ -29,6 +30,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     server.add_argument("--track", default=ServerConfig.track, help="metrics label: stable or canary")
     server.add_argument("--drain-timeout", type=float, default=ServerConfig.drain_timeout_s, metavar="SECONDS",
                         help="on SIGTERM, how long in-flight requests may finish before they are aborted")
+    server.add_argument("--otlp-endpoint", default=None, metavar="URL",
+                        help="export request traces (queue, prefill, decode, detokenize spans) over OTLP/HTTP to "
+                             "this collector, e.g. http://otel-collector:4318 (off by default; needs sits[tracing])")
     parser.set_defaults(handler=run)
     return parser
 
@@ -60,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         engine_config = engine_config_from_args(args)
         server_config = server_config_from_args(args)
+        tracer = build_tracer(args.otlp_endpoint)
         from sits.runtime.parallel.cli_args import run_if_torchrun_worker
 
         worker_exit_code = run_if_torchrun_worker(engine_config, engine_config.parallel)
@@ -77,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
         sock.close()
         return engine
     app = build_app(engine, server_config, served_model_name=engine_config.model.served_model_name)
+    app.state.ctx.tracer = tracer
     host, port = sock.getsockname()[:2]
     url_host = f"[{host}]" if ":" in host else host
     logger.info("serving %s at http://%s:%d/v1 (track %s)", app.state.ctx.model_name, url_host, port,

@@ -21,6 +21,7 @@ from sits.runtime.engine.request import RequestOutput, SamplingParams
 from sits.runtime.server.errors import invalid_request, model_not_found, service_unavailable
 from sits.runtime.server.lifecycle import Lifecycle
 from sits.runtime.server.metrics import ServerMetrics
+from sits.runtime.tracing import NO_TRACER, RequestTracer
 
 T = TypeVar("T")
 logger = logging.getLogger("sits.server")
@@ -38,6 +39,7 @@ class ServingContext:
     model_name: str
     metrics: ServerMetrics
     lifecycle: Lifecycle
+    tracer: RequestTracer = NO_TRACER  # spans of each ended request (--otlp-endpoint); a no-op by default
     # Called as (tenant, prompt_tokens, output_tokens) when an engine request ends (e.g. token quotas).
     usage_observer: Callable[[str, int, int], None] | None = None
 
@@ -96,6 +98,7 @@ class ServingContext:
                 with contextlib.suppress(Exception):
                     await stream.aclose()
             self._record(prompt_token_ids, last, tenant, arrival, first_token_at)
+            self.tracer.record_request(request_id, tenant, params, last, model=self.model_name, track=self.metrics.track)
 
     def _record(self, prompt_token_ids: list[int], last: RequestOutput | None, tenant: str, arrival: float,
                 first_token_at: float | None) -> None:
