@@ -24,7 +24,8 @@ from sits.runtime.server.metrics import CONTENT_TYPE, ServerMetrics
 from sits.runtime.server.middleware import BodySizeLimit, GenerationGate
 from sits.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
 from sits.runtime.server.serving import ServingContext
-from sits.runtime.server.tenant import SingleTenantResolver, TenantResolver, request_tenant
+from sits.runtime.server.tenant import SingleTenantResolver, TenantGate, TenantResolver, request_tenant
+from sits.runtime.tenancy.server_auth import TenancyResolver
 
 logger = logging.getLogger("sits.server")
 
@@ -34,7 +35,8 @@ GENERATION_PATHS = {"/v1/chat/completions", "/v1/completions"}
 
 def build_app(engine: Any, server_config: ServerConfig | None = None, *, served_model_name: str | None = None,
               tenant_resolver: TenantResolver | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              manage_engine: bool = True, usage_observer: Callable[[str, int, int], None] | None = None) -> FastAPI:
+              manage_engine: bool = True, usage_observer: Callable[[str, int, int], None] | None = None,
+              tenancy: Any = None) -> FastAPI:
     """The server app around an AsyncEngine.
 
     Args:
@@ -44,24 +46,39 @@ def build_app(engine: Any, server_config: ServerConfig | None = None, *, served_
         tenant_resolver: decides each request's tenant (default: everyone is "default").
         max_body_bytes: larger request bodies get 413.
         usage_observer: called as (tenant, prompt_tokens, output_tokens) after each engine request.
+        tenancy: a `sits.runtime.tenancy.service.Tenancy` (API keys, limits, salts, usage, its
+            metrics), started and closed with the app; it provides the resolver and usage observer
+            unless those are given. The engine should have been built with `tenancy.engine_hooks()`.
     """
     config = server_config or ServerConfig()
     model_name = served_model_name or engine.model_name
     lifecycle = Lifecycle()
     metrics = ServerMetrics(model_name, config.track, engine.stats)
+    prompt_observer = None
+    if tenancy is not None:
+        tenant_resolver = tenant_resolver or TenancyResolver.for_tenancy(tenancy)
+        usage_observer = usage_observer or tenancy.observe_usage
+        prompt_observer = tenancy.observe_prompt
+        metrics.register(tenancy.collector(model_name, config.track))
     ctx = ServingContext(engine=engine, model_name=model_name, metrics=metrics, lifecycle=lifecycle,
-                         usage_observer=usage_observer)
+                         usage_observer=usage_observer, prompt_observer=prompt_observer)
     created = int(time.time())
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if manage_engine:
-            await engine.start()
+        if tenancy is not None:
+            await tenancy.start()  # never raises for an unreachable Redis: it serves from local state
         try:
-            yield
-        finally:
             if manage_engine:
-                await engine.shutdown(0.0)
+                await engine.start()
+            try:
+                yield
+            finally:
+                if manage_engine:
+                    await engine.shutdown(0.0)
+        finally:
+            if tenancy is not None:
+                await tenancy.close()  # writes the last usage and retires this replica's state
 
     app = FastAPI(title="SITS", summary="OpenAI-compatible LLM serving", lifespan=lifespan)
     app.state.ctx = ctx
@@ -70,6 +87,9 @@ def build_app(engine: Any, server_config: ServerConfig | None = None, *, served_
     app.state.server_config = config
     app.state.tenant_resolver = tenant_resolver or SingleTenantResolver()
     install_error_handlers(app)
+    # Innermost first: the tenant gate answers 401 / 429 before the body is read, inside the
+    # generation gate, which counts those answers under the request's tenant.
+    app.add_middleware(TenantGate, generation_paths=GENERATION_PATHS)
     app.add_middleware(GenerationGate, lifecycle=lifecycle, metrics=metrics, paths=GENERATION_PATHS)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     chat = ChatCompletions(ctx)
@@ -89,11 +109,12 @@ def build_app(engine: Any, server_config: ServerConfig | None = None, *, served_
         return {"id": model_name, "object": "model", "created": created, "owned_by": "sits",
                 "max_model_len": engine.max_model_len}
 
-    @app.get("/v1/models")
+    # Listing models needs a key too (TenantGate covers every /v1/* path), as OpenAI's API does.
+    @app.get("/v1/models", dependencies=[Depends(request_tenant)])
     async def list_models() -> dict[str, Any]:
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(request_tenant)])
     async def retrieve_model(model_id: str) -> dict[str, Any]:
         if model_id != model_name:
             raise model_not_found(model_id)

@@ -24,7 +24,7 @@ from sits.runtime.server.serving import (
     collect_unless_disconnected,
     merge_streams,
 )
-from sits.runtime.server.tenant import request_priority
+from sits.runtime.server.tenant import request_cache_salt, request_priority
 
 
 class ChatCompletions:
@@ -53,13 +53,15 @@ class ChatCompletions:
         self.ctx.check_model(body.model)
         self.ctx.check_ready()
         body.check_combination()
+        salt = request_cache_salt(request, body.shared_prefix)  # 400 before the work of tokenizing
         prompt_ids = self.prompt_token_ids(body.messages)
         limit_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = output_budget(len(prompt_ids), body.output_limit, self.ctx.max_model_len, default=None,
                                    param=limit_param, prompt_name="messages")
         params = sampling_params(body, max_tokens=max_tokens, logprobs=body.num_logprobs)
         response_id = new_request_id("chatcmpl")
-        stream = merge_streams([self.ctx.generate(prompt_ids, params, response_id, tenant, arrival, request_priority(request))])
+        stream = merge_streams([self.ctx.generate(prompt_ids, params, response_id, tenant, arrival,
+                                                  request_priority(request), salt)])
         head = {"id": response_id, "created": int(time.time()), "model": self.ctx.model_name}
         headers = {"x-request-id": response_id}
         if body.stream:

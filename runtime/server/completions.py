@@ -28,7 +28,7 @@ from sits.runtime.server.serving import (
     collect_unless_disconnected,
     merge_streams,
 )
-from sits.runtime.server.tenant import request_priority
+from sits.runtime.server.tenant import request_cache_salt, request_priority
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -57,13 +57,14 @@ class Completions:
         self.ctx.check_model(body.model)
         self.ctx.check_ready()
         body.check_combination()
+        salt = request_cache_salt(request, body.shared_prefix)  # 400 before the work of tokenizing
         prompts = self.prompt_token_ids(body)
         budgets = [output_budget(len(ids), body.max_tokens, self.ctx.max_model_len, default=DEFAULT_MAX_TOKENS,
                                  param="max_tokens", prompt_name="prompt") for ids in prompts]
         params = [sampling_params(body, max_tokens=budget, logprobs=body.logprobs) for budget in budgets]
         response_id = new_request_id("cmpl")
         engine_ids = [response_id] if len(prompts) == 1 else [f"{response_id}-{i}" for i in range(len(prompts))]
-        stream = merge_streams([self.ctx.generate(ids, p, rid, tenant, arrival, request_priority(request))
+        stream = merge_streams([self.ctx.generate(ids, p, rid, tenant, arrival, request_priority(request), salt)
                                 for ids, p, rid in zip(prompts, params, engine_ids, strict=True)])
         head = {"id": response_id, "object": "text_completion", "created": int(time.time()),
                 "model": self.ctx.model_name}

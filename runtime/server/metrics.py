@@ -5,7 +5,9 @@ never share a counter. Every series carries `model`, `tenant` and `track` labels
 canary analysis compares `track="canary"` against `track="stable"` latency quantiles.
 
 Engine state (running / waiting requests, KV-cache usage, prefix-cache and preemption counters) is
-not pushed by the engine: `EngineStatsCollector` reads one `EngineStats` snapshot per scrape.
+not pushed by the engine: `EngineStatsCollector` reads one `EngineStats` snapshot per scrape. The
+tenancy layer's own series (KV shards, evictions, rate limits, state store) come from its collector,
+registered next to these (`register`).
 """
 
 from __future__ import annotations
@@ -29,12 +31,10 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 class EngineStatsCollector:
     """Engine gauges and counters, read from one `EngineStats` snapshot per scrape.
 
-    Running / waiting requests and KV-cache usage are split by tenant from the snapshot's
-    `*_by_tenant` maps ("default" always has a series, zero when idle). Prefix-cache and preemption
-    counters exist only for the whole engine and carry tenant="all".
+    Every series is split by tenant from the snapshot's `*_by_tenant` maps ("default" always has a
+    series, zero when idle). `sits_prefix_cache_cross_tenant_hits_total` counts prompt tokens served
+    from blocks another tenant computed outside the shared-prefix pool: it must stay 0.
     """
-
-    ENGINE_WIDE_TENANT = "all"
 
     def __init__(self, stats_source: Callable[[], Any], model: str, track: str) -> None:
         self._stats_source = stats_source
@@ -46,7 +46,8 @@ class EngineStatsCollector:
         return [GaugeMetricFamily(name, "", labels=LABELS) for name in
                 ("sits_requests_running", "sits_requests_waiting", "sits_kv_cache_usage_ratio")] + [
             CounterMetricFamily(name, "", labels=LABELS) for name in
-            ("sits_prefix_cache_queries", "sits_prefix_cache_hits", "sits_preemptions")]
+            ("sits_prefix_cache_queries", "sits_prefix_cache_hits", "sits_prefix_cache_cross_tenant_hits",
+             "sits_prefix_cache_shared_hits", "sits_preemptions")]
 
     def collect(self) -> Iterator[Metric]:
         stats = self._stats_source()
@@ -61,13 +62,25 @@ class EngineStatsCollector:
                            "Sequences waiting in the engine (queued or preempted).", waiting)
         yield self._family(GaugeMetricFamily, "sits_kv_cache_usage_ratio",
                            "Fraction of KV-cache blocks held by sequences (0-1).", used)
-        wide = self.ENGINE_WIDE_TENANT
+        prefix = stats.prefix_cache_by_tenant
+
+        def per_tenant(field: str, engine_total: float) -> dict[str, float]:
+            return _by_tenant({tenant: getattr(counts, field) for tenant, counts in prefix.items()}, engine_total)
+
         yield self._family(CounterMetricFamily, "sits_prefix_cache_queries",
-                           "Prompt tokens looked up in the prefix cache.", {wide: stats.prefix_cache_queries})
+                           "Prompt tokens looked up in the prefix cache.",
+                           per_tenant("queries", stats.prefix_cache_queries))
         yield self._family(CounterMetricFamily, "sits_prefix_cache_hits",
-                           "Prompt tokens served from the prefix cache.", {wide: stats.prefix_cache_hits})
+                           "Prompt tokens served from the prefix cache.", per_tenant("hits", stats.prefix_cache_hits))
+        yield self._family(CounterMetricFamily, "sits_prefix_cache_cross_tenant_hits",
+                           "Prompt tokens served from KV blocks another tenant computed, outside the "
+                           "shared-prefix pool (tenant isolation: stays 0).", per_tenant("cross_tenant_hits", 0))
+        yield self._family(CounterMetricFamily, "sits_prefix_cache_shared_hits",
+                           "Prompt tokens served from another tenant's blocks through the shared-prefix pool.",
+                           per_tenant("shared_hits", 0))
         yield self._family(CounterMetricFamily, "sits_preemptions",
-                           "Times a running sequence lost its KV blocks to make room.", {wide: stats.num_preemptions})
+                           "Times a running sequence lost its KV blocks to make room.",
+                           _by_tenant(stats.preemptions_by_tenant, stats.num_preemptions))
 
     def _family(self, kind: type, name: str, doc: str, values: dict[str, float]) -> Metric:
         family = kind(name, doc, labels=LABELS)
@@ -108,6 +121,10 @@ class ServerMetrics:
             "sits_requests", "Completed API requests by HTTP status (499: the client went away).",
             (*LABELS, "status"), registry=registry)
         registry.register(EngineStatsCollector(stats_source, model, track))
+
+    def register(self, collector: Any) -> None:
+        """Add a custom collector (e.g. the tenancy layer's) to this server's registry."""
+        self.registry.register(collector)
 
     def observe_request(self, tenant: str, status: int, latency_s: float) -> None:
         """One finished API request; latency only counts for successful ones (what users waited for)."""

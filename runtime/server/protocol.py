@@ -51,6 +51,8 @@ class _SamplingFields(_Strict):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # SITS: the prompt may hit (and fill) the shared-prefix pool of every tenant (a 400 without one)
+    shared_prefix: bool = False
 
     @field_validator("stop", mode="before")
     @classmethod

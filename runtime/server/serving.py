@@ -42,6 +42,8 @@ class ServingContext:
     tracer: RequestTracer = NO_TRACER  # spans of each ended request (--otlp-endpoint); a no-op by default
     # Called as (tenant, prompt_tokens, output_tokens) when an engine request ends (e.g. token quotas).
     usage_observer: Callable[[str, int, int], None] | None = None
+    # Called as (tenant, prompt_tokens) when an engine request starts (its prompt counts at once).
+    prompt_observer: Callable[[str, int], None] | None = None
 
     @property
     def tokenizer(self) -> Any:
@@ -75,14 +77,18 @@ class ServingContext:
         return list(token_ids)
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                       tenant: str, arrival: float, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       tenant: str, arrival: float, priority: int = 0,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """The engine's outputs for one request; closing this early aborts the request.
 
         arrival is the request's time.perf_counter() when it reached the server (for TTFT);
-        priority is what the tenant resolver left on request.state (0 by default).
+        priority is what the tenant resolver left on request.state (0 by default); cache_salt
+        keeps the prompt's cached KV blocks private to the tenant (`request_cache_salt`).
         """
         self.lifecycle.track(request_id)
-        stream = self.engine.generate(prompt_token_ids, params, request_id, tenant=tenant, priority=priority)
+        self._observe(self.prompt_observer, tenant, len(prompt_token_ids))
+        stream = self.engine.generate(prompt_token_ids, params, request_id, tenant=tenant, priority=priority,
+                                      cache_salt=cache_salt)
         first_token_at: float | None = None
         last: RequestOutput | None = None
         try:
@@ -110,11 +116,16 @@ class ServingContext:
         self.metrics.observe_generation(
             tenant, prompt_tokens=len(prompt_token_ids), output_tokens=sum(lengths),
             ttft_s=None if first_token_at is None else first_token_at - arrival, tpot_s=tpot)
-        if self.usage_observer is not None:
-            try:
-                self.usage_observer(tenant, len(prompt_token_ids), sum(lengths))
-            except Exception:  # accounting must never break a response
-                logger.exception("usage observer failed")
+        self._observe(self.usage_observer, tenant, len(prompt_token_ids), sum(lengths))
+
+    @staticmethod
+    def _observe(observer: Callable[..., None] | None, *args: Any) -> None:
+        if observer is None:
+            return
+        try:
+            observer(*args)
+        except Exception:  # accounting must never break a response
+            logger.exception("usage observer failed")
 
 
 async def merge_streams(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:

@@ -1,10 +1,16 @@
-"""Which tenant a request belongs to: decided in exactly one place, the `request_tenant` dependency.
+"""Which tenant a request belongs to, decided in one place: `TenantGate`, before the body is read.
 
-Until tenancy lands every request is the tenant "default". The tenancy work plugs in by putting its
-own `TenantResolver` on `app.state.tenant_resolver` (API key -> tenant); a resolver may raise
-`OpenAIError(401, ...)` for a missing or unknown key and `OpenAIError(429, ...)` for a tenant over
-its rate limit, and every endpoint that depends on `request_tenant` answers accordingly. A resolver
-may also set `request.state.priority` (an int, 0 by default): the engine schedules by it.
+A `TenantResolver` on `app.state.tenant_resolver` answers three questions:
+- `resolve(request)`: who is calling (API key -> tenant); raises `OpenAIError(401)` for a missing
+  or unknown key, and may leave `request.state.priority` (an int, 0 by default) for the scheduler;
+- `admit(request, tenant)`: may this generation request run now; raises `OpenAIError(429)` with
+  Retry-After for a tenant over its rate limit;
+- `cache_salt(request, shared)`: the prefix-cache salt of the request's prompts, so tenants never
+  share cached KV (`shared`: the prompt is marked for the shared-prefix pool; 400 where none is).
+
+`TenantGate` runs the first two for every /v1/* request before FastAPI reads the body, so an
+unauthenticated request with a malformed body gets 401, not 400 (what OpenAI does). Without
+tenancy every request is the tenant "default" (`SingleTenantResolver`).
 """
 
 from __future__ import annotations
@@ -12,19 +18,31 @@ from __future__ import annotations
 from typing import Protocol
 
 from fastapi import Request
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from sits.runtime.server.errors import OpenAIError, invalid_request
 
 DEFAULT_TENANT = "default"
 UNRESOLVED_TENANT = "unknown"  # the metrics label of a request rejected before its tenant was known
+API_PREFIX = "/v1/"
 
 
 class TenantResolver(Protocol):
     async def resolve(self, request: Request) -> str:
-        """The tenant name for this request, or raise OpenAIError (401 / 403 / 429)."""
+        """The tenant name for this request, or raise OpenAIError (401 / 403)."""
+        ...
+
+    async def admit(self, request: Request, tenant: str) -> None:
+        """Raise OpenAIError(429) when `tenant` may not start another generation request now."""
+        ...
+
+    def cache_salt(self, request: Request, shared: bool) -> str | None:
+        """The prefix-cache salt of this request's prompts; raise OpenAIError(400) for a refused `shared`."""
         ...
 
 
 class SingleTenantResolver:
-    """Every request belongs to one tenant (a server without API keys)."""
+    """Every request belongs to one tenant (a server without API keys); no limits, no salt."""
 
     def __init__(self, tenant: str = DEFAULT_TENANT) -> None:
         self.tenant = tenant
@@ -32,14 +50,64 @@ class SingleTenantResolver:
     async def resolve(self, request: Request) -> str:
         return self.tenant
 
+    async def admit(self, request: Request, tenant: str) -> None:
+        return None
+
+    def cache_salt(self, request: Request, shared: bool) -> str | None:
+        if shared:
+            raise shared_prefix_unavailable()
+        return None
+
+
+def shared_prefix_unavailable() -> OpenAIError:
+    return invalid_request("shared_prefix needs a shared-prefix pool (sharedPrefixPool: true in the tenants file)",
+                           param="shared_prefix")
+
+
+class TenantGate:
+    """ASGI middleware: authenticate every /v1/* request, and admit generation requests, before
+    the body is read. The tenant is left in the request state (`tenant`) for handlers and metrics.
+
+    Args:
+        app: the wrapped app.
+        generation_paths: paths whose requests count against the tenant's rate limits.
+    """
+
+    def __init__(self, app: ASGIApp, generation_paths: set[str]) -> None:
+        self.app = app
+        self.generation_paths = generation_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(API_PREFIX):
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope)  # headers only: the body stays unread for the endpoint
+        resolver: TenantResolver = scope["app"].state.tenant_resolver
+        try:
+            tenant = await resolver.resolve(request)
+            request.state.tenant = tenant
+            if scope["path"] in self.generation_paths:
+                await resolver.admit(request, tenant)
+        except OpenAIError as error:
+            await error.to_response()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
 
 async def request_tenant(request: Request) -> str:
-    """FastAPI dependency: resolve the tenant and remember it on the request (metrics read it there)."""
-    tenant = await request.app.state.tenant_resolver.resolve(request)
-    request.state.tenant = tenant
+    """FastAPI dependency: the tenant `TenantGate` resolved (resolved here when the gate is absent)."""
+    tenant = getattr(request.state, "tenant", None)
+    if tenant is None:
+        tenant = await request.app.state.tenant_resolver.resolve(request)
+        request.state.tenant = tenant
     return tenant
 
 
 def request_priority(request: Request) -> int:
     """The scheduling priority the tenant resolver left on the request (0 when it set none)."""
     return int(getattr(request.state, "priority", 0) or 0)
+
+
+def request_cache_salt(request: Request, shared: bool = False) -> str | None:
+    """The prefix-cache salt for the request's prompts (see `TenantResolver.cache_salt`)."""
+    return request.app.state.tenant_resolver.cache_salt(request, shared)

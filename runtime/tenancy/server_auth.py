@@ -1,41 +1,80 @@
-"""The server's TenantResolver backed by tenancy: API key (or gateway header) -> tenant, then limits.
+"""The server's TenantResolver backed by tenancy: API key (or gateway header) -> tenant, limits, salts.
 
-`sits.runtime.server.tenant.request_tenant` calls `resolve(request)` for every generation request.
-A missing or wrong key raises the server's OpenAIError 401; a tenant over its RPM, or whose token
-window is already spent, raises 429 with Retry-After. The Tenant itself is left on
-`request.state.tenancy_tenant` for what comes later (priority, cache salt, token accounting).
+`sits.runtime.server.tenant.TenantGate` calls `resolve(request)` for every /v1/* request and
+`admit(request, tenant)` for generation requests, before the body is read. A missing or wrong key
+raises the server's OpenAIError 401; a tenant over its RPM, or whose token window is already spent,
+gets 429 with Retry-After. The Tenant itself is left on `request.state.tenancy_tenant`, and its
+priority on `request.state.priority`, for what comes later (scheduling, cache salt, accounting).
 
-Prompt tokens are not known yet when the resolver runs (the body is not tokenized), so the
-admission here counts the request with 0 tokens; the serving path adds the prompt's and the
-completion's tokens to the tenant's window with `Tenancy.record_usage` / `RateLimiter.record_tokens`.
+Prompt tokens are not known yet at admission (the body is not tokenized), so the admission counts
+the request with 0 tokens; the serving path adds the prompt's and the completion's tokens to the
+tenant's window (`Tenancy.observe_prompt`, `Tenancy.observe_usage`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from fastapi import Request
 
 from sits.runtime.server.errors import OpenAIError
+from sits.runtime.server.tenant import shared_prefix_unavailable
 from sits.runtime.tenancy.auth import AuthenticationError, Authenticator
 from sits.runtime.tenancy.limits import RateLimiter
+from sits.runtime.tenancy.tenants import Tenant, TenantTable
 
 
 class TenancyResolver:
-    """Implements `sits.runtime.server.tenant.TenantResolver`."""
+    """Implements `sits.runtime.server.tenant.TenantResolver`.
 
-    def __init__(self, authenticator: Authenticator, limiter: RateLimiter | None = None) -> None:
+    Args:
+        authenticator: headers -> Tenant (401 otherwise).
+        limiter: RPM / TPM admission; None admits everything.
+        table: the current tenant table (for the shared-prefix pool switch and the salts); None
+            refuses `shared_prefix` and salts each prompt with its tenant.
+    """
+
+    def __init__(self, authenticator: Authenticator, limiter: RateLimiter | None = None,
+                 table: Callable[[], TenantTable] | None = None) -> None:
         self.authenticator = authenticator
         self.limiter = limiter
+        self._table = table
+
+    @classmethod
+    def for_tenancy(cls, tenancy) -> TenancyResolver:
+        """The resolver of a `sits.runtime.tenancy.service.Tenancy`."""
+        return cls(tenancy.authenticator, tenancy.limiter, lambda: tenancy.table)
 
     async def resolve(self, request: Request) -> str:
         try:
             tenant = self.authenticator.authenticate(request.headers)
         except AuthenticationError as error:
-            raise OpenAIError(401, error.message, code=error.code, headers={"WWW-Authenticate": "Bearer"}) from None
+            raise OpenAIError(401, error.message, code=error.code, error_type="invalid_request_error",
+                              headers={"WWW-Authenticate": "Bearer"}) from None
         request.state.tenancy_tenant = tenant
-        if self.limiter is not None:
-            decision = await self.limiter.check(tenant, 0)
-            if not decision.allowed:
-                request.state.tenant = tenant.name  # the 429 is counted under its tenant
-                body = decision.error_body()["error"]
-                raise OpenAIError(429, body["message"], code=body["code"], headers=decision.headers())
+        request.state.priority = tenant.priority
         return tenant.name
+
+    async def admit(self, request: Request, tenant: str) -> None:
+        if self.limiter is None:
+            return
+        decision = await self.limiter.check(self._tenant(request), 0)
+        if not decision.allowed:
+            body = decision.error_body()["error"]
+            raise OpenAIError(429, body["message"], code=body["code"], error_type=body["type"],
+                              headers=decision.headers())
+
+    def cache_salt(self, request: Request, shared: bool) -> str | None:
+        tenant = self._tenant(request)
+        if self._table is None:
+            if shared:
+                raise shared_prefix_unavailable()
+            return tenant.prefix_salt
+        table = self._table()
+        if shared and not table.shared_prefix_pool:
+            raise shared_prefix_unavailable()
+        return table.prefix_salt(tenant, shared)
+
+    @staticmethod
+    def _tenant(request: Request) -> Tenant:
+        return request.state.tenancy_tenant

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from sits.runtime.config import ConfigError
 from sits.runtime.engine.eviction import BlockOwner
 from sits.runtime.server.errors import install_error_handlers
-from sits.runtime.server.tenant import request_tenant
+from sits.runtime.server.tenant import TenantGate, request_tenant
 from sits.runtime.tenancy.config import TenancyConfig
 from sits.runtime.tenancy.server_auth import TenancyResolver
 from sits.runtime.tenancy.service import Tenancy
@@ -33,7 +33,8 @@ tenants:
 
 def app_for(tenancy: Tenancy) -> FastAPI:
     app = FastAPI()
-    app.state.tenant_resolver = TenancyResolver(tenancy.authenticator, tenancy.limiter)
+    app.state.tenant_resolver = TenancyResolver.for_tenancy(tenancy)
+    app.add_middleware(TenantGate, generation_paths={"/v1/completions"})
     install_error_handlers(app)
 
     @app.post("/v1/completions")
