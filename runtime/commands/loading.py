@@ -11,14 +11,16 @@ from sits.runtime.config import ConfigError, EngineConfig
 logger = logging.getLogger("sits.serve")
 
 
-def load_engine(config: EngineConfig, prog: str, progress: bool = True) -> Any:
-    """The AsyncEngine for config, or an exit code (2) after a one-line error for a bad model or option."""
+def load_engine(config: EngineConfig, prog: str, progress: bool = True, **hooks: Any) -> Any:
+    """The AsyncEngine for config, or an exit code (2) after a one-line error for a bad model or option.
+
+    `hooks` go to the engine (eviction policy, waiting queue, shared cache salt: the tenancy layer's)."""
     from sits.runtime.engine.async_engine import AsyncEngine
     from sits.runtime.engine.errors import EngineError
     from sits.runtime.models.errors import ModelLoadError
 
     try:
-        engine = AsyncEngine.from_config(config, progress=progress)
+        engine = AsyncEngine.from_config(config, progress=progress, **hooks)
     except (ConfigError, ModelLoadError, FileNotFoundError, EngineError) as error:
         return fail(prog, str(error))
     log_engine_summary(engine, config)

@@ -14,9 +14,14 @@ from sits.runtime.commands.engine_args import (
     fail,
 )
 from sits.runtime.config import ServerConfig
+from sits.runtime.tenancy.config import TenancyConfig
+from sits.runtime.tenancy.service import Tenancy
+from sits.runtime.tenancy.state_store import redact_url
+from sits.runtime.tenancy.tenants import TenantConfigError
 from sits.runtime.tracing import build_tracer
 
 PROG = "sits serve"
+EVICTION_INDEX_INTERVAL_S = 1.0  # how often the engine thread hands its eviction index to the store
 logger = logging.getLogger("sits.serve")
 
 
@@ -33,8 +38,36 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     server.add_argument("--otlp-endpoint", default=None, metavar="URL",
                         help="export request traces (queue, prefill, decode, detokenize spans) over OTLP/HTTP to "
                              "this collector, e.g. http://otel-collector:4318 (off by default; needs sits[tracing])")
+    add_tenancy_arguments(parser)
     parser.set_defaults(handler=run)
     return parser
+
+
+def add_tenancy_arguments(parser: argparse.ArgumentParser) -> None:
+    tenancy = parser.add_argument_group("tenancy")
+    tenancy.add_argument("--tenants", default=None, metavar="FILE",
+                         help="tenants YAML (names, API keys, priorities, KV shares, limits); with it every "
+                              "/v1/* call needs `Authorization: Bearer <key>` (default: open, one tenant)")
+    tenancy.add_argument("--state-store", default=TenancyConfig.state_store, metavar="URL",
+                         help="memory:// (this process) or redis://host:port/db (shared by replicas: tenant "
+                              "table, usage, eviction index, rate-limit windows)")
+    tenancy.add_argument("--deployment", default=TenancyConfig.deployment, metavar="NAME",
+                         help="namespace of this deployment's keys in the state store (sits:NAME:...)")
+    tenancy.add_argument("--trusted-gateway-header", default=None, metavar="HEADER",
+                         help="take the tenant's name from this header instead of an API key; only behind a "
+                              "gateway that authenticates callers and sets it (off by default)")
+    tenancy.add_argument("--eviction-alpha", type=float, default=TenancyConfig.eviction_alpha,
+                         help="weight of priority in the KV eviction score t x (1 + alpha x priority)")
+    tenancy.add_argument("--eviction-ttl", type=float, default=TenancyConfig.eviction_ttl_s, metavar="SECONDS",
+                         help="cached KV blocks unused this long are evicted first (0: no TTL)")
+
+
+def tenancy_config_from_args(args: argparse.Namespace) -> TenancyConfig:
+    config = TenancyConfig(tenants_file=args.tenants, state_store=args.state_store, deployment=args.deployment,
+                           trusted_gateway_header=args.trusted_gateway_header, eviction_alpha=args.eviction_alpha,
+                           eviction_ttl_s=args.eviction_ttl)
+    config.validate()
+    return config
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -70,21 +103,26 @@ def run(args: argparse.Namespace) -> int:
         worker_exit_code = run_if_torchrun_worker(engine_config, engine_config.parallel)
         if worker_exit_code is not None:  # torchrun ranks 1..N-1 serve rank 0's steps, not HTTP
             return worker_exit_code
+        tenancy = Tenancy.from_config(tenancy_config_from_args(args))  # reads --tenants; no I/O yet
         sock = bind(server_config.host, server_config.port)
-    except ConfigError as error:
+    except (ConfigError, TenantConfigError) as error:
         return fail(PROG, str(error))
     from sits.runtime.commands.loading import load_engine
     from sits.runtime.server.app import build_app
     from sits.runtime.server.runner import run_server
 
-    engine = load_engine(engine_config, PROG)
+    engine = load_engine(engine_config, PROG, **tenancy.engine_hooks())
     if isinstance(engine, int):
         sock.close()
         return engine
-    app = build_app(engine, server_config, served_model_name=engine_config.model.served_model_name)
+    engine.add_periodic(tenancy.publish_eviction_index, EVICTION_INDEX_INTERVAL_S)
+    app = build_app(engine, server_config, served_model_name=engine_config.model.served_model_name,
+                    tenancy=tenancy)
     app.state.ctx.tracer = tracer
     host, port = sock.getsockname()[:2]
     url_host = f"[{host}]" if ":" in host else host
     logger.info("serving %s at http://%s:%d/v1 (track %s)", app.state.ctx.model_name, url_host, port,
                 server_config.track)
+    logger.info("tenancy: %s, %d tenant(s), state store %s (deployment %s)", tenancy.authenticator.mode.value,
+                len(tenancy.table), redact_url(tenancy.config.state_store), tenancy.config.deployment)
     return run_server(app, engine, sock, server_config.drain_timeout_s, args.log_level)
