@@ -1,4 +1,4 @@
-"""The Grafana dashboard shows what the brief asks, and every metric it or the alert rule names is exported.
+"""The Grafana dashboard has the panels operators need, and every metric it or the alert rule names is exported.
 
 Exported means: in the /metrics of a real `sits serve --tenants examples/tenants.yaml` process (a
 tiny random Llama on CPU, after a few requests so histograms have samples); the tenancy series come
