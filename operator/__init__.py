@@ -1,7 +1,7 @@
 """SITS operator: reconciles SitsDeployment resources into GPU workloads with canary rollouts.
 
 Package map (pure modules first; only kube.py, analysis.py's provider, tenancy_sync.py,
-reconciler.py, webhook.py and handlers.py talk to anything):
+reconciler.py, webhook.py, health.py and handlers.py talk to anything):
 
 - fields.py, spec.py, spec_rollout.py: the spec as validated dataclasses; errors name the field.
 - meta.py (names, labels, owner references), plan.py (what runs), revisions.py (pod-template hash).
@@ -12,4 +12,6 @@ reconciler.py, webhook.py and handlers.py talk to anything):
 - tenants.py (API keys -> SHA-256 records), tenancy_sync.py (the runtime's Redis tenant table).
 - kube.py (REST client, server-side apply), reconciler.py (one reconcile, under a per-resource
   lock), webhook.py (Alertmanager receiver), handlers.py (kopf), config.py and __main__.py (CLI).
+- stats.py (what the reconciles decided, as a snapshot), metrics.py (the Prometheus collector that
+  reads it), health.py (the health server: /healthz and /metrics).
 """

@@ -1,8 +1,9 @@
 """`python -m sits.operator` (and `sits operator`): run the SitsDeployment operator.
 
 It watches SitsDeployments in every namespace, or only in --namespace, against the cluster of
-$KUBECONFIG (or the pod's service account), and serves the Alertmanager webhook on
---webhook-port (POST /alertmanager). SIGTERM / Ctrl-C stop it cleanly.
+$KUBECONFIG (or the pod's service account), serves the Alertmanager webhook on
+--webhook-port (POST /alertmanager), and liveness (GET /healthz) and Prometheus metrics
+(GET /metrics) on --health-port. SIGTERM / Ctrl-C stop it cleanly.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--webhook-port", type=int, default=DEFAULTS.webhook_port,
                         help="the Alertmanager receiver's port (POST /alertmanager); 0 turns it off")
     parser.add_argument("--health-port", type=int, default=DEFAULTS.health_port,
-                        help="liveness endpoint port (GET /healthz); 0 turns it off")
+                        help="liveness (GET /healthz) and Prometheus metrics (GET /metrics) port; 0 turns it off")
     parser.add_argument("--resync-interval", type=float, default=DEFAULTS.resync_interval_s, metavar="SECONDS",
                         help="reconcile every resource this often (the clock of pauses and analysis)")
     parser.add_argument("--tenancy-interval", type=float, default=DEFAULTS.tenancy_interval_s, metavar="SECONDS",
@@ -68,8 +69,7 @@ def run(args: argparse.Namespace) -> int:
         namespaces=[config.namespace] if config.namespace else (),
         standalone=config.peering is None,
         peering_name=config.peering,
-        liveness_endpoint=f"http://{config.listen_host}:{config.health_port}/healthz" if config.health_port else None,
-    )
+    )  # the health server (kopf's liveness endpoint could not serve /metrics too) starts with the handlers
     return 0
 
 

@@ -9,12 +9,13 @@ from dataclasses import dataclass
 class OperatorConfig:
     """Attributes:
         namespace: watch only this namespace (None: all namespaces).
-        listen_host: the address the webhook and the health endpoint listen on.
+        listen_host: the address the webhook and the health server listen on.
         webhook_port: the Alertmanager receiver (`POST /alertmanager`); 0 turns it off.
         resync_interval_s: how often every resource is reconciled even without changes: the clock of
             pauses, readiness waits and analysis runs (their own intervals are multiples of it).
         tenancy_interval_s: how often tenant tables are checked against Redis (written when changed).
-        health_port: kopf's liveness endpoint (`GET /healthz`); 0 turns it off.
+        health_port: the health server: liveness (`GET /healthz`) and Prometheus metrics (`GET /metrics`);
+            0 turns it off.
         peering: kopf peering name for running several replicas (None: standalone).
     """
 

@@ -8,7 +8,9 @@ sits.operator` each get their own, configured the same way):
 - a timer every `resync_interval_s`: reconcile (pauses, readiness waits and analysis runs are
   decided on these ticks);
 - a timer every `tenancy_interval_s`: write the tenant table to Redis;
-- startup / cleanup: settings, the API client and the Alertmanager webhook.
+- delete: forget the resource (its metrics series go) and delete its tenant table from Redis;
+- startup / cleanup: settings, the API client, the health server (`/healthz`, `/metrics`) and
+  the Alertmanager webhook.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from typing import Any
 import kopf
 
 from sits.operator.config import OperatorConfig
+from sits.operator.health import start_health_server
 from sits.operator.kube import KubeClient
 from sits.operator.meta import GROUP, PLURAL, VERSION
+from sits.operator.metrics import build_registry
 from sits.operator.reconciler import Reconciler
 from sits.operator.spec import parse_spec
 from sits.operator.tenancy_sync import delete_tenant_table
@@ -36,6 +40,7 @@ class OperatorState:
 
     reconciler: Reconciler | None = None
     webhook: Any = None
+    health: Any = None
 
     def require(self) -> Reconciler:
         if self.reconciler is None:
@@ -63,16 +68,21 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> Operato
         settings.posting.level = logging.WARNING
         settings.watching.server_timeout = 300
         settings.networking.request_timeout = 60
-        state.reconciler = Reconciler(KubeClient.from_environment())
-        if config.webhook_port:
+        if state.reconciler is None:  # kopf retries a failed startup: keep what the last try made
+            state.reconciler = Reconciler(KubeClient.from_environment())
+        if config.health_port and state.health is None:
+            state.health = await start_health_server(build_registry(state.reconciler.stats.snapshot),
+                                                     config.listen_host, config.health_port)
+        if config.webhook_port and state.webhook is None:
             state.webhook = await start_webhook(state.reconciler, config.listen_host, config.webhook_port,
                                                 config.namespace)
 
     @kopf.on.cleanup(id="cleanup", registry=registry)
     async def cleanup(**_: Any) -> None:
-        if state.webhook is not None:
-            await state.webhook.cleanup()
-            state.webhook = None
+        for server in ("webhook", "health"):
+            if getattr(state, server) is not None:
+                await getattr(state, server).cleanup()
+                setattr(state, server, None)
         if state.reconciler is not None:
             state.reconciler.providers.terminate_all()
             state.reconciler.kube.close()
@@ -97,7 +107,9 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> Operato
 
     @kopf.on.delete(*RESOURCE, id="cleanup", registry=registry, optional=True)
     def deleted(name: str, namespace: str, spec: Any, **_: Any) -> None:
-        # Owned objects go with the resource (owner references); only Redis needs cleaning up
+        # Owned objects go with the resource (owner references); only Redis needs cleaning up. The
+        # timers put kopf's finalizer on every resource, so this runs even for a deletion made while
+        # the operator was down (once it is back)
         if state.reconciler is not None:
             state.reconciler.forget(namespace, name)
         try:

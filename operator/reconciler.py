@@ -30,6 +30,7 @@ from sits.operator.meta import (
 from sits.operator.observations import DeploymentObservation, Observations
 from sits.operator.rollout import analysis_due, decide
 from sits.operator.spec import SitsDeploymentSpec, TenancySpec, parse_spec
+from sits.operator.stats import RolloutStats
 from sits.operator.status import Status, status_patch, to_timestamp
 from sits.operator.tenancy_sync import sync_tenant_table
 from sits.operator.tenants import TenantRecord, resolve_tenants
@@ -69,15 +70,19 @@ class Reconciler:
         self._locks: dict[tuple[str, str], threading.RLock] = {}
         self._locks_guard = threading.Lock()
         self._applied: dict[tuple[str, str], _Applied] = {}
+        self.stats = RolloutStats()  # what each reconcile decided, for the metrics to read
 
     def lock(self, namespace: str, name: str) -> threading.RLock:
         with self._locks_guard:
             return self._locks.setdefault((namespace, name), threading.RLock())
 
     def forget(self, namespace: str, name: str) -> None:
-        with self._locks_guard:
-            self._locks.pop((namespace, name), None)
-            self._applied.pop((namespace, name), None)
+        """Drop a deleted resource's memo and statistics (after a reconcile in flight has finished)."""
+        with self.lock(namespace, name):
+            self.stats.forget(namespace, name)
+            with self._locks_guard:
+                self._locks.pop((namespace, name), None)
+                self._applied.pop((namespace, name), None)
 
     def _get(self, namespace: str, name: str) -> dict[str, Any] | None:
         body = self.kube.get(API_VERSION, KIND, namespace, name)
@@ -86,9 +91,18 @@ class Reconciler:
         return body
 
     def reconcile(self, namespace: str, name: str) -> ReconcileResult:
+        """Raises ApiError when the Kubernetes API fails (counted in stats; the next trigger retries)."""
+        try:
+            return self._reconcile(namespace, name)
+        except Exception:
+            self.stats.record_error()
+            raise
+
+    def _reconcile(self, namespace: str, name: str) -> ReconcileResult:
         with self.lock(namespace, name):
             body = self._get(namespace, name)
             if body is None:
+                self.stats.forget(namespace, name)
                 return ReconcileResult(phase=None, gone=True)
             owner = Owner.from_body(body)
             stored = body.get("status") or {}
@@ -118,6 +132,8 @@ class Reconciler:
             for event in decision.events:
                 logger.info("%s/%s %s: %s", namespace, name, event.reason, event.message)
                 self.kube.post_event(owner, event.type, event.reason, event.message)
+            # After the status is written: a reconcile that failed before is decided (and counted) again
+            self.stats.record(namespace, name, decision.status, (event.reason for event in decision.events))
             return ReconcileResult(phase=decision.status.phase)
 
     def _observe(self, body: dict[str, Any], owner: Owner) -> Observations:
@@ -206,6 +222,7 @@ class Reconciler:
             self.kube.patch(API_VERSION, KIND, owner.namespace, owner.name, {"status": patch}, subresource="status")
         if was is None or was.get("message") != str(error):
             self.kube.post_event(owner, "Warning", "InvalidSpec", str(error))
+        self.stats.record(owner.namespace, owner.name, status)
 
     # -- Alertmanager ---------------------------------------------------------------------------
 

@@ -1,11 +1,16 @@
-"""Small helpers of the operator tests: a SitsDeployment manifest, polling, reading status."""
+"""Small helpers of the operator tests: a SitsDeployment manifest, polling, reading status and metrics."""
 
 from __future__ import annotations
 
 import copy
+import json
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from sits.operator.kube import KubeClient
 from sits.operator.meta import API_VERSION, KIND
@@ -63,3 +68,44 @@ def deployment(kube: KubeClient, name: str, track: str, namespace: str = "llm") 
 def events(kube: KubeClient, name: str, namespace: str = "llm") -> list[dict[str, Any]]:
     return [e for e in kube.list("v1", "Event", namespace)
             if e.get("involvedObject", {}).get("name") == name]
+
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]  # (sample name, labels) -> value
+
+
+def parse_metrics(exposition: str) -> Samples:
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(exposition) for s in family.samples}
+
+
+def scrape(port: int) -> Samples:
+    """The operator's /metrics on 127.0.0.1:port (Prometheus' text format)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        assert response.headers["Content-Type"].startswith("text/plain")
+        return parse_metrics(response.read().decode())
+
+
+def sample(samples: Samples, name: str, **labels: str) -> float | None:
+    """The value of the sample with exactly these labels (None when there is none)."""
+    return samples.get((name, frozenset(labels.items())))
+
+
+def set_image(kube, name: str, image: str) -> None:
+    kube.patch(API_VERSION, KIND, "llm", name, {"spec": {"image": image}})
+
+
+def post_alerts(port: int, payload) -> tuple[int, dict]:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/alertmanager", method="POST",
+                                     data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def firing(namespace: str, name: str, status: str = "firing") -> dict:
+    return {"status": status, "labels": {"alertname": "SitsCanaryP95Delta", "namespace": namespace,
+                                         "sitsdeployment": name},
+            "annotations": {"summary": "canary P95 exceeds stable by more than 50 ms"},
+            "startsAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 1))}

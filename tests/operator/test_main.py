@@ -53,7 +53,11 @@ def test_python_m_sits_operator_runs_until_sigterm(cluster, kube, deployments, t
         kube.create(sitsdeployment("elsewhere", namespace="other"))
         wait_for_status(kube, "cli", lambda s: s.get("phase") == "Healthy", timeout_s=30, what="Healthy")
         assert get_json(f"http://127.0.0.1:{webhook}/healthz") == (200, {"status": "ok"})
-        assert wait_for(lambda: get_json(f"http://127.0.0.1:{health}/healthz")[0] == 200, what="kopf's liveness")
+        assert wait_for(lambda: get_json(f"http://127.0.0.1:{health}/healthz")[0] == 200, what="the liveness endpoint")
+        with urllib.request.urlopen(f"http://127.0.0.1:{health}/metrics", timeout=5) as response:
+            metrics = response.read().decode()
+        assert 'sits_rollout_phase{namespace="llm",phase="Healthy",sitsdeployment="cli"} 1.0' in metrics
+        assert 'sitsdeployment="elsewhere"' not in metrics and "process_resident_memory_bytes" in metrics
         assert kube.get("apps/v1", "Deployment", "other", "elsewhere-stable") is None, "--namespace restricts it"
     finally:
         process.send_signal(signal.SIGTERM)

@@ -7,10 +7,8 @@ histograms whose canary is as fast as stable (`promote`) or 200 ms slower (`slow
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 
@@ -21,6 +19,11 @@ from tests.operator.helpers import (
     condition,
     deployment,
     events,
+    firing,
+    post_alerts,
+    sample,
+    scrape,
+    set_image,
     sitsdeployment,
     status_of,
     wait_for,
@@ -54,10 +57,6 @@ def rollout(prometheus_url: str, steps: list, **analysis) -> dict:
             "trafficRouting": GATEWAY}
 
 
-def set_image(kube, name: str, image: str) -> None:
-    kube.patch(API_VERSION, KIND, "llm", name, {"spec": {"image": image}})
-
-
 def route_weights(kube) -> list[tuple[str, int]]:
     route = kube.get(ROUTE_API, "HTTPRoute", "llm", "llm-route")
     return [(b["name"], b["weight"]) for b in route["spec"]["rules"][-1]["backendRefs"]] if route else []
@@ -80,23 +79,6 @@ def owned_objects(kube) -> dict[tuple[str, str], str]:
             found[(kind, obj["metadata"]["name"])] = (obj["metadata"]["resourceVersion"],
                                                       obj["metadata"]["ownerReferences"][0]["uid"])
     return found
-
-
-def post_alerts(port: int, payload) -> tuple[int, dict]:
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/alertmanager", method="POST",
-                                     data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
-
-
-def firing(namespace: str, name: str, status: str = "firing") -> dict:
-    return {"status": status, "labels": {"alertname": "SitsCanaryP95Delta", "namespace": namespace,
-                                         "sitsdeployment": name},
-            "annotations": {"summary": "canary P95 exceeds stable by more than 50 ms"},
-            "startsAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 1))}
 
 
 def test_create_makes_the_workloads_and_reconciling_again_writes_nothing(kube, deployments, run_operator):
@@ -142,8 +124,9 @@ def test_template_change_runs_a_canary_and_promotes(kube, deployments, run_opera
         assert {"CanaryStarted", "Promoted"} <= set(reasons(kube, "promote"))
 
 
-def test_failing_analysis_rolls_back(kube, deployments, run_operator, prometheus):
-    with run_operator():
+def test_failing_analysis_rolls_back(kube, deployments, run_operator, operator_config, prometheus):
+    config = dataclasses.replace(operator_config, health_port=free_port())
+    with run_operator(config):
         kube.create(sitsdeployment("slow", rollout=rollout(prometheus.url, [{"setWeight": 25}, {"pause": {}}])))
         stable = wait_for_status(kube, "slow", lambda s: s.get("phase") == "Healthy", what="Healthy")["stableRevision"]
         set_image(kube, "slow", "registry.example.com/sits:slow")
@@ -155,6 +138,12 @@ def test_failing_analysis_rolls_back(kube, deployments, run_operator, prometheus
         rolled_back = condition(status, "RolledBack")
         assert rolled_back["reason"] == "AnalysisFailed" and "ms > maxDeltaMs 50 ms" in rolled_back["message"]
         assert status["analysis"]["lastDeltaMs"] > 150
+        # the operator's metrics say the same: the measured delta, and one abort by the analysis
+        metrics = scrape(config.health_port)
+        resource = {"namespace": "llm", "sitsdeployment": "slow"}
+        assert sample(metrics, "sits_rollout_analysis_delta_ms", **resource) == status["analysis"]["lastDeltaMs"]
+        assert sample(metrics, "sits_rollout_aborts_total", **resource, reason="analysis") == 1
+        assert sample(metrics, "sits_rollout_aborts_total", **resource, reason="alert") == 0
         assert deployment(kube, "slow", "canary")["spec"]["replicas"] == 0
         assert route_weights(kube) == [("slow-stable", 100), ("slow-canary", 0)]
         warning = [e for e in events(kube, "slow") if e["reason"] == "RolledBack"]

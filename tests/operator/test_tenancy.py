@@ -72,5 +72,7 @@ def test_tenant_table_reaches_redis_once_it_is_up_and_never_holds_keys(kube, dep
                                                                         "beta": digest(BETA_KEY)}
             time.sleep(1.5)  # three more syncs: the same table is not written again
             assert asyncio.run(read_table(url)).version == version
+            kube.delete("sits.ai/v1alpha1", "SitsDeployment", "llm", "tenants")
+            wait_for(lambda: asyncio.run(read_table(url)) is None, what="the deleted resource's table gone")
     for text in (runner.output, yaml.safe_dump(config_map)):
         assert FINANCE_KEY not in text and BETA_KEY not in text
