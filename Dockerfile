@@ -63,7 +63,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONSAFEPATH=1
 # The operator's own dependencies (the `operator` extra, pinned); the sits wheel without its
 # runtime dependencies, so no torch in this image.
-RUN pip install --no-cache-dir kopf==1.45.2 kubernetes==37.0.2 aiohttp==3.14.5 PyYAML==6.0.4 redis==8.1.0
+RUN pip install --no-cache-dir kopf==1.45.2 kubernetes==37.0.2 aiohttp==3.14.5 PyYAML==6.0.4 redis==8.1.0 \
+    prometheus-client==0.26.0
 COPY --from=wheel /wheels /wheels
 RUN pip install --no-cache-dir --no-deps /wheels/sits-*.whl && rm -rf /wheels \
     && useradd --uid 10001 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin sits

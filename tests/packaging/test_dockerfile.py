@@ -111,7 +111,7 @@ def test_the_operator_image_runs_the_operator_without_torch():
     assert json.loads(operator.last("ENTRYPOINT")) == ["python", "-m", "sits.operator"]
     installs = " ".join(args for kind, args in operator.instructions if kind == "RUN")
     assert "torch" not in installs and "--no-deps" in installs
-    for package in ("kopf", "kubernetes", "aiohttp", "PyYAML", "redis"):
+    for package in ("kopf", "kubernetes", "aiohttp", "PyYAML", "redis", "prometheus-client"):
         assert re.search(rf"\b{package}==\d", installs), f"{package} is not pinned in the operator image"
 
 
