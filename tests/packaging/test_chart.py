@@ -56,7 +56,8 @@ def test_every_rendered_built_in_object_is_valid_for_kubernetes_1_30(name):
 
 def test_defaults_render_only_the_operator_and_what_it_needs():
     kinds = sorted(o["kind"] for o in objects())
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "ConfigMap", "Deployment", "Service", "ServiceAccount"]
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "ConfigMap", "Deployment", "Service", "Service",
+                     "ServiceAccount"]
 
 
 def test_full_values_render_every_optional_part():
@@ -91,7 +92,7 @@ def test_the_operator_pod_is_locked_down(name):
     assert security["capabilities"] == {"drop": ["ALL"]}
     assert container["resources"]["requests"] and container["resources"]["limits"]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
     assert container["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "webhook"}
     assert deployment["spec"]["strategy"]["type"] == ("RollingUpdate" if name == "full" else "Recreate")
     for workload in (o for o in objects(values_of(name)) if o["kind"] == "StatefulSet"):
@@ -102,7 +103,7 @@ def test_the_operator_pod_is_locked_down(name):
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     config = config_from_args(parser.parse_args(container["args"]))
-    assert (config.health_port, config.webhook_port) == (ports["health"], ports["webhook"])
+    assert (config.health_port, config.webhook_port) == (ports["metrics"], ports["webhook"])
     assert config.listen_host == "0.0.0.0"
     values = chart().merge_values(values_of(name))["operator"]
     assert config.namespace == (values["watchNamespace"] or None)
@@ -117,6 +118,38 @@ def test_the_webhook_service_reaches_the_receiver_port():
     pod = one(objs, "Deployment")["spec"]["template"]
     assert service["spec"]["ports"] == [{"name": "webhook", "port": 9081, "targetPort": "webhook", "protocol": "TCP"}]
     assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+
+
+@pytest.mark.parametrize("name", ["default", "full"])
+def test_the_metrics_service_reaches_the_operators_health_server(name):
+    objs = objects(values_of(name))
+    service = one(objs, "Service", "-metrics")
+    pod = one(objs, "Deployment")["spec"]["template"]
+    health_port = chart().merge_values(values_of(name))["operator"]["healthPort"]
+    assert service["spec"]["ports"] == [{"name": "metrics", "port": health_port, "targetPort": "metrics",
+                                         "protocol": "TCP"}]
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    (container,) = pod["spec"]["containers"]
+    assert {"name": "metrics", "containerPort": health_port, "protocol": "TCP"} in container["ports"]
+
+
+def test_the_operator_service_monitor_scrapes_the_metrics_service_keeping_the_resources_namespace():
+    objs = objects(values_of("full"))
+    monitors = {o["metadata"]["name"]: o for o in objs if o["kind"] == "ServiceMonitor"}
+    assert set(monitors) == {"sits-sits-operator", "sits-sits-operator-runtime"}
+    monitor = monitors["sits-sits-operator"]
+    service = one(objs, "Service", "-metrics")
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": [service["metadata"]["namespace"]]}
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert (endpoint["port"], endpoint["path"]) == ("metrics", "/metrics")
+    # the operator's series carry the SitsDeployment's `namespace`; without honorLabels Prometheus would
+    # rename it exported_namespace and put the operator pod's namespace there, emptying the dashboard
+    assert endpoint["honorLabels"] is True
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    only_operator = objects({**values_of("full"), "serviceMonitor": {"enabled": True, "runtime": False}})
+    assert [o["metadata"]["name"] for o in only_operator if o["kind"] == "ServiceMonitor"] == ["sits-sits-operator"]
+    assert not [o for o in objects() if o["kind"] == "ServiceMonitor"]
 
 
 def test_the_dashboard_config_map_carries_the_sidecar_label_and_the_json():
@@ -134,6 +167,7 @@ def test_the_dashboard_config_map_carries_the_sidecar_label_and_the_json():
     ({"prometheusRule": {"quantile": 1.5}}, "quantile"),
     ({"prometheusRule": {"window": "five minutes"}}, "window"),
     ({"serviceMonitor": {"interval": 15}}, "interval"),
+    ({"serviceMonitor": {"runtime": "yes"}}, "runtime"),
     ({"operator": {"resources": {"requests": {"cpu": "lots"}}}}, "cpu"),
     ({"unknownKey": True}, "unknownKey"),
 ])

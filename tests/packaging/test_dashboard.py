@@ -1,9 +1,11 @@
 """The Grafana dashboard has the panels operators need, and every metric it or the alert rule names is exported.
 
-Exported means: in the /metrics of a real `sits serve --tenants examples/tenants.yaml` process (a
-tiny random Llama on CPU, after a few requests so histograms have samples); the tenancy series come
-from the tenancy layer's collector, which the server registers. A metric that nothing exports yet
-fails its own parametrized case, named after the metric.
+Exported means: in the /metrics of the live process that exports it. Serving metrics come from a
+real `sits serve --tenants examples/tenants.yaml` (a tiny random Llama on CPU, after a few requests
+so histograms have samples; the tenancy series from the collector the server registers). Rollout
+metrics (`sits_rollout_*`, `sits_operator_*`) come from a real `python -m sits.operator` reconciling
+a SitsDeployment in the emulated API server (KMock). A metric that nothing exports fails its own
+parametrized case, named after the metric.
 """
 
 from __future__ import annotations
@@ -15,9 +17,13 @@ import time
 from pathlib import Path
 
 import httpx
+import kubernetes.config
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from sits.operator.kube import KubeClient
+from tests.operator.helpers import sitsdeployment, wait_for, wait_for_status
+from tests.operator.kmock_cluster import DeploymentController, kmock_cluster
 from tests.packaging.chart import CHART_DIR, ROOT, objects, one
 from tests.support.services import free_port, started
 
@@ -25,6 +31,7 @@ DASHBOARD = json.loads((CHART_DIR / "dashboards" / "sits.json").read_text())
 METRIC_NAME = re.compile(r"\bsits_[a-z0-9_]+\b")
 API_KEY = {"Authorization": "Bearer sk-finance-example"}  # the finance tenant of examples/tenants.yaml
 FILTERS = 'namespace=~"$namespace",sitsdeployment=~"$sitsdeployment"'
+OPERATOR_PREFIXES = ("sits_rollout_", "sits_operator_")  # what the operator exports; the rest, sits serve
 
 
 def panels() -> list[dict]:
@@ -49,8 +56,12 @@ def sample_names(exposition: str) -> set[str]:
     return {sample.name for family in text_string_to_metric_families(exposition) for sample in family.samples}
 
 
+def exported_by_the_operator(metric: str) -> bool:
+    return metric.startswith(OPERATOR_PREFIXES)
+
+
 @pytest.fixture(scope="module")
-def exported_metrics(tiny_llama_dir: Path) -> set[str]:
+def runtime_metrics(tiny_llama_dir: Path) -> set[str]:
     port = free_port()
     argv = [sys.executable, "-m", "sits.runtime", "serve", "--model", str(tiny_llama_dir), "--device", "cpu",
             "--port", str(port), "--num-blocks", "64", "--max-model-len", "256", "--max-num-seqs", "4",
@@ -67,10 +78,49 @@ def exported_metrics(tiny_llama_dir: Path) -> set[str]:
         return sample_names(httpx.get(f"{service.url}/metrics", timeout=10).text)
 
 
+@pytest.fixture(scope="module")
+def operator_exposition(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The /metrics of `python -m sits.operator` once a SitsDeployment `llama` is Healthy."""
+    with kmock_cluster(tmp_path_factory.mktemp("kmock")) as cluster:
+        kube = KubeClient(kubernetes.config.new_client_from_config(config_file=str(cluster.kubeconfig),
+                                                                   persist_config=False), timeout_s=10)
+        health = free_port()
+        argv = [sys.executable, "-m", "sits.operator", "--listen-host", "127.0.0.1", "--health-port", str(health),
+                "--webhook-port", "0", "--resync-interval", "0.3"]
+        try:
+            with DeploymentController(kube), started(argv, health, env={"KUBECONFIG": str(cluster.kubeconfig)},
+                                                     timeout_s=60, log_name="operator.log") as operator:
+                kube.create(sitsdeployment("llama"))
+                wait_for_status(kube, "llama", lambda s: s.get("phase") == "Healthy", timeout_s=30, what="Healthy")
+
+                def scraped() -> str | None:
+                    text = httpx.get(f"{operator.url}/metrics", timeout=10).text
+                    return text if 'phase="Healthy",sitsdeployment="llama"} 1.0' in text else None
+                return wait_for(scraped, what="the operator's metrics to show the resource")
+        finally:
+            kube.close()
+
+
 @pytest.mark.parametrize("metric", NAMED_METRICS)
-def test_a_metric_the_dashboard_or_the_rule_names_is_exported(metric, exported_metrics):
-    assert metric in exported_metrics, (
-        f"{metric} is named by the dashboard or the alert rule, but `sits serve` does not export it")
+def test_a_metric_the_dashboard_or_the_rule_names_is_exported(metric, request):
+    if exported_by_the_operator(metric):
+        exporter, exported = "the operator", sample_names(request.getfixturevalue("operator_exposition"))
+    else:
+        exporter, exported = "`sits serve`", request.getfixturevalue("runtime_metrics")
+    assert metric in exported, f"{metric} is named by the dashboard or the alert rule, but {exporter} does not export it"
+
+
+def test_the_rollout_phase_panel_groups_by_labels_the_operator_exports(operator_exposition):
+    (target,) = next(p for p in panels() if p["title"] == "Rollout phase")["targets"]
+    grouping = re.search(r"max by \(([^)]*)\) \(sits_rollout_phase\{", target["expr"])
+    assert grouping, target["expr"]
+    (family,) = [f for f in text_string_to_metric_families(operator_exposition) if f.name == "sits_rollout_phase"]
+    grouped_by = {label.strip() for label in grouping.group(1).split(",")}
+    assert grouped_by == {"namespace", "sitsdeployment", "phase"}
+    assert family.samples and all(set(sample.labels) == grouped_by for sample in family.samples)
+    # `== 1` keeps one series per SitsDeployment: its current phase
+    current = [(s.labels["namespace"], s.labels["phase"]) for s in family.samples if s.value == 1]
+    assert current == [("llm", "Healthy")] and target["expr"].endswith("== 1")
 
 
 def test_the_dashboard_has_the_panels_operators_need():
