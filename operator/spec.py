@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sits.operator.fields import Fields, SpecError
-from sits.operator.spec_rollout import MonitoringSpec, RolloutSpec, parse_monitoring, parse_rollout
+from sits.operator.spec_rollout import HTTP_URL, MonitoringSpec, RolloutSpec, parse_monitoring, parse_rollout
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATIONS = ("none", "fp8", "int8")
@@ -72,6 +72,7 @@ class WorkloadSpec:
     nccl: NcclSpec = field(default_factory=NcclSpec)
     redis_url: str | None = None
     tenants_file: bool = False  # serve with the tenants file of the ConfigMap
+    otlp_endpoint: str | None = None  # request traces to this OTLP/HTTP collector (spec.tracing)
 
     def to_dict(self) -> dict[str, Any]:
         """The spec-shaped dict `parse_workload` reads back (kept in status.stableSpec)."""
@@ -97,6 +98,8 @@ class WorkloadSpec:
             data["resources"] = {kind: dict(values) for kind, values in self.resources}
         if self.redis_url:
             data["tenancy"] = {"redis": {"url": self.redis_url}}
+        if self.otlp_endpoint:
+            data["tracing"] = {"otlpEndpoint": self.otlp_endpoint}
         return data
 
 
@@ -135,7 +138,7 @@ class SitsDeploymentSpec:
 
 
 _SPEC_FIELDS = {"model", "image", "imagePullPolicy", "replicas", "gpusPerReplica", "gpuProduct", "resources",
-                "engine", "nccl", "tenancy", "rollout", "monitoring"}
+                "engine", "nccl", "tenancy", "rollout", "monitoring", "tracing"}
 
 
 def parse_spec(spec: Any, name: str) -> SitsDeploymentSpec:
@@ -191,6 +194,7 @@ def parse_workload(data: Any, path: str, *, default_model_name: str | None = Non
     )
     tenancy = fields.child("tenancy")
     redis = tenancy.child("redis", {"url"}) if tenancy is not None else None
+    tracing = fields.child("tracing", {"otlpEndpoint"})
     if tenants_file is None:
         tenants_file = fields.boolean("tenantsFile", False)
     return WorkloadSpec(
@@ -203,6 +207,8 @@ def parse_workload(data: Any, path: str, *, default_model_name: str | None = Non
         engine=engine, nccl=nccl,
         redis_url=redis.string("url", None, pattern=REDIS_URL, what="redis://host:port/db") if redis else None,
         tenants_file=tenants_file,
+        otlp_endpoint=tracing.string("otlpEndpoint", None, pattern=HTTP_URL,
+                                     what="an http(s):// URL of an OTLP/HTTP collector") if tracing else None,
     )
 
 

@@ -57,6 +57,8 @@ def engine_args(workload: WorkloadSpec, deployment: str) -> list[str]:
         args += ["--tenants", TENANTS_FILE]
     if workload.redis_url:
         args += ["--state-store", workload.redis_url, "--deployment", deployment]
+    if workload.otlp_endpoint:
+        args += ["--otlp-endpoint", workload.otlp_endpoint]
     return args
 
 

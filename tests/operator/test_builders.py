@@ -15,8 +15,9 @@ from sits.operator.meta import Owner
 from sits.operator.monitoring import ALERT_NAME
 from sits.operator.plan import Plan, TrackPlan
 from sits.operator.revisions import revision_of
-from sits.operator.spec import parse_spec
+from sits.operator.spec import parse_spec, parse_workload
 from sits.operator.tenants import resolve_tenants
+from sits.runtime.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = yaml.safe_load((ROOT / "examples" / "sitsdeployment.yaml").read_text())
@@ -98,6 +99,23 @@ def test_runtime_flags_follow_the_spec():
     eager = parse_spec({**EXAMPLE["spec"], "engine": {"cudaGraphs": False}, "gpusPerReplica": 0}, "x").workload
     args = container(objects(plan=Plan(TrackPlan(eager, "r", 1), TrackPlan(eager, "r", 0)))[("Deployment", "llama3-8b-stable")])["args"]
     assert "--enforce-eager" in args and args[args.index("--device") + 1] == "cpu"
+
+
+def stable_container(spec):
+    plan = Plan(TrackPlan(spec.workload, "r", 1), TrackPlan(spec.workload, "r", 0))
+    return container(objects(spec, plan)[("Deployment", "llama3-8b-stable")])
+
+
+def test_tracing_passes_the_otlp_endpoint_to_the_runtime():
+    endpoint = "http://otel-collector.monitoring:4318"
+    traced = parse_spec({**EXAMPLE["spec"], "tracing": {"otlpEndpoint": endpoint}}, "llama3-8b")
+    args = stable_container(traced)["args"]
+    assert args[args.index("--otlp-endpoint") + 1] == endpoint
+    assert build_parser().parse_args(args).otlp_endpoint == endpoint  # a flag `sits serve` takes
+    for untraced in (SPEC, parse_spec({**EXAMPLE["spec"], "tracing": {}}, "llama3-8b")):
+        assert "--otlp-endpoint" not in stable_container(untraced)["args"]
+    assert revision_of(OWNER, traced.workload) != REVISION  # turning tracing on rolls out as a canary
+    assert parse_workload(traced.workload.to_dict(), "status.stableSpec") == traced.workload
 
 
 def test_nccl_env_in_the_spec_overrides_the_defaults():

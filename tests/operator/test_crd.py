@@ -122,6 +122,7 @@ MAXIMAL = {
                                                           "name": "gw", "namespace": "infra", "sectionName": "https",
                                                           "port": 443}]}}},
     "monitoring": {"serviceMonitor": True, "prometheusRule": True},
+    "tracing": {"otlpEndpoint": "http://otel-collector:4318"},
 }
 
 
@@ -155,6 +156,7 @@ def test_every_field_the_crd_allows_the_operator_accepts():
     assert parsed.rollout.gateway_api.parent_refs[0] == tuple(sorted(MAXIMAL["rollout"]["trafficRouting"]
                                                                       ["gatewayAPI"]["parentRefs"][0].items()))
     assert parsed.workload.resources == (("requests", (("cpu", "8"),)), ("limits", (("memory", "64Gi"),)))
+    assert parsed.workload.otlp_endpoint == "http://otel-collector:4318"
 
 
 def test_every_status_field_the_operator_writes_survives_pruning():

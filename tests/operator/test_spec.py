@@ -87,6 +87,8 @@ def test_minimal_spec_takes_the_defaults():
      "spec.tenancy.tenants[0].priority", "<= 3"),
     ("tenancy", {"tenants": [{"name": "a"}]}, "spec.tenancy.tenants[0].apiKeySecretRef", "required"),
     ("monitoring", {"serviceMonitor": "yes"}, "spec.monitoring.serviceMonitor", "true or false"),
+    ("tracing", {"otlpEndpoint": "otel-collector:4318"}, "spec.tracing.otlpEndpoint", "http(s)://"),
+    ("tracing", {"endpoint": "http://otel:4318"}, "spec.tracing.endpoint", "did you mean otlpEndpoint"),
     ("colour", "blue", "spec.colour", "unknown field"),
 ])
 def test_invalid_fields_are_named(path, value, field, words):

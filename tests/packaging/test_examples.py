@@ -80,6 +80,7 @@ def test_the_full_example_sets_every_field_of_the_schema():
     (("spec", "tenancy", "tenants", 0, "kvCacheShare"), 1.5),
     (("spec", "rollout", "canary", "steps", 1, "pause", "duration"), "five minutes"),
     (("spec", "rollout", "canary", "analysis", "maxDeltaMs"), "fifty"),
+    (("spec", "tracing", "otlpEndpoint"), "otel-collector:4317"),
 ])
 def test_an_invalid_sitsdeployment_fails_the_schema(path, value):
     body = copy.deepcopy(load("sitsdeployment-full.yaml"))
