@@ -1,7 +1,9 @@
-"""Loading a model for serving: an HF directory, a GGUF file, or the embedded SmolLM2-135M-Instruct.
+"""Loading a model for serving: an HF directory, a GGUF file, an `hf://org/name` Hub repository, or the
+embedded SmolLM2-135M-Instruct.
 
 Every source ends up as an HF-style directory (config.json, tokenizer files, safetensors); a GGUF
-file is converted once into a cache directory (`sits.runtime.models.gguf_cache`). The model is built
+file is converted once into a cache directory (`sits.runtime.models.gguf_cache`); an hf:// repository
+is fetched into the Hugging Face cache by huggingface_hub (only here). The model is built
 on the meta device and materialised directly in the target dtype and device, so no memory is spent
 on a random initialisation that the checkpoint overwrites.
 """
@@ -37,6 +39,13 @@ __all__ = ["LoadedModel", "ModelLoadError", "build_random_model", "load_model", 
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+HF_SCHEME = "hf://"
+HF_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+HF_REVISION = re.compile(r"^[\w./-]+$")  # a branch, tag or commit hash
+# What loading reads: config.json, generation_config.json, tokenizer*.json, special_tokens_map.json,
+# the safetensors index, the weights and a chat template; top level only (original/, onnx/... hold other formats)
+HF_ALLOW_PATTERNS = ["*.json", "*.safetensors", "chat_template.jinja"]
+HF_IGNORE_PATTERNS = ["*/*"]
 
 
 @dataclass
@@ -183,6 +192,8 @@ def _resolve_source(model: str | None, progress: bool) -> tuple[Path, str, str]:
     if model is None:
         gguf_path = embedded_gguf_path()
         return cached_checkpoint_dir(gguf_path, progress=progress), gguf_model_name(gguf_path), f"embedded:{gguf_path}"
+    if model.startswith(HF_SCHEME):
+        return hf_snapshot_dir(model), model[len(HF_SCHEME):].partition("@")[0].rsplit("/", 1)[-1], model
     path = Path(model).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model path {model!r} does not exist (expected an HF directory or a .gguf file)")
@@ -191,6 +202,48 @@ def _resolve_source(model: str | None, progress: bool) -> tuple[Path, str, str]:
     if path.suffix.lower() == ".gguf":
         return cached_checkpoint_dir(path, progress=progress), gguf_model_name(path), str(path)
     raise ModelLoadError(f"model path {model!r} is neither a directory (config.json + *.safetensors) nor a .gguf file")
+
+
+def hf_snapshot_dir(uri: str) -> Path:
+    """The local directory of `hf://org/name[@revision]`, downloaded by huggingface_hub's snapshot_download.
+
+    Only the files loading reads are fetched, into the Hugging Face cache (HF_HOME / HF_HUB_CACHE);
+    HF_TOKEN opens private and gated repositories; with HF_HUB_OFFLINE=1 only the cache is read.
+    Raises:
+        ModelLoadError: a malformed URI, huggingface_hub missing, or the repository not obtainable.
+    """
+    repo_id, at, revision = uri[len(HF_SCHEME):].partition("@")
+    if not HF_REPO_ID.match(repo_id) or (at and not HF_REVISION.match(revision)):
+        raise ModelLoadError(f"model {uri!r} is not a Hugging Face repository: expected hf://org/name "
+                             "or hf://org/name@revision")
+    try:
+        from huggingface_hub import constants as hub
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.utils import (
+            GatedRepoError,
+            LocalEntryNotFoundError,
+            RepositoryNotFoundError,
+            RevisionNotFoundError,
+        )
+    except ImportError:
+        raise ModelLoadError(f"loading {uri} needs huggingface_hub: pip install huggingface_hub") from None
+    try:
+        return Path(snapshot_download(repo_id, revision=revision or None, allow_patterns=HF_ALLOW_PATTERNS,
+                                      ignore_patterns=HF_IGNORE_PATTERNS))
+    except LocalEntryNotFoundError:
+        why = "HF_HUB_OFFLINE is set" if hub.HF_HUB_OFFLINE else "the Hub could not be reached"
+        raise ModelLoadError(f"cannot load {uri}: it is not in the Hugging Face cache ({hub.HF_HUB_CACHE}) and "
+                             f"{why}; download it there first (hf download {repo_id})") from None
+    except GatedRepoError:
+        raise ModelLoadError(f"cannot load {uri}: the repository is gated; accept its terms on the Hub and set "
+                             "HF_TOKEN to a token of that account") from None
+    except RepositoryNotFoundError:
+        raise ModelLoadError(f"cannot load {uri}: no such repository on the Hub, or it is private "
+                             "(set HF_TOKEN to a token that can read it)") from None
+    except RevisionNotFoundError:
+        raise ModelLoadError(f"cannot load {uri}: the repository has no revision {revision!r}") from None
+    except Exception as exc:  # other HTTP answers, a full disk, the HTTP client's network errors (types vary)
+        raise ModelLoadError(f"cannot download {uri}: {type(exc).__name__}: {exc}") from exc
 
 
 def cached_checkpoint_dir(gguf_path: Path, progress: bool) -> Path:
