@@ -31,7 +31,8 @@ __all__ = ["SpecError", "SitsDeploymentSpec", "WorkloadSpec", "parse_spec", "par
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Which checkpoint, how. `uri`: pvc://claim/path, hf://org/name or file:///path in the image."""
+    """Which checkpoint, how. `uri`: pvc://claim/path, hf://org/name[@revision] (the runtime downloads it)
+    or file:///path in the image."""
 
     name: str
     uri: str
@@ -168,7 +169,7 @@ def parse_workload(data: Any, path: str, *, default_model_name: str | None = Non
     model = ModelSpec(
         name=model_fields.string("name", default_model_name, required=default_model_name is None),
         uri=model_fields.string("uri", required=True, pattern=MODEL_URI,
-                                what="pvc://claim/path, hf://org/name or file:///path"),
+                                what="pvc://claim/path, hf://org/name[@revision] or file:///path"),
         dtype=model_fields.string("dtype", "auto", choices=DTYPES),
         quantization=model_fields.string("quantization", "none", choices=QUANTIZATIONS),
         max_model_len=model_fields.integer("maxModelLen", None, minimum=1),

@@ -26,6 +26,7 @@ from sits.operator.tenants import TenantRecord
 CONFIG_DIR = "/etc/sits"
 TENANTS_FILE = f"{CONFIG_DIR}/tenants.yaml"
 MODEL_DIR = "/mnt/models"
+HF_CACHE_DIR = "/var/cache/huggingface"  # HF_HOME of pods serving hf:// models (an emptyDir)
 GPU_RESOURCE = "nvidia.com/gpu"
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 DRAIN_SECONDS = 45  # > the runtime's default 30 s drain, so in-flight requests finish on SIGTERM
@@ -68,14 +69,16 @@ def _model_path(uri: str) -> str:
         _claim, _, path = rest.partition("/")
         return f"{MODEL_DIR}/{path}".rstrip("/")
     if scheme == "hf":
-        return rest  # an HF repo id; the runtime resolves it
+        return uri  # the runtime downloads it (huggingface_hub) into HF_HOME at start
     return rest  # file:///path -> /path inside the image
 
 
 def _env(workload: WorkloadSpec) -> list[dict[str, Any]]:
     values = {"NCCL_SOCKET_NTHREADS": str(workload.nccl.socket_nthreads),
               "NCCL_MIN_NCHANNELS": str(workload.nccl.min_channels)}
-    values.update(dict(workload.nccl.env))  # the spec's own NCCL_* win over the defaults
+    if workload.model.uri.startswith("hf://"):
+        values["HF_HOME"] = HF_CACHE_DIR
+    values.update(dict(workload.nccl.env))  # the spec's own variables win over the defaults
     return [{"name": key, "value": values[key]} for key in sorted(values)]
 
 
@@ -104,6 +107,10 @@ def build_pod_template(owner: Owner, workload: WorkloadSpec, track: str | None =
         claim = workload.model.uri[len("pvc://"):].partition("/")[0]
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
         mounts.append({"name": "model", "mountPath": MODEL_DIR, "readOnly": True})
+    if workload.model.uri.startswith("hf://"):
+        # Downloaded once per pod: a restarted container finds the checkpoint in the emptyDir
+        volumes.append({"name": "hf-cache", "emptyDir": {}})
+        mounts.append({"name": "hf-cache", "mountPath": HF_CACHE_DIR})
     args = engine_args(workload, deployment_id(owner.namespace, owner.name)) + (["--track", track] if track else [])
     container: dict[str, Any] = {
         "name": "sits", "image": workload.image, "args": args,

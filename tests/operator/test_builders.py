@@ -118,6 +118,24 @@ def test_tracing_passes_the_otlp_endpoint_to_the_runtime():
     assert parse_workload(traced.workload.to_dict(), "status.stableSpec") == traced.workload
 
 
+def test_an_hf_model_reaches_the_runtime_as_its_uri_with_a_cache_that_outlives_restarts():
+    uri = "hf://HuggingFaceTB/SmolLM2-135M-Instruct"
+    spec = parse_spec({**EXAMPLE["spec"], "model": {"name": "smollm2", "uri": uri}}, "llama3-8b")
+    plan = Plan(TrackPlan(spec.workload, "r", 1), TrackPlan(spec.workload, "r", 0))
+    deployment = objects(spec, plan)[("Deployment", "llama3-8b-stable")]
+    main, pod = container(deployment), deployment["spec"]["template"]["spec"]
+    args = main["args"]
+    assert args[args.index("--model") + 1] == uri and build_parser().parse_args(args).model == uri
+    assert {"name": "HF_HOME", "value": "/var/cache/huggingface"} in main["env"]
+    assert {"name": "hf-cache", "emptyDir": {}} in pod["volumes"]
+    assert {"name": "hf-cache", "mountPath": "/var/cache/huggingface"} in main["volumeMounts"]
+    assert "model" not in {v["name"] for v in pod["volumes"]}  # no PVC to mount
+    kubernetes_validate.validate(deployment, "1.33", strict=True)
+    pvc_pod = objects()[("Deployment", "llama3-8b-stable")]["spec"]["template"]["spec"]  # pvc://models/llama-3-8b
+    assert "hf-cache" not in {v["name"] for v in pvc_pod["volumes"]}
+    assert "HF_HOME" not in {e["name"] for e in pvc_pod["containers"][0]["env"]}
+
+
 def test_nccl_env_in_the_spec_overrides_the_defaults():
     spec = parse_spec({**EXAMPLE["spec"], "nccl": {"env": {"NCCL_SOCKET_NTHREADS": "2"}}}, "x")
     plan = Plan(TrackPlan(spec.workload, "r", 1), TrackPlan(spec.workload, "r", 0))
