@@ -54,6 +54,7 @@ class RedisLink:
         self._down_logged = False
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._stopping = False
 
     async def start(self, started_message: str) -> None:
         """Connect once (an outage is logged, not raised) and start the writer task."""
@@ -69,6 +70,10 @@ class RedisLink:
         self._task = asyncio.create_task(self._run(), name="sits-state-store")
 
     async def stop(self) -> None:
+        # The flag ends the writer even if a cancellation gets lost in a wait that completes at the
+        # same moment, so closing never hangs.
+        self._stopping = True
+        self._wake.set()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -106,7 +111,7 @@ class RedisLink:
             log.warning("state store %s: batched write failed: %s", self.url, error)
 
     async def _run(self) -> None:
-        while True:
+        while not self._stopping:
             try:
                 await self._loop()
             except asyncio.CancelledError:
@@ -117,11 +122,15 @@ class RedisLink:
 
     async def _loop(self) -> None:
         backoff = self.backoff_initial_s
-        while True:
+        while not self._stopping:
             if self.up:
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), self.flush_interval_s)
+                # asyncio.timeout, unlike wait_for on Python 3.11, never swallows a cancellation.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self.flush_interval_s):
+                        await self._wake.wait()
                 self._wake.clear()
+                if self._stopping:
+                    return
                 await self.flush()
                 continue
             await asyncio.sleep(backoff)

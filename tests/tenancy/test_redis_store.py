@@ -94,7 +94,9 @@ async def test_rate_windows_are_shared_and_exact_across_replicas(stores):
     admitted = await asyncio.gather(*[(a if i % 2 else b).admit("t", now, limits, 1) for i in range(25)])
     assert sum(x.allowed for x in admitted) == 10
     assert all(x.shared for x in admitted if x.allowed)
-    # A replica that already knows the tenant is over the limit refuses with no round trip.
+    # A replica that already knows the tenant is over the limit (from its last round trip, which
+    # saw every replica's counts) refuses with no round trip.
+    assert not (await a.admit("t", now, limits, 1)).allowed
     refused = await a.admit("t", now, limits, 1)
     assert not refused.allowed and not refused.shared
 
