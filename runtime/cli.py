@@ -17,6 +17,7 @@ COMMANDS: dict[str, str] = {
     "serve": "sits.runtime.commands.serve",
     "generate": "sits.runtime.commands.generate",
     "bench": "sits.runtime.commands.bench",
+    "operator": "sits.operator.__main__",
 }
 
 

@@ -28,8 +28,9 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model")
-    model.add_argument("--model", default=None, metavar="PATH",
-                       help="HF directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    model.add_argument("--model", default=None, metavar="PATH|URI",
+                       help="HF directory, .gguf file or hf://org/name[@revision] "
+                            "(default: the embedded SmolLM2-135M-Instruct)")
     model.add_argument("--served-model-name", default=None, help="the OpenAI model id (default: the model's name)")
     model.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: float32 on CPU, bfloat16 on CUDA")
     model.add_argument("--device", default="auto", help="auto, cpu or cuda (auto: cuda when available)")

@@ -26,6 +26,16 @@ def test_the_subcommand_registers_with_the_sits_cli_and_parses_its_flags():
     assert (defaults.namespace, defaults.webhook_port, defaults.health_port) == (None, 8081, 8080)
 
 
+def test_sits_operator_is_a_subcommand_of_the_sits_command(capsys):
+    from sits.runtime.cli import main as sits_main
+
+    assert sits_main(["operator", "--webhook-port", "70000"]) == 2
+    assert capsys.readouterr().err.strip() == "sits operator: error: --webhook-port must be between 0 and 65535, got 70000"
+    with_help = subprocess.run([sys.executable, "-m", "sits.runtime", "operator", "--help"], capture_output=True,
+                               text=True, timeout=60)
+    assert with_help.returncode == 0 and "--webhook-port" in with_help.stdout
+
+
 def test_bad_flags_are_one_line_errors(capsys):
     assert main(["--webhook-port", "70000"]) == 2
     assert capsys.readouterr().err.strip() == "sits operator: error: --webhook-port must be between 0 and 65535, got 70000"
