@@ -1,0 +1,227 @@
+"""The engine's host work per decode step, phase by phase, on a CPU.
+
+A GPU decode step of an 8B model is ~6-8 ms of device work; whatever the engine does on the host
+between two steps (schedule, build the batch, wait for and read the sampled tokens, update the
+sequences, detokenize and build the outputs) is time the GPU idles unless it overlaps the next step.
+This benchmark measures that host work where it can be measured without a GPU: the real engine
+(`LLMEngine`) over the real `tiny` Llama (2 layers, hidden 64, torch attention back end, float32),
+whose forward is cheap and is timed apart and subtracted. Every phase is timed with perf_counter
+around the engine's own calls (wrapped on the instances, not replaced):
+
+    schedule   Scheduler.schedule
+    inputs     the runner building the step's flat batch (block tables, positions, slots, copy)
+    forward    the model forward (model compute: subtracted)
+    logits     the LM head on the sampled rows (model compute: subtracted)
+    sample     the Sampler (token choice, ids back to Python)
+    update     Scheduler.update_from_output (+ finishing sequences)
+    outputs    OutputProcessor.process (detokenization, stop strings, RequestOutput snapshots)
+    other      the rest of LLMEngine.step
+    host       step - forward - logits: the figure a GPU would idle for, were nothing overlapped
+
+The batch: `batch` requests whose prompts share all but their last block (so one prefill computes
+the shared context and the others hit the prefix cache: no slow CPU prefill of batch x context
+tokens), each generating `warmup + steps` tokens greedily with EOS ignored, through
+`TokenIdTokenizer` (what `sits bench --config` detokenizes with). Only the `steps` decode-only steps
+after the warm-up are timed, with every context at ~`context` tokens (block tables of context / 16
+blocks). Figures are medians over those steps (the machine's other work shows up as outliers).
+
+    python benchmarks/bench_engine_host_overhead.py [--batches 1 32 256] [--context 2048] [--steps 24]
+
+With `--async-scheduling both` (the default when the engine has the switch) each batch runs twice in
+the same process, the overlap off then on, and the table puts them side by side; on a CPU the
+forward runs synchronously on the calling thread, so the overlap cannot hide anything here: the
+figure to compare is the host work itself, which on a GPU runs while the device computes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import platform
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from sits.runtime.attention.torch_ref import TorchAttentionBackend
+from sits.runtime.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from sits.runtime.engine import runner as runner_module
+from sits.runtime.engine.engine import LLMEngine
+from sits.runtime.engine.request import SamplingParams
+from sits.runtime.models.presets import preset_config
+from sits.runtime.models.random_model import random_loaded_model
+
+PHASES = ("schedule", "inputs", "forward", "logits", "sample", "update", "outputs", "other")
+MODEL_PHASES = ("forward", "logits")
+BLOCK_SIZE = 16
+
+
+class PhaseClock:
+    """Accumulates perf_counter seconds per phase within one engine step."""
+
+    def __init__(self) -> None:
+        self.current: dict[str, float] = defaultdict(float)
+        self.depth = 0
+
+    def wrap(self, phase: str, function: Callable) -> Callable:
+        @functools.wraps(function)
+        def timed(*args, **kwargs):
+            self.depth += 1
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.depth -= 1
+                if self.depth == 0 or phase in MODEL_PHASES:  # nested calls count once, model time always
+                    self.current[phase] += time.perf_counter() - start
+
+        return timed
+
+    def take(self) -> dict[str, float]:
+        step, self.current = dict(self.current), defaultdict(float)
+        return step
+
+
+def instrument(engine: LLMEngine, clock: PhaseClock) -> None:
+    """Time the engine's calls by wrapping them on the instances (the engine runs unchanged)."""
+    runner = engine.runner
+    engine.scheduler.schedule = clock.wrap("schedule", engine.scheduler.schedule)
+    engine.scheduler.update_from_output = clock.wrap("update", engine.scheduler.update_from_output)
+    engine.output_processor.process = clock.wrap("outputs", engine.output_processor.process)
+    if hasattr(runner, "prepare_input"):  # the persistent batch builds the step's inputs
+        runner.prepare_input = clock.wrap("inputs", runner.prepare_input)
+    else:  # a module function the runner calls
+        original = runner_module.build_model_input
+        runner_module.build_model_input = clock.wrap("inputs", original)
+    runner._forward = clock.wrap("forward", runner._forward)
+    runner.model.compute_logits = clock.wrap("logits", runner.model.compute_logits)
+    runner.sampler.__class__ = type("TimedSampler", (runner.sampler.__class__,), {
+        "__call__": clock.wrap("sample", runner.sampler.__class__.__call__)})
+
+
+@dataclasses.dataclass
+class RunFigures:
+    batch: int
+    mode: str
+    steps: int
+    phase_us: dict[str, float]  # median µs per step
+    step_us: float
+    host_us: float
+    context: int
+
+
+def build_engine(loaded, batch: int, context: int, total_new: int, async_mode: bool | None) -> LLMEngine:
+    blocks_per_seq = -(-(context + total_new) // BLOCK_SIZE)
+    config = EngineConfig(
+        model=ModelConfig(device="cpu", dtype="float32", max_model_len=context + total_new + BLOCK_SIZE),
+        cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=blocks_per_seq + batch * (4 + total_new // BLOCK_SIZE)),
+        scheduler=SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=max(2048, context + BLOCK_SIZE)),
+    )
+    if async_mode is not None:
+        config.async_scheduling = async_mode
+    return LLMEngine.from_loaded(loaded, config)
+
+
+def run_batch(loaded, batch: int, context: int, warmup: int, steps: int, async_mode: bool | None) -> RunFigures:
+    total_new = warmup + steps
+    prompt_len = context - warmup
+    shared = (prompt_len - 1) // BLOCK_SIZE * BLOCK_SIZE  # every prompt differs in its last block only
+    generator = torch.Generator().manual_seed(batch)
+    vocab = loaded.config.vocab_size
+    common = torch.randint(3, vocab, (shared,), generator=generator).tolist()
+    engine = build_engine(loaded, batch, context, total_new, async_mode)
+    params = SamplingParams(temperature=0.0, max_tokens=total_new, ignore_eos=True)
+    produced = 0
+    for index in range(batch):
+        tail = torch.randint(3, vocab, (prompt_len - shared,), generator=generator).tolist()
+        engine.add_request(f"r{index}", common + tail, params)
+        if index == 0:  # its prefill caches the shared blocks, which the others then hit
+            produced += _count_tokens(engine.step())
+    clock = PhaseClock()
+    instrument(engine, clock)
+    timed: list[tuple[float, dict[str, float]]] = []
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        outputs = engine.step()
+        elapsed = time.perf_counter() - start
+        phases = clock.take()
+        produced_before = produced
+        produced += _count_tokens(outputs)
+        # Time only steady decode steps: every sequence past its warm-up tokens, none finishing.
+        decoding = produced_before >= batch * warmup and produced - produced_before == batch
+        if decoding and len(timed) < steps and not any(o.finished for o in outputs):
+            timed.append((elapsed, phases))
+    if len(timed) < steps // 2:
+        raise RuntimeError(f"only {len(timed)} steady decode steps were measured at batch {batch}")
+    if produced != batch * total_new:
+        raise RuntimeError(f"the engine produced {produced} tokens, expected {batch * total_new}")
+    medians = {}
+    for phase in PHASES[:-1]:
+        medians[phase] = statistics.median(p.get(phase, 0.0) for _, p in timed) * 1e6
+    step_us = statistics.median(e for e, _ in timed) * 1e6
+    host = statistics.median(e - sum(p.get(m, 0.0) for m in MODEL_PHASES) for e, p in timed) * 1e6
+    medians["other"] = statistics.median(e - sum(p.values()) for e, p in timed) * 1e6
+    mode = "sync" if async_mode is None else ("async" if async_mode else "sync")
+    return RunFigures(batch, mode, len(timed), medians, step_us, host, context)
+
+
+def _count_tokens(outputs) -> int:
+    return sum(len(c.token_ids_delta) for o in outputs for c in o.outputs)
+
+
+def print_table(results: list[RunFigures]) -> None:
+    modes = sorted({r.mode for r in results}, reverse=True)
+    header = ["phase (µs / step, median)"] + [f"B{r.batch} {r.mode}" if len(modes) > 1 else f"B{r.batch}"
+                                              for r in results]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for phase in PHASES:
+        tag = " (model)" if phase in MODEL_PHASES else ""
+        print("| " + " | ".join([phase + tag] + [f"{r.phase_us[phase]:,.0f}" for r in results]) + " |")
+    print("| " + " | ".join(["**host** (step - model)"] + [f"**{r.host_us:,.0f}**" for r in results]) + " |")
+    print("| " + " | ".join(["host µs per sequence"] + [f"{r.host_us / r.batch:,.1f}" for r in results]) + " |")
+    print("| " + " | ".join(["step (wall)"] + [f"{r.step_us:,.0f}" for r in results]) + " |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 32, 256])
+    parser.add_argument("--context", type=int, default=2048, help="tokens per sequence while timed")
+    parser.add_argument("--steps", type=int, default=24, help="decode steps timed per batch")
+    parser.add_argument("--warmup", type=int, default=4, help="decode steps before timing")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--async-scheduling", choices=("both", "on", "off"), default="both",
+                        help="the engine's overlap switch (ignored when the engine has none)")
+    parser.add_argument("--json", default=None, metavar="PATH")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    has_switch = "async_scheduling" in {f.name for f in dataclasses.fields(EngineConfig)}
+    modes: list[bool | None] = [None]
+    if has_switch:
+        modes = {"both": [False, True], "on": [True], "off": [False]}[args.async_scheduling]
+    shape = preset_config("tiny")
+    loaded = random_loaded_model(shape, TorchAttentionBackend(), "cpu", torch.float32, seed=0,
+                                 max_positions=args.context + args.warmup + args.steps + 2 * BLOCK_SIZE, name="tiny")
+    results = []
+    for batch in args.batches:
+        for mode in modes:
+            figures = run_batch(loaded, batch, args.context, args.warmup, args.steps, mode)
+            results.append(figures)
+            print(f"batch {batch} {figures.mode}: host {figures.host_us:,.0f} µs / step "
+                  f"({figures.steps} steps timed)", file=sys.stderr)
+    print(f"\nengine host work per decode step: tiny Llama (torch back end, fp32), context ~{args.context}, "
+          f"{args.threads} torch thread(s), {platform.processor() or platform.machine()}, torch {torch.__version__}")
+    print_table(results)
+    if args.json:
+        Path(args.json).write_text(json.dumps([dataclasses.asdict(r) for r in results], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
