@@ -4,6 +4,8 @@ and preemption spares tenants within their guarantee, lowest priority first."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from sits.runtime.attention.torch_ref import TorchAttentionBackend
@@ -12,8 +14,9 @@ from sits.runtime.engine.engine import LLMEngine
 from sits.runtime.engine.request import SamplingParams
 from sits.runtime.models.loading import load_model
 from sits.runtime.tenancy.config import TenancyConfig
+from sits.runtime.tenancy.kv_policy import TenantEvictionPolicy
 from sits.runtime.tenancy.memory_store import MemoryStateStore
-from sits.runtime.tenancy.request_ids import new_request_id
+from sits.runtime.tenancy.request_ids import RequestIdGenerator, new_request_id
 from sits.runtime.tenancy.service import Tenancy
 from sits.runtime.tenancy.tenants import Tenant, TenantTable
 
@@ -121,3 +124,58 @@ def test_preemption_spares_tenants_within_their_guarantee_and_takes_the_lowest_p
     assert preempted.get("bronze", 0) >= 1
     # The same squeeze without shards preempts by priority alone: silver goes first.
     assert squeeze(make_engine(tiny, table, num_blocks=16, tenancy=False), table).get("silver", 0) >= 1
+
+
+class RecordingPolicy(TenantEvictionPolicy):
+    """The real policy, remembering the blocks it gave up, in order."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.victims: list[int] = []
+
+    def pop_victim(self, requester):
+        block = super().pop_victim(requester)
+        if block is not None:
+            self.victims.append(block.block_id)
+        return block
+
+
+def test_eviction_order_through_the_engine_follows_the_score(tiny):
+    """Finished requests leave their prompt blocks cached; a prompt needing the whole cache evicts
+    them all, lowest t x (1 + 0.2 x priority) first, t read from each request's UUIDv7."""
+    table = TenantTable([Tenant("gold", priority=3), Tenant("bronze", priority=0)])
+    engine_start = time.time() - 1000.0
+    policies: list[RecordingPolicy] = []
+
+    def policy(num_blocks: int) -> RecordingPolicy:
+        policies.append(RecordingPolicy(num_blocks, table, engine_start=engine_start))
+        return policies[0]
+
+    config = EngineConfig(model=ModelConfig(device="cpu", dtype="float32", max_model_len=64),
+                          cache=CacheConfig(block_size=BLOCK, num_blocks=16),
+                          scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256))
+    engine = LLMEngine.from_loaded(tiny, config, eviction_policy=policy)
+    script = [("gold", 100.0), ("bronze", 200.0), ("gold", 300.0), ("bronze", 400.0), ("bronze", 600.0),
+              ("gold", 500.0)]
+    blocks_of: dict[int, float] = {}
+    for index, (tenant, t) in enumerate(script):
+        when_ns = int((engine_start + t) * 1e9)
+        request_id = RequestIdGenerator(clock_ns=lambda when_ns=when_ns: when_ns).new()
+        params = SamplingParams(temperature=0.0, max_tokens=1)
+        prompt = list(range(1000 + 20 * index, 1000 + 20 * index + 2 * BLOCK + 1))  # 2 full blocks to cache
+        engine.add_request(request_id, prompt, params, tenant=tenant, priority=table.get(tenant).priority,
+                           cache_salt=table.prefix_salt(table.get(tenant)))
+        engine.step()  # prefill and sample: finished, its 2 full blocks stay cached
+        score = t * (1 + 0.2 * table.get(tenant).priority)
+        blocks_of.update({block.block_id: score for block in engine.kv_cache.pool.blocks
+                          if block.block_hash is not None and block.block_id not in blocks_of})
+    assert len(blocks_of) == 12 and not engine.has_unfinished_requests()
+    submit(engine, table, "bronze", prompt_len=16 * BLOCK - 1, max_tokens=1, first_token=5000)  # all 16 blocks
+    drive(engine)
+    recording = policies[0]
+    assert len(recording.victims) == 12
+    scores = [blocks_of[block] for block in recording.victims]
+    assert scores == sorted(scores)
+    # gold's priority keeps its t=300 blocks (score 480) longer than bronze's younger t=400 ones.
+    assert scores == [160.0] * 2 + [200.0] * 2 + [400.0] * 2 + [480.0] * 2 + [600.0] * 2 + [800.0] * 2
+    assert recording.evictions_total == {"gold": 6, "bronze": 6}

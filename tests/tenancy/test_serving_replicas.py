@@ -4,6 +4,7 @@ killing Redis mid-load fails no request; when Redis returns, each replica writes
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import sys
 import threading
@@ -16,6 +17,8 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
+from sits.operator.tenancy_sync import sync_tenant_table
+from sits.operator.tenants import TenantRecord
 from tests.support.services import RunningService, free_port, redis_server, started
 
 DEPLOYMENT = "llm.replicas"
@@ -96,6 +99,22 @@ def test_two_replicas_enforce_one_tenants_requests_per_minute(cluster):
     assert sum(metric(r, "sits_rate_limited_total", tenant="metered") for r in cluster.replicas) == RPM
     counts = cluster.client().hgetall(f"sits:{DEPLOYMENT}:rl:metered:{window}")
     assert sum(int(v) for k, v in counts.items() if k.startswith("r:")) == RPM
+
+
+def test_the_operator_updates_tenants_live_through_redis(cluster):
+    newcomer_key = "sk-newcomer-5b2e"
+    digest = hashlib.sha256
+    records = [TenantRecord("finance", digest(FINANCE.encode()).hexdigest(), priority=3, kv_cache_share=0.5),
+               TenantRecord("metered", digest(METERED.encode()).hexdigest(), requests_per_minute=RPM),
+               TenantRecord("newcomer", digest(newcomer_key.encode()).hexdigest(), kv_cache_share=0.2)]
+    namespace, name = DEPLOYMENT.split(".")
+    assert all(complete(r.url, newcomer_key).status_code == 401 for r in cluster.replicas)
+    result = sync_tenant_table(f"redis://127.0.0.1:{cluster.redis_port}/0", namespace, name, records)
+    assert result.synced, result.message
+    # Each replica polls the table's version every 2 s and swaps the new table in.
+    wait_until(lambda: all(complete(r.url, newcomer_key).status_code == 200 for r in cluster.replicas), 15,
+               "the new tenant's key accepted by both replicas")
+    assert all(metric(r, "sits_kv_blocks_guaranteed", tenant="newcomer") == 12 for r in cluster.replicas)
 
 
 class Load:
