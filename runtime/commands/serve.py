@@ -35,6 +35,10 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     server.add_argument("--track", default=ServerConfig.track, help="metrics label: stable or canary")
     server.add_argument("--drain-timeout", type=float, default=ServerConfig.drain_timeout_s, metavar="SECONDS",
                         help="on SIGTERM, how long in-flight requests may finish before they are aborted")
+    server.add_argument("--max-waiting-requests", type=int, default=None, metavar="N",
+                        help="sequences that may wait behind the running batch (a request counts n x prompts); "
+                             "beyond them requests get 503 with Retry-After before the engine sees them "
+                             "(default: twice --max-num-seqs)")
     server.add_argument("--otlp-endpoint", default=None, metavar="URL",
                         help="export request traces (queue, prefill, decode, detokenize spans) over OTLP/HTTP to "
                              "this collector, e.g. http://otel-collector:4318 (off by default; needs sits[tracing])")
@@ -75,6 +79,9 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     config.validate()
     if config.drain_timeout_s < 0:
         raise ConfigError(f"--drain-timeout must be >= 0, got {config.drain_timeout_s}")
+    max_waiting = getattr(args, "max_waiting_requests", None)
+    if max_waiting is not None and max_waiting < 0:
+        raise ConfigError(f"--max-waiting-requests must be >= 0, got {max_waiting}")
     return config
 
 
@@ -117,12 +124,15 @@ def run(args: argparse.Namespace) -> int:
         return engine
     engine.add_periodic(tenancy.publish_eviction_index, EVICTION_INDEX_INTERVAL_S)
     app = build_app(engine, server_config, served_model_name=engine_config.model.served_model_name,
-                    tenancy=tenancy)
+                    tenancy=tenancy, max_waiting_requests=args.max_waiting_requests)
     app.state.ctx.tracer = tracer
     host, port = sock.getsockname()[:2]
     url_host = f"[{host}]" if ":" in host else host
     logger.info("serving %s at http://%s:%d/v1 (track %s)", app.state.ctx.model_name, url_host, port,
                 server_config.track)
+    if app.state.admission is not None:
+        logger.info("admission: %d sequences running + %d waiting, then 503 with Retry-After",
+                    app.state.admission.max_running, app.state.admission.max_waiting)
     logger.info("tenancy: %s, %d tenant(s), state store %s (deployment %s)", tenancy.authenticator.mode.value,
                 len(tenancy.table), redact_url(tenancy.config.state_store), tenancy.config.deployment)
     return run_server(app, engine, sock, server_config.drain_timeout_s, args.log_level)

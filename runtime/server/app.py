@@ -16,6 +16,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from sits.runtime.config import ServerConfig
+from sits.runtime.server.admission import AdmissionCollector, AdmissionControl, default_max_waiting
 from sits.runtime.server.chat import ChatCompletions
 from sits.runtime.server.completions import Completions
 from sits.runtime.server.errors import install_error_handlers, model_not_found
@@ -36,7 +37,8 @@ GENERATION_PATHS = {"/v1/chat/completions", "/v1/completions"}
 def build_app(engine: Any, server_config: ServerConfig | None = None, *, served_model_name: str | None = None,
               tenant_resolver: TenantResolver | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               manage_engine: bool = True, usage_observer: Callable[[str, int, int], None] | None = None,
-              tenancy: Any = None) -> FastAPI:
+              tenancy: Any = None, max_waiting_requests: int | None = None,
+              retry_after_s: float = 1.0) -> FastAPI:
     """The server app around an AsyncEngine.
 
     Args:
@@ -49,6 +51,10 @@ def build_app(engine: Any, server_config: ServerConfig | None = None, *, served_
         tenancy: a `sits.runtime.tenancy.service.Tenancy` (API keys, limits, salts, usage, its
             metrics), started and closed with the app; it provides the resolver and usage observer
             unless those are given. The engine should have been built with `tenancy.engine_hooks()`.
+        max_waiting_requests: sequences that may wait behind the engine's running batch; more get
+            503 + Retry-After (`sits.runtime.server.admission`). None: twice the engine's max_num_seqs.
+            Needs an engine that tells its max_num_seqs; otherwise nothing is bounded.
+        retry_after_s: the Retry-After of those 503s.
     """
     config = server_config or ServerConfig()
     model_name = served_model_name or engine.model_name
@@ -60,8 +66,12 @@ def build_app(engine: Any, server_config: ServerConfig | None = None, *, served_
         usage_observer = usage_observer or tenancy.observe_usage
         prompt_observer = tenancy.observe_prompt
         metrics.register(tenancy.collector(model_name, config.track))
+    admission = _admission(engine, max_waiting_requests, retry_after_s)
+    if admission is not None:
+        metrics.register(AdmissionCollector(admission, model_name, config.track))
     ctx = ServingContext(engine=engine, model_name=model_name, metrics=metrics, lifecycle=lifecycle,
-                         usage_observer=usage_observer, prompt_observer=prompt_observer)
+                         usage_observer=usage_observer, prompt_observer=prompt_observer, admission=admission)
+    ctx.max_prompt_chars  # noqa: B018 - read once from the vocabulary now, not on the first request
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -86,11 +96,13 @@ def build_app(engine: Any, server_config: ServerConfig | None = None, *, served_
     app.state.metrics = metrics
     app.state.server_config = config
     app.state.tenant_resolver = tenant_resolver or SingleTenantResolver()
+    app.state.admission = admission
     install_error_handlers(app)
     # Innermost first: the tenant gate answers 401 / 429 before the body is read, inside the
     # generation gate, which counts those answers under the request's tenant.
     app.add_middleware(TenantGate, generation_paths=GENERATION_PATHS)
-    app.add_middleware(GenerationGate, lifecycle=lifecycle, metrics=metrics, paths=GENERATION_PATHS)
+    app.add_middleware(GenerationGate, lifecycle=lifecycle, metrics=metrics, paths=GENERATION_PATHS,
+                       admission=admission)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     chat = ChatCompletions(ctx)
     completions = Completions(ctx)
@@ -150,3 +162,13 @@ def build_app(engine: Any, server_config: ServerConfig | None = None, *, served_
         return Response(metrics.exposition(), media_type=CONTENT_TYPE)
 
     return app
+
+
+def _admission(engine: Any, max_waiting: int | None, retry_after_s: float) -> AdmissionControl | None:
+    """The bounded queue for this engine, sized from its max_num_seqs (None if it does not say)."""
+    config = getattr(getattr(engine, "engine", None), "config", None)
+    max_running = getattr(getattr(config, "scheduler", None), "max_num_seqs", None)
+    if not isinstance(max_running, int):
+        return None
+    waiting = default_max_waiting(max_running) if max_waiting is None else max_waiting
+    return AdmissionControl(max_running=max_running, max_waiting=waiting, retry_after_s=retry_after_s)

@@ -12,7 +12,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from sits.runtime.engine.request import RequestOutput
-from sits.runtime.server.errors import as_openai_error
+from sits.runtime.server.errors import as_openai_error, invalid_request
 from sits.runtime.server.logprobs import LogprobFormatter
 from sits.runtime.server.protocol import ChatCompletionRequest, ChatMessage
 from sits.runtime.server.request_ids import new_request_id
@@ -34,8 +34,9 @@ class ChatCompletions:
         self.ctx = ctx
         self.logprobs = LogprobFormatter(ctx.tokenizer)
 
-    def prompt_token_ids(self, messages: list[ChatMessage]) -> list[int]:
+    async def prompt_token_ids(self, messages: list[ChatMessage]) -> list[int]:
         """The prompt exactly as transformers' apply_chat_template(..., add_generation_prompt=True) renders it."""
+        self._check_size(messages)
         conversation = []
         for message in messages:
             # OpenAI's "developer" role is the system prompt for models trained without it.
@@ -46,7 +47,21 @@ class ChatCompletions:
             conversation.append(entry)
         # ChatTemplateError (the template rejected the conversation) is a 400 naming `messages`.
         text = self.ctx.tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
-        return self.ctx.tokenizer.encode(text, add_special_tokens=False)
+        return await self.ctx.encode(text, add_special_tokens=False, param="messages", name="messages")
+
+    def _check_size(self, messages: list[ChatMessage]) -> None:
+        """400 before rendering a conversation that cannot fit the context (or is not valid Unicode).
+
+        Every rendered message costs at least one token (its role markers), and the texts' lengths
+        are bounded by `ServingContext.max_prompt_chars`: both without the work of rendering.
+        """
+        limit = self.ctx.max_model_len
+        if len(messages) >= limit:
+            raise invalid_request(
+                f"This model's maximum context length is {limit} tokens. However, your messages are "
+                f"{len(messages)} messages, which leave no room to generate. Please send fewer messages.",
+                param="messages", code="context_length_exceeded")
+        self.ctx.check_text("".join(m.text() + (m.name or "") for m in messages), "messages", "messages")
 
     async def __call__(self, body: ChatCompletionRequest, tenant: str, request: Request) -> Response:
         arrival = time.perf_counter()
@@ -54,7 +69,8 @@ class ChatCompletions:
         self.ctx.check_ready()
         body.check_combination()
         salt = request_cache_salt(request, body.shared_prefix)  # 400 before the work of tokenizing
-        prompt_ids = self.prompt_token_ids(body.messages)
+        self.ctx.admit(request, body.n)  # 503 when the server is full, before any work for it
+        prompt_ids = await self.prompt_token_ids(body.messages)
         limit_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = output_budget(len(prompt_ids), body.output_limit, self.ctx.max_model_len, default=None,
                                    param=limit_param, prompt_name="messages")

@@ -40,13 +40,18 @@ class Completions:
         self.ctx = ctx
         self.logprobs = LogprobFormatter(ctx.tokenizer)
 
-    def prompt_token_ids(self, body: CompletionRequest) -> list[list[int]]:
+    async def prompt_token_ids(self, body: CompletionRequest) -> list[list[int]]:
         prompts = body.prompts()
         param = "prompt"
+        for prompt in prompts:  # every prompt checked before any is tokenized
+            if isinstance(prompt, str):
+                self.ctx.check_text(prompt, param)
+            else:
+                self.ctx.check_token_ids(prompt, param)
         result = []
         for prompt in prompts:
             if isinstance(prompt, str):
-                token_ids = self.ctx.tokenizer.encode(prompt, add_special_tokens=True)
+                token_ids = await self.ctx.encode(prompt, add_special_tokens=True, param=param)
             else:
                 token_ids = prompt
             result.append(self.ctx.check_token_ids(token_ids, param))
@@ -58,7 +63,9 @@ class Completions:
         self.ctx.check_ready()
         body.check_combination()
         salt = request_cache_salt(request, body.shared_prefix)  # 400 before the work of tokenizing
-        prompts = self.prompt_token_ids(body)
+        # n choices of each prompt: 503 when the server is full, 400 when it could never fit
+        self.ctx.admit(request, body.n * len(body.prompts()), param="n" if body.n > 1 else "prompt")
+        prompts = await self.prompt_token_ids(body)
         budgets = [output_budget(len(ids), body.max_tokens, self.ctx.max_model_len, default=DEFAULT_MAX_TOKENS,
                                  param="max_tokens", prompt_name="prompt") for ids in prompts]
         params = [sampling_params(body, max_tokens=budget, logprobs=body.logprobs) for budget in budgets]

@@ -23,6 +23,8 @@ from sits.runtime.models.chat_template import ChatTemplateError
 
 logger = logging.getLogger("sits.server")
 
+FASTAPI_BODY_PARSE_ERROR = "There was an error parsing the body"
+
 # OpenAI's error `type` per HTTP status (the official client maps the status to its exception class).
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -123,6 +125,10 @@ def http_error(request: Request, error: StarletteHTTPException) -> OpenAIError:
     if error.status_code == 405:
         return OpenAIError(405, f"Method {request.method} is not allowed for {request.url.path}.",
                            code="method_not_allowed", headers=dict(error.headers or {}))
+    if error.status_code == 400 and error.detail == FASTAPI_BODY_PARSE_ERROR:
+        # FastAPI's answer for bytes that are not UTF-8, or JSON its parser refuses (e.g. nested too deep)
+        return invalid_request("The request body is not valid JSON in UTF-8 (or is nested too deeply).",
+                               code="invalid_json")
     status = error.status_code if 400 <= error.status_code < 600 else 500
     return OpenAIError(status, str(error.detail), headers=dict(error.headers or {}) or None)
 

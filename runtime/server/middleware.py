@@ -12,6 +12,7 @@ from typing import Any
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from sits.runtime.server.admission import AdmissionControl
 from sits.runtime.server.errors import OpenAIError, service_unavailable
 from sits.runtime.server.lifecycle import Lifecycle
 from sits.runtime.server.metrics import ServerMetrics
@@ -64,17 +65,21 @@ class BodySizeLimit:
 
 
 class GenerationGate:
-    """In front of the generation endpoints: refuse while draining, count in-flight, record metrics.
+    """In front of the generation endpoints: refuse while draining or at capacity, count in-flight,
+    record metrics, and give back the request's admitted sequences however it ends.
 
     Handlers leave what they learn in the request state (`scope["state"]`): `tenant` (set by the
-    tenant dependency) and `client_gone` (the client disconnected before the response ended).
+    tenant dependency), `client_gone` (the client disconnected before the response ended) and the
+    sequences `AdmissionControl.reserve` admitted.
     """
 
-    def __init__(self, app: ASGIApp, lifecycle: Lifecycle, metrics: ServerMetrics, paths: set[str]) -> None:
+    def __init__(self, app: ASGIApp, lifecycle: Lifecycle, metrics: ServerMetrics, paths: set[str],
+                 admission: AdmissionControl | None = None) -> None:
         self.app = app
         self.lifecycle = lifecycle
         self.metrics = metrics
         self.paths = paths
+        self.admission = admission
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] not in self.paths:
@@ -82,6 +87,11 @@ class GenerationGate:
             return
         if self.lifecycle.draining:
             await send_error(send, service_unavailable("The server is shutting down; retry on another replica."))
+            self.metrics.observe_request(UNRESOLVED_TENANT, 503, 0.0)
+            return
+        if self.admission is not None and self.admission.full:
+            # Full already: refuse before the body is read (the handler checks again, per sequence).
+            await send_error(send, self.admission.overloaded())
             self.metrics.observe_request(UNRESOLVED_TENANT, 503, 0.0)
             return
         started = time.perf_counter()
@@ -99,6 +109,8 @@ class GenerationGate:
             await self.app(scope, receive, tracking_send)
         finally:
             self.lifecycle.exit()
+            if self.admission is not None:
+                self.admission.release(state)
             if state.get("client_gone"):
                 status = CLIENT_CLOSED_STATUS
             tenant = state.get("tenant", UNRESOLVED_TENANT)

@@ -12,12 +12,13 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
 
 from sits.runtime.engine.request import RequestOutput, SamplingParams
+from sits.runtime.server.admission import AdmissionControl
 from sits.runtime.server.errors import invalid_request, model_not_found, service_unavailable
 from sits.runtime.server.lifecycle import Lifecycle
 from sits.runtime.server.metrics import ServerMetrics
@@ -25,6 +26,10 @@ from sits.runtime.tracing import NO_TRACER, RequestTracer
 
 T = TypeVar("T")
 logger = logging.getLogger("sits.server")
+
+# Texts longer than this (characters) are tokenized in a worker thread, so a long prompt does not
+# stall every other stream on the event loop (the tokenizer releases the GIL while it encodes).
+TOKENIZE_INLINE_CHARS = 16_384
 
 
 class ClientGone(Exception):
@@ -44,10 +49,52 @@ class ServingContext:
     usage_observer: Callable[[str, int, int], None] | None = None
     # Called as (tenant, prompt_tokens) when an engine request starts (its prompt counts at once).
     prompt_observer: Callable[[str, int], None] | None = None
+    # The bounded queue in front of the engine (None: admit everything).
+    admission: AdmissionControl | None = None
+    _max_prompt_chars: int | None = field(default=None, init=False, repr=False)
 
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    def admit(self, request: Request, sequences: int, param: str = "n") -> None:
+        """Reserve `sequences` engine sequences for this request, or raise 503 (full) / 400 (never fits)."""
+        if self.admission is not None:
+            self.admission.reserve(request.scope.setdefault("state", {}), sequences, param)
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """Characters beyond which a text cannot fit the context, whatever it says.
+
+        No token covers more than the longest vocabulary entry's bytes, and a character is at
+        least one byte, so a text longer than max_model_len x that many characters has more
+        tokens than the context holds: it is refused without the work of tokenizing it.
+        """
+        if self._max_prompt_chars is None:
+            tokenizer = self.tokenizer
+            longest = max((len(tokenizer.token_to_bytes(i)) for i in range(tokenizer.vocab_size)), default=1)
+            self._max_prompt_chars = self.max_model_len * max(longest, 1)
+        return self._max_prompt_chars
+
+    def check_text(self, text: str, param: str, name: str = "prompt") -> None:
+        """400 for a text that is not valid Unicode (lone surrogates) or cannot fit the context."""
+        if len(text) > self.max_prompt_chars:
+            raise invalid_request(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your {name} "
+                f"has {len(text)} characters, more than that many tokens can hold. Please shorten the {name}.",
+                param=param, code="context_length_exceeded")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise invalid_request(f"The {name} is not valid Unicode: {error.reason} at position {error.start}.",
+                                  param=param, code="invalid_unicode") from None
+
+    async def encode(self, text: str, *, add_special_tokens: bool, param: str, name: str = "prompt") -> list[int]:
+        """Token ids of a checked text; long texts are tokenized off the event loop."""
+        self.check_text(text, param, name)
+        if len(text) <= TOKENIZE_INLINE_CHARS:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
 
     @property
     def max_model_len(self) -> int:
@@ -68,6 +115,11 @@ class ServingContext:
 
     def check_token_ids(self, token_ids: Sequence[int], param: str) -> list[int]:
         """Token ids given by the client must exist in the vocabulary."""
+        if len(token_ids) >= self.max_model_len:  # before the loop over what may be millions of ids
+            raise invalid_request(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt has "
+                f"{len(token_ids)} tokens, which leaves no room to generate. Please shorten the prompt.",
+                param=param, code="context_length_exceeded")
         vocab_size = self.tokenizer.vocab_size
         bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
         if bad is not None:
