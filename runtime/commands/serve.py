@@ -135,4 +135,7 @@ def run(args: argparse.Namespace) -> int:
                     app.state.admission.max_running, app.state.admission.max_waiting)
     logger.info("tenancy: %s, %d tenant(s), state store %s (deployment %s)", tenancy.authenticator.mode.value,
                 len(tenancy.table), redact_url(tenancy.config.state_store), tenancy.config.deployment)
-    return run_server(app, engine, sock, server_config.drain_timeout_s, args.log_level)
+    try:
+        return run_server(app, engine, sock, server_config.drain_timeout_s, args.log_level)
+    finally:
+        tracer.shutdown()  # exports the spans still batched: the last requests' traces are not lost
