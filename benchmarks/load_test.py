@@ -346,11 +346,41 @@ def warm_up(url: str, config: LoadConfig, requests: int = 4) -> None:
         httpx.post(f"{url}{path}", json={**body, "stream": False}, headers=headers, timeout=config.request_timeout_s)
 
 
+UNBOUNDED = ["--max-waiting-requests", "1000000"]  # the peer: the same server with no bound on its queue
+
+
+def run_against(config: LoadConfig, serve_args: list[str] | None, pid: int | None) -> LoadReport:
+    """One load run: against config.url, or against a `sits serve SERVE_ARGS` started (and stopped) for it."""
+    with contextlib.ExitStack() as stack:
+        if serve_args is not None:
+            log_path = os.path.join(tempfile.gettempdir(), f"sits-load-{os.getpid()}-{time.monotonic_ns()}.log")
+            config.url, pid = stack.enter_context(sits_serve(serve_args, log_path))
+            print(f"sits serve {shlex.join(serve_args)} at {config.url} (log {log_path})", flush=True)
+        warm_up(config.url, config)
+        return asyncio.run(run_load(config, pid))
+
+
+def compare(bounded: LoadReport, unbounded: LoadReport) -> str:
+    """The bounded server's figures as ratios of its unbounded peer's, measured in the same run."""
+    b, u = bounded.figures(), unbounded.figures()
+
+    def ratio(key: str) -> str:
+        return "n/a" if not b[key] or not u[key] else f"{b[key] / u[key]:.2f}x"
+
+    growth_b = (b["rss_peak_mb"] or 0) - (b["rss_before_mb"] or 0)
+    growth_u = (u["rss_peak_mb"] or 0) - (u["rss_before_mb"] or 0)
+    return (f"bounded / unbounded queue: TTFT p50 {ratio('ttft_p50_s')}, p99 {ratio('ttft_p99_s')}; "
+            f"e2e p50 {ratio('e2e_p50_s')}, p99 {ratio('e2e_p99_s')}; output tok/s {ratio('output_tokens_per_s')}; "
+            f"RSS growth to peak {growth_b:.0f} MB vs {growth_u:.0f} MB")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     target = parser.add_mutually_exclusive_group(required=True)
     target.add_argument("--url", help="a running server, e.g. http://127.0.0.1:8000")
     target.add_argument("--serve", metavar="ARGS", help="start `sits serve ARGS` for the run (quoted string)")
+    parser.add_argument("--peer", action="store_true",
+                        help="with --serve: run again against the same server with an unbounded queue, and compare")
     parser.add_argument("--pid", type=int, default=None, help="the server's pid, for its RSS (with --url)")
     parser.add_argument("--clients", type=int, default=200)
     parser.add_argument("--duration", type=float, default=60.0, help="seconds")
@@ -362,21 +392,27 @@ def main(argv: list[str] | None = None) -> int:
                         help="each client drops every Nth stream after its first event (0: never)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON too")
     args = parser.parse_args(argv)
-    config = LoadConfig(url=args.url or "", clients=args.clients, duration_s=args.duration,
-                        max_tokens=args.max_tokens, endpoint=args.endpoint, model=args.model, api_key=args.api_key,
-                        disconnect_every=args.disconnect_every)
-    with contextlib.ExitStack() as stack:
-        pid = args.pid
-        if args.serve is not None:
-            log_path = os.path.join(tempfile.gettempdir(), f"sits-load-{os.getpid()}.log")
-            config.url, pid = stack.enter_context(sits_serve(shlex.split(args.serve), log_path))
-            print(f"sits serve {args.serve} at {config.url} (log {log_path})")
-        warm_up(config.url, config)
-        report = asyncio.run(run_load(config, pid))
-    print(report.format())
+    if args.peer and args.serve is None:
+        parser.error("--peer needs --serve")
+
+    def config() -> LoadConfig:
+        return LoadConfig(url=args.url or "", clients=args.clients, duration_s=args.duration,
+                          max_tokens=args.max_tokens, endpoint=args.endpoint, model=args.model, api_key=args.api_key,
+                          disconnect_every=args.disconnect_every)
+
+    serve_args = shlex.split(args.serve) if args.serve is not None else None
+    report = run_against(config(), serve_args, args.pid)
+    print(report.format(), flush=True)
     if args.json:
         print(json.dumps(report.figures()))
-    return 1 if report.failures or report.incomplete or report.server.drained is False else 0
+    failed = bool(report.failures or report.incomplete or report.server.drained is False)
+    if args.peer and serve_args is not None:
+        peer = run_against(config(), [*serve_args, *UNBOUNDED], None)
+        print("peer, unbounded queue:\n" + peer.format())
+        if args.json:
+            print(json.dumps(peer.figures()))
+        print(compare(report, peer))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

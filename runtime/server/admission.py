@@ -20,6 +20,7 @@ gone, error) releases them: `GenerationGate` calls `release` in its `finally`.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -27,11 +28,18 @@ from typing import Any
 from sits.runtime.server.errors import OpenAIError, invalid_request
 
 RESERVED_KEY = "admitted_sequences"  # in the ASGI scope's state: this request's reserved sequences
-WAITING_PER_RUNNING = 2  # the default queue: two full batches wait behind the running one
+ADMITTED_AT_KEY = "admitted_at"  # time.monotonic() of the request's first reservation
+WAITING_PER_RUNNING = 1  # the default queue: one full batch waits behind the running one
+RETRY_AFTER_MAX_S = 60
+DURATION_SMOOTHING = 0.2  # weight of the newest request in the running mean of request durations
 
 
 def default_max_waiting(max_running: int) -> int:
-    """The default bound of the waiting queue for an engine that runs `max_running` sequences."""
+    """The default bound of the waiting queue for an engine that runs `max_running` sequences.
+
+    One batch: under saturation a newcomer then waits about one request's duration for its first
+    token; a deeper queue only adds waiting that most clients time out on.
+    """
     return WAITING_PER_RUNNING * max_running
 
 
@@ -42,7 +50,8 @@ class AdmissionControl:
     Attributes:
         max_running: sequences the engine runs at once (its max_num_seqs).
         max_waiting: sequences allowed to wait behind them.
-        retry_after_s: the Retry-After (seconds) of a 503 when the queue is full.
+        retry_after_s: the shortest Retry-After (seconds) of a 503 when the queue is full; longer
+            when the queue ahead takes longer to drain (see `retry_after`).
         in_flight: sequences admitted and not yet ended.
         rejected: requests refused because the queue was full (cumulative).
     """
@@ -52,6 +61,7 @@ class AdmissionControl:
     retry_after_s: float = 1.0
     in_flight: int = 0
     rejected: int = 0
+    mean_duration_s: float | None = None  # running mean of admitted requests' durations
 
     def __post_init__(self) -> None:
         if self.max_running < 1:
@@ -80,8 +90,8 @@ class AdmissionControl:
         self.rejected += 1
         return OpenAIError(
             503, f"The server is at capacity ({self.in_flight} sequences running or queued, at most "
-                 f"{self.capacity}); retry after {self._retry_after()} s.",
-            code="server_overloaded", headers={"Retry-After": self._retry_after()})
+                 f"{self.capacity}); retry after {self.retry_after()} s.",
+            code="server_overloaded", headers={"Retry-After": str(self.retry_after())})
 
     def reserve(self, state: MutableMapping[str, Any], sequences: int, param: str = "n") -> None:
         """Admit `sequences` more for the request whose ASGI state this is, or raise OpenAIError.
@@ -98,14 +108,30 @@ class AdmissionControl:
             raise self.overloaded()
         self.in_flight += sequences
         state[RESERVED_KEY] = int(state.get(RESERVED_KEY, 0)) + sequences
+        state.setdefault(ADMITTED_AT_KEY, time.monotonic())
 
     def release(self, state: MutableMapping[str, Any]) -> None:
         """Give back what the request whose ASGI state this is reserved (idempotent)."""
         reserved = int(state.pop(RESERVED_KEY, 0))
         self.in_flight = max(self.in_flight - reserved, 0)
+        admitted_at = state.pop(ADMITTED_AT_KEY, None)
+        if reserved and admitted_at is not None:
+            duration = time.monotonic() - admitted_at
+            previous = self.mean_duration_s
+            self.mean_duration_s = duration if previous is None else (
+                previous + DURATION_SMOOTHING * (duration - previous))
 
-    def _retry_after(self) -> str:
-        return str(max(1, math.ceil(self.retry_after_s)))
+    def retry_after(self) -> int:
+        """Seconds until the queue has likely room again: the batches ahead times a request's mean duration.
+
+        At least `retry_after_s`, at most a minute; clients that honour it (the openai client does)
+        come back when they can be admitted instead of spinning on 503s.
+        """
+        estimate = self.retry_after_s
+        if self.mean_duration_s is not None:
+            batches_ahead = (self.in_flight - self.max_running) / self.max_running
+            estimate = max(estimate, self.mean_duration_s * max(batches_ahead, 0.0))
+        return int(min(max(1, math.ceil(estimate)), RETRY_AFTER_MAX_S))
 
 
 class AdmissionCollector:
