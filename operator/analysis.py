@@ -16,6 +16,7 @@ import urllib.parse
 import urllib.request
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 from sits.operator.meta import Owner
 from sits.operator.observations import FAILED, INCONCLUSIVE, PASSED, AnalysisOutcome
@@ -95,6 +96,7 @@ def _parse_vector(body: object) -> Measurement:
         return Measurement(None, f"Prometheus query failed: {error or 'unexpected answer'}")
     data = body.get("data") or {}
     result = data.get("result")
+    samples: list[Any]  # [timestamp, "value"] pairs, as Prometheus sent them (checked below)
     if data.get("resultType") == "scalar" and isinstance(result, list) and len(result) == 2:
         samples = [result]
     elif data.get("resultType") == "vector" and isinstance(result, list):

@@ -252,10 +252,10 @@ def _parse_tenancy(fields: Fields | None) -> TenancySpec:
             tokens_per_minute=limits.integer("tokensPerMinute", None, minimum=1),
         ))
     seen: set[str] = set()
-    for index, tenant in enumerate(tenants):
-        if tenant.name in seen:
-            raise SpecError(f"spec.tenancy.tenants[{index}].name", f"tenant {tenant.name!r} appears twice")
-        seen.add(tenant.name)
+    for index, parsed in enumerate(tenants):
+        if parsed.name in seen:
+            raise SpecError(f"spec.tenancy.tenants[{index}].name", f"tenant {parsed.name!r} appears twice")
+        seen.add(parsed.name)
     total = sum(t.kv_cache_share for t in tenants)
     if total > 1.0 + 1e-9:
         raise SpecError("spec.tenancy.tenants", f"kvCacheShare values sum to {total:g}, more than 1")

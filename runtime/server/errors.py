@@ -100,7 +100,8 @@ def validation_error(error: RequestValidationError, content_type: str = "applica
     first = error.errors()[0] if error.errors() else {"type": "", "loc": (), "msg": "invalid request"}
     kind = first.get("type", "")
     if kind == "json_invalid":
-        detail = (first.get("ctx") or {}).get("error", "")
+        context = first.get("ctx")
+        detail = context.get("error", "") if isinstance(context, dict) else ""
         return invalid_request(f"The request body is not valid JSON: {detail}".rstrip(": "), code="invalid_json")
     param = _param_from_loc(tuple(first.get("loc", ())))
     if param is None or kind in ("model_attributes_type", "model_type", "dict_type"):
