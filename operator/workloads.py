@@ -27,6 +27,14 @@ CONFIG_DIR = "/etc/sits"
 TENANTS_FILE = f"{CONFIG_DIR}/tenants.yaml"
 MODEL_DIR = "/mnt/models"
 HF_CACHE_DIR = "/var/cache/huggingface"  # HF_HOME of pods serving hf:// models (an emptyDir)
+RUNTIME_UID = 10001  # the runtime image's unprivileged user (Dockerfile)
+RUNTIME_HOME = "/home/sits"  # its HOME: GGUF conversion, Triton and torch.compile caches (an emptyDir)
+# The runtime's root filesystem is read-only; these emptyDirs are all it writes to besides the model caches.
+WRITABLE_DIRS = (("tmp", "/tmp"), ("home", RUNTIME_HOME))
+POD_SECURITY = {"runAsNonRoot": True, "runAsUser": RUNTIME_UID, "runAsGroup": RUNTIME_UID, "fsGroup": RUNTIME_UID,
+                "seccompProfile": {"type": "RuntimeDefault"}}
+CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                      "capabilities": {"drop": ["ALL"]}}
 GPU_RESOURCE = "nvidia.com/gpu"
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 DRAIN_SECONDS = 45  # > the runtime's default 30 s drain, so in-flight requests finish on SIGTERM
@@ -75,7 +83,8 @@ def _model_path(uri: str) -> str:
 
 def _env(workload: WorkloadSpec) -> list[dict[str, Any]]:
     values = {"NCCL_SOCKET_NTHREADS": str(workload.nccl.socket_nthreads),
-              "NCCL_MIN_NCHANNELS": str(workload.nccl.min_channels)}
+              "NCCL_MIN_NCHANNELS": str(workload.nccl.min_channels),
+              "HOME": RUNTIME_HOME}  # the writable emptyDir, whatever the image's own HOME
     if workload.model.uri.startswith("hf://"):
         values["HF_HOME"] = HF_CACHE_DIR
     values.update(dict(workload.nccl.env))  # the spec's own variables win over the defaults
@@ -103,6 +112,9 @@ def build_pod_template(owner: Owner, workload: WorkloadSpec, track: str | None =
     ]
     mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"},
                                     {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}]
+    for name, path in WRITABLE_DIRS:
+        volumes.append({"name": name, "emptyDir": {}})
+        mounts.append({"name": name, "mountPath": path})
     if workload.model.uri.startswith("pvc://"):
         claim = workload.model.uri[len("pvc://"):].partition("/")[0]
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
@@ -118,6 +130,7 @@ def build_pod_template(owner: Owner, workload: WorkloadSpec, track: str | None =
         "env": _env(workload),
         "resources": _resources(workload),
         "volumeMounts": mounts,
+        "securityContext": dict(CONTAINER_SECURITY),
         # /health is readiness (503 while draining or unable to serve); /health/live fails only when
         # the engine is dead, so a drain or a busy spell never gets the pod restarted
         "startupProbe": _probe("/health/live", 10, 5, 180),  # a large checkpoint may load for 30 minutes
@@ -126,7 +139,7 @@ def build_pod_template(owner: Owner, workload: WorkloadSpec, track: str | None =
     }
     if workload.image_pull_policy:
         container["imagePullPolicy"] = workload.image_pull_policy
-    pod_spec: dict[str, Any] = {"containers": [container], "volumes": volumes,
+    pod_spec: dict[str, Any] = {"containers": [container], "volumes": volumes, "securityContext": dict(POD_SECURITY),
                                 "terminationGracePeriodSeconds": DRAIN_SECONDS}
     if workload.gpu_product:
         pod_spec["nodeSelector"] = {GPU_PRODUCT_LABEL: workload.gpu_product}
