@@ -114,6 +114,9 @@ class EngineConfig:
         cuda_graph_max_batch_size: the largest decode batch captured in a CUDA graph; None takes
             max_num_seqs (larger decode batches run eagerly).
         compile: torch.compile the model's non-attention parts (norms, MLPs).
+        async_scheduling: schedule and prepare the next step, and process the previous step's
+            outputs, while the device computes the current one; None (auto) turns it on for one
+            CUDA device and off on a CPU, where the forward runs on the calling thread anyway.
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -124,6 +127,7 @@ class EngineConfig:
     enforce_eager: bool = False
     cuda_graph_max_batch_size: int | None = None
     compile: bool = False
+    async_scheduling: bool | None = None
 
     def validate(self) -> None:
         self.model.validate()
@@ -132,6 +136,8 @@ class EngineConfig:
         self.parallel.validate()
         if self.parallel.tensor_parallel_size > 1 and self.compile:
             raise ConfigError("--compile does not run with --tensor-parallel-size > 1 yet (every rank would compile)")
+        if self.parallel.tensor_parallel_size > 1 and self.async_scheduling:
+            raise ConfigError("--async-scheduling does not run with --tensor-parallel-size > 1 yet")
         if self.cuda_graph_max_batch_size is not None and self.cuda_graph_max_batch_size < 1:
             raise ConfigError(f"--cuda-graph-max-batch-size must be positive, got {self.cuda_graph_max_batch_size}")
         if self.attention_backend not in ATTENTION_BACKENDS:

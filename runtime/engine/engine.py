@@ -2,6 +2,13 @@
 
     step = schedule → run the model and sample → update sequences → detokenize → outputs
 
+With async scheduling (`EngineConfig.async_scheduling`, on by default for one CUDA device) a step
+schedules and launches step N+1 on the device first, then processes step N's sampled tokens while
+the device computes: N+1's decode inputs come from N's sampled ids on the device, so the GPU never
+idles on the host's scheduling, batch building, detokenization or output snapshots. A stop found
+in N's tokens (EOS, stop token or string) then costs one token of compute in N+1, never an output
+token; while a request with penalties runs, steps are processed before the next is scheduled.
+
 `LLMEngine` is single-threaded: call every method from one thread (`AsyncEngine` runs it on its
 own background thread and funnels requests to it).
 """
@@ -10,31 +17,30 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import logging
 import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from sits.runtime.config import ConfigError, EngineConfig
 from sits.runtime.engine.cache_sizing import check_fits_one_sequence, num_blocks_for_budget
+from sits.runtime.engine.engine_setup import checkpoint_head_dim, prepare_execution, quantize
 from sits.runtime.engine.errors import DuplicateRequestError, InvalidRequestError, PromptTooLongError
 from sits.runtime.engine.eviction import EvictionPolicy
 from sits.runtime.engine.kv_cache import KVCacheManager
 from sits.runtime.engine.nvtx import nvtx_range
 from sits.runtime.engine.output_processor import OutputProcessor
+from sits.runtime.engine.pending_output import PendingOutput
 from sits.runtime.engine.request import RequestMetrics, RequestOutput, SamplingParams
 from sits.runtime.engine.runner import ModelRunner
 from sits.runtime.engine.sampler import Sampler
 from sits.runtime.engine.scheduler import Scheduler
+from sits.runtime.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from sits.runtime.engine.scheduling_policy import SchedulingPolicy, WaitingQueue
 from sits.runtime.engine.sequence import Sequence, SequenceStatus, child_sequence_id
 from sits.runtime.engine.stats import EngineStats
 
 if TYPE_CHECKING:  # the models package is imported only when a model is loaded
     from sits.runtime.models.loading import LoadedModel
-
-logger = logging.getLogger(__name__)
-
 
 class LLMEngine:
     """Continuous-batching generation over one loaded model.
@@ -79,7 +85,7 @@ class LLMEngine:
             getattr(self.tokenizer, "eos_token_ids", ())
         )
         block_size = config.cache.block_size
-        _quantize(loaded, config.model.quantization)
+        quantize(loaded, config.model.quantization)
         sampler = Sampler(self.eos_token_ids, loaded.device, seed=config.model.seed)
         self.runner = runner_factory(loaded.model, loaded.device, loaded.dtype, block_size, sampler)
 
@@ -91,7 +97,7 @@ class LLMEngine:
         num_blocks = num_blocks_for_budget(config.cache, self.runner.kv_shape, loaded.device, profile)
         check_fits_one_sequence(num_blocks, block_size, self.max_model_len)
         self.runner.allocate_kv_cache(num_blocks)
-        _prepare_execution(self.runner, loaded, config, self.max_model_len)
+        prepare_execution(self.runner, loaded, config, self.max_model_len)
         if eviction_policy is not None and not isinstance(eviction_policy, EvictionPolicy):
             eviction_policy = eviction_policy(num_blocks)
         self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, eviction_policy,
@@ -103,6 +109,10 @@ class LLMEngine:
         self._children: dict[str, list[str]] = {}  # request_id -> seq_ids of its completions
         self._arrival_counter = itertools.count()
         self.last_step_num_tokens = 0  # 0: the last step found nothing it could run
+        self.async_scheduling = _resolve_async_scheduling(config, loaded)
+        self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None  # launched, not yet processed
+        self._unscheduled_requests: set[str] = set()  # added, never scheduled (first_scheduled_time)
+        self._history_requests: set[str] = set()  # with penalties: sampling needs all their tokens
         self._counters = {"finished": 0, "aborted": 0, "prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
 
     # -- construction ----------------------------------------------------------------------
@@ -128,7 +138,7 @@ class LLMEngine:
                 executor.shutdown()
                 raise
         device, dtype = loading.resolve_device_dtype(config.model)
-        head_dim = _checkpoint_head_dim(config, progress)
+        head_dim = checkpoint_head_dim(config, progress)
         try:
             backend = select_backend(config.attention_backend, device, dtype, head_dim)
         except BackendUnavailableError as exc:
@@ -214,6 +224,9 @@ class LLMEngine:
                 )
             )
         self._children[request_id] = seq_ids
+        self._unscheduled_requests.add(request_id)
+        if params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
+            self._history_requests.add(request_id)
         self._counters["prompt_tokens"] += len(prompt_token_ids)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
@@ -229,6 +242,8 @@ class LLMEngine:
             seq_ids = self._children.pop(request_id, None)
             if seq_ids is None:
                 continue
+            self._unscheduled_requests.discard(request_id)
+            self._history_requests.discard(request_id)
             self.scheduler.finish_requests(seq_ids, SequenceStatus.FINISHED_ABORTED)
             final = self.output_processor.abort(request_id)
             if final is not None:
@@ -246,17 +261,39 @@ class LLMEngine:
 
     # -- the loop --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one step; return snapshots of the requests that got tokens (deltas filled)."""
+        """Run one step; return snapshots of the requests that got tokens (deltas filled).
+
+        With async scheduling the step is launched on the device and the snapshots returned are
+        those of the previous step, processed while this one computes.
+        """
+        previous, self._in_flight = self._in_flight, None
+        outputs: list[RequestOutput] = []
+        if previous is not None and self._history_requests:
+            # A penalty needs every output token on the host before sampling: no step ahead.
+            outputs, previous = self._complete(*previous), None
         with nvtx_range("schedule"):
             scheduler_output = self.scheduler.schedule()
-        self.output_processor.mark_scheduled(
-            {s.sequence.request_id for s in scheduler_output.scheduled}, time.time()
-        )
-        runner_output = self.runner.execute(scheduler_output)
+        if self._unscheduled_requests:
+            self._mark_scheduled(scheduler_output)
         self.last_step_num_tokens = scheduler_output.num_batched_tokens
-        if scheduler_output.is_empty:
-            return []
-        self._counters["steps"] += 1
+        if not scheduler_output.is_empty:
+            self._counters["steps"] += 1
+        if not self.async_scheduling:
+            runner_output = self.runner.execute(scheduler_output)
+            return self._complete(scheduler_output, runner_output) if not scheduler_output.is_empty else []
+        pending = self.runner.launch(scheduler_output)
+        if not scheduler_output.is_empty:
+            self._in_flight = (scheduler_output, pending)
+        if previous is not None:
+            outputs += self._complete(previous[0], previous[1])
+            self.last_step_num_tokens = self.last_step_num_tokens or previous[0].num_batched_tokens
+        return outputs
+
+    def _complete(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput | PendingOutput
+                  ) -> list[RequestOutput]:
+        """Record a step's sampled tokens: update the sequences, detokenize, finish what stopped."""
+        if isinstance(runner_output, PendingOutput):
+            runner_output = runner_output.result()
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs, stopped = self.output_processor.process(updates)
         if stopped:
@@ -265,7 +302,15 @@ class LLMEngine:
         for output in outputs:
             if output.finished and self._children.pop(output.request_id, None) is not None:
                 self._counters["finished"] += 1
+                self._history_requests.discard(output.request_id)
         return outputs
+
+    def _mark_scheduled(self, scheduler_output: SchedulerOutput) -> None:
+        """Stamp first_scheduled_time on requests scheduled for the first time."""
+        started = {s.sequence.request_id for s in scheduler_output.scheduled} & self._unscheduled_requests
+        if started:
+            self._unscheduled_requests -= started
+            self.output_processor.mark_scheduled(started, time.time())
 
     def shutdown(self) -> None:
         """Stop what outlives steps: a tensor-parallel runner's worker processes (idempotent)."""
@@ -302,55 +347,14 @@ class LLMEngine:
         )
 
 
+def _resolve_async_scheduling(config: EngineConfig, loaded: LoadedModel) -> bool:
+    """EngineConfig.async_scheduling, with None (auto) on for one CUDA device only."""
+    if config.async_scheduling is not None:
+        return config.async_scheduling
+    return loaded.device.type == "cuda" and config.parallel.tensor_parallel_size == 1
+
+
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:
     """Completion `index`'s params: n = 1, and a seed of seed + index so completions differ."""
     seed = params.seed + index if params.seed is not None else None
     return dataclasses.replace(params, n=1, seed=seed)
-
-
-def _quantize(loaded: LoadedModel, method: str) -> None:
-    """Convert the model's linear layers for --quantization (a no-op when already converted)."""
-    if method == "none":
-        return
-    from sits.runtime.models.quantize import quantization_of, quantize_model
-
-    current = quantization_of(loaded.model)
-    if current == method:
-        return
-    if current != "none":
-        raise ConfigError(f"--quantization {method}: the model is already quantized to {current}")
-    quantize_model(loaded.model, method)
-
-
-def _prepare_execution(runner: ModelRunner, loaded: LoadedModel, config: EngineConfig, max_model_len: int) -> None:
-    """torch.compile (--compile) and CUDA-graph capture of decode steps, with the reason when graphs are off."""
-    from sits.runtime.engine.cuda_graphs import decode_batch_sizes
-
-    if config.compile:
-        from sits.runtime.engine.compilation import compile_non_attention
-
-        compile_non_attention(loaded.model)
-    backend = getattr(loaded.model, "backend", None)
-    if loaded.device.type != "cuda":
-        reason = "not on CUDA"
-    elif config.enforce_eager:
-        reason = "--enforce-eager"
-    elif backend is None or not getattr(backend, "supports_cuda_graphs", False):
-        reason = f"the {getattr(backend, 'name', '?')} attention back end cannot be captured"
-    elif not runner.cuda_graphs_supported:
-        reason = f"{type(runner).__name__} does not support them"
-    else:
-        sizes = decode_batch_sizes(config.scheduler.max_num_seqs, config.cuda_graph_max_batch_size)
-        runner.setup_cuda_graphs(sizes, max_model_len)
-        return
-    logger.info("CUDA graphs off (%s): every step runs eagerly", reason)
-
-
-def _checkpoint_head_dim(config: EngineConfig, progress: bool) -> int:
-    """The checkpoint's head size, read before loading so the attention back end can be chosen."""
-    from sits.runtime.models import loading
-    from sits.runtime.models.config import LlamaConfig
-    from sits.runtime.models.hf_checkpoint import read_hf_config
-
-    directory, _, _ = loading._resolve_source(config.model.model, progress)
-    return LlamaConfig.from_hf_dict(read_hf_config(directory)).head_dim

@@ -12,9 +12,11 @@ Prefix-cache figures are kept per tenant (`PrefixCacheCounts`), including hits o
 tenant computed: with per-tenant salts that count stays 0 unless the prompt was marked for the
 shared-prefix pool (its salt is `shared_cache_salt`), and such hits are counted apart.
 
-A block is only made findable once its K/V have been computed (after the step that wrote them),
-never at allocation: a sequence preempted in the same step that allocated would otherwise leave
-hashes pointing at never-written blocks.
+A block is only made findable once the step that writes its K/V has run (after that step's
+output came back), never at allocation: a sequence preempted in the same step that allocated would
+otherwise leave hashes pointing at never-written blocks. With async scheduling the next step is
+already launched by then and may still be writing a block's last slots; that is safe because every
+step that could read the block (a prefix hit) is launched later on the same stream.
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching, eviction_policy, clock)
         self._tables: dict[str, list[KVBlock]] = {}
+        self._table_ids: dict[str, list[int]] = {}  # the same tables as block ids, grown in place
         self._num_committed: dict[str, int] = {}  # leading blocks of a table already cached
         self.prefix_cache_queries = 0  # prompt tokens looked up, in tokens
         self.prefix_cache_hits = 0  # of those, tokens served from the cache
@@ -89,8 +92,18 @@ class KVCacheManager:
         return self.pool.num_blocks
 
     def block_ids(self, seq_id: str) -> list[int]:
-        """The sequence's block table: physical block ids in token order."""
-        return [block.block_id for block in self._tables.get(seq_id, ())]
+        """The sequence's block table: physical block ids in token order (a copy)."""
+        return list(self._table_ids.get(seq_id, ()))
+
+    def block_table(self, seq_id: str) -> list[int]:
+        """The sequence's block table itself, not a copy: read it, never change it.
+
+        The same list object for as long as the sequence holds blocks, only ever appended to by
+        `allocate`, so a reader that kept it (the model runner's persistent batch) can tell by its
+        identity and length which block ids are new since it last looked. After `free` the
+        sequence gets a new list when it allocates again.
+        """
+        return self._table_ids.get(seq_id, [])
 
     def find_prefix(self, seq: Sequence) -> PrefixHit:
         """The longest cached run of the sequence's full blocks.
@@ -123,6 +136,8 @@ class KVCacheManager:
             few free blocks; then nothing changed.
         """
         table = self._tables.get(seq.seq_id, [])
+        if prefix is None and seq.num_computed_tokens + num_new_tokens <= len(table) * self.block_size:
+            return []  # the common decode step: the table already has the room
         hit_blocks = prefix.blocks if prefix is not None else []
         if hit_blocks and table:
             raise RuntimeError(f"sequence {seq.seq_id} already holds blocks; a prefix applies on admission only")
@@ -141,12 +156,17 @@ class KVCacheManager:
             return None
         if seq.seq_id not in self._tables:
             self._tables[seq.seq_id] = table
+            self._table_ids[seq.seq_id] = []
             self._num_committed[seq.seq_id] = len(hit_blocks)
         table.extend(hit_blocks)
         table.extend(new_blocks)
+        new_ids = [block.block_id for block in new_blocks]
+        table_ids = self._table_ids[seq.seq_id]
+        table_ids.extend(block.block_id for block in hit_blocks)
+        table_ids.extend(new_ids)
         if prefix is not None and self.enable_prefix_caching and seq.num_preemptions == 0:
             self._count_lookup(seq, prefix)
-        return [block.block_id for block in new_blocks]
+        return new_ids
 
     def prefix_counts_snapshot(self) -> dict[str, PrefixCacheCounts]:
         """Copies of the per-tenant prefix-cache figures (for stats snapshots)."""
@@ -183,7 +203,9 @@ class KVCacheManager:
         table = self._tables.get(seq.seq_id)
         if not table:
             return
-        num_full = min(seq.num_computed_tokens // self.block_size, len(table))
+        # Tokens still pending (async scheduling) have no id yet, so their block cannot be hashed.
+        num_full = min(seq.num_computed_tokens, len(seq.all_token_ids)) // self.block_size
+        num_full = min(num_full, len(table))
         committed = self._num_committed.get(seq.seq_id, 0)
         if num_full <= committed:
             return
@@ -195,6 +217,7 @@ class KVCacheManager:
     def free(self, seq: Sequence) -> None:
         """Release every block of the sequence, last block first (its tail is evicted first)."""
         table = self._tables.pop(seq.seq_id, None)
+        self._table_ids.pop(seq.seq_id, None)
         self._num_committed.pop(seq.seq_id, None)
         if table:
             self.pool.release(reversed(table))

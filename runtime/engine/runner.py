@@ -2,8 +2,9 @@
 
 Prefill and mixed steps run eagerly. Decode-only steps replay a CUDA graph of their batch-size
 bucket once `setup_cuda_graphs` captured them (`cuda_graphs.py`); sampling always runs eagerly.
-The step's batch is built on the host and sent in one copy (`model_input.py`); nothing in the
-forward syncs with the GPU, the sampler's token ids are the step's one sync.
+The step's batch is built on the host and sent in one copy (`input_batch.py`); nothing in the
+forward or the sampler syncs with the GPU: `launch` returns once the step is queued, and the
+sampled ids reach the host through `PendingOutput.result()`, the step's one wait.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import torch
 
 from sits.runtime.engine.cache_sizing import KVShape, MemoryProfile
 from sits.runtime.engine.cuda_graphs import DecodeGraphs
+from sits.runtime.engine.input_batch import InputBatch
 from sits.runtime.engine.model_input import ModelInput, build_model_input
 from sits.runtime.engine.nvtx import nvtx_range
+from sits.runtime.engine.pending_output import PendingOutput
 from sits.runtime.engine.request import SamplingParams
 from sits.runtime.engine.sampler import Sampler
 from sits.runtime.engine.scheduler_output import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
@@ -54,6 +57,7 @@ class ModelRunner:
         self.kv_shape = KVShape(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, dtype)
         self.kv_caches: KVCaches = []
         self.decode_graphs: DecodeGraphs | None = None
+        self.input_batch = InputBatch(block_size, self.device)
 
     @property
     def num_blocks(self) -> int:
@@ -87,23 +91,37 @@ class ModelRunner:
         graphs.capture()
         self.decode_graphs = graphs
 
-    @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step: build the batch, run the model, sample the sequences that reached their end."""
+        """Run one step to the end: build the batch, run the model, sample, bring the tokens back."""
+        return self.launch(scheduler_output).result()
+
+    @torch.inference_mode()
+    def launch(self, scheduler_output: SchedulerOutput) -> PendingOutput:
+        """Queue one step on the device and return without waiting for it (async scheduling).
+
+        Builds the batch (a pending token of the previous step comes from that step's sampled ids
+        on the device), runs the model and samples the sequences that reached their end; the
+        sampled ids start their copy to the host, which `PendingOutput.result()` waits for.
+        """
         self.sampler.forget(scheduler_output.finished_seq_ids)
+        self.input_batch.release(scheduler_output.finished_seq_ids)
+        self.input_batch.release(scheduler_output.preempted_seq_ids)
         if scheduler_output.is_empty:
-            return ModelRunnerOutput()
-        model_input = build_model_input(scheduler_output.scheduled, self.block_size, self.device)
+            return PendingOutput.nothing()
+        model_input = self.prepare_input(scheduler_output)
         with nvtx_range("decode" if model_input.is_decode_only else "prefill"):
             hidden = self._forward(model_input)
         if not model_input.sample_sequences:
-            return ModelRunnerOutput()
+            return PendingOutput.nothing()
         with nvtx_range("sample"):
             logits = self.model.compute_logits(hidden[model_input.logits_indices])
-            sampled = self.sampler(logits, model_input.sample_sequences)
-        return ModelRunnerOutput(
-            sampled={seq.seq_id: token for seq, token in zip(model_input.sample_sequences, sampled, strict=True)}
-        )
+            sampled = self.sampler.sample(logits, model_input.sample_sequences)
+        self.input_batch.record_sampled(sampled.token_ids)
+        return PendingOutput([seq.seq_id for seq in model_input.sample_sequences], sampled)
+
+    def prepare_input(self, scheduler_output: SchedulerOutput) -> ModelInput:
+        """The step's flat batch on the device (block tables kept across steps in `input_batch`)."""
+        return self.input_batch.prepare(scheduler_output.scheduled)
 
     def _forward(self, model_input: ModelInput) -> torch.Tensor:
         """[num_tokens, hidden] hidden states of the batch: a graph replay for decode-only batches."""

@@ -54,7 +54,7 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, sequences: Sequence[EngineSequence]) -> list[SampledToken]:
-        """Pick one token per row.
+        """Pick one token per row and bring the choices to the host (waits for the device).
 
         Args:
             logits: [N, V] float32, row i for sequences[i].
@@ -62,38 +62,58 @@ class Sampler:
         Returns:
             N sampled tokens, with logprobs for rows whose params ask for them.
         """
+        return self.sample(logits, sequences).to_tokens()
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, sequences: Sequence[EngineSequence]) -> SamplerOutput:
+        """Pick one token per row, leaving the results on the logits' device (nothing waits for it).
+
+        Args and rows as for `__call__`; the caller copies the result to the host when it wants.
+        """
         logits = logits.float()
+        if all(map(_plain_greedy, sequences)):  # the common case: exactly argmax, no copy of the logits
+            return SamplerOutput(logits.argmax(dim=-1))
         num_rows, vocab_size = logits.shape
-        want_logprobs = [seq.params.logprobs is not None for seq in sequences]
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+        logprob_ks = [-1 if seq.params.logprobs is None else seq.params.logprobs for seq in sequences]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if max(logprob_ks) >= 0 else None
         logits = logits.clone()
         self._mask_stop_tokens(logits, sequences)
         self._apply_penalties(logits, sequences)
 
-        token_ids = torch.empty(num_rows, dtype=torch.long, device=logits.device)
         greedy = [i for i, seq in enumerate(sequences) if seq.params.greedy]
         random = [i for i, seq in enumerate(sequences) if not seq.params.greedy]
-        if greedy:
-            token_ids[greedy] = logits[greedy].argmax(dim=-1)
-        if random:
-            token_ids[random] = self._sample_random(logits[random], [sequences[i] for i in random])
-
-        chosen = token_ids.tolist()
-        return [
-            SampledToken(chosen[i], self._logprob(raw_logprobs, i, chosen[i], seq) if want_logprobs[i] else None)
-            for i, seq in enumerate(sequences)
-        ]
+        if not random:
+            token_ids = logits.argmax(dim=-1)
+        elif not greedy:
+            token_ids = self._sample_random(logits, sequences)
+        else:
+            token_ids = torch.empty(num_rows, dtype=torch.long, device=logits.device)
+            rows = self._to_device(greedy, torch.long)
+            token_ids.index_copy_(0, rows, logits.index_select(0, rows).argmax(dim=-1))
+            rows = self._to_device(random, torch.long)
+            sampled = self._sample_random(logits.index_select(0, rows), [sequences[i] for i in random])
+            token_ids.index_copy_(0, rows, sampled)
+        if raw_logprobs is None:
+            return SamplerOutput(token_ids)
+        top_k = max(logprob_ks)
+        top_logprobs, top_ids = raw_logprobs.topk(top_k, dim=-1) if top_k > 0 else (None, None)
+        chosen = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+        return SamplerOutput(token_ids, logprob_ks, chosen, top_ids, top_logprobs)
 
     # -- steps -----------------------------------------------------------------------------
     def _mask_stop_tokens(self, logits: torch.Tensor, sequences: Sequence[EngineSequence]) -> None:
+        rows, columns = [], []
         for row, seq in enumerate(sequences):
             params = seq.params
-            if seq.num_output_tokens >= params.min_tokens:
+            if seq.num_outputs_before_sample >= params.min_tokens:
                 continue
             stop_ids = list(params.stop_token_ids) + ([] if params.ignore_eos else self.eos_token_ids)
             stop_ids = [t for t in stop_ids if t < logits.shape[1]]
-            if stop_ids:
-                logits[row, stop_ids] = float("-inf")
+            rows += [row] * len(stop_ids)
+            columns += stop_ids
+        if rows:
+            index = (self._to_device(rows, torch.long), self._to_device(columns, torch.long))
+            logits.index_put_(index, logits.new_full((), float("-inf")))
 
     def _apply_penalties(self, logits: torch.Tensor, sequences: Sequence[EngineSequence]) -> None:
         rows = [
@@ -107,15 +127,16 @@ class Sampler:
             return
         device, vocab_size = logits.device, logits.shape[1]
         picked = [sequences[i] for i in rows]
+        index = self._to_device(rows, torch.long)
         penalized = apply_penalties(
-            logits[rows],
+            logits.index_select(0, index),
             token_counts([s.prompt_token_ids for s in picked], vocab_size, device),
             token_counts([s.output_token_ids for s in picked], vocab_size, device),
             self._column([s.params.repetition_penalty for s in picked]),
             self._column([s.params.presence_penalty for s in picked]),
             self._column([s.params.frequency_penalty for s in picked]),
         )
-        logits[rows] = penalized
+        logits.index_copy_(0, index, penalized)
 
     def _sample_random(self, logits: torch.Tensor, sequences: Sequence[EngineSequence]) -> torch.Tensor:
         vocab_size = logits.shape[1]
@@ -126,9 +147,7 @@ class Sampler:
         top_k = [s.params.top_k if 0 < s.params.top_k < vocab_size else vocab_size for s in sequences]
         top_p = [s.params.top_p for s in sequences]
         if any(k < vocab_size for k in top_k) or any(p < 1.0 for p in top_p):
-            logits = apply_top_k_top_p(
-                logits, torch.tensor(top_k, dtype=torch.long, device=logits.device), self._column(top_p)
-            )
+            logits = apply_top_k_top_p(logits, self._to_device(top_k, torch.long), self._column(top_p))
         probs = torch.softmax(logits, dim=-1)
         return exponential_race(probs, self._noise(sequences, vocab_size))
 
@@ -138,7 +157,10 @@ class Sampler:
         unseeded = [i for i, seq in enumerate(sequences) if seq.params.seed is None]
         if unseeded:
             shared = torch.empty(len(unseeded), vocab_size, dtype=torch.float32, device=self.device)
-            noise[unseeded] = shared.exponential_(generator=self._shared_generator)
+            shared.exponential_(generator=self._shared_generator)
+            if len(unseeded) == len(sequences):
+                return shared.clamp_min_(_TINY)
+            noise.index_copy_(0, self._to_device(unseeded, torch.long), shared)
         for row, seq in enumerate(sequences):
             if seq.params.seed is not None:
                 noise[row].exponential_(generator=self._generator_for(seq))
@@ -152,14 +174,71 @@ class Sampler:
             self._generators[seq.seq_id] = generator
         return generator
 
-    def _logprob(self, raw_logprobs: torch.Tensor, row: int, token_id: int, seq: EngineSequence) -> TokenLogprob:
-        row_logprobs = raw_logprobs[row]
-        top: list[tuple[int, float]] = []
-        k = seq.params.logprobs or 0
-        if k > 0:
-            values, ids = row_logprobs.topk(k)
-            top = list(zip(ids.tolist(), values.tolist(), strict=True))
-        return TokenLogprob(token_id=token_id, logprob=float(row_logprobs[token_id]), top=top)
-
     def _column(self, values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=self.device)
+        return self._to_device(values, torch.float32)
+
+    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        """A small host list on the device without a sync: on CUDA through pinned memory and a
+        non-blocking copy (a pageable copy would wait for every queued kernel, which would stall
+        async scheduling)."""
+        host = torch.tensor(values, dtype=dtype, pin_memory=self.device.type == "cuda")
+        return host.to(self.device, non_blocking=True)
+
+
+def _plain_greedy(seq: EngineSequence) -> bool:
+    """Argmax of the raw logits is the whole job: greedy, no logprobs, penalties or stop-token mask."""
+    params = seq.params
+    return (params.temperature == 0.0 and params.logprobs is None
+            and (seq.num_outputs_before_sample >= params.min_tokens
+                 or (params.ignore_eos and not params.stop_token_ids))
+            and params.repetition_penalty == 1.0 and params.presence_penalty == 0.0
+            and params.frequency_penalty == 0.0)
+
+
+class SamplerOutput:
+    """One step's choices, still on the device: [N] token ids and, when asked, their logprobs.
+
+    Attributes:
+        token_ids: [N] int64.
+        logprob_ks: per row, -1 (no logprobs) or k >= 0 (the chosen token's logprob and the top k);
+            None when no row asked.
+        chosen_logprobs: [N] float32 log-softmax of each chosen token (raw logits), or None.
+        top_ids, top_logprobs: [N, max k] the best alternatives, best first, or None when max k is 0.
+    """
+
+    def __init__(self, token_ids: torch.Tensor, logprob_ks: list[int] | None = None,
+                 chosen_logprobs: torch.Tensor | None = None, top_ids: torch.Tensor | None = None,
+                 top_logprobs: torch.Tensor | None = None) -> None:
+        self.token_ids = token_ids
+        self.logprob_ks = logprob_ks
+        self.chosen_logprobs = chosen_logprobs
+        self.top_ids = top_ids
+        self.top_logprobs = top_logprobs
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The device tensors to copy to the host, in `from_host` order."""
+        return [t for t in (self.token_ids, self.chosen_logprobs, self.top_ids, self.top_logprobs) if t is not None]
+
+    def with_tensors(self, tensors: list[torch.Tensor]) -> SamplerOutput:
+        """The same output over other copies of `tensors()` (e.g. host copies), in that order."""
+        parts = iter(tensors)
+        return SamplerOutput(next(parts), self.logprob_ks,
+                             *(next(parts) if t is not None else None
+                               for t in (self.chosen_logprobs, self.top_ids, self.top_logprobs)))
+
+    def to_tokens(self) -> list[SampledToken]:
+        """Per-row results as Python values (reading device tensors waits for the device)."""
+        chosen = self.token_ids.tolist()
+        if self.logprob_ks is None:
+            return [SampledToken(token_id) for token_id in chosen]
+        values = self.chosen_logprobs.tolist()
+        top_ids = self.top_ids.tolist() if self.top_ids is not None else None
+        top_values = self.top_logprobs.tolist() if self.top_logprobs is not None else None
+        tokens = []
+        for row, (token_id, k) in enumerate(zip(chosen, self.logprob_ks, strict=True)):
+            if k < 0:
+                tokens.append(SampledToken(token_id))
+                continue
+            top = list(zip(top_ids[row][:k], top_values[row][:k], strict=True)) if k else []
+            tokens.append(SampledToken(token_id, TokenLogprob(token_id=token_id, logprob=values[row], top=top)))
+        return tokens

@@ -11,10 +11,18 @@ goes back to the waiting queue to recompute its context later (its full blocks u
 as prefix hits). Waiting sequences are never admitted in a step that preempted, so room freed for
 running sequences is not taken by new ones. When the waiting queue offers several heads (one per
 tenant), a head that cannot get blocks is skipped for the next one instead of holding up all.
+
+`schedule()` counts the tokens it schedules as computed at once, and a token a step will sample
+as pending until `update_from_output` brings its id. So the next step can be scheduled before the
+previous one's output is known (async scheduling): a sequence whose token is still pending decodes
+it at its position with `PENDING_TOKEN_ID` as the input (the runner takes the id from the previous
+step's sampled ids on the device), unless that token ends it by length. A stop found only in the
+output (EOS, a stop token or string) costs that one scheduled token's compute, never an output token.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter
 from collections.abc import Iterable
 
@@ -33,7 +41,7 @@ from sits.runtime.engine.scheduling_policy import (
     SchedulingPolicy,
     WaitingQueue,
 )
-from sits.runtime.engine.sequence import Sequence, SequenceStatus
+from sits.runtime.engine.sequence import PENDING_TOKEN_ID, Sequence, SequenceStatus
 from sits.runtime.engine.stats import SchedulerStats
 
 
@@ -63,7 +71,8 @@ class Scheduler(SchedulerInterface):
         self.eos_token_ids = frozenset(eos_token_ids)
         self.policy = policy if policy is not None else FCFSPolicy()
         self.waiting = waiting_queue if waiting_queue is not None else OrderedWaitingQueue(self.policy)
-        self.running: list[Sequence] = []
+        self.running: list[Sequence] = []  # in admission-key order (a sequence's key never changes)
+        self._running_keys: list[tuple] = []
         # Completions 1..n-1 of a request wait here until completion 0 has computed (and cached)
         # the prompt's full blocks, so they hit them instead of computing them again.
         self._held_siblings: dict[str, list[Sequence]] = {}  # leader seq_id -> held siblings
@@ -95,7 +104,7 @@ class Scheduler(SchedulerInterface):
             if seq is None:
                 continue
             if seq.status is SequenceStatus.RUNNING:
-                self.running.remove(seq)
+                self._remove_running(seq)
             elif not self.waiting.remove(seq):
                 self._unhold(seq)
             self._finish(seq, status)
@@ -111,8 +120,12 @@ class Scheduler(SchedulerInterface):
     # -- one step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         step = _StepPlan(self.config.max_num_batched_tokens)
-        # Decodes first, then unfinished prefills; each group in admission order.
-        for seq in sorted(self.running, key=lambda s: (s.is_prefilling, self.policy.admission_key(s))):
+        # Decodes first, then unfinished prefills; each group in admission order (running's order).
+        decodes, prefills = [], []
+        for seq in self.running:
+            uncomputed = len(seq.all_token_ids) + seq.num_pending_tokens - seq.num_computed_tokens
+            (prefills if uncomputed > 1 else decodes).append(seq)
+        for seq in decodes + prefills:
             if step.budget == 0:
                 break
             if seq.status is SequenceStatus.RUNNING and seq.seq_id not in step.scheduled:
@@ -129,7 +142,7 @@ class Scheduler(SchedulerInterface):
 
     def _schedule_running(self, seq: Sequence, step: _StepPlan) -> None:
         num_new = min(seq.num_uncomputed_tokens, step.budget)
-        if num_new <= 0:
+        if num_new <= 0 or (seq.num_pending_tokens and self._pending_token_is_last(seq)):
             return
         while True:
             if self.kv_cache.allocate(seq, num_new) is not None:
@@ -145,6 +158,8 @@ class Scheduler(SchedulerInterface):
         full_budget = self.config.max_num_batched_tokens
         while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
             for seq in self.waiting.heads():
+                if seq.num_pending_tokens:  # preempted while its last step ran: wait for its token
+                    continue
                 prefix = self.kv_cache.find_prefix(seq)
                 num_new = seq.num_tokens - prefix.num_tokens
                 if num_new > step.budget:
@@ -164,7 +179,7 @@ class Scheduler(SchedulerInterface):
             seq.num_computed_tokens = prefix.num_tokens
             if seq.num_preemptions == 0:
                 seq.num_cached_prompt_tokens = prefix.num_tokens
-            self.running.append(seq)
+            self._add_running(seq)
             step.add(self._scheduled(seq, num_new))
 
     # -- completions of one request share the prompt ---------------------------------------
@@ -200,20 +215,50 @@ class Scheduler(SchedulerInterface):
                 if not held:
                     del self._held_siblings[leader_id]
 
+    def _pending_token_is_last(self, seq: Sequence) -> bool:
+        """The token still on its way to the host will end the sequence by length (max_tokens or
+        max_model_len), so scheduling another would compute a token nobody gets."""
+        pending = seq.num_pending_tokens
+        return (seq.num_output_tokens + pending >= seq.max_tokens
+                or len(seq.all_token_ids) + pending >= self.max_model_len)
+
     def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSequence:
+        """The step's share of `seq`; counts its tokens as computed (they are from now on being
+        computed) and, when the chunk reaches the end, the token it samples as pending."""
         start = seq.num_computed_tokens
+        end = start + num_new
+        token_ids = seq.all_token_ids[start:end]
+        if len(token_ids) < num_new:  # the previous step's sampled token, not on the host yet
+            token_ids += [PENDING_TOKEN_ID] * (num_new - len(token_ids))
+        samples = end == len(seq.all_token_ids) + seq.num_pending_tokens
+        seq.num_computed_tokens = end
+        if samples:
+            seq.num_pending_tokens += 1
         return ScheduledSequence(
             sequence=seq,
-            token_ids=seq.all_token_ids[start : start + num_new],
+            token_ids=token_ids,
             start_position=start,
-            block_ids=self.kv_cache.block_ids(seq.seq_id),
-            samples=start + num_new == seq.num_tokens,
+            block_ids=self.kv_cache.block_table(seq.seq_id),
+            samples=samples,
         )
 
+    def _add_running(self, seq: Sequence) -> None:
+        key = self.policy.admission_key(seq)
+        index = bisect.bisect_right(self._running_keys, key)
+        self._running_keys.insert(index, key)
+        self.running.insert(index, seq)
+
+    def _remove_running(self, seq: Sequence) -> None:
+        index = self.running.index(seq)  # Sequence compares by identity
+        del self.running[index]
+        del self._running_keys[index]
+
     def _preempt(self, seq: Sequence, step: _StepPlan) -> None:
-        self.running.remove(seq)
+        self._remove_running(seq)
         self.kv_cache.free(seq)
-        step.remove(seq.seq_id)
+        scheduled = step.remove(seq.seq_id)
+        if scheduled is not None and scheduled.samples:
+            seq.num_pending_tokens -= 1  # it will not sample this step after all
         step.preempted.append(seq.seq_id)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
@@ -230,18 +275,24 @@ class Scheduler(SchedulerInterface):
         updates = []
         for scheduled in scheduler_output.scheduled:
             seq = scheduled.sequence
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status.finished:  # aborted, stopped by a string, or ended by an earlier token
                 continue
-            seq.num_computed_tokens += scheduled.num_new_tokens
-            self.kv_cache.cache_computed_blocks(seq)
-            self._release_siblings(seq)
+            if seq.status is SequenceStatus.RUNNING:  # (else preempted after this step was launched)
+                self.kv_cache.cache_computed_blocks(seq)
+                self._release_siblings(seq)
+            if not scheduled.samples:
+                continue
+            seq.num_pending_tokens -= 1
             sampled = runner_output.sampled.get(seq.seq_id)
             if sampled is None:
                 continue
             seq.append_output_token(sampled.token_id)
             status, by_token = self._check_stop(seq, sampled.token_id)
             if status is not None:
-                self.running.remove(seq)
+                if seq.status is SequenceStatus.RUNNING:
+                    self._remove_running(seq)
+                else:
+                    self.waiting.remove(seq)
                 self._finish(seq, status)
             logprobs = [sampled.logprob] if sampled.logprob is not None else None
             updates.append(SequenceUpdate(seq, [sampled.token_id], logprobs, finished_by_token=by_token))
@@ -305,7 +356,8 @@ class _StepPlan:
         self.scheduled[scheduled.seq_id] = scheduled
         self.budget -= scheduled.num_new_tokens
 
-    def remove(self, seq_id: str) -> None:
+    def remove(self, seq_id: str) -> ScheduledSequence | None:
         scheduled = self.scheduled.pop(seq_id, None)
         if scheduled is not None:
             self.budget += scheduled.num_new_tokens
+        return scheduled

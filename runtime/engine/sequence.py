@@ -37,6 +37,11 @@ _FINISH_REASONS = {
 }
 
 
+# Stands in a step's token ids for a token sampled by the previous step whose id has not reached the
+# host yet (async scheduling); the model runner puts the real id in place on the device.
+PENDING_TOKEN_ID = -1
+
+
 def child_sequence_id(request_id: str, index: int, n: int) -> str:
     """The scheduler id of completion `index` of a request: the request id itself when n == 1."""
     return request_id if n == 1 else f"{request_id}#{index}"
@@ -56,7 +61,12 @@ class Sequence:
             and preempted last); the tenancy layer reads them for shards and eviction scores.
         cache_salt: mixed into the first block's prefix hash so tenants never share cached KV
             unless they share the salt.
-        num_computed_tokens: tokens whose K/V are in the cache (prefix hits count).
+        num_computed_tokens: tokens whose K/V are in the cache or being computed by a step already
+            scheduled (the scheduler advances it when it schedules them; prefix hits count).
+        num_pending_tokens: tokens already scheduled to be sampled whose ids have not reached the
+            host yet (`update_from_output` appends them). 0 or 1 between steps of a synchronous
+            engine; with async scheduling the next step is scheduled while one is still pending,
+            and its input token is taken from the previous step's sampled ids on the device.
         block_hashes: prefix hashes of the full blocks of all_token_ids, extended lazily.
         sibling_ids: seq_ids of the other completions of the same request (n > 1).
     """
@@ -74,6 +84,7 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_pending_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     block_hashes: list[bytes] = field(default_factory=list)
     num_preemptions: int = 0
@@ -100,7 +111,14 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        """Tokens (known or pending) whose K/V no scheduled step computes yet."""
+        return len(self.all_token_ids) + self.num_pending_tokens - self.num_computed_tokens
+
+    @property
+    def num_outputs_before_sample(self) -> int:
+        """Output tokens generated before the one a step is sampling now (for min_tokens): the
+        known ones plus those still pending, less the one being sampled (pending once scheduled)."""
+        return len(self.output_token_ids) + max(0, self.num_pending_tokens - 1)
 
     @property
     def is_prefilling(self) -> bool:

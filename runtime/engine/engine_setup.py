@@ -1,0 +1,65 @@
+"""Putting a loaded model to work before the engine's first step: quantization, torch.compile and
+CUDA-graph capture (with the reason in the log when graphs are off), and the checkpoint's head size
+that picks the attention back end.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from sits.runtime.config import ConfigError, EngineConfig
+
+if TYPE_CHECKING:
+    from sits.runtime.engine.runner import ModelRunner
+    from sits.runtime.models.loading import LoadedModel
+
+logger = logging.getLogger(__name__)
+
+
+def quantize(loaded: LoadedModel, method: str) -> None:
+    """Convert the model's linear layers for --quantization (a no-op when already converted)."""
+    if method == "none":
+        return
+    from sits.runtime.models.quantize import quantization_of, quantize_model
+
+    current = quantization_of(loaded.model)
+    if current == method:
+        return
+    if current != "none":
+        raise ConfigError(f"--quantization {method}: the model is already quantized to {current}")
+    quantize_model(loaded.model, method)
+
+
+def prepare_execution(runner: ModelRunner, loaded: LoadedModel, config: EngineConfig, max_model_len: int) -> None:
+    """torch.compile (--compile) and CUDA-graph capture of decode steps, with the reason when graphs are off."""
+    from sits.runtime.engine.cuda_graphs import decode_batch_sizes
+
+    if config.compile:
+        from sits.runtime.engine.compilation import compile_non_attention
+
+        compile_non_attention(loaded.model)
+    backend = getattr(loaded.model, "backend", None)
+    if loaded.device.type != "cuda":
+        reason = "not on CUDA"
+    elif config.enforce_eager:
+        reason = "--enforce-eager"
+    elif backend is None or not getattr(backend, "supports_cuda_graphs", False):
+        reason = f"the {getattr(backend, 'name', '?')} attention back end cannot be captured"
+    elif not runner.cuda_graphs_supported:
+        reason = f"{type(runner).__name__} does not support them"
+    else:
+        sizes = decode_batch_sizes(config.scheduler.max_num_seqs, config.cuda_graph_max_batch_size)
+        runner.setup_cuda_graphs(sizes, max_model_len)
+        return
+    logger.info("CUDA graphs off (%s): every step runs eagerly", reason)
+
+
+def checkpoint_head_dim(config: EngineConfig, progress: bool) -> int:
+    """The checkpoint's head size, read before loading so the attention back end can be chosen."""
+    from sits.runtime.models import loading
+    from sits.runtime.models.config import LlamaConfig
+    from sits.runtime.models.hf_checkpoint import read_hf_config
+
+    directory, _, _ = loading._resolve_source(config.model.model, progress)
+    return LlamaConfig.from_hf_dict(read_hf_config(directory)).head_dim

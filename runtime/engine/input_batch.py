@@ -1,0 +1,231 @@
+"""The runner's persistent batch: per-sequence block tables kept on the host across steps.
+
+Rebuilding every sequence's block table from Python lists each step costs O(sequences x blocks)
+of Python (128 blocks per 2,048-token context): at batch 256 that alone is milliseconds per step,
+while the GPU waits. As vLLM v1's `InputBatch` does, each running sequence instead owns a row of
+one preallocated int32 array for as long as it holds KV blocks; a step copies into it only the
+blocks added since the sequence last ran (one block every block_size decode steps), and a row is
+given back when its sequence finishes or is preempted. The scheduler still hands over plain lists
+(`ScheduledSequence.block_ids`, the KV manager's live table): the row knows the list it mirrors and
+how much of it it holds, so it notices new blocks by length and a new table by identity.
+
+Everything else of a step (positions, cache slots, cu_seqlens, sequence lengths, the step's rows of
+the block table) is computed with a few vectorized numpy operations over per-sequence values, then
+written into one host buffer (pinned on CUDA) and sent with one non-blocking copy: the tensors of
+`ModelInput` are views of that one device buffer, so building a step never waits for the GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import torch
+
+from sits.runtime.attention.backend import AttentionMetadata
+from sits.runtime.engine.model_input import ModelInput
+from sits.runtime.engine.scheduler_output import ScheduledSequence
+from sits.runtime.engine.sequence import PENDING_TOKEN_ID
+
+
+class _Row:
+    """One sequence's row of the block-table array and the list it mirrors."""
+
+    __slots__ = ("index", "table", "written", "sampled_step", "sampled_row")
+
+    def __init__(self, index: int, table: list[int]) -> None:
+        self.index = index
+        self.table = table  # the KV manager's list (kept to compare identity)
+        self.written = 0  # leading entries of `table` already in the row
+        self.sampled_step = -1  # the last step that sampled for this sequence ...
+        self.sampled_row = -1  # ... and the sequence's row in that step's sampled ids
+
+
+class InputBatch:
+    """Builds each step's `ModelInput`, keeping block tables in rows that live across steps.
+
+    It also remembers, per sequence, where its token sits in the latest step's sampled ids, and the
+    runner hands it those ids (`record_sampled`, still on the device): a token the scheduler marked
+    `PENDING_TOKEN_ID` (async scheduling) is put in place from them on the device, so the next step
+    never waits for the previous one's tokens to reach the host.
+
+    Args:
+        block_size: tokens per KV block (slot = block_id * block_size + offset).
+        device: where the step's tensors go.
+        rows, width: initial capacity (sequences x blocks per sequence); both grow on demand.
+    """
+
+    def __init__(self, block_size: int, device: torch.device | str, rows: int = 8, width: int = 16) -> None:
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self._pin = self.device.type == "cuda"
+        self._tables = np.zeros((rows, width), dtype=np.int32)  # rows past a table's length stay 0
+        self._rows: dict[str, _Row] = {}
+        self._free_rows: list[int] = list(range(rows - 1, -1, -1))
+        self._step = 0  # steps prepared so far
+        self._sampled_ids: torch.Tensor | None = None  # [N] int64 on the device, of step _sampled_step
+        self._sampled_step = -1
+
+    @property
+    def num_rows_in_use(self) -> int:
+        return len(self._rows)
+
+    def release(self, seq_ids: Iterable[str]) -> None:
+        """Give back the rows of sequences that finished or lost their blocks (preempted)."""
+        for seq_id in seq_ids:
+            row = self._rows.pop(seq_id, None)
+            if row is not None:
+                self._tables[row.index, : row.written] = 0
+                self._free_rows.append(row.index)
+
+    def record_sampled(self, token_ids: torch.Tensor) -> None:
+        """The token ids the step just prepared sampled ([N] int64, sample_sequences order, on the
+        device): the source of its sequences' pending tokens in the next step."""
+        self._sampled_ids = token_ids
+        self._sampled_step = self._step - 1
+
+    def prepare(self, scheduled: Sequence[ScheduledSequence]) -> ModelInput:
+        """The step's flat batch: prefill-path sequences first, then single-token decodes.
+
+        Args:
+            scheduled: the step's sequences in any order.
+        """
+        if not scheduled:
+            raise ValueError("cannot build a batch of no sequences")
+        prefills = [s for s in scheduled if not (len(s.token_ids) == 1 and s.start_position > 0)]
+        ordered = [s for s in scheduled if len(s.token_ids) == 1 and s.start_position > 0]
+        num_prefills = len(prefills)
+        if prefills:
+            ordered = prefills + ordered
+        step = self._step
+        self._step += 1
+        rows, starts, counts, input_ids, widths, sample_sequences, sampled_seqs = [], [], [], [], [], [], []
+        fill_at, fill_from = [], []
+        for index, item in enumerate(ordered):
+            row = self._sync_row(item)
+            rows.append(row.index)
+            starts.append(item.start_position)
+            token_ids = item.token_ids
+            counts.append(len(token_ids))
+            input_ids += token_ids
+            widths.append(len(item.block_ids))
+            if token_ids[-1] == PENDING_TOKEN_ID:
+                fill_at.append(len(input_ids) - 1)
+                fill_from.append(self._pending_source(item, row))
+            if item.samples:
+                row.sampled_step, row.sampled_row = step, len(sampled_seqs)
+                sampled_seqs.append(index)
+                sample_sequences.append(item.sequence)
+        return self._assemble(rows, starts, counts, input_ids, max(widths), sampled_seqs, sample_sequences,
+                              num_prefills, fill_at, fill_from)
+
+    # -- internals -------------------------------------------------------------------------
+    def _pending_source(self, item: ScheduledSequence, row: _Row) -> int:
+        """Where the previous step's sampled ids hold the pending last token of `item`."""
+        if (row.sampled_step != self._sampled_step or self._sampled_step != self._step - 2
+                or PENDING_TOKEN_ID in item.token_ids[:-1]):
+            raise RuntimeError(f"sequence {item.sequence.seq_id!r} has a pending token the previous step "
+                               "did not sample")
+        return row.sampled_row
+
+    def _sync_row(self, item: ScheduledSequence) -> _Row:
+        """The row of item's sequence, with every block of its table copied in."""
+        table = item.block_ids
+        row = self._rows.get(item.sequence.seq_id)
+        if row is None:
+            if not self._free_rows:
+                self._grow(rows=2 * self._tables.shape[0])
+            row = self._rows[item.sequence.seq_id] = _Row(self._free_rows.pop(), table)
+        elif row.table is not table:  # a new table (the sequence was preempted and came back)
+            self._tables[row.index, : row.written] = 0
+            row.table, row.written = table, 0
+        length = len(table)
+        if length != row.written:
+            if length < row.written:  # only a caller's own list can shrink; rewrite the row
+                self._tables[row.index, : row.written] = 0
+                row.written = 0
+            if length > self._tables.shape[1]:
+                self._grow(width=max(length, 2 * self._tables.shape[1]))
+            self._tables[row.index, row.written : length] = table[row.written : length]
+            row.written = length
+        return row
+
+    def _grow(self, rows: int | None = None, width: int | None = None) -> None:
+        old_rows, old_width = self._tables.shape
+        grown = np.zeros((rows or old_rows, width or old_width), dtype=np.int32)
+        grown[:old_rows, :old_width] = self._tables
+        self._tables = grown
+        self._free_rows.extend(range((rows or old_rows) - 1, old_rows - 1, -1))
+
+    def _assemble(self, rows: list[int], starts: list[int], counts: list[int], input_ids: list[int], width: int,
+                  sampled_seqs: list[int], sample_sequences: list, num_prefills: int, fill_at: list[int],
+                  fill_from: list[int]) -> ModelInput:
+        num_seqs, num_tokens = len(rows), len(input_ids)
+        rows_np = np.array(rows, dtype=np.intp)
+        starts_np = np.array(starts, dtype=np.int64)
+        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
+        if num_tokens == num_seqs:  # one token each (decodes): no per-token expansion
+            query_start_loc[1:] = np.arange(1, num_seqs + 1)
+            positions, token_rows = starts_np, rows_np
+            counts_np = None
+        else:
+            counts_np = np.array(counts, dtype=np.int64)
+            np.cumsum(counts_np, out=query_start_loc[1:])
+            positions = np.repeat(starts_np - query_start_loc[:-1], counts_np) + np.arange(num_tokens)
+            token_rows = np.repeat(rows_np, counts_np)
+        seq_lens = starts_np + (1 if counts_np is None else counts_np)
+        block_size = self.block_size
+        slots = self._tables[token_rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
+        logits_rows = query_start_loc[1:][sampled_seqs] - 1
+        tables = self._tables[rows_np, :width]
+        wide = (np.array(input_ids, dtype=np.int64), positions, slots, logits_rows, fill_at, fill_from)
+        narrow = (query_start_loc, seq_lens, tables.reshape(-1))
+        (ids_t, positions_t, slots_t, logits_t, fill_at_t, fill_from_t), (qsl_t, seq_lens_t, tables_t) = (
+            self._to_device(wide, narrow))
+        if fill_at:  # the previous step's tokens, straight from its sampled ids on the device
+            ids_t.index_copy_(0, fill_at_t, self._sampled_ids.index_select(0, fill_from_t))
+        seq_lens_list = seq_lens.tolist()
+        metadata = AttentionMetadata(
+            num_prefills=num_prefills,
+            num_prefill_tokens=int(query_start_loc[num_prefills]),
+            num_decodes=num_seqs - num_prefills,
+            slot_mapping=slots_t,
+            query_start_loc=qsl_t,
+            seq_lens=seq_lens_t,
+            block_tables=tables_t.view(num_seqs, width),
+            max_query_len=max(counts),
+            max_seq_len=max(seq_lens_list),
+            seq_lens_list=seq_lens_list,
+            query_lens_list=counts,
+        )
+        return ModelInput(input_ids=ids_t, positions=positions_t, metadata=metadata, logits_indices=logits_t,
+                          sample_sequences=sample_sequences)
+
+    def _to_device(self, wide: Sequence[np.ndarray | list[int]], narrow: Sequence[np.ndarray]
+                   ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """int64 tensors of `wide` and int32 tensors of `narrow`, all views of one buffer on the device.
+
+        Each part starts on a 16-byte boundary (Triton specializes kernels on pointer alignment, so an
+        unaligned view would compile a second variant). On CUDA the host buffer is pinned (PyTorch's
+        caching host allocator keeps it from being reused before the copy ran), so the copy is
+        asynchronous.
+        """
+        parts = [(part, False) for part in wide] + [(part, True) for part in narrow]
+        offsets, total = [], 0  # in int64 elements, each part on an even one (16 bytes)
+        for values, is_int32 in parts:
+            offsets.append(total)
+            total += 2 * -(-len(values) // (4 if is_int32 else 2))
+        host = torch.empty(total, dtype=torch.int64, pin_memory=self._pin)
+        host64 = host.numpy()
+        host32 = host64.view(np.int32)
+        for (values, is_int32), offset in zip(parts, offsets, strict=True):
+            if is_int32:
+                host32[2 * offset : 2 * offset + len(values)] = values
+            else:
+                host64[offset : offset + len(values)] = values
+        on_device = host.to(self.device, non_blocking=True)
+        on_device32 = on_device.view(torch.int32)
+        tensors = [on_device32[2 * offset : 2 * offset + len(values)] if is_int32
+                   else on_device[offset : offset + len(values)]
+                   for (values, is_int32), offset in zip(parts, offsets, strict=True)]
+        return tensors[: len(wide)], tensors[len(wide):]
