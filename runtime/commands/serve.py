@@ -38,7 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     server.add_argument("--max-waiting-requests", type=int, default=None, metavar="N",
                         help="sequences that may wait behind the running batch (a request counts n x prompts); "
                              "beyond them requests get 503 with Retry-After before the engine sees them "
-                             "(default: --max-num-seqs, one batch)")
+                             "(default: --max-num-seqs, one batch, at least 32)")
     server.add_argument("--otlp-endpoint", default=None, metavar="URL",
                         help="export request traces (queue, prefill, decode, detokenize spans) over OTLP/HTTP to "
                              "this collector, e.g. http://otel-collector:4318 (off by default; needs sits[tracing])")

@@ -30,6 +30,7 @@ from sits.runtime.server.errors import OpenAIError, invalid_request
 RESERVED_KEY = "admitted_sequences"  # in the ASGI scope's state: this request's reserved sequences
 ADMITTED_AT_KEY = "admitted_at"  # time.monotonic() of the request's first reservation
 WAITING_PER_RUNNING = 1  # the default queue: one full batch waits behind the running one
+MIN_WAITING = 32  # ... and never fewer than this many sequences
 RETRY_AFTER_MAX_S = 60
 DURATION_SMOOTHING = 0.2  # weight of the newest request in the running mean of request durations
 
@@ -38,9 +39,11 @@ def default_max_waiting(max_running: int) -> int:
     """The default bound of the waiting queue for an engine that runs `max_running` sequences.
 
     One batch: under saturation a newcomer then waits about one request's duration for its first
-    token; a deeper queue only adds waiting that most clients time out on.
+    token; a deeper queue only adds waiting that most clients time out on. At least MIN_WAITING, so an
+    engine that runs few sequences (e.g. --max-num-seqs 1) queues a light burst instead of refusing
+    it (and its latency, which canary analysis compares, still shows that it is slow).
     """
-    return WAITING_PER_RUNNING * max_running
+    return max(WAITING_PER_RUNNING * max_running, MIN_WAITING)
 
 
 @dataclass

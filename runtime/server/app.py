@@ -52,7 +52,7 @@ def build_app(engine: Any, server_config: ServerConfig | None = None, *, served_
             metrics), started and closed with the app; it provides the resolver and usage observer
             unless those are given. The engine should have been built with `tenancy.engine_hooks()`.
         max_waiting_requests: sequences that may wait behind the engine's running batch; more get
-            503 + Retry-After (`sits.runtime.server.admission`). None: the engine's max_num_seqs.
+            503 + Retry-After (`sits.runtime.server.admission`). None: the engine's max_num_seqs, at least 32.
             Needs an engine that tells its max_num_seqs; otherwise nothing is bounded.
         retry_after_s: the Retry-After of those 503s.
     """
