@@ -61,6 +61,7 @@ class _Add:
     tenant: str
     priority: int
     cache_salt: str | None = None
+    stream_text: bool = True
 
 
 @dataclass
@@ -184,11 +185,13 @@ class AsyncEngine:
         tenant: str = "default",
         priority: int = 0,
         cache_salt: str | None = None,
+        stream_text: bool = True,
     ) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its snapshot after every step that produced tokens.
 
         Leaving early (break, aclose, cancellation) aborts the request and frees its KV blocks.
         `cache_salt` (the tenant's prefix-cache salt) keeps its cached prefix blocks private.
+        `stream_text=False`: only the final snapshot carries text (see `LLMEngine.add_request`).
 
         Raises:
             PromptTooLongError, InvalidRequestError, SamplingParamsError: bad request (400).
@@ -210,7 +213,8 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise DuplicateRequestError(f"request id {request_id!r} is already in the engine")
             self._streams[request_id] = stream
-            self._commands.append(_Add(request_id, list(prompt_token_ids), params, tenant, priority, cache_salt))
+            self._commands.append(_Add(request_id, list(prompt_token_ids), params, tenant, priority, cache_salt,
+                                       stream_text))
             self._idle.clear()
             self._cond.notify()
         finished = False
@@ -293,6 +297,7 @@ class AsyncEngine:
                 self.engine.add_request(
                     command.request_id, command.prompt_token_ids, command.params,
                     tenant=command.tenant, priority=command.priority, cache_salt=command.cache_salt,
+                    stream_text=command.stream_text,
                 )
             except ValueError as exc:  # raced with a duplicate id, or other request validation
                 self._send(command.request_id, exc)

@@ -60,10 +60,26 @@ class IncrementalDetokenizer:
             self._prefix_offset = 0
         return new_text
 
+    def add_tokens_at_once(self, token_ids: Sequence[int]) -> str:
+        """Append tokens; return all the text `add_tokens` would have returned for them one by one.
+
+        One decode of the whole window instead of two per token. Decoding the window at once gives
+        the concatenation of the per-token pieces whenever the window's text does not end inside a
+        character: every piece starts and ends on a character boundary, and decoding is consistent
+        across such boundaries (byte-level BPE, SentencePiece). When it does end inside one, the
+        tokens are fed one by one, as a stream would have seen them.
+        """
+        saved = (list(self._tokens), self._prefix_offset, self._read_offset)
+        text = self.add_tokens(token_ids)
+        if text or len(token_ids) <= 1:
+            return text
+        self._tokens, self._prefix_offset, self._read_offset = saved
+        return "".join(self.add_tokens([token]) for token in token_ids)
+
     def _decode(self, token_ids: Sequence[int]) -> str:
         if not token_ids:
             return ""
-        return self._tokenizer.decode(list(token_ids), skip_special_tokens=self._skip_special)
+        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special)
 
 
 def held_back_length(text: str, stop: Sequence[str]) -> int:
@@ -94,14 +110,19 @@ class TextAccumulator:
         detokenizer: decodes this completion's tokens.
         stop: stop strings; the first one to appear ends the completion.
         include_stop_str_in_output: keep the matched stop string in the text.
+        defer: nobody reads the text before the completion ends (a request that does not stream
+            text): without stop strings, tokens are only kept, and decoded at once at the end.
     """
 
     def __init__(
-        self, detokenizer: IncrementalDetokenizer, stop: Sequence[str] = (), include_stop_str_in_output: bool = False
+        self, detokenizer: IncrementalDetokenizer, stop: Sequence[str] = (), include_stop_str_in_output: bool = False,
+        defer: bool = False,
     ) -> None:
         self._detokenizer = detokenizer
         self._stop = list(stop)
         self._include_stop = include_stop_str_in_output
+        self._defer = defer and not self._stop  # stop strings must be looked for as the text grows
+        self._deferred: list[int] = []
         self._text = ""  # everything decoded (cut at a stop string once one matched)
         self._released = 0  # characters of _text already returned as deltas
         self.stopped_by: str | None = None
@@ -121,6 +142,14 @@ class TextAccumulator:
         """
         if self.stopped_by is not None:
             return ""
+        if self._defer:
+            self._deferred += token_ids
+            if not final:
+                return ""
+            self._text += self._detokenizer.add_tokens_at_once(self._deferred)
+            self._deferred = []
+            delta, self._released = self._text[self._released :], len(self._text)
+            return delta
         search_from = len(self._text)
         if token_ids:
             self._text += self._detokenizer.add_tokens(token_ids)

@@ -185,8 +185,13 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        stream_text: bool = True,
     ) -> None:
         """Queue a request; its n completions are scheduled as n sequences sharing the prompt.
+
+        `stream_text=False` (a caller that reads the text only once the request finished, like a
+        non-streaming API call): the text is decoded when the request finishes, in one go, unless
+        stop strings need it earlier; snapshots before the last carry token ids but no text.
 
         Raises:
             PromptTooLongError: empty prompt, or prompt + max_tokens (1 if None) > max_model_len.
@@ -204,7 +209,7 @@ class LLMEngine:
         seq_ids = [child_sequence_id(request_id, i, params.n) for i in range(params.n)]
         order = next(self._arrival_counter)
         self.output_processor.add_request(
-            request_id, prompt_token_ids, params, tenant, RequestMetrics(arrival_time=arrival_time)
+            request_id, prompt_token_ids, params, tenant, RequestMetrics(arrival_time=arrival_time), stream_text
         )
         for index, seq_id in enumerate(seq_ids):
             self.scheduler.add_request(

@@ -7,7 +7,6 @@ consumer on another thread may keep it while the engine goes on.
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from sits.runtime.engine.request import (
     RequestMetrics,
     RequestOutput,
     SamplingParams,
+    TokenLogprob,
 )
 from sits.runtime.engine.scheduler_output import SequenceUpdate
 
@@ -37,10 +37,17 @@ class _RequestState:
     tenant: str
     metrics: RequestMetrics
     completions: list[_CompletionState]
+    stream_text: bool
+    num_unfinished: int
 
     @property
     def finished(self) -> bool:
-        return all(c.output.finished for c in self.completions)
+        return self.num_unfinished == 0
+
+
+# One step's delta of one completion: (text, token ids, logprobs or None).
+_Delta = tuple[str, list[int], "list[TokenLogprob] | None"]
+_NO_DELTA: _Delta = ("", [], None)
 
 
 class OutputProcessor:
@@ -61,15 +68,20 @@ class OutputProcessor:
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, tenant: str,
-        metrics: RequestMetrics,
+        metrics: RequestMetrics, stream_text: bool = True,
     ) -> None:
+        """Track a request. `stream_text=False`: its text is read only once it finishes, so it is
+        decoded then, in one go (unless stop strings need it as it grows), and the snapshots before
+        the final one carry token ids but no text; the final one holds the whole text (also as its
+        text_delta)."""
         completions = []
         for index in range(params.n):
             detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
-            text = TextAccumulator(detokenizer, params.stop, params.include_stop_str_in_output)
+            text = TextAccumulator(detokenizer, params.stop, params.include_stop_str_in_output, defer=not stream_text)
             output = CompletionOutput(index=index, logprobs=[] if params.logprobs is not None else None)
             completions.append(_CompletionState(text, output))
-        self._requests[request_id] = _RequestState(request_id, prompt_token_ids, params, tenant, metrics, completions)
+        self._requests[request_id] = _RequestState(request_id, prompt_token_ids, params, tenant, metrics, completions,
+                                                   stream_text, params.n)
 
     def mark_scheduled(self, request_ids: Iterable[str], now: float) -> None:
         """Stamp first_scheduled_time on requests scheduled for the first time."""
@@ -86,7 +98,7 @@ class OutputProcessor:
             the caller must finish those in the scheduler).
         """
         now = time.time()
-        deltas: dict[str, dict[int, CompletionOutput]] = {}
+        deltas: dict[str, dict[int, _Delta]] = {}
         stopped_by_string: list[str] = []
         for update in updates:
             seq = update.sequence
@@ -94,11 +106,13 @@ class OutputProcessor:
             if state is None:
                 continue
             completion = state.completions[seq.index]
-            if completion.output.finished:
+            if completion.output.finish_reason is not None:
                 continue
-            delta = self._apply(completion, update)
-            deltas.setdefault(seq.request_id, {})[seq.index] = delta
-            if completion.text.stopped_by is not None and not update.status.finished:
+            step_deltas = deltas.get(seq.request_id)
+            if step_deltas is None:
+                step_deltas = deltas[seq.request_id] = {}
+            step_deltas[seq.index] = self._apply(state, completion, update)
+            if completion.text.stopped_by is not None and not update.sequence.status.finished:
                 stopped_by_string.append(seq.seq_id)
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
@@ -116,55 +130,57 @@ class OutputProcessor:
         for completion in state.completions:
             if not completion.output.finished:
                 completion.output.finish_reason = FinishReason.ABORT
-                deltas[completion.output.index] = CompletionOutput(index=completion.output.index)
+                state.num_unfinished -= 1
+                deltas[completion.output.index] = _NO_DELTA
         return self._snapshot(state, deltas, time.time())
 
-    def _apply(self, completion: _CompletionState, update: SequenceUpdate) -> CompletionOutput:
+    def _apply(self, state: _RequestState, completion: _CompletionState, update: SequenceUpdate) -> _Delta:
         """Fold one update into the completion; return this step's delta."""
         seq, output = update.sequence, completion.output
-        finished = update.status.finished
-        text_tokens = update.new_token_ids[:-1] if update.finished_by_token else update.new_token_ids
+        finished = seq.status.finished
+        new_token_ids = update.new_token_ids
+        text_tokens = new_token_ids[:-1] if update.finished_by_token else new_token_ids
         text_delta = completion.text.add_tokens(
-            text_tokens, check_stop=seq.num_output_tokens >= seq.params.min_tokens, final=finished
+            text_tokens, check_stop=len(seq.output_token_ids) >= seq.params.min_tokens, final=finished
         )
-        output.token_ids.extend(update.new_token_ids)
-        output.text = completion.text.text
+        output.token_ids += new_token_ids
+        if text_delta:
+            output.text += text_delta
         if update.new_logprobs is not None and output.logprobs is not None:
-            output.logprobs.extend(update.new_logprobs)
+            output.logprobs += update.new_logprobs
             output.cumulative_logprob += sum(lp.logprob for lp in update.new_logprobs)
         if completion.text.stopped_by is not None:
             output.finish_reason = FinishReason.STOP
             output.stop_reason = completion.text.stopped_by
         elif finished:
-            output.finish_reason = update.status.finish_reason
+            output.finish_reason = seq.status.finish_reason
             output.stop_reason = seq.stop_reason
-        return CompletionOutput(
-            index=output.index,
-            text_delta=text_delta,
-            token_ids_delta=list(update.new_token_ids),
-            logprobs_delta=list(update.new_logprobs) if update.new_logprobs is not None else None,
-        )
+        if output.finish_reason is not None:
+            state.num_unfinished -= 1
+        logprobs = list(update.new_logprobs) if update.new_logprobs is not None else None
+        return text_delta, list(new_token_ids), logprobs
 
-    def _snapshot(self, state: _RequestState, deltas: dict[int, CompletionOutput], now: float) -> RequestOutput:
+    def _snapshot(self, state: _RequestState, deltas: dict[int, _Delta], now: float) -> RequestOutput:
+        finished = state.num_unfinished == 0
+        show_text = state.stream_text or finished
         outputs = []
         for completion in state.completions:
             cumulative = completion.output
-            delta = deltas.get(cumulative.index)
-            outputs.append(
-                CompletionOutput(
-                    index=cumulative.index,
-                    text=cumulative.text,
-                    token_ids=list(cumulative.token_ids),
-                    text_delta=delta.text_delta if delta else "",
-                    token_ids_delta=delta.token_ids_delta if delta else [],
-                    logprobs=list(cumulative.logprobs) if cumulative.logprobs is not None else None,
-                    logprobs_delta=_logprobs_delta(cumulative, delta),
-                    cumulative_logprob=cumulative.cumulative_logprob,
-                    finish_reason=cumulative.finish_reason,
-                    stop_reason=cumulative.stop_reason,
-                )
-            )
-        finished = state.finished
+            text_delta, token_ids_delta, logprobs_delta = deltas.get(cumulative.index, _NO_DELTA)
+            if not state.stream_text:  # the whole text arrives with the final snapshot
+                text_delta = cumulative.text if finished else ""
+            logprobs = None
+            if cumulative.logprobs is not None:
+                logprobs = list(cumulative.logprobs)
+                logprobs_delta = logprobs_delta if logprobs_delta is not None else []
+            else:
+                logprobs_delta = None
+            outputs.append(CompletionOutput(
+                index=cumulative.index, text=cumulative.text if show_text else "",
+                token_ids=list(cumulative.token_ids), text_delta=text_delta, token_ids_delta=token_ids_delta,
+                logprobs=logprobs, logprobs_delta=logprobs_delta, cumulative_logprob=cumulative.cumulative_logprob,
+                finish_reason=cumulative.finish_reason, stop_reason=cumulative.stop_reason,
+            ))
         if finished:
             state.metrics.finished_time = now
             del self._requests[state.request_id]
@@ -173,12 +189,6 @@ class OutputProcessor:
             prompt_token_ids=state.prompt_token_ids,
             outputs=outputs,
             finished=finished,
-            metrics=copy.copy(state.metrics),
+            metrics=state.metrics.copy(),
             tenant=state.tenant,
         )
-
-
-def _logprobs_delta(cumulative: CompletionOutput, delta: CompletionOutput | None) -> list | None:
-    if cumulative.logprobs is None:
-        return None
-    return list(delta.logprobs_delta or []) if delta is not None else []
