@@ -193,7 +193,10 @@ def rss_mb(pid: int | None) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.load_test import sits_serve  # the same way of starting and stopping a server
+    try:  # the same way of starting and stopping a server
+        from benchmarks.load_test import sits_serve
+    except ModuleNotFoundError:  # run as a script: benchmarks/ itself is on sys.path
+        from load_test import sits_serve
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     target = parser.add_mutually_exclusive_group(required=True)
