@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import httpx
@@ -57,10 +58,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(port: int, concurrency: int, log) -> subprocess.Popen:
+def start_server(port: int, concurrency: int, log, extra_args: Sequence[str] = ()) -> subprocess.Popen:
+    """`sits serve` on SmolLM2 (plus extra_args), returned once /health answers 200."""
     argv = [sys.executable, "-m", "sits.runtime", "serve", "--device", "cpu", "--dtype", "float32",
             "--port", str(port), "--max-num-seqs", str(max(concurrency, 1)), "--max-model-len", "2048",
-            "--log-level", "warning"]
+            "--log-level", "warning", *extra_args]
     process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONSAFEPATH": "1"})
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -76,9 +78,10 @@ def start_server(port: int, concurrency: int, log) -> subprocess.Popen:
     raise TimeoutError("sits serve did not become ready within 300 s")
 
 
-async def sits_run(base_url: str, model: str, prompts: list[str], max_tokens: int) -> tuple[Run, list[float]]:
+async def sits_run(base_url: str, model: str, prompts: list[str], max_tokens: int,
+                   api_key: str = "unused") -> tuple[Run, list[float]]:
     """All prompts at once as streamed chat requests; returns the run and each request's TTFT (s)."""
-    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600)
 
     async def one(question: str) -> tuple[int, float]:
         started = time.perf_counter()
