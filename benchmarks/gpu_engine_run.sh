@@ -7,11 +7,18 @@
 #
 # Steps (in this order by default, most important first):
 #   bf16   Llama-3-8B shape, random bf16 weights, batch 32, 2,048 in / 512 out: SITS and transformers
-#          generate measured in the same process (bench_e2e.py), table + JSON
-#   tests  tests/runtime/test_gpu_engine.py (Triton vs torch over 512 tokens, CUDA graphs on vs off,
-#          fp8 / int8 accuracy) and tests/runtime/test_triton_backend.py on the GPU
-#   fp8    the bf16 run's batch with fp8 weights; transformers' figure is the bf16 step's, same run
+#          generate measured in the same process (bench_e2e.py), table + JSON; async scheduling on
+#          (the CUDA default: the next step is scheduled and prepared while the GPU computes)
 #   itl    batch 1, 2,048 in / 128 out: decode inter-token latency, beside transformers
+#   sync   the bf16 step with --no-async-scheduling (each step's host work between GPU steps), so
+#          the overlap's gain is measured in the same session; transformers' figure is the bf16 step's
+#   itl-sync  the itl step with --no-async-scheduling
+#   tests  tests/runtime/test_gpu_engine.py (Triton vs torch over 512 tokens, CUDA graphs on vs off,
+#          fp8 / int8 accuracy), tests/runtime/test_triton_backend.py and the engine's async-scheduling
+#          and persistent-batch tests (async on vs off: the same tokens with CUDA graphs) on the GPU
+#   fp8    the bf16 run's batch with fp8 weights; transformers' figure is the bf16 step's, same run
+#   host   benchmarks/bench_engine_host_overhead.py: the engine's host work per decode step on this
+#          machine's CPU (tiny model, batch 1 / 32 / 256, async off and on), phase by phase
 # The summary (every table, the tests' RESULT lines, each step's exit code) is printed last and
 # written to LOG_DIR/summary.md.
 set -u
@@ -28,9 +35,16 @@ if ! python3 -c "import sits.runtime.engine.engine" 2>/dev/null; then
   export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
 fi
 python3 -c "import sits.runtime.engine.engine, torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
-STEPS=${STEPS:-"bf16 tests fp8 itl"}
+STEPS=${STEPS:-"bf16 itl sync itl-sync tests fp8 host"}
 BENCH="python3 benchmarks/bench_e2e.py --config ${BENCH_CONFIG:-llama-3-8b} --log-level info"
 SUMMARY="$LOG_DIR/summary.md"
+# transformers' output tok/s from an earlier step's JSON, so a later step need not measure it again.
+peer_flag() {
+  local peer
+  peer=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['peer']['output_tok_s'])" \
+    "$LOG_DIR/$1.json" 2>/dev/null)
+  if [ -n "$peer" ]; then echo "--peer-output-tok-s $peer"; else echo "--peer none"; fi
+}
 echo "# GPU engine run $(date -u +%Y-%m-%dT%H:%MZ)" >"$SUMMARY"
 for step in $STEPS; do
   start=$(date +%s)
@@ -38,19 +52,26 @@ for step in $STEPS; do
     bf16)
       timeout "${BF16_TIMEOUT:-260}" $BENCH --batch 32 --input-len 2048 --output-len 512 \
         --json "$LOG_DIR/bf16.json" >"$LOG_DIR/bf16.log" 2>&1 ;;
+    sync)
+      timeout "${SYNC_TIMEOUT:-150}" $BENCH --batch 32 --input-len 2048 --output-len 512 --no-async-scheduling \
+        $(peer_flag bf16) --json "$LOG_DIR/sync.json" >"$LOG_DIR/sync.log" 2>&1 ;;
     tests)
-      PYTHONSAFEPATH=1 timeout "${TESTS_TIMEOUT:-180}" python3 -m pytest tests/runtime/test_gpu_engine.py \
-        tests/runtime/test_triton_backend.py -q -s -p no:cacheprovider --confcutdir=tests/runtime \
+      PYTHONSAFEPATH=1 timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest tests/runtime/test_gpu_engine.py \
+        tests/runtime/test_triton_backend.py tests/runtime/test_engine_async_scheduling.py \
+        tests/runtime/test_engine_input_batch.py -q -s -p no:cacheprovider --confcutdir=tests/runtime \
         --durations=8 >"$LOG_DIR/tests.log" 2>&1 ;;
     fp8)
-      peer=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['peer']['output_tok_s'])" \
-        "$LOG_DIR/bf16.json" 2>/dev/null)
-      peer_flag=${peer:+--peer-output-tok-s $peer}
       timeout "${FP8_TIMEOUT:-150}" $BENCH --batch 32 --input-len 2048 --output-len 512 --quantization fp8 \
-        ${peer_flag:---peer none} --json "$LOG_DIR/fp8.json" >"$LOG_DIR/fp8.log" 2>&1 ;;
+        $(peer_flag bf16) --json "$LOG_DIR/fp8.json" >"$LOG_DIR/fp8.log" 2>&1 ;;
     itl)
       timeout "${ITL_TIMEOUT:-90}" $BENCH --batch 1 --input-len 2048 --output-len 128 \
         --json "$LOG_DIR/itl.json" >"$LOG_DIR/itl.log" 2>&1 ;;
+    itl-sync)
+      timeout "${ITL_TIMEOUT:-90}" $BENCH --batch 1 --input-len 2048 --output-len 128 --no-async-scheduling \
+        $(peer_flag itl) --json "$LOG_DIR/itl-sync.json" >"$LOG_DIR/itl-sync.log" 2>&1 ;;
+    host)
+      timeout "${HOST_TIMEOUT:-240}" python3 benchmarks/bench_engine_host_overhead.py --steps 16 \
+        --json "$LOG_DIR/host.json" >"$LOG_DIR/host.log" 2>&1 ;;
     *) echo "unknown step $step"; continue ;;
   esac
   rc=$?

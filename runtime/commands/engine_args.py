@@ -60,6 +60,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "--max-num-seqs)")
     engine.add_argument("--compile", action="store_true",
                         help="torch.compile the norms and MLPs (attention stays on its back end)")
+    engine.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="schedule and prepare the next step while the GPU computes the current one "
+                             "(default: on for one CUDA device, off on CPU)")
     add_parallel_arguments(parser)
     parser.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS)
 
@@ -108,6 +111,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager,
         cuda_graph_max_batch_size=graph_max if graph_max is not None else chosen.cuda_graph_max_batch_size,
         compile=getattr(args, "compile", False),
+        async_scheduling=getattr(args, "async_scheduling", None),
     )
     config.validate()
     return config

@@ -11,6 +11,7 @@ max_model_len, chunked prefill, preemption and aborts.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
 
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 from sits.runtime.attention.torch_ref import TorchAttentionBackend
+from sits.runtime.commands.engine_args import add_engine_arguments, engine_config_from_args
 from sits.runtime.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SchedulerConfig
 from sits.runtime.engine.async_engine import AsyncEngine
 from sits.runtime.engine.engine import LLMEngine
@@ -134,13 +136,17 @@ def both_modes(loaded: LoadedModel, requests, **engine_args):
     return engines[False], outputs[False], engines[True], outputs[True]
 
 
-def test_the_switch_is_off_on_a_cpu_by_default_and_refused_with_tensor_parallelism(tiny):
+def test_the_switch_is_off_on_a_cpu_by_default_set_by_a_flag_and_refused_with_tensor_parallelism(tiny):
     assert not LLMEngine.from_loaded(tiny, dataclasses.replace(make_engine(tiny, False).config,
                                                                async_scheduling=None)).async_scheduling
     assert make_engine(tiny, True).async_scheduling
     config = EngineConfig(async_scheduling=True, parallel=ParallelConfig(tensor_parallel_size=2))
     with pytest.raises(ConfigError, match="--async-scheduling"):
         config.validate()
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    for flags, expected in (([], None), (["--async-scheduling"], True), (["--no-async-scheduling"], False)):
+        assert engine_config_from_args(parser.parse_args(["--device", "cpu", *flags])).async_scheduling is expected
 
 
 def test_mixed_requests_give_the_same_outputs_with_and_without_async_scheduling(tiny, prompts):
