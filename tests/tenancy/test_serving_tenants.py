@@ -178,11 +178,16 @@ def test_prompts_marked_shared_hit_one_pool_across_tenants(served):
 def test_usage_and_the_eviction_index_reach_the_state_store(served):
     server, tenancy = served
     complete(client_for(server, LAB_KEY), "count me")
-    time.sleep(0.3)  # the engine thread publishes its eviction index every 0.1 s while busy, and when idle
     usage = asyncio.run(tenancy.store.get_usage())
     assert usage["lab"]["requests"] >= 1 and usage["lab"]["completion_tokens"] >= 2
-    index = asyncio.run(tenancy.store.get_eviction_index())[tenancy.store.replica_id]
-    assert index["lab"].held_blocks >= 1 and index["lab"].guaranteed_blocks == 25
+
+    def lab_index():  # published by the engine thread every 0.1 s while busy, and once when idle
+        return asyncio.run(tenancy.store.get_eviction_index()).get(tenancy.store.replica_id, {}).get("lab")
+
+    deadline = time.monotonic() + 10
+    while lab_index() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert lab_index().held_blocks >= 1 and lab_index().guaranteed_blocks == 25
 
 
 def test_behind_a_trusted_gateway_the_tenant_comes_from_its_header(tiny, tenants_file):
