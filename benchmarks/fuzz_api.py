@@ -7,8 +7,13 @@ n = 1000, a 10 MB body, invalid UTF-8, lone surrogates, JSON nested 100,000 deep
 logprobs, unknown roles, empty message lists, a batch of 2,000 prompts. The figure: N requests ->
 0 responses 5xx, every error in OpenAI's shape, the server alive, its memory back to its baseline.
 
-    python benchmarks/fuzz_api.py --serve "--max-model-len 128" --examples 300      # starts sits serve
+    python benchmarks/fuzz_api.py --tiny --examples 1000        # sits serve on a tiny random Llama (fast)
+    python benchmarks/fuzz_api.py --serve "--device cpu --max-model-len 64" --examples 100   # SmolLM2 (slow)
     python benchmarks/fuzz_api.py --url http://127.0.0.1:8000 --pid PID --examples 1000
+
+--tiny writes a random 2-layer Llama with SmolLM2's tokenizer to a temporary directory: the API, the
+tokenizer and the engine are the real ones, only the weights are small, so the sweep spends its time
+on requests rather than on generating text.
 """
 
 from __future__ import annotations
@@ -182,6 +187,28 @@ def hostile_sweep(url: str, headers: dict[str, str] | None = None, timeout_s: fl
     return report
 
 
+def write_tiny_model(directory: str) -> str:
+    """A random Llama (2 layers, hidden 64, GQA) with SmolLM2's tokenizer, saved as an HF checkpoint."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from sits.runtime.models.embedded import embedded_gguf_path
+    from sits.runtime.models.gguf_cache import cached_checkpoint_dir
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("llama", vocab_size=49152, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    tokenizer_dir = cached_checkpoint_dir(embedded_gguf_path(), progress=False)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, os.path.join(directory, name))
+    return directory
+
+
 def rss_mb(pid: int | None) -> float | None:
     if pid is None:
         return None
@@ -202,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     target = parser.add_mutually_exclusive_group(required=True)
     target.add_argument("--url", help="a running server")
     target.add_argument("--serve", metavar="ARGS", help="start `sits serve ARGS` for the run (quoted string)")
+    target.add_argument("--tiny", action="store_true", help="start `sits serve` on a tiny random Llama")
     parser.add_argument("--pid", type=int, default=None, help="the server's pid, for its RSS (with --url)")
     parser.add_argument("--examples", type=int, default=300, help="schemathesis examples per operation and mode")
     parser.add_argument("--api-key", default=None)
@@ -210,13 +238,19 @@ def main(argv: list[str] | None = None) -> int:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
     with contextlib.ExitStack() as stack:
         url, pid = args.url, args.pid
-        if args.serve is not None:
+        serve_args = shlex.split(args.serve) if args.serve is not None else None
+        if args.tiny:
+            model_dir = write_tiny_model(stack.enter_context(tempfile.TemporaryDirectory(prefix="sits-tiny-")))
+            serve_args = ["--model", model_dir, "--device", "cpu", "--max-model-len", "128", "--max-num-seqs", "8"]
+        if serve_args is not None:
             log_path = os.path.join(tempfile.gettempdir(), f"sits-fuzz-{os.getpid()}.log")
-            url, pid = stack.enter_context(sits_serve(shlex.split(args.serve), log_path))
-            print(f"sits serve {args.serve} at {url} (log {log_path})")
+            url, pid = stack.enter_context(sits_serve(serve_args, log_path))
+            print(f"sits serve {shlex.join(serve_args)} at {url} (log {log_path})", flush=True)
+        hostile_sweep(url, headers)  # warm-up: the allocator's high-water mark for the largest bodies
         baseline = rss_mb(pid)
         report = hostile_sweep(url, headers, on_case=lambda name, r, s: print(f"  {name:32s} {r.status_code} {s:6.2f} s"))
         report.merge(schema_sweep(url, args.examples, headers, args.seed))
+        report.merge(hostile_sweep(url, headers))
         alive = httpx.get(f"{url}/health", timeout=30).status_code == 200
         after = rss_mb(pid)
     for finding in report.findings:
@@ -224,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{report.requests} requests in {report.seconds:.0f} s -> {report.server_errors} responses 5xx, "
           f"{len(report.findings)} findings; statuses {dict(sorted(report.statuses.items()))}; server alive: {alive}")
     if baseline is not None:
-        print(f"server RSS: {baseline} MB before, {after} MB after")
+        print(f"server RSS: {baseline} MB after a warm-up sweep, {after} MB at the end")
     return 0 if alive and not report.findings else 1
 
 
