@@ -203,29 +203,35 @@ class InputBatch:
 
     def _to_device(self, wide: Sequence[np.ndarray | list[int]], narrow: Sequence[np.ndarray]
                    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """int64 tensors of `wide` and int32 tensors of `narrow`, all views of one buffer on the device.
+        """int64 tensors of `wide` and int32 tensors of `narrow` on the device.
 
-        Each part starts on a 16-byte boundary (Triton specializes kernels on pointer alignment, so an
-        unaligned view would compile a second variant). On CUDA the host buffer is pinned (PyTorch's
-        caching host allocator keeps it from being reused before the copy ran), so the copy is
-        asynchronous.
+        On a CPU they are the arrays themselves. Elsewhere they are views of one device buffer,
+        filled by one copy of one host buffer, pinned (PyTorch's caching host allocator keeps it
+        from being reused before the copy ran) so that the copy is asynchronous; each part starts on
+        a 16-byte boundary (Triton specializes kernels on pointer alignment, so an unaligned view
+        would compile a second variant).
         """
-        parts = [(part, False) for part in wide] + [(part, True) for part in narrow]
-        offsets, total = [], 0  # in int64 elements, each part on an even one (16 bytes)
-        for values, is_int32 in parts:
-            offsets.append(total)
-            total += 2 * -(-len(values) // (4 if is_int32 else 2))
-        host = torch.empty(total, dtype=torch.int64, pin_memory=self._pin)
+        if self.device.type == "cpu":
+            return ([torch.from_numpy(np.asarray(part, dtype=np.int64)) for part in wide],
+                    [torch.from_numpy(np.ascontiguousarray(part, dtype=np.int32)) for part in narrow])
+        wide_sizes = [2 * -(-len(part) // 2) for part in wide]  # int64 elements, rounded to 16 bytes
+        narrow_sizes = [4 * -(-len(part) // 4) for part in narrow]  # int32 elements, the same
+        wide_total = sum(wide_sizes)
+        host = torch.empty(wide_total + sum(narrow_sizes) // 2, dtype=torch.int64, pin_memory=self._pin)
         host64 = host.numpy()
-        host32 = host64.view(np.int32)
-        for (values, is_int32), offset in zip(parts, offsets, strict=True):
-            if is_int32:
-                host32[2 * offset : 2 * offset + len(values)] = values
-            else:
-                host64[offset : offset + len(values)] = values
+        host32 = host64[wide_total:].view(np.int32)
+        offset = 0
+        for part, size in zip(wide, wide_sizes, strict=True):
+            host64[offset : offset + len(part)] = part
+            offset += size
+        offset = 0
+        for part, size in zip(narrow, narrow_sizes, strict=True):
+            host32[offset : offset + len(part)] = part
+            offset += size
         on_device = host.to(self.device, non_blocking=True)
-        on_device32 = on_device.view(torch.int32)
-        tensors = [on_device32[2 * offset : 2 * offset + len(values)] if is_int32
-                   else on_device[offset : offset + len(values)]
-                   for (values, is_int32), offset in zip(parts, offsets, strict=True)]
-        return tensors[: len(wide)], tensors[len(wide):]
+        wide_t = on_device[:wide_total].split(wide_sizes)
+        narrow_t = on_device[wide_total:].view(torch.int32).split(narrow_sizes)
+        return ([t if size == len(part) else t[: len(part)] for t, part, size in zip(wide_t, wide, wide_sizes,
+                                                                                      strict=True)],
+                [t if size == len(part) else t[: len(part)] for t, part, size in zip(narrow_t, narrow, narrow_sizes,
+                                                                                      strict=True)])

@@ -279,7 +279,8 @@ class Scheduler(SchedulerInterface):
                 continue
             if seq.status is SequenceStatus.RUNNING:  # (else preempted after this step was launched)
                 self.kv_cache.cache_computed_blocks(seq)
-                self._release_siblings(seq)
+                if self._held_siblings:
+                    self._release_siblings(seq)
             if not scheduled.samples:
                 continue
             seq.num_pending_tokens -= 1
