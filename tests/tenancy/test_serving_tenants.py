@@ -177,7 +177,7 @@ def test_prompts_marked_shared_hit_one_pool_across_tenants(served):
 
 def test_usage_and_the_eviction_index_reach_the_state_store(served):
     server, tenancy = served
-    complete(client_for(server, LAB_KEY), "count me")
+    complete(client_for(server, LAB_KEY), LONG_PROMPT)  # leaves >= 6 full blocks cached for lab
     usage = asyncio.run(tenancy.store.get_usage())
     assert usage["lab"]["requests"] >= 1 and usage["lab"]["completion_tokens"] >= 2
 
@@ -185,9 +185,10 @@ def test_usage_and_the_eviction_index_reach_the_state_store(served):
         return asyncio.run(tenancy.store.get_eviction_index()).get(tenancy.store.replica_id, {}).get("lab")
 
     deadline = time.monotonic() + 10
-    while lab_index() is None and time.monotonic() < deadline:
+    while (lab_index() is None or lab_index().cached_blocks < 6) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert lab_index().held_blocks >= 1 and lab_index().guaranteed_blocks == 25
+    assert lab_index().cached_blocks >= 6 and lab_index().held_blocks >= 6
+    assert lab_index().guaranteed_blocks == 25
 
 
 def test_behind_a_trusted_gateway_the_tenant_comes_from_its_header(tiny, tenants_file):
