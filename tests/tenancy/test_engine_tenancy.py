@@ -11,6 +11,7 @@ import pytest
 from sits.runtime.attention.torch_ref import TorchAttentionBackend
 from sits.runtime.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from sits.runtime.engine.engine import LLMEngine
+from sits.runtime.engine.errors import PromptTooLongError
 from sits.runtime.engine.request import SamplingParams
 from sits.runtime.models.loading import load_model
 from sits.runtime.tenancy.config import TenancyConfig
@@ -87,6 +88,18 @@ def test_a_flood_delays_another_tenants_request_by_at_most_one_round(tiny):
     waiting_flood_at_arrival = [r for r in flood if r in admitted]
     assert len(waiting_flood_at_arrival) >= 6  # most of the flood was still queued when `single` came
     assert admitted.index(single) <= 1  # at most one more flood request went first
+
+
+def test_a_request_longer_than_its_tenant_can_hold_is_refused_or_shortened(tiny):
+    # b may hold 4 of the 16 blocks (its guarantee; a's 12 are a's): 16 tokens of KV cache.
+    table = TenantTable([Tenant("a", kv_cache_share=0.75), Tenant("b", kv_cache_share=0.25)])
+    engine = make_engine(tiny, table, num_blocks=16)
+    with pytest.raises(PromptTooLongError, match="tenant 'b' can hold at most 16 tokens"):
+        submit(engine, table, "b", prompt_len=10, max_tokens=8)  # would wait for blocks forever
+    open_ended = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+    engine.add_request("open", list(range(100, 110)), open_ended, tenant="b", cache_salt="b")
+    lengths = drive(engine)
+    assert lengths["open"] == 6  # stopped at its tenant's room (finish_reason length), not stuck
 
 
 def drive(engine: LLMEngine) -> dict[str, int]:

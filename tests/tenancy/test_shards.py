@@ -26,6 +26,14 @@ def test_a_tenant_borrows_free_blocks_nobody_is_guaranteed():
     assert shards.free_blocks == 0
 
 
+def test_capacity_is_the_most_a_tenant_can_ever_hold():
+    shards = ShardAccountant(100, {"a": 0.4, "b": 0.4, "c": 0.0})
+    assert (shards.capacity("a"), shards.capacity("c"), shards.capacity("unlisted")) == (60, 20, 20)
+    shards.allocate("b", 40)
+    assert shards.capacity("a") == 60 == shards.headroom("a")  # capacity does not move with usage
+    assert ShardAccountant(10, {"a": 0.5, "b": 0.5}).capacity("c") == 0  # shares take every block
+
+
 def test_a_tenant_at_its_share_cannot_take_another_tenants_guaranteed_blocks():
     shards = ShardAccountant(10, {"a": 0.5, "b": 0.5})
     assert shards.allocate("a", 5)
