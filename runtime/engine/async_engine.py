@@ -127,6 +127,10 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    def max_tokens_for(self, tenant: str) -> int:
+        """The longest sequence `tenant` can hold in the KV cache, in tokens (its shard's room)."""
+        return self.engine.kv_cache.max_tokens_for(tenant)
+
     @property
     def is_healthy(self) -> bool:
         """False once a step crashed or the loop stopped unexpectedly."""

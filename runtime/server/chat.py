@@ -72,7 +72,7 @@ class ChatCompletions:
         self.ctx.admit(request, body.n)  # 503 when the server is full, before any work for it
         prompt_ids = await self.prompt_token_ids(body.messages)
         limit_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        max_tokens = output_budget(len(prompt_ids), body.output_limit, self.ctx.max_model_len, default=None,
+        max_tokens = output_budget(len(prompt_ids), body.output_limit, self.ctx.context_limit(tenant), default=None,
                                    param=limit_param, prompt_name="messages")
         params = sampling_params(body, max_tokens=max_tokens, logprobs=body.num_logprobs)
         response_id = new_request_id("chatcmpl")

@@ -66,7 +66,8 @@ class Completions:
         # n choices of each prompt: 503 when the server is full, 400 when it could never fit
         self.ctx.admit(request, body.n * len(body.prompts()), param="n" if body.n > 1 else "prompt")
         prompts = await self.prompt_token_ids(body)
-        budgets = [output_budget(len(ids), body.max_tokens, self.ctx.max_model_len, default=DEFAULT_MAX_TOKENS,
+        limit = self.ctx.context_limit(tenant)
+        budgets = [output_budget(len(ids), body.max_tokens, limit, default=DEFAULT_MAX_TOKENS,
                                  param="max_tokens", prompt_name="prompt") for ids in prompts]
         params = [sampling_params(body, max_tokens=budget, logprobs=body.logprobs) for budget in budgets]
         response_id = new_request_id("cmpl")

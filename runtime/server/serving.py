@@ -100,6 +100,11 @@ class ServingContext:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    def context_limit(self, tenant: str) -> int:
+        """The longest sequence (prompt + output tokens) this tenant may run: the model's context,
+        or less when the tenant's share of the KV cache holds fewer tokens."""
+        return min(self.max_model_len, self.engine.max_tokens_for(tenant))
+
     def check_model(self, model: str | None) -> None:
         """404 for a model this server does not serve (a missing model means the served one)."""
         if model is not None and model != self.model_name:

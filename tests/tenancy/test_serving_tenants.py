@@ -26,13 +26,14 @@ from sits.runtime.server.runner import BackgroundServer
 from sits.runtime.tenancy.config import TenancyConfig
 from sits.runtime.tenancy.service import Tenancy
 
-FINANCE_KEY, LAB_KEY, METERED_KEY = "sk-finance-6f1c2e", "sk-lab-90ab7d", "sk-metered-33e0c1"
+FINANCE_KEY, LAB_KEY, METERED_KEY, SMALL_KEY = "sk-finance-6f1c2e", "sk-lab-90ab7d", "sk-metered-33e0c1", "sk-small-0c4"
 TENANTS_YAML = f"""
 sharedPrefixPool: true
 tenants:
   - {{name: finance, apiKey: "{FINANCE_KEY}", priority: 3, kvCacheShare: 0.4}}
   - {{name: lab, apiKey: "{LAB_KEY}", priority: 1, kvCacheShare: 0.4}}
   - {{name: metered, apiKeySha256: "{hashlib.sha256(METERED_KEY.encode()).hexdigest()}", requestsPerMinute: 2}}
+  - {{name: small, apiKey: "{SMALL_KEY}"}}
 """
 # ~120 tokens: several full 16-token blocks to hit.
 LONG_PROMPT = ("Quarterly report. Revenue grew in every region; costs fell in logistics and rose in research. "
@@ -173,6 +174,20 @@ def test_prompts_marked_shared_hit_one_pool_across_tenants(served):
     values = metrics(server)
     assert values[("sits_prefix_cache_shared_hits_total", "lab")] >= 48
     assert all(v == 0 for (name, _), v in values.items() if name == "sits_prefix_cache_cross_tenant_hits_total")
+
+
+def test_a_tenants_context_is_what_its_kv_share_can_hold(served):
+    server, _ = served
+    # small has no guarantee: it can hold the 14 blocks (224 tokens) nobody is guaranteed, < the model's 256.
+    client = client_for(server, SMALL_KEY)
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model="tiny-llama", prompt="Hi", max_tokens=230, stream=stream)
+        assert refused.value.code == "context_length_exceeded" and "224 tokens" in refused.value.message
+    # Without max_tokens a chat may run to the end of that room, never beyond.
+    chat = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "Hi"}],
+                                          temperature=0, extra_body={"ignore_eos": True})
+    assert chat.usage.total_tokens == 224 and chat.choices[0].finish_reason == "length"
 
 
 def test_usage_and_the_eviction_index_reach_the_state_store(served):
