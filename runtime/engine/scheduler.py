@@ -227,10 +227,12 @@ class Scheduler(SchedulerInterface):
         computed) and, when the chunk reaches the end, the token it samples as pending."""
         start = seq.num_computed_tokens
         end = start + num_new
-        token_ids = seq.all_token_ids[start:end]
-        if len(token_ids) < num_new:  # the previous step's sampled token, not on the host yet
-            token_ids += [PENDING_TOKEN_ID] * (num_new - len(token_ids))
-        samples = end == len(seq.all_token_ids) + seq.num_pending_tokens
+        known = len(seq.all_token_ids)
+        if end <= known:
+            token_ids = seq.all_token_ids[start:end]
+        else:  # ends with the previous step's sampled token, not on the host yet
+            token_ids = seq.all_token_ids[start:known] + [PENDING_TOKEN_ID] * (end - max(start, known))
+        samples = end == known + seq.num_pending_tokens
         seq.num_computed_tokens = end
         if samples:
             seq.num_pending_tokens += 1

@@ -4,6 +4,7 @@ One step of the engine is:
     output = scheduler.schedule()                        # who runs, how many tokens each
     runner_output = runner.execute(output)               # model + sampler
     updates = scheduler.update_from_output(output, runner_output)
+(with async scheduling the next `schedule()` comes before this step's `update_from_output`),
 and, between steps, `add_request` / `finish_requests` from the client side. A scheduler speaks
 in `Sequence`s and token counts; it owns the KV-cache manager and never touches a tensor.
 """
@@ -30,15 +31,18 @@ class SchedulerInterface(ABC):
         Running sequences come first (decodes, then unfinished prefills), then waiting ones are
         admitted in policy order while blocks and budget last. When the KV cache has no room
         for a running sequence, the lowest-ranked running sequence is preempted (its blocks are
-        freed and it recomputes later); this never fails for lack of blocks.
+        freed and it recomputes later); this never fails for lack of blocks. The scheduled tokens
+        count as computed from now on, and a token the step will sample as pending, so the next
+        step may be scheduled before this one's output is recorded (async scheduling).
         """
 
     @abstractmethod
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[SequenceUpdate]:
-        """Record the step: advance computed tokens, append sampled tokens, cache full blocks,
-        finish sequences that hit EOS, a stop token id, max_tokens or max_model_len.
+        """Record the step: append sampled tokens, cache full blocks, finish sequences that hit
+        EOS, a stop token id, max_tokens or max_model_len. Steps are recorded in the order they
+        were scheduled, at most one step behind `schedule`.
 
         Returns one update per sequence that received a token, finished ones included.
         """

@@ -18,9 +18,12 @@ class ScheduledSequence:
 
     Attributes:
         sequence: the sequence (the runner reads its sampling params and tokens, never writes).
-        token_ids: the tokens to compute this step (a prefill chunk, or the last sampled token).
+        token_ids: the tokens to compute this step (a prefill chunk, or the last sampled token);
+            PENDING_TOKEN_ID for a token the previous step sampled whose id is not on the host yet
+            (async scheduling: the runner takes it from that step's sampled ids on the device).
         start_position: position of token_ids[0] (= tokens already in the KV cache).
-        block_ids: the whole block table after this step's allocation.
+        block_ids: the whole block table after this step's allocation: the KV manager's own list
+            (no copy), valid for this step; readers never change it.
         samples: True when this chunk reaches the end of the known tokens, so the step samples
             the next token; False for a prefill chunk that stops short of the prompt's end.
     """
