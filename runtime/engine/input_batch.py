@@ -53,11 +53,15 @@ class InputBatch:
         block_size: tokens per KV block (slot = block_id * block_size + offset).
         device: where the step's tensors go.
         rows, width: initial capacity (sequences x blocks per sequence); both grow on demand.
+        pack: send the step as one packed buffer (None: everywhere but on a CPU, where the arrays
+            are used as they are); True on a CPU tests the packed layout a GPU gets.
     """
 
-    def __init__(self, block_size: int, device: torch.device | str, rows: int = 8, width: int = 16) -> None:
+    def __init__(self, block_size: int, device: torch.device | str, rows: int = 8, width: int = 16,
+                 pack: bool | None = None) -> None:
         self.block_size = block_size
         self.device = torch.device(device)
+        self._pack = self.device.type != "cpu" if pack is None else pack
         self._pin = self.device.type == "cuda"
         self._tables = np.zeros((rows, width), dtype=np.int32)  # rows past a table's length stay 0
         self._rows: dict[str, _Row] = {}
@@ -211,7 +215,7 @@ class InputBatch:
         a 16-byte boundary (Triton specializes kernels on pointer alignment, so an unaligned view
         would compile a second variant).
         """
-        if self.device.type == "cpu":
+        if not self._pack:
             return ([torch.from_numpy(np.asarray(part, dtype=np.int64)) for part in wide],
                     [torch.from_numpy(np.ascontiguousarray(part, dtype=np.int32)) for part in narrow])
         wide_sizes = [2 * -(-len(part) // 2) for part in wide]  # int64 elements, rounded to 16 bytes

@@ -82,8 +82,9 @@ class Workload:
         return ScheduledSequence(seq, tokens, start, table, samples=start + count >= seq.num_prompt_tokens)
 
 
-def test_persistent_rows_give_the_same_batch_as_a_fresh_layout_every_step():
-    batch = InputBatch(BLOCK, "cpu", rows=2, width=2)  # both grow during the test
+@pytest.mark.parametrize("pack", [False, True], ids=["cpu-arrays", "packed-as-on-gpu"])
+def test_persistent_rows_give_the_same_batch_as_a_fresh_layout_every_step(pack):
+    batch = InputBatch(BLOCK, "cpu", rows=2, width=2, pack=pack)  # both grow during the test
     workload = Workload()
     seqs = [sequence(f"s{i}", 5 + 7 * i) for i in range(5)]
     for step in range(14):
@@ -96,6 +97,12 @@ def test_persistent_rows_give_the_same_batch_as_a_fresh_layout_every_step():
                 items[-1].block_ids = list(items[-1].block_ids)  # a copy: the row is rewritten, not appended to
         built = batch.prepare(items)
         assert actual_layout(built) == expected_layout(items), f"step {step}"
+        m = built.metadata
+        parts = (built.input_ids, built.positions, m.slot_mapping, built.logits_indices, m.query_start_loc,
+                 m.seq_lens, m.block_tables)
+        if pack:  # one buffer, every part on a 16-byte boundary (Triton specializes on alignment)
+            assert all(t.untyped_storage().data_ptr() == parts[0].untyped_storage().data_ptr() for t in parts)
+            assert all(t.data_ptr() % 16 == 0 for t in parts)
         assert actual_layout(build_model_input(items, BLOCK, "cpu")) == expected_layout(items)
     assert batch.num_rows_in_use == 5
 
@@ -114,8 +121,9 @@ def test_released_rows_are_reused_and_a_returning_sequence_gets_its_new_table():
     assert actual_layout(batch.prepare(back)) == expected_layout(back)
 
 
-def test_a_pending_token_is_taken_from_the_previous_steps_sampled_ids():
-    batch = InputBatch(BLOCK, "cpu")
+@pytest.mark.parametrize("pack", [False, True], ids=["cpu-arrays", "packed-as-on-gpu"])
+def test_a_pending_token_is_taken_from_the_previous_steps_sampled_ids(pack):
+    batch = InputBatch(BLOCK, "cpu", pack=pack)
     a, b = sequence("a", 3), sequence("b", 2)
     batch.prepare([ScheduledSequence(a, [1, 2, 3], 0, [4], True), ScheduledSequence(b, [5, 6], 0, [8], True)])
     batch.record_sampled(torch.tensor([41, 42]))  # a sampled 41, b sampled 42, still "on the device"
