@@ -273,14 +273,16 @@ class LLMEngine:
         """
         previous, self._in_flight = self._in_flight, None
         outputs: list[RequestOutput] = []
-        if previous is not None and self._history_requests:
-            # A penalty needs every output token on the host before sampling: no step ahead.
-            outputs, previous = self._complete(*previous), None
+        drained = previous is not None and bool(self._history_requests)
+        if drained:  # a penalty needs every output token on the host before sampling: no step ahead
+            outputs = self._complete(*previous)
         with nvtx_range("schedule"):
             scheduler_output = self.scheduler.schedule()
         if self._unscheduled_requests:
             self._mark_scheduled(scheduler_output)
-        self.last_step_num_tokens = scheduler_output.num_batched_tokens
+        # 0 tells the caller that nothing could run (it backs off); recording a step is progress too.
+        self.last_step_num_tokens = scheduler_output.num_batched_tokens or (
+            previous[0].num_batched_tokens if previous is not None else 0)
         if not scheduler_output.is_empty:
             self._counters["steps"] += 1
         if not self.async_scheduling:
@@ -289,9 +291,8 @@ class LLMEngine:
         pending = self.runner.launch(scheduler_output)
         if not scheduler_output.is_empty:
             self._in_flight = (scheduler_output, pending)
-        if previous is not None:
-            outputs += self._complete(previous[0], previous[1])
-            self.last_step_num_tokens = self.last_step_num_tokens or previous[0].num_batched_tokens
+        if previous is not None and not drained:
+            outputs = self._complete(*previous)
         return outputs
 
     def _complete(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput | PendingOutput
