@@ -53,7 +53,7 @@ lint: setup
 	$(VENV)/bin/mypy
 
 test: setup services lint
-	$(PY) -m pytest $(PYTEST_ARGS)
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .ruff_cache

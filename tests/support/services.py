@@ -12,6 +12,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -36,6 +37,14 @@ def wait_for_port(port: int, timeout_s: float = 30.0, process: subprocess.Popen 
             return
         time.sleep(0.05)
     raise TimeoutError(f"nothing listened on 127.0.0.1:{port} within {timeout_s} s")
+
+
+def python_tool(name: str) -> str | None:
+    """The console script `name` installed beside this interpreter (the venv's bin/), else on PATH."""
+    beside = Path(sys.executable).parent / name
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    return shutil.which(name)
 
 
 def require_binary(name: str) -> str:
