@@ -98,9 +98,9 @@ def build_app(engine: Any, server_config: ServerConfig | None = None, *, served_
     app.state.tenant_resolver = tenant_resolver or SingleTenantResolver()
     app.state.admission = admission
     install_error_handlers(app)
-    # Innermost first: the tenant gate answers 401 / 429 before the body is read, inside the
-    # generation gate, which counts those answers under the request's tenant.
-    app.add_middleware(TenantGate, generation_paths=GENERATION_PATHS)
+    # Innermost first: the tenant gate answers 401 / 503 (queue full) / 429 before the body is read,
+    # inside the generation gate, which counts those answers under the request's tenant.
+    app.add_middleware(TenantGate, generation_paths=GENERATION_PATHS, admission=admission)
     app.add_middleware(GenerationGate, lifecycle=lifecycle, metrics=metrics, paths=GENERATION_PATHS,
                        admission=admission)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)

@@ -65,8 +65,9 @@ class BodySizeLimit:
 
 
 class GenerationGate:
-    """In front of the generation endpoints: refuse while draining or at capacity, count in-flight,
-    record metrics, and give back the request's admitted sequences however it ends.
+    """In front of the generation endpoints: refuse while draining, count in-flight, record
+    metrics, and give back the request's admitted sequences however it ends (the capacity check
+    itself is `TenantGate`'s, after authentication).
 
     Handlers leave what they learn in the request state (`scope["state"]`): `tenant` (set by the
     tenant dependency), `client_gone` (the client disconnected before the response ended) and the
@@ -87,11 +88,6 @@ class GenerationGate:
             return
         if self.lifecycle.draining:
             await send_error(send, service_unavailable("The server is shutting down; retry on another replica."))
-            self.metrics.observe_request(UNRESOLVED_TENANT, 503, 0.0)
-            return
-        if self.admission is not None and self.admission.full:
-            # Full already: refuse before the body is read (the handler checks again, per sequence).
-            await send_error(send, self.admission.overloaded())
             self.metrics.observe_request(UNRESOLVED_TENANT, 503, 0.0)
             return
         started = time.perf_counter()

@@ -20,6 +20,7 @@ from typing import Protocol
 from fastapi import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from sits.runtime.server.admission import AdmissionControl
 from sits.runtime.server.errors import OpenAIError, invalid_request
 
 DEFAULT_TENANT = "default"
@@ -68,14 +69,21 @@ class TenantGate:
     """ASGI middleware: authenticate every /v1/* request, and admit generation requests, before
     the body is read. The tenant is left in the request state (`tenant`) for handlers and metrics.
 
+    The order of refusals is the order a client can act on: 401 (no or wrong key), then 503 with
+    Retry-After (the replica's queue is full: nothing is charged to the tenant), then 429 (the
+    tenant's own limits).
+
     Args:
         app: the wrapped app.
         generation_paths: paths whose requests count against the tenant's rate limits.
+        admission: the replica's bounded queue; a full queue refuses before the body is read
+            (the handler checks again, per sequence).
     """
 
-    def __init__(self, app: ASGIApp, generation_paths: set[str]) -> None:
+    def __init__(self, app: ASGIApp, generation_paths: set[str], admission: AdmissionControl | None = None) -> None:
         self.app = app
         self.generation_paths = generation_paths
+        self.admission = admission
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not scope["path"].startswith(API_PREFIX):
@@ -87,6 +95,8 @@ class TenantGate:
             tenant = await resolver.resolve(request)
             request.state.tenant = tenant
             if scope["path"] in self.generation_paths:
+                if self.admission is not None and self.admission.full:
+                    raise self.admission.overloaded()
                 await resolver.admit(request, tenant)
         except OpenAIError as error:
             await error.to_response()(scope, receive, send)

@@ -228,3 +228,21 @@ def test_without_tenants_the_server_is_open_and_has_no_shared_pool(tiny):
         values = metrics(server)
         assert values[("sits_requests_total", "default")] == 2
         assert values[("sits_kv_blocks_guaranteed", "default")] == 64
+
+
+def test_a_full_queue_answers_401_before_503_and_admits_again_once_it_drains(served):
+    server, _ = served
+    admission = server.app.state.admission
+    hold: dict = {}
+    admission.reserve(hold, admission.capacity - admission.in_flight)  # every slot taken, as under a flood
+    try:
+        body = {"model": "tiny-llama", "prompt": "hi", "max_tokens": 1}
+        anonymous = httpx.post(f"{server.url}/v1/completions", json=body)
+        assert anonymous.status_code == 401  # who you are first: a client without a key cannot fix that by waiting
+        keyed = httpx.post(f"{server.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {SMALL_KEY}"})
+        assert keyed.status_code == 503 and keyed.json()["error"]["code"] == "server_overloaded"
+        assert int(keyed.headers["retry-after"]) >= 1
+        assert metrics(server)[("sits_requests_total", "small")] >= 1  # counted under the tenant, not "unknown"
+    finally:
+        admission.release(hold)
+    assert complete(client_for(server, SMALL_KEY), "hi").choices[0].text is not None
