@@ -212,6 +212,9 @@ def test_an_operator_restarted_mid_rollout_resumes_where_it_stopped(kube, deploy
         for field in ("phase", "canaryRevision", "stableRevision", "currentStep", "canaryWeight", "canaryStartedAt"):
             assert status[field] == paused[field], field
         assert reasons(kube, "promote").count("CanaryStarted") == 1
+        names = sorted(d["metadata"]["name"] for d in kube.list("apps/v1", "Deployment", "llm")
+                       if d["metadata"]["name"].startswith("promote"))
+        assert names == ["promote-canary", "promote-stable"]  # no duplicate workloads after the restart
         kube.patch(API_VERSION, KIND, "llm", "promote", {"metadata": {"annotations": {"sits.ai/resume": "yes"}}})
         final = wait_for_status(kube, "promote", lambda s: s.get("phase") == "Healthy", timeout_s=20, what="promoted")
         assert final["stableRevision"] == paused["canaryRevision"]
