@@ -15,7 +15,8 @@ from kopf.testing import KopfRunner
 from sits.operator.config import OperatorConfig
 from sits.operator.handlers import register
 from sits.operator.kube import KubeClient
-from tests.operator.kmock_cluster import DeploymentController, KMockCluster, kmock_cluster
+from tests.operator.deployment_controller import DeploymentController
+from tests.operator.kmock_cluster import KMockCluster, kmock_cluster
 from tests.support.services import free_port
 
 RESYNC_S = 0.3  # the operator's clock in tests: pauses of 1 s and analysis every 2 s resolve on it

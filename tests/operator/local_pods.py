@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from sits.operator.kube import ApiError, KubeClient
-from tests.operator.kmock_cluster import DeploymentController
+from tests.operator.deployment_controller import DeploymentController
 from tests.support.services import RunningService, free_port
 
 PROMPT = " ".join(["The lighthouse keeper walked along the northern coast at dawn."] * 6)

@@ -19,7 +19,8 @@ from typing import Any
 import kmock
 import yaml
 
-from tests.operator.kmock_cluster import FixedEmulator, KMockCluster, _resource_infos
+from tests.operator.kmock_cluster import KMockCluster, _resource_infos
+from tests.operator.kmock_emulator import FixedEmulator
 
 OPERATOR_TOKEN = "kmock"  # what KMockCluster's kubeconfig carries
 DRIVER_TOKEN = "test-driver"

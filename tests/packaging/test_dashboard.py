@@ -22,8 +22,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from sits.operator.kube import KubeClient
+from tests.operator.deployment_controller import DeploymentController
 from tests.operator.helpers import sitsdeployment, wait_for, wait_for_status
-from tests.operator.kmock_cluster import DeploymentController, kmock_cluster
+from tests.operator.kmock_cluster import kmock_cluster
 from tests.packaging.chart import CHART_DIR, ROOT, objects, one
 from tests.support.services import free_port, started
 

@@ -27,8 +27,8 @@ from sits.operator.config import OperatorConfig
 from sits.operator.handlers import register
 from sits.operator.kube import KubeClient
 from sits.operator.meta import API_VERSION, KIND
+from tests.operator.deployment_controller import DeploymentController
 from tests.operator.helpers import sitsdeployment, wait_for, wait_for_status
-from tests.operator.kmock_cluster import DeploymentController
 from tests.packaging.api_recorder import ApiCall, RecordingCluster
 from tests.packaging.chart import objects, rbac_rules
 from tests.support.services import free_port
