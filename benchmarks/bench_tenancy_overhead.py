@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -34,12 +33,22 @@ from pathlib import Path
 
 import httpx
 import redis
-from bench_cpu_serving import QUESTIONS, cpu_name, free_port, sits_run, start_server
 
 from sits.runtime.tenancy.limits import RateLimiter
 from sits.runtime.tenancy.memory_store import MemoryStateStore
 from sits.runtime.tenancy.redis_store import RedisStateStore
 from sits.runtime.tenancy.tenants import Tenant
+
+if __package__ in (None, ""):  # run as a script, also with PYTHONSAFEPATH=1
+    # Import the `benchmarks` package from the repository root, then take the root off sys.path again:
+    # its `operator/` and `kernels/` folders must not shadow the standard library's and others' modules.
+    _root = str(Path(__file__).resolve().parents[1])
+    sys.path.insert(0, _root)
+    import benchmarks  # noqa: F401
+    sys.path.remove(_root)
+
+from benchmarks.bench_cpu_serving import QUESTIONS, cpu_name, sits_run, start_server  # noqa: E402
+from benchmarks.server_process import free_port, stop_process  # noqa: E402
 
 API_KEY = "sk-bench-tenant"
 TENANTS_YAML = f"""
@@ -68,15 +77,6 @@ def start_redis(port: int, workdir: Path) -> subprocess.Popen:
                 process.kill()
                 raise SystemExit("redis-server did not start") from None
             time.sleep(0.05)
-
-
-def stop(process: subprocess.Popen) -> None:
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(60)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
 
 
 def cpu_seconds(pid: int) -> float:
@@ -179,8 +179,8 @@ def main() -> int:
         costs = asyncio.run(tenancy_cost_per_request(stores["redis://"]))
     finally:
         for process, _ in servers.values():
-            stop(process)
-        stop(redis_process)
+            stop_process(process)
+        stop_process(redis_process)
         shutil.rmtree(workdir, ignore_errors=True)
 
     memory, shared = rounds["memory://"], rounds["redis://"]

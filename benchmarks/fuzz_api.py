@@ -29,8 +29,19 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
+
+if __package__ in (None, ""):  # run as a script, also with PYTHONSAFEPATH=1
+    # Import the `benchmarks` package from the repository root, then take the root off sys.path again:
+    # its `operator/` and `kernels/` folders must not shadow the standard library's and others' modules.
+    _root = str(Path(__file__).resolve().parents[1])
+    sys.path.insert(0, _root)
+    import benchmarks  # noqa: F401
+    sys.path.remove(_root)
+
+from benchmarks.server_process import rss_mb, sits_serve  # noqa: E402
 
 OPENAI_ERROR_FIELDS = {"message", "type", "param", "code"}
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -209,22 +220,7 @@ def write_tiny_model(directory: str) -> str:
     return directory
 
 
-def rss_mb(pid: int | None) -> float | None:
-    if pid is None:
-        return None
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return round(int(line.split()[1]) / 1024, 1)
-    return None
-
-
 def main(argv: list[str] | None = None) -> int:
-    try:  # the same way of starting and stopping a server
-        from benchmarks.load_test import sits_serve
-    except ModuleNotFoundError:  # run as a script: benchmarks/ itself is on sys.path
-        from load_test import sits_serve
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     target = parser.add_mutually_exclusive_group(required=True)
     target.add_argument("--url", help="a running server")

@@ -11,6 +11,8 @@ and admission slot once the load ended (from /metrics).
 
     python benchmarks/load_test.py --url http://127.0.0.1:8000 --pid $(pgrep -n -f 'sits serve')
     python benchmarks/load_test.py --serve "--max-num-seqs 32" --clients 200 --duration 60   # starts sits serve
+
+The clients are `load_client.py`, the figures `load_report.py`, the server process `server_process.py`.
 """
 
 from __future__ import annotations
@@ -20,251 +22,25 @@ import asyncio
 import contextlib
 import json
 import os
-import random
 import shlex
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import httpx
 
-PROMPTS = ["What is the capital of France?", "Why is the sky blue?", "Write a haiku about autumn leaves.",
-           "Explain photosynthesis to a child.", "How do airplanes fly?", "Name three planets and a fact each.",
-           "Tell me a short joke.", "How do bees make honey?", "What is gravity?", "Describe a cat in one sentence."]
-REFUSALS = (429, 503)
+if __package__ in (None, ""):  # run as a script, also with PYTHONSAFEPATH=1
+    # Import the `benchmarks` package from the repository root, then take the root off sys.path again:
+    # its `operator/` and `kernels/` folders must not shadow the standard library's and others' modules.
+    _root = str(Path(__file__).resolve().parents[1])
+    sys.path.insert(0, _root)
+    import benchmarks  # noqa: F401
+    sys.path.remove(_root)
 
-
-@dataclass
-class LoadConfig:
-    """What to send. `max_retry_wait_s` caps how long a refused client honours Retry-After."""
-
-    url: str
-    clients: int = 40
-    duration_s: float = 10.0
-    max_tokens: int = 32
-    endpoint: str = "chat"  # chat | completions
-    model: str | None = None
-    api_key: str | None = None
-    disconnect_every: int = 0  # 0: never drop a stream
-    max_retry_wait_s: float = 2.0
-    request_timeout_s: float = 300.0
-    seed: int = 0
-
-
-@dataclass
-class Outcome:
-    """One request: its status and, when admitted, its timings (seconds) and whether it ended cleanly."""
-
-    status: int
-    ttft_s: float | None = None
-    e2e_s: float | None = None
-    tokens: int = 0
-    complete: bool = False  # a finish_reason and then [DONE]: nothing half-written
-    disconnected: bool = False  # this client dropped the stream on purpose
-    refusal_ok: bool | None = None  # for 429 / 503: OpenAI error JSON + Retry-After
-    error: str | None = None
-
-
-@dataclass
-class ServerSample:
-    rss_before_mb: float | None = None
-    rss_peak_mb: float | None = None
-    rss_after_mb: float | None = None
-    drained: bool | None = None  # after the load: no sequence running or waiting, no KV block held
-    leftover: dict[str, float] = field(default_factory=dict)
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """The q-th percentile (0-100) by linear interpolation; None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q / 100
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-
-@dataclass
-class LoadReport:
-    config: LoadConfig
-    outcomes: list[Outcome]
-    wall_s: float
-    server: ServerSample
-
-    @property
-    def admitted(self) -> list[Outcome]:
-        return [o for o in self.outcomes if o.status == 200]
-
-    @property
-    def refused(self) -> list[Outcome]:
-        return [o for o in self.outcomes if o.status in REFUSALS]
-
-    @property
-    def failures(self) -> list[Outcome]:
-        """Anything a healthy server must never answer: 5xx other than a well-formed 503, transport errors."""
-        return [o for o in self.outcomes if (o.status >= 500 and o.status != 503) or o.status == 0
-                or (o.status == 503 and not o.refusal_ok)]
-
-    @property
-    def incomplete(self) -> list[Outcome]:
-        """Admitted streams that ended without a finish_reason and [DONE], though the client stayed."""
-        return [o for o in self.admitted if not o.complete and not o.disconnected]
-
-    def figures(self) -> dict[str, object]:
-        done = [o for o in self.admitted if o.complete]
-        ttft = [o.ttft_s for o in done if o.ttft_s is not None]
-        e2e = [o.e2e_s for o in done if o.e2e_s is not None]
-        statuses: dict[str, int] = {}
-        for o in self.outcomes:
-            statuses[str(o.status)] = statuses.get(str(o.status), 0) + 1
-        return {
-            "clients": self.config.clients, "duration_s": round(self.wall_s, 1), "requests": len(self.outcomes),
-            "admitted": len(self.admitted), "completed": len(done),
-            "disconnected": sum(o.disconnected for o in self.admitted),
-            "refused": len(self.refused), "refusals_well_formed": all(o.refusal_ok for o in self.refused),
-            "failures": len(self.failures), "incomplete": len(self.incomplete), "statuses": statuses,
-            **{f"ttft_p{q}_s": _round(percentile(ttft, q)) for q in (50, 95, 99)},
-            **{f"e2e_p{q}_s": _round(percentile(e2e, q)) for q in (50, 95, 99)},
-            "output_tokens_per_s": round(sum(o.tokens for o in self.admitted) / max(self.wall_s, 1e-9), 1),
-            **asdict(self.server),
-        }
-
-    def format(self) -> str:
-        f = self.figures()
-        lines = [
-            f"{f['clients']} streaming clients for {f['duration_s']} s against {self.config.url} ({self.config.endpoint}, "
-            f"max_tokens {self.config.max_tokens})",
-            f"requests {f['requests']}: admitted {f['admitted']} (completed {f['completed']}, dropped by the client "
-            f"{f['disconnected']}), refused {f['refused']} (well-formed: {f['refusals_well_formed']}), "
-            f"failures {f['failures']}, half-written {f['incomplete']}; statuses {f['statuses']}",
-            f"TTFT p50 / p95 / p99: {f['ttft_p50_s']} / {f['ttft_p95_s']} / {f['ttft_p99_s']} s; "
-            f"end-to-end p50 / p95 / p99: {f['e2e_p50_s']} / {f['e2e_p95_s']} / {f['e2e_p99_s']} s; "
-            f"{f['output_tokens_per_s']} output tok/s",
-        ]
-        if f["rss_before_mb"] is not None:
-            lines.append(f"server RSS: before {f['rss_before_mb']} MB, peak {f['rss_peak_mb']} MB, "
-                         f"after {f['rss_after_mb']} MB")
-        if f["drained"] is not None:
-            lines.append(f"after the load: every sequence ended and every KV block freed: {f['drained']} "
-                         f"{f['leftover'] or ''}".rstrip())
-        return "\n".join(lines)
-
-
-def _round(value: float | None) -> float | None:
-    return None if value is None else round(value, 3)
-
-
-def well_formed_refusal(response: httpx.Response, body: bytes) -> bool:
-    """OpenAI's error JSON ({"error": {message, type, param, code}}) and an integer Retry-After >= 1."""
-    try:
-        error = json.loads(body)["error"]
-        shaped = set(error) == {"message", "type", "param", "code"} and bool(error["message"])
-    except (ValueError, KeyError, TypeError):
-        return False
-    retry_after = response.headers.get("retry-after", "")
-    return shaped and retry_after.isdigit() and int(retry_after) >= 1
-
-
-def request_body(config: LoadConfig, rng: random.Random) -> tuple[str, dict]:
-    prompt = rng.choice(PROMPTS)
-    common = {"max_tokens": config.max_tokens, "stream": True, "temperature": 0.8, "ignore_eos": True,
-              **({"model": config.model} if config.model else {})}
-    if config.endpoint == "chat":
-        return "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": prompt}]}
-    return "/v1/completions", {**common, "prompt": prompt}
-
-
-async def one_request(http: httpx.AsyncClient, config: LoadConfig, rng: random.Random, drop: bool) -> tuple[
-        Outcome, float]:
-    """Send one streaming request; returns its outcome and how long to wait before the next (Retry-After)."""
-    path, body = request_body(config, rng)
-    started = time.perf_counter()
-    try:
-        async with http.stream("POST", path, json=body) as response:
-            if response.status_code != 200:
-                raw = await response.aread()
-                outcome = Outcome(status=response.status_code, error=raw[:300].decode(errors="replace"))
-                if response.status_code in REFUSALS:
-                    outcome.refusal_ok = well_formed_refusal(response, raw)
-                    wait = float(response.headers.get("retry-after", "1") or 1)
-                    return outcome, min(wait, config.max_retry_wait_s) * (0.5 + rng.random())
-                return outcome, 0.0
-            return await _read_stream(response, started, drop), 0.0
-    except httpx.HTTPError as error:
-        return Outcome(status=0, error=f"{type(error).__name__}: {error}"), 0.0
-
-
-async def _read_stream(response: httpx.Response, started: float, drop: bool) -> Outcome:
-    outcome = Outcome(status=200)
-    finished = False
-    async for line in response.aiter_lines():
-        if not line.startswith("data: "):
-            continue
-        data = line.removeprefix("data: ")
-        if data == "[DONE]":
-            outcome.complete = finished
-            break
-        event = json.loads(data)
-        if "error" in event:
-            outcome.error = json.dumps(event["error"])
-            continue
-        for choice in event.get("choices", []):
-            text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
-            if text or choice.get("finish_reason"):
-                if outcome.ttft_s is None:
-                    outcome.ttft_s = time.perf_counter() - started
-                outcome.tokens += 1 if text else 0
-            finished = finished or bool(choice.get("finish_reason"))
-        if drop and outcome.ttft_s is not None:
-            outcome.disconnected = True
-            return outcome  # leaving the `async with` closes the connection mid-stream
-    outcome.e2e_s = time.perf_counter() - started
-    return outcome
-
-
-async def client_loop(http: httpx.AsyncClient, config: LoadConfig, index: int, deadline: float,
-                      into: list[Outcome]) -> None:
-    rng = random.Random(config.seed * 100_003 + index)
-    await asyncio.sleep(rng.random() * 0.5)  # spread the first wave over half a second
-    sent = 0
-    while time.perf_counter() < deadline:
-        sent += 1
-        drop = config.disconnect_every > 0 and sent % config.disconnect_every == 0
-        outcome, wait = await one_request(http, config, rng, drop)
-        into.append(outcome)
-        if wait:
-            await asyncio.sleep(min(wait, max(deadline - time.perf_counter(), 0)))
-
-
-def rss_mb(pid: int | None) -> float | None:
-    """Resident memory of a process in MiB (Linux /proc), None without a pid."""
-    if pid is None:
-        return None
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return round(int(line.split()[1]) / 1024, 1)
-    return None
-
-
-def engine_leftovers(url: str, api_key: str | None = None) -> dict[str, float]:
-    """Sums of the gauges that must return to 0 once no request is in flight (from /metrics)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    names = ("sits_requests_running", "sits_requests_waiting", "sits_kv_cache_usage_ratio", "sits_admission_in_flight")
-    totals = dict.fromkeys(names, 0.0)
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in totals:
-                totals[sample.name] += sample.value
-    return totals
+from benchmarks.load_client import LoadConfig, Outcome, client_loop, warm_up  # noqa: E402
+from benchmarks.load_report import LoadReport, ServerSample, compare  # noqa: E402
+from benchmarks.server_process import engine_leftovers, rss_mb, sits_serve  # noqa: E402
 
 
 async def run_load(config: LoadConfig, pid: int | None = None, settle_s: float = 20.0) -> LoadReport:
@@ -300,52 +76,6 @@ async def run_load(config: LoadConfig, pid: int | None = None, settle_s: float =
     return LoadReport(config=config, outcomes=outcomes, wall_s=wall, server=server)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@contextlib.contextmanager
-def sits_serve(args: list[str], log_path: str, timeout_s: float = 300.0) -> Iterator[tuple[str, int]]:
-    """`sits serve ARGS` on 127.0.0.1 and a free port until it is healthy; yields (url, pid); always stopped."""
-    port = free_port()
-    argv = [sys.executable, "-m", "sits.runtime", "serve", "--host", "127.0.0.1", "--port", str(port), *args]
-    env = {**os.environ, "PYTHONSAFEPATH": "1"}
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tempfile.gettempdir())
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + timeout_s
-            while True:
-                if process.poll() is not None:
-                    raise RuntimeError(f"sits serve exited with {process.returncode}; see {log_path}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"sits serve was not healthy within {timeout_s} s; see {log_path}")
-                time.sleep(0.2)
-            yield url, process.pid
-        finally:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-                try:
-                    process.wait(60)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
-
-
-def warm_up(url: str, config: LoadConfig, requests: int = 4) -> None:
-    """A few requests first, so the RSS baseline includes the allocator's steady state."""
-    rng = random.Random(config.seed)
-    for _ in range(requests):
-        path, body = request_body(config, rng)
-        headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-        httpx.post(f"{url}{path}", json={**body, "stream": False}, headers=headers, timeout=config.request_timeout_s)
-
-
 UNBOUNDED = ["--max-waiting-requests", "1000000"]  # the peer: the same server with no bound on its queue
 
 
@@ -358,20 +88,6 @@ def run_against(config: LoadConfig, serve_args: list[str] | None, pid: int | Non
             print(f"sits serve {shlex.join(serve_args)} at {config.url} (log {log_path})", flush=True)
         warm_up(config.url, config)
         return asyncio.run(run_load(config, pid))
-
-
-def compare(bounded: LoadReport, unbounded: LoadReport) -> str:
-    """The bounded server's figures as ratios of its unbounded peer's, measured in the same run."""
-    b, u = bounded.figures(), unbounded.figures()
-
-    def ratio(key: str) -> str:
-        return "n/a" if not b[key] or not u[key] else f"{b[key] / u[key]:.2f}x"
-
-    growth_b = (b["rss_peak_mb"] or 0) - (b["rss_before_mb"] or 0)
-    growth_u = (u["rss_peak_mb"] or 0) - (u["rss_before_mb"] or 0)
-    return (f"bounded / unbounded queue: TTFT p50 {ratio('ttft_p50_s')}, p99 {ratio('ttft_p99_s')}; "
-            f"e2e p50 {ratio('e2e_p50_s')}, p99 {ratio('e2e_p99_s')}; output tok/s {ratio('output_tokens_per_s')}; "
-            f"RSS growth to peak {growth_b:.0f} MB vs {growth_u:.0f} MB")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import httpx
 
-from benchmarks.fuzz_api import hostile_sweep, rss_mb, schema_sweep
+from benchmarks.fuzz_api import hostile_sweep, schema_sweep
+from benchmarks.server_process import rss_mb
 
 EXAMPLES = 40  # per operation and mode: ~30 s on two busy cores
 RSS_SLACK_MB = 64  # allocator noise of a ~500 MB process; a 10 MB body kept per request would exceed it at once

@@ -11,7 +11,7 @@ import concurrent.futures
 
 import httpx
 
-from benchmarks.load_test import engine_leftovers
+from benchmarks.server_process import engine_leftovers
 
 CLIENTS, MAX_TOKENS = 8, 100
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 
-from benchmarks.load_test import LoadConfig, run_load, warm_up
+from benchmarks.load_client import LoadConfig, warm_up
+from benchmarks.load_test import run_load
 
 CLIENTS, DURATION_S = 40, 10.0
 RSS_GROWTH_LIMIT_MB = 150  # the tiny model's steady state moves by tens of MB; a leak per request would not stay under
