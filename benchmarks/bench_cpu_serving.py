@@ -15,18 +15,27 @@ import argparse
 import asyncio
 import os
 import platform
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import openai
 import torch
+
+if __package__ in (None, ""):  # run as a script, also with PYTHONSAFEPATH=1
+    # Import the `benchmarks` package from the repository root, then take the root off sys.path again:
+    # its `operator/` and `kernels/` folders must not shadow the standard library's and others' modules.
+    _root = str(Path(__file__).resolve().parents[1])
+    sys.path.insert(0, _root)
+    import benchmarks  # noqa: F401
+    sys.path.remove(_root)
+
+from benchmarks.server_process import free_port, stop_process  # noqa: E402
 
 QUESTIONS = [
     "What is the capital of France?", "Why is the sky blue?", "Write a haiku about autumn leaves.",
@@ -52,12 +61,6 @@ class Run:
         return self.output_tokens / self.seconds
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def start_server(port: int, concurrency: int, log, extra_args: Sequence[str] = ()) -> subprocess.Popen:
     """`sits serve` on SmolLM2 (plus extra_args), returned once /health answers 200."""
     argv = [sys.executable, "-m", "sits.runtime", "serve", "--device", "cpu", "--dtype", "float32",
@@ -74,7 +77,7 @@ def start_server(port: int, concurrency: int, log, extra_args: Sequence[str] = (
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
-    process.kill()
+    stop_process(process, grace_s=5)
     raise TimeoutError("sits serve did not become ready within 300 s")
 
 
@@ -157,8 +160,7 @@ def main() -> int:
             model = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"]
             sits, ttfts = asyncio.run(sits_run(f"http://127.0.0.1:{port}/v1", model, prompts, args.max_tokens))
         finally:
-            server.send_signal(signal.SIGTERM)
-            server.wait(60)
+            stop_process(server)
     peer = transformers_run(prompts, args.max_tokens)
 
     ratio = sits.tokens_per_s / peer.tokens_per_s
