@@ -26,6 +26,7 @@ from sits.runtime.server.middleware import BodySizeLimit, GenerationGate
 from sits.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
 from sits.runtime.server.serving import ServingContext
 from sits.runtime.server.tenant import SingleTenantResolver, TenantGate, TenantResolver, request_tenant
+from sits.runtime.server.tokenize import DetokenizeRequest, Tokenization, TokenizeRequest, installed_version
 from sits.runtime.tenancy.server_auth import TenancyResolver
 
 logger = logging.getLogger("sits.server")
@@ -131,6 +132,23 @@ def build_app(engine: Any, server_config: ServerConfig | None = None, *, served_
         if model_id != model_name:
             raise model_not_found(model_id)
         return model_card()
+
+    # vLLM's utility endpoints: with tenants /tokenize and /detokenize need a key (TenantGate covers
+    # them), but they run no engine work, so no rate limit or admission applies.
+    tokenization = Tokenization(ctx, chat)
+    version = {"version": installed_version()}
+
+    @app.post("/tokenize", dependencies=[Depends(request_tenant)])
+    async def tokenize(body: TokenizeRequest) -> Response:
+        return await tokenization.tokenize(body)
+
+    @app.post("/detokenize", dependencies=[Depends(request_tenant)])
+    async def detokenize(body: DetokenizeRequest) -> Response:
+        return await tokenization.detokenize(body)
+
+    @app.get("/version")
+    async def server_version() -> dict[str, str]:
+        return version
 
     def readiness() -> JSONResponse:
         if lifecycle.draining:

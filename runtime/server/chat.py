@@ -34,8 +34,12 @@ class ChatCompletions:
         self.ctx = ctx
         self.logprobs = LogprobFormatter(ctx.tokenizer)
 
-    async def prompt_token_ids(self, messages: list[ChatMessage]) -> list[int]:
-        """The prompt exactly as transformers' apply_chat_template(..., add_generation_prompt=True) renders it."""
+    async def prompt_token_ids(self, messages: list[ChatMessage], *, add_generation_prompt: bool = True,
+                               add_special_tokens: bool = False) -> list[int]:
+        """The prompt exactly as transformers' apply_chat_template(..., add_generation_prompt=True) renders it.
+
+        The keywords are for /tokenize, which renders the same way with the client's choice of both.
+        """
         self._check_size(messages)
         conversation = []
         for message in messages:
@@ -46,8 +50,8 @@ class ChatCompletions:
                 entry["name"] = message.name
             conversation.append(entry)
         # ChatTemplateError (the template rejected the conversation) is a 400 naming `messages`.
-        text = self.ctx.tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
-        return await self.ctx.encode(text, add_special_tokens=False, param="messages", name="messages")
+        text = self.ctx.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+        return await self.ctx.encode(text, add_special_tokens=add_special_tokens, param="messages", name="messages")
 
     def _check_size(self, messages: list[ChatMessage]) -> None:
         """400 before rendering a conversation that cannot fit the context (or is not valid Unicode).

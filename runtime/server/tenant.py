@@ -8,7 +8,8 @@ A `TenantResolver` on `app.state.tenant_resolver` answers three questions:
 - `cache_salt(request, shared)`: the prefix-cache salt of the request's prompts, so tenants never
   share cached KV (`shared`: the prompt is marked for the shared-prefix pool; 400 where none is).
 
-`TenantGate` runs the first two for every /v1/* request before FastAPI reads the body, so an
+`TenantGate` runs the first two for every /v1/* request (and /tokenize, /detokenize, which expose
+the deployment's chat template and vocabulary) before FastAPI reads the body, so an
 unauthenticated request with a malformed body gets 401, not 400 (what OpenAI does). Without
 tenancy every request is the tenant "default" (`SingleTenantResolver`).
 """
@@ -26,6 +27,7 @@ from sits.runtime.server.errors import OpenAIError, invalid_request
 DEFAULT_TENANT = "default"
 UNRESOLVED_TENANT = "unknown"  # the metrics label of a request rejected before its tenant was known
 API_PREFIX = "/v1/"
+AUTHENTICATED_PATHS = frozenset({"/tokenize", "/detokenize"})  # outside /v1/, yet behind the same keys
 
 
 class TenantResolver(Protocol):
@@ -66,8 +68,9 @@ def shared_prefix_unavailable() -> OpenAIError:
 
 
 class TenantGate:
-    """ASGI middleware: authenticate every /v1/* request, and admit generation requests, before
-    the body is read. The tenant is left in the request state (`tenant`) for handlers and metrics.
+    """ASGI middleware: authenticate every /v1/* request and those to `AUTHENTICATED_PATHS`, and
+    admit generation requests, before the body is read. The tenant is left in the request state
+    (`tenant`) for handlers and metrics.
 
     The order of refusals is the order a client can act on: 401 (no or wrong key), then 503 with
     Retry-After (the replica's queue is full: nothing is charged to the tenant), then 429 (the
@@ -86,7 +89,8 @@ class TenantGate:
         self.admission = admission
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith(API_PREFIX):
+        if scope["type"] != "http" or not (scope["path"].startswith(API_PREFIX)
+                                           or scope["path"] in AUTHENTICATED_PATHS):
             await self.app(scope, receive, send)
             return
         request = Request(scope)  # headers only: the body stays unread for the endpoint
