@@ -154,7 +154,7 @@ class LLMEngine:
     # -- requests --------------------------------------------------------------------------
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams, tenant: str = "default") -> None:
         """Raise (a ValueError subclass, a 400 at the edge) if the request can never be served."""
-        params.validate()
+        params.validate(vocab_size=self.vocab_size)
         if not prompt_token_ids:
             raise PromptTooLongError("the prompt is empty; it needs at least one token")
         bad = next((t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)), None)

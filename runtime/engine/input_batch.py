@@ -13,6 +13,10 @@ Everything else of a step (positions, cache slots, cu_seqlens, sequence lengths,
 the block table) is computed with a few vectorized numpy operations over per-sequence values, then
 written into one host buffer (pinned on CUDA) and sent with one non-blocking copy: the tensors of
 `ModelInput` are views of that one device buffer, so building a step never waits for the GPU.
+
+A sequence whose request gave `logit_bias` keeps its biases with its row (as arrays, built when the
+row is taken); a step gathers them for the biased rows it samples only, so steps of sequences
+without logit_bias spend nothing on it (`logit_bias.py`).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import numpy as np
 import torch
 
 from sits.runtime.attention.backend import AttentionMetadata
+from sits.runtime.engine.logit_bias import SequenceLogitBias, StepLogitBias
 from sits.runtime.engine.model_input import ModelInput
 from sits.runtime.engine.scheduler_output import ScheduledSequence
 from sits.runtime.engine.sequence import PENDING_TOKEN_ID
@@ -31,14 +36,15 @@ from sits.runtime.engine.sequence import PENDING_TOKEN_ID
 class _Row:
     """One sequence's row of the block-table array and the list it mirrors."""
 
-    __slots__ = ("index", "table", "written", "sampled_step", "sampled_row")
+    __slots__ = ("index", "table", "written", "sampled_step", "sampled_row", "logit_bias")
 
-    def __init__(self, index: int, table: list[int]) -> None:
+    def __init__(self, index: int, table: list[int], logit_bias: SequenceLogitBias | None = None) -> None:
         self.index = index
         self.table = table  # the KV manager's list (kept to compare identity)
         self.written = 0  # leading entries of `table` already in the row
         self.sampled_step = -1  # the last step that sampled for this sequence ...
         self.sampled_row = -1  # ... and the sequence's row in that step's sampled ids
+        self.logit_bias = logit_bias  # the request's logit_bias, or None
 
 
 class InputBatch:
@@ -65,6 +71,7 @@ class InputBatch:
         self._pin = self.device.type == "cuda"
         self._tables = np.zeros((rows, width), dtype=np.int32)  # rows past a table's length stay 0
         self._rows: dict[str, _Row] = {}
+        self._biased_rows: dict[str, _Row] = {}  # the rows of `_rows` that carry a logit_bias
         self._free_rows: list[int] = list(range(rows - 1, -1, -1))
         self._step = 0  # steps prepared so far
         self._sampled_ids: torch.Tensor | None = None  # [N] int64 on the device, of step _sampled_step
@@ -79,6 +86,7 @@ class InputBatch:
         for seq_id in seq_ids:
             row = self._rows.pop(seq_id, None)
             if row is not None:
+                self._biased_rows.pop(seq_id, None)
                 self._tables[row.index, : row.written] = 0
                 self._free_rows.append(row.index)
 
@@ -120,8 +128,13 @@ class InputBatch:
                 row.sampled_step, row.sampled_row = step, len(sampled_seqs)
                 sampled_seqs.append(index)
                 sample_sequences.append(item.sequence)
-        return self._assemble(rows, starts, counts, input_ids, max(widths), sampled_seqs, sample_sequences,
-                              num_prefills, fill_at, fill_from)
+        model_input = self._assemble(rows, starts, counts, input_ids, max(widths), sampled_seqs, sample_sequences,
+                                     num_prefills, fill_at, fill_from)
+        if self._biased_rows:  # only while a request with logit_bias holds a row
+            model_input.logit_bias = StepLogitBias.build(
+                [(row.sampled_row, row.logit_bias) for row in self._biased_rows.values()
+                 if row.sampled_step == step and row.logit_bias is not None], self.device)
+        return model_input
 
     # -- internals -------------------------------------------------------------------------
     def _pending_source(self, item: ScheduledSequence, row: _Row) -> int:
@@ -139,7 +152,10 @@ class InputBatch:
         if row is None:
             if not self._free_rows:
                 self._grow(rows=2 * self._tables.shape[0])
-            row = self._rows[item.sequence.seq_id] = _Row(self._free_rows.pop(), table)
+            seq_id = item.sequence.seq_id
+            row = self._rows[seq_id] = _Row(self._free_rows.pop(), table, SequenceLogitBias.of(item.sequence))
+            if row.logit_bias is not None:
+                self._biased_rows[seq_id] = row
         elif row.table is not table:  # a new table (the sequence was preempted and came back)
             self._tables[row.index, : row.written] = 0
             row.table, row.written = table, 0

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from sits.runtime.attention.backend import AttentionMetadata
+from sits.runtime.engine.logit_bias import StepLogitBias
 from sits.runtime.engine.scheduler_output import ScheduledSequence
 from sits.runtime.engine.sequence import Sequence as EngineSequence
 
@@ -29,6 +30,7 @@ class ModelInput:
         metadata: the attention layout (slot mapping, block tables, cu_seqlens, lengths).
         logits_indices: [num_samples] int64, the flat row of each sampling sequence's last token.
         sample_sequences: the sequences sampled this step, in logits_indices order.
+        logit_bias: the biases of the sampled rows whose requests gave logit_bias; None when none did.
     """
 
     input_ids: torch.Tensor
@@ -36,6 +38,7 @@ class ModelInput:
     metadata: AttentionMetadata
     logits_indices: torch.Tensor
     sample_sequences: list[EngineSequence]
+    logit_bias: StepLogitBias | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -39,8 +39,13 @@ class SamplingParams:
         include_stop_str_in_output: return the matched stop string too.
         ignore_eos: keep generating past EOS.
         logprobs: None for none; k >= 0 for the chosen token's logprob plus the top k.
+            They come from the model's raw logits, before min_tokens, logit_bias and penalties
+            (vLLM's default `raw_logprobs` mode).
         prompt_logprobs: not supported yet; must be None.
         skip_special_tokens: leave special tokens out of the returned text.
+        logit_bias: token id -> bias in [-100, 100] added to that token's logit before sampling
+            (OpenAI semantics; greedy picks see it too); at most 300 entries, OpenAI's cap. None
+            or empty: off. The engine checks the ids against its vocabulary.
     """
 
     n: int = 1
@@ -61,16 +66,22 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
 
     MAX_N = 128
     MAX_LOGPROBS = 20
+    MAX_LOGIT_BIAS = 100.0  # |bias| limit
+    MAX_LOGIT_BIAS_ENTRIES = 300
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def validate(self) -> None:
-        """Raise SamplingParamsError naming the first parameter that is out of range."""
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise SamplingParamsError naming the first parameter that is out of range.
+
+        `vocab_size` (when known): logit_bias token ids must be below it.
+        """
         checks: list[tuple[str, bool, str]] = [
             ("n", 1 <= self.n <= self.MAX_N, f"n must be between 1 and {self.MAX_N}, got {self.n}"),
             ("max_tokens", self.max_tokens is None or self.max_tokens >= 1,
@@ -100,6 +111,25 @@ class SamplingParams:
         for param, ok, message in checks:
             if not ok:
                 raise SamplingParamsError(param, message)
+        if self.logit_bias:
+            self._validate_logit_bias(vocab_size)
+
+    def _validate_logit_bias(self, vocab_size: int | None) -> None:
+        bias = self.logit_bias or {}
+        if len(bias) > self.MAX_LOGIT_BIAS_ENTRIES:
+            raise SamplingParamsError("logit_bias", f"logit_bias may hold at most {self.MAX_LOGIT_BIAS_ENTRIES} "
+                                                    f"entries, got {len(bias)}")
+        limit = self.MAX_LOGIT_BIAS
+        for token_id, value in bias.items():
+            if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
+                raise SamplingParamsError("logit_bias", f"logit_bias keys must be non-negative token ids, "
+                                                        f"got {token_id!r}")
+            if vocab_size is not None and token_id >= vocab_size:
+                raise SamplingParamsError("logit_bias", f"logit_bias token id {token_id} is out of range "
+                                                        f"(vocabulary size {vocab_size})")
+            if isinstance(value, bool) or not isinstance(value, int | float) or not -limit <= value <= limit:
+                raise SamplingParamsError("logit_bias", f"logit_bias values must be between {-limit:g} and "
+                                                        f"{limit:g}, got {value!r} for token {token_id}")
 
 
 class FinishReason(enum.StrEnum):

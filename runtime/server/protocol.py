@@ -8,6 +8,7 @@ other OpenAI-compatible servers keep working. Range checks that SamplingParams a
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -15,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sits.runtime.server.errors import invalid_request
 
 MAX_LOGPROBS = 20
+_TOKEN_ID = re.compile(r"-?[0-9]+")  # a token id as a JSON key spells it (SamplingParams refuses a negative one)
 
 
 class _Strict(BaseModel):
@@ -41,7 +43,7 @@ class _SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[int, float] | None = None  # JSON keys are strings: "50256" -> 50256 (`_logit_bias`)
     # vLLM's extensions
     top_k: int | None = None
     min_p: float | None = None
@@ -70,12 +72,24 @@ class _SamplingFields(_Strict):
             raise ValueError(f"max_tokens must be at least 1, got {value}")
         return value
 
-    @field_validator("logit_bias")
+    @field_validator("logit_bias", mode="before")
     @classmethod
-    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise ValueError("logit_bias is not supported")
-        return value
+    def _logit_bias(cls, value: Any) -> Any:
+        """OpenAI's map of token id (a string of an integer, as JSON keys are) to a bias; a 400 naming
+        logit_bias otherwise. The range ([-100, 100]), the 300-entry cap and the vocabulary are
+        checked by SamplingParams and the engine."""
+        if value is None:
+            return None
+        if not isinstance(value, dict):
+            raise ValueError("logit_bias must be an object mapping token ids to biases")
+        biases = {}
+        for key, bias in value.items():
+            if not (isinstance(key, str) and _TOKEN_ID.fullmatch(key)):
+                raise ValueError(f"invalid key {key!r}: keys must be token ids (integers as strings)")
+            if isinstance(bias, bool) or not isinstance(bias, int | float):
+                raise ValueError(f"the bias of token {key} must be a number, got {bias!r}")
+            biases[int(key)] = float(bias)
+        return biases
 
     def check_combination(self) -> None:
         """Rules across fields (a 400 naming the param); single-field rules are validators."""

@@ -56,6 +56,7 @@ def sampling_params(request: ChatCompletionRequest | CompletionRequest, *, max_t
         ignore_eos=request.ignore_eos,
         logprobs=logprobs,
         skip_special_tokens=request.skip_special_tokens,
+        logit_bias=request.logit_bias or None,
     )
     params.validate()
     return params
