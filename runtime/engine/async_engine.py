@@ -127,6 +127,11 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    @property
+    def vocab_size(self) -> int:
+        """Width of the model's logits (token ids at or above it do not exist)."""
+        return self.engine.vocab_size
+
     def max_tokens_for(self, tenant: str) -> int:
         """The longest sequence `tenant` can hold in the KV cache, in tokens (its shard's room)."""
         return self.engine.kv_cache.max_tokens_for(tenant)

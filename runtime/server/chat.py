@@ -78,7 +78,8 @@ class ChatCompletions:
         limit_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = output_budget(len(prompt_ids), body.output_limit, self.ctx.context_limit(tenant), default=None,
                                    param=limit_param, prompt_name="messages")
-        params = sampling_params(body, max_tokens=max_tokens, logprobs=body.num_logprobs)
+        params = sampling_params(body, max_tokens=max_tokens, logprobs=body.num_logprobs,
+                                 vocab_size=self.ctx.vocab_size)
         response_id = new_request_id("chatcmpl")
         stream = merge_streams([self.ctx.generate(prompt_ids, params, response_id, tenant, arrival,
                                                   request_priority(request), salt)])

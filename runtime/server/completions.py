@@ -69,7 +69,8 @@ class Completions:
         limit = self.ctx.context_limit(tenant)
         budgets = [output_budget(len(ids), body.max_tokens, limit, default=DEFAULT_MAX_TOKENS,
                                  param="max_tokens", prompt_name="prompt") for ids in prompts]
-        params = [sampling_params(body, max_tokens=budget, logprobs=body.logprobs) for budget in budgets]
+        params = [sampling_params(body, max_tokens=budget, logprobs=body.logprobs, vocab_size=self.ctx.vocab_size)
+                  for budget in budgets]
         response_id = new_request_id("cmpl")
         engine_ids = [response_id] if len(prompts) == 1 else [f"{response_id}-{i}" for i in range(len(prompts))]
         stream = merge_streams([self.ctx.generate(ids, p, rid, tenant, arrival, request_priority(request), salt)

@@ -34,8 +34,10 @@ def output_budget(prompt_tokens: int, requested: int | None, max_model_len: int,
 
 
 def sampling_params(request: ChatCompletionRequest | CompletionRequest, *, max_tokens: int,
-                    logprobs: int | None) -> SamplingParams:
-    """SamplingParams for the request, validated (SamplingParamsError names the param: a 400)."""
+                    logprobs: int | None, vocab_size: int | None = None) -> SamplingParams:
+    """SamplingParams for the request, validated (SamplingParamsError names the param: a 400) —
+    against the model's vocabulary too when `vocab_size` is given, so a stream never starts for
+    a request the engine would refuse."""
     if request.seed is not None and not SEED_RANGE[0] <= request.seed <= SEED_RANGE[1]:
         raise invalid_request(f"seed must fit in 64 bits, got {request.seed}", param="seed")
     params = SamplingParams(
@@ -58,5 +60,5 @@ def sampling_params(request: ChatCompletionRequest | CompletionRequest, *, max_t
         skip_special_tokens=request.skip_special_tokens,
         logit_bias=request.logit_bias or None,
     )
-    params.validate()
+    params.validate(vocab_size=vocab_size)
     return params

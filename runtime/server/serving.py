@@ -100,6 +100,10 @@ class ServingContext:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
     def context_limit(self, tenant: str) -> int:
         """The longest sequence (prompt + output tokens) this tenant may run: the model's context,
         or less when the tenant's share of the KV cache holds fewer tokens."""

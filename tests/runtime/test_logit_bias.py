@@ -11,6 +11,7 @@ naming `logit_bias` that leave the server serving.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Iterator
@@ -348,10 +349,12 @@ def test_a_request_without_bias_batched_with_a_biased_one_gets_its_tokens_alone(
         "above-100", "below-minus-100", "301-entries"])
 def test_bad_maps_are_400s_naming_logit_bias(served, model, logit_bias):
     server, _ = served
-    for path, body in (("/v1/completions", {"prompt": PROMPT}), ("/v1/chat/completions", {"messages": QUESTION})):
-        response = httpx.post(f"{server.url}{path}", json={"model": model, "max_tokens": 2, **body,
+    for (path, body), stream in itertools.product(
+            (("/v1/completions", {"prompt": PROMPT}), ("/v1/chat/completions", {"messages": QUESTION})), (False, True)):
+        # A stream too: refused before it starts, never a 200 followed by an error event.
+        response = httpx.post(f"{server.url}{path}", json={"model": model, "max_tokens": 2, **body, "stream": stream,
                                                           "logit_bias": logit_bias}, timeout=60)
-        assert response.status_code == 400, (path, response.text)
+        assert response.status_code == 400, (path, stream, response.text)
         error = response.json()["error"]
         assert error["param"] == "logit_bias" and error["type"] == "invalid_request_error", error
 
