@@ -7,7 +7,9 @@ schedules and launches step N+1 on the device first, then processes step N's sam
 the device computes: N+1's decode inputs come from N's sampled ids on the device, so the GPU never
 idles on the host's scheduling, batch building, detokenization or output snapshots. A stop found
 in N's tokens (EOS, stop token or string) then costs one token of compute in N+1, never an output
-token; while a request with penalties runs, steps are processed before the next is scheduled.
+token; while a request with penalties or a response_format runs, steps are processed before the
+next is scheduled (a penalty needs every output token on the host; a grammar matcher needs the
+previous token before it can build the next step's mask: `structured_output.py`).
 
 `LLMEngine` is single-threaded: call every method from one thread (`AsyncEngine` runs it on its
 own background thread and funnels requests to it).
@@ -38,6 +40,7 @@ from sits.runtime.engine.scheduler_output import ModelRunnerOutput, SchedulerOut
 from sits.runtime.engine.scheduling_policy import SchedulingPolicy, WaitingQueue
 from sits.runtime.engine.sequence import Sequence, SequenceStatus, child_sequence_id
 from sits.runtime.engine.stats import EngineStats
+from sits.runtime.engine.structured_output import StructuredOutputs
 
 if TYPE_CHECKING:  # the models package is imported only when a model is loaded
     from sits.runtime.models.loading import LoadedModel
@@ -112,7 +115,10 @@ class LLMEngine:
         self.async_scheduling = _resolve_async_scheduling(config, loaded)
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None  # launched, not yet processed
         self._unscheduled_requests: set[str] = set()  # added, never scheduled (first_scheduled_time)
-        self._history_requests: set[str] = set()  # with penalties: sampling needs all their tokens
+        # with penalties or a response_format: sampling needs all their tokens (no step ahead)
+        self._history_requests: set[str] = set()
+        self.structured_outputs = StructuredOutputs(self.tokenizer, self.vocab_size)
+        self.runner.input_batch.structured_outputs = self.structured_outputs
         self._counters = {"finished": 0, "aborted": 0, "prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
 
     # -- construction ----------------------------------------------------------------------
@@ -155,6 +161,8 @@ class LLMEngine:
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams, tenant: str = "default") -> None:
         """Raise (a ValueError subclass, a 400 at the edge) if the request can never be served."""
         params.validate(vocab_size=self.vocab_size)
+        if params.structured_output is not None:  # a 400 naming response_format; cached once compiled
+            self.structured_outputs.cache.compile(params.structured_output)
         if not prompt_token_ids:
             raise PromptTooLongError("the prompt is empty; it needs at least one token")
         bad = next((t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)), None)
@@ -230,7 +238,10 @@ class LLMEngine:
             )
         self._children[request_id] = seq_ids
         self._unscheduled_requests.add(request_id)
-        if params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
+        if params.structured_output is not None:
+            self.structured_outputs.add(seq_ids, params.structured_output)
+        if (params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty
+                or params.structured_output is not None):
             self._history_requests.add(request_id)
         self._counters["prompt_tokens"] += len(prompt_token_ids)
 
@@ -249,6 +260,7 @@ class LLMEngine:
                 continue
             self._unscheduled_requests.discard(request_id)
             self._history_requests.discard(request_id)
+            self.structured_outputs.release(seq_ids)
             self.scheduler.finish_requests(seq_ids, SequenceStatus.FINISHED_ABORTED)
             final = self.output_processor.abort(request_id)
             if final is not None:
@@ -301,14 +313,20 @@ class LLMEngine:
         if isinstance(runner_output, PendingOutput):
             runner_output = runner_output.result()
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.structured_outputs:  # matchers take the new tokens; a complete document ends its sequence
+            ended = self.structured_outputs.advance(updates)
+            if ended:
+                self.scheduler.finish_requests(ended, SequenceStatus.FINISHED_STOPPED)
         outputs, stopped = self.output_processor.process(updates)
         if stopped:
             self.scheduler.finish_requests(stopped, SequenceStatus.FINISHED_STOPPED)
         self._counters["generation_tokens"] += sum(len(u.new_token_ids) for u in updates)
         for output in outputs:
-            if output.finished and self._children.pop(output.request_id, None) is not None:
+            if output.finished and (seq_ids := self._children.pop(output.request_id, None)) is not None:
                 self._counters["finished"] += 1
                 self._history_requests.discard(output.request_id)
+                if self.structured_outputs:
+                    self.structured_outputs.release(seq_ids)
         return outputs
 
     def _mark_scheduled(self, scheduler_output: SchedulerOutput) -> None:

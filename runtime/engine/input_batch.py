@@ -16,7 +16,9 @@ written into one host buffer (pinned on CUDA) and sent with one non-blocking cop
 
 A sequence whose request gave `logit_bias` keeps its biases with its row (as arrays, built when the
 row is taken); a step gathers them for the biased rows it samples only, so steps of sequences
-without logit_bias spend nothing on it (`logit_bias.py`).
+without logit_bias spend nothing on it (`logit_bias.py`). A sequence under a response_format keeps
+its grammar matcher with its row the same way, and a step fills the grammar bitmask of those rows
+only (`grammar_mask.py`).
 """
 
 from __future__ import annotations
@@ -27,16 +29,18 @@ import numpy as np
 import torch
 
 from sits.runtime.attention.backend import AttentionMetadata
+from sits.runtime.engine.grammar_mask import StepGrammarMask
 from sits.runtime.engine.logit_bias import SequenceLogitBias, StepLogitBias
 from sits.runtime.engine.model_input import ModelInput
 from sits.runtime.engine.scheduler_output import ScheduledSequence
 from sits.runtime.engine.sequence import PENDING_TOKEN_ID
+from sits.runtime.engine.structured_output import SequenceGrammar, StructuredOutputs
 
 
 class _Row:
     """One sequence's row of the block-table array and the list it mirrors."""
 
-    __slots__ = ("index", "table", "written", "sampled_step", "sampled_row", "logit_bias")
+    __slots__ = ("index", "table", "written", "sampled_step", "sampled_row", "logit_bias", "grammar")
 
     def __init__(self, index: int, table: list[int], logit_bias: SequenceLogitBias | None = None) -> None:
         self.index = index
@@ -45,6 +49,7 @@ class _Row:
         self.sampled_step = -1  # the last step that sampled for this sequence ...
         self.sampled_row = -1  # ... and the sequence's row in that step's sampled ids
         self.logit_bias = logit_bias  # the request's logit_bias, or None
+        self.grammar: SequenceGrammar | None = None  # the sequence's matcher under a response_format
 
 
 class InputBatch:
@@ -72,6 +77,9 @@ class InputBatch:
         self._tables = np.zeros((rows, width), dtype=np.int32)  # rows past a table's length stay 0
         self._rows: dict[str, _Row] = {}
         self._biased_rows: dict[str, _Row] = {}  # the rows of `_rows` that carry a logit_bias
+        self._constrained_rows: dict[str, _Row] = {}  # the rows of `_rows` that carry a grammar matcher
+        # The engine's matchers (set when it serves structured outputs); rows look theirs up here.
+        self.structured_outputs: StructuredOutputs | None = None
         self._free_rows: list[int] = list(range(rows - 1, -1, -1))
         self._step = 0  # steps prepared so far
         self._sampled_ids: torch.Tensor | None = None  # [N] int64 on the device, of step _sampled_step
@@ -87,6 +95,7 @@ class InputBatch:
             row = self._rows.pop(seq_id, None)
             if row is not None:
                 self._biased_rows.pop(seq_id, None)
+                self._constrained_rows.pop(seq_id, None)
                 self._tables[row.index, : row.written] = 0
                 self._free_rows.append(row.index)
 
@@ -134,7 +143,18 @@ class InputBatch:
             model_input.logit_bias = StepLogitBias.build(
                 [(row.sampled_row, row.logit_bias) for row in self._biased_rows.values()
                  if row.sampled_step == step and row.logit_bias is not None], self.device)
+        if self._constrained_rows:  # only while a request with a response_format holds a row
+            model_input.grammar_mask = self._grammar_mask(step, len(sample_sequences))
         return model_input
+
+    def _grammar_mask(self, step: int, num_sampled: int) -> StepGrammarMask | None:
+        """The bitmask of the constrained rows this step samples (their matchers are up to date:
+        the engine does not run ahead while they run)."""
+        entries = [(row.sampled_row, row.grammar) for row in self._constrained_rows.values()
+                   if row.sampled_step == step and row.grammar is not None and not row.grammar.ended]
+        if self.structured_outputs is None:  # rows get a grammar only from it
+            return None
+        return StepGrammarMask.build(entries, num_sampled, self.structured_outputs.vocab_size, self.device)
 
     # -- internals -------------------------------------------------------------------------
     def _pending_source(self, item: ScheduledSequence, row: _Row) -> int:
@@ -156,6 +176,10 @@ class InputBatch:
             row = self._rows[seq_id] = _Row(self._free_rows.pop(), table, SequenceLogitBias.of(item.sequence))
             if row.logit_bias is not None:
                 self._biased_rows[seq_id] = row
+            if item.sequence.params.structured_output is not None and self.structured_outputs is not None:
+                row.grammar = self.structured_outputs.get(seq_id)
+                if row.grammar is not None:
+                    self._constrained_rows[seq_id] = row
         elif row.table is not table:  # a new table (the sequence was preempted and came back)
             self._tables[row.index, : row.written] = 0
             row.table, row.written = table, 0

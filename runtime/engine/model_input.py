@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from sits.runtime.attention.backend import AttentionMetadata
+from sits.runtime.engine.grammar_mask import StepGrammarMask
 from sits.runtime.engine.logit_bias import StepLogitBias
 from sits.runtime.engine.scheduler_output import ScheduledSequence
 from sits.runtime.engine.sequence import Sequence as EngineSequence
@@ -31,6 +32,7 @@ class ModelInput:
         logits_indices: [num_samples] int64, the flat row of each sampling sequence's last token.
         sample_sequences: the sequences sampled this step, in logits_indices order.
         logit_bias: the biases of the sampled rows whose requests gave logit_bias; None when none did.
+        grammar_mask: the allowed tokens of the sampled rows under a response_format; None when none is.
     """
 
     input_ids: torch.Tensor
@@ -39,6 +41,7 @@ class ModelInput:
     logits_indices: torch.Tensor
     sample_sequences: list[EngineSequence]
     logit_bias: StepLogitBias | None = None
+    grammar_mask: StepGrammarMask | None = None
 
     @property
     def num_tokens(self) -> int:

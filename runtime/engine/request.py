@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 
 class SamplingParamsError(ValueError):
@@ -18,6 +19,20 @@ class SamplingParamsError(ValueError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+@dataclass(frozen=True)
+class StructuredOutputSpec:
+    """What a completion's text must be (OpenAI's `response_format`), enforced token by token.
+
+    Attributes:
+        kind: "json_object" (any JSON object) or "json_schema" (JSON valid against `schema`).
+        schema: the JSON schema as compact JSON text (keys in the client's order, which is the
+            order properties are generated in): the engine's grammar cache key; None for json_object.
+    """
+
+    kind: Literal["json_object", "json_schema"]
+    schema: str | None = None
 
 
 @dataclass
@@ -46,6 +61,8 @@ class SamplingParams:
         logit_bias: token id -> bias in [-100, 100] added to that token's logit before sampling
             (OpenAI semantics; greedy picks see it too); at most 300 entries, OpenAI's cap. None
             or empty: off. The engine checks the ids against its vocabulary.
+        structured_output: the output must be JSON (an object, or valid against a schema): tokens
+            that would break it are masked before sampling (`structured_output.py`); None: off.
     """
 
     n: int = 1
@@ -67,6 +84,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
+    structured_output: StructuredOutputSpec | None = None
 
     MAX_N = 128
     MAX_LOGPROBS = 20

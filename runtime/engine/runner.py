@@ -117,6 +117,8 @@ class ModelRunner:
             if len(model_input.sample_sequences) < model_input.num_tokens:  # else every row samples, in order
                 hidden = hidden.index_select(0, model_input.logits_indices)
             logits = self.model.compute_logits(hidden)
+            if model_input.grammar_mask is not None:  # structured outputs: disallowed tokens to -inf
+                model_input.grammar_mask.apply(logits)
             sampled = self.sampler.sample(logits, model_input.sample_sequences, model_input.logit_bias)
         self.input_batch.record_sampled(sampled.token_ids)
         return PendingOutput([seq.seq_id for seq in model_input.sample_sequences], sampled)

@@ -1,0 +1,216 @@
+"""Structured outputs: OpenAI's `response_format` (json_object, json_schema) enforced with xgrammar.
+
+xgrammar (the grammar engine vLLM uses) compiles a JSON schema against the model's vocabulary once;
+a `GrammarMatcher` per sequence then says, before each sampling step, which tokens keep the text a
+prefix of a valid document (a bitmask over the logits, `grammar_mask.py`), and is advanced with the
+token that was sampled. Once the document is complete the grammar allows only the stop tokens, so
+the completion ends with finish_reason "stop"; reaching max_tokens first ends it with "length" and
+the JSON cut short, as in vLLM and OpenAI.
+
+Costs, and where they are paid:
+  - `GrammarCache` builds xgrammar's view of the tokenizer on the first structured request only,
+    and compiles each distinct schema once (an LRU keyed by the schema's canonical JSON). The
+    server compiles a request's grammar in a worker thread before the request reaches the engine
+    (a schema xgrammar refuses is a 400 naming response_format), so the engine finds it cached.
+  - `StructuredOutputs` keeps one matcher per constrained sequence (n > 1: one per completion);
+    a step without constrained sequences does no work for them at all.
+  - A matcher needs the previous token before it can build the next mask, so the engine does not
+    run ahead (async scheduling) while a constrained request runs, as for penalties.
+
+A matcher counts the tokens it accepted, and `advance` feeds it only the sequence's output tokens
+past that count: a sequence that was preempted and recomputes its context (its output tokens go
+through the model again) never advances its matcher twice.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from sits.runtime.engine.request import SamplingParamsError, StructuredOutputSpec
+from sits.runtime.engine.scheduler_output import SequenceUpdate
+
+logger = logging.getLogger(__name__)
+
+RESPONSE_FORMAT = "response_format"  # the OpenAI parameter errors name
+# Compact JSON (no optional whitespace between tokens): a small model left free to emit whitespace
+# may emit nothing else until max_tokens; the documents stay valid JSON either way.
+ANY_WHITESPACE = False
+# Matchers buffer this many accepted tokens for rollback; none is needed (no speculative decoding).
+_MAX_ROLLBACK_TOKENS = 0
+
+
+class StructuredOutputError(SamplingParamsError):
+    """A response_format the grammar engine cannot enforce (a 400 naming response_format)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(RESPONSE_FORMAT, message)
+
+
+def json_schema_spec(schema: Any) -> StructuredOutputSpec:
+    """The spec of a json_schema response_format: the schema must be a JSON object."""
+    if not isinstance(schema, dict):
+        raise StructuredOutputError(f"response_format.json_schema.schema must be a JSON object, "
+                                    f"got {type(schema).__name__}")
+    try:
+        # Keys keep their order: it is the order the document's properties are generated in.
+        text = json.dumps(schema, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as error:
+        raise StructuredOutputError(f"response_format.json_schema.schema is not valid JSON: {error}") from None
+    return StructuredOutputSpec("json_schema", text)
+
+
+JSON_OBJECT = StructuredOutputSpec("json_object")
+_ANY_OBJECT_SCHEMA = '{"type":"object"}'
+
+
+class GrammarCache:
+    """Compiled grammars of the specs seen lately, for one tokenizer (thread-safe).
+
+    Args:
+        tokenizer: the engine's tokenizer (`token_to_bytes(i)`, `vocab_size`, `eos_token_ids`,
+            `all_special_ids`).
+        vocab_size: the width of the model's logits (may exceed the tokenizer's vocabulary; the
+            ids past it are never allowed).
+        capacity: compiled grammars kept (least recently used dropped first).
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, capacity: int = 64) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.capacity = capacity
+        self._lock = threading.Lock()  # guards the LRU and the lazily built compiler
+        self._compiled: OrderedDict[StructuredOutputSpec, Any] = OrderedDict()
+        self._compiler: Any = None
+
+    def compile(self, spec: StructuredOutputSpec) -> Any:
+        """The `xgrammar.CompiledGrammar` of `spec`, compiled on the first call for it.
+
+        Raises:
+            StructuredOutputError: the schema is not one xgrammar can enforce.
+        """
+        with self._lock:
+            compiled = self._compiled.get(spec)
+            if compiled is not None:
+                self._compiled.move_to_end(spec)
+                return compiled
+            compiler = self._compiler = self._compiler or self._new_compiler()
+        compiled = _compile(compiler, spec)  # outside the lock: another thread may hit the cache meanwhile
+        with self._lock:
+            self._compiled[spec] = compiled
+            while len(self._compiled) > self.capacity:
+                self._compiled.popitem(last=False)
+        return compiled
+
+    def _new_compiler(self) -> Any:
+        """xgrammar's compiler over our tokenizer's raw token bytes (no HF tokenizer is needed).
+
+        Special tokens get empty byte strings, which xgrammar treats as special: never allowed
+        inside a document; the stop tokens (EOS) only once it is complete.
+        """
+        import xgrammar  # imported on the first structured request: serving without it costs nothing
+
+        tokenizer = self.tokenizer
+        special = frozenset(getattr(tokenizer, "all_special_ids", ()))
+        vocab = [b"" if i in special else tokenizer.token_to_bytes(i) for i in range(tokenizer.vocab_size)]
+        stop_ids = sorted(i for i in tokenizer.eos_token_ids if i < self.vocab_size)
+        info = xgrammar.TokenizerInfo(vocab, xgrammar.VocabType.RAW, vocab_size=self.vocab_size,
+                                      stop_token_ids=stop_ids)
+        # Our LRU bounds what is kept; xgrammar's own cache would grow without limit.
+        return xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+
+def _compile(compiler: Any, spec: StructuredOutputSpec) -> Any:
+    schema = _ANY_OBJECT_SCHEMA if spec.kind == "json_object" else spec.schema
+    if schema is None:
+        raise StructuredOutputError("response_format json_schema needs json_schema.schema")
+    try:
+        # json_object: any object (strict_mode=False keeps its undeclared properties allowed).
+        return compiler.compile_json_schema(schema, any_whitespace=ANY_WHITESPACE,
+                                            strict_mode=spec.kind == "json_schema")
+    except (RuntimeError, ValueError, TypeError) as error:
+        reason = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+        reason = reason.split(": ", 1)[-1] if reason.startswith("[") else reason  # drop xgrammar's source location
+        raise StructuredOutputError(f"response_format.json_schema.schema cannot be enforced: {reason}") from None
+
+
+class SequenceGrammar:
+    """One sequence's matcher and how many of its output tokens it accepted."""
+
+    __slots__ = ("matcher", "num_accepted", "ended")
+
+    def __init__(self, compiled: Any) -> None:
+        import xgrammar
+
+        self.matcher = xgrammar.GrammarMatcher(compiled, max_rollback_tokens=_MAX_ROLLBACK_TOKENS)
+        self.num_accepted = 0
+        self.ended = False  # the matcher terminated or refused a token: it allows nothing more
+
+    def catch_up(self, output_token_ids: Sequence[int]) -> bool:
+        """Accept the output tokens it has not seen yet; True once the grammar ended (complete and
+        a stop token accepted, or a token it refused, e.g. one the min_tokens mask forced)."""
+        while not self.ended and self.num_accepted < len(output_token_ids):
+            token_id = output_token_ids[self.num_accepted]
+            self.num_accepted += 1
+            if not self.matcher.accept_token(token_id):
+                logger.warning("structured output: token %d is not allowed here; the sequence ends", token_id)
+                self.ended = True
+            elif self.matcher.is_terminated():
+                self.ended = True
+        return self.ended
+
+    def fill(self, bitmask: Any, row: int) -> None:
+        """Write the tokens allowed next into row `row` of `bitmask` ([N, ceil(V / 32)] int32)."""
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+
+class StructuredOutputs:
+    """The engine's structured-output state: the grammar cache and the constrained sequences'
+    matchers (keyed by seq_id; a preempted sequence keeps its matcher)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, capacity: int = 64) -> None:
+        self.cache = GrammarCache(tokenizer, vocab_size, capacity)
+        self.vocab_size = vocab_size
+        self._grammars: dict[str, SequenceGrammar] = {}
+
+    def __bool__(self) -> bool:
+        """Whether any constrained sequence is live (the per-step path checks this first)."""
+        return bool(self._grammars)
+
+    def __len__(self) -> int:
+        return len(self._grammars)
+
+    def get(self, seq_id: str) -> SequenceGrammar | None:
+        return self._grammars.get(seq_id)
+
+    def add(self, seq_ids: Iterable[str], spec: StructuredOutputSpec) -> None:
+        """Give each sequence its own matcher (raises StructuredOutputError for a bad spec)."""
+        compiled = self.cache.compile(spec)
+        for seq_id in seq_ids:
+            self._grammars[seq_id] = SequenceGrammar(compiled)
+
+    def release(self, seq_ids: Iterable[str]) -> None:
+        for seq_id in seq_ids:
+            self._grammars.pop(seq_id, None)
+
+    def advance(self, updates: Sequence[SequenceUpdate]) -> list[str]:
+        """Feed the step's new tokens to the matchers of constrained, unfinished sequences.
+
+        Returns the seq_ids whose grammar ended with this step while the scheduler did not stop
+        them (a stop token under ignore_eos, a refused token): the caller finishes them ("stop").
+        Their last token is marked as the one that ended them, so its text is not returned.
+        """
+        ended = []
+        for update in updates:
+            sequence = update.sequence
+            grammar = self._grammars.get(sequence.seq_id)
+            if grammar is None or sequence.finished:
+                continue
+            if grammar.catch_up(sequence.output_token_ids):
+                update.finished_by_token = True
+                ended.append(sequence.seq_id)
+        return ended
