@@ -132,7 +132,7 @@ def _compile(compiler: Any, spec: StructuredOutputSpec) -> Any:
         # json_object: any object (strict_mode=False keeps its undeclared properties allowed).
         return compiler.compile_json_schema(schema, any_whitespace=ANY_WHITESPACE,
                                             strict_mode=spec.kind == "json_schema")
-    except (RuntimeError, ValueError, TypeError) as error:
+    except Exception as error:  # whatever the grammar engine refuses in a client's schema is a 400
         reason = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
         reason = reason.split(": ", 1)[-1] if reason.startswith("[") else reason  # drop xgrammar's source location
         raise StructuredOutputError(f"response_format.json_schema.schema cannot be enforced: {reason}") from None

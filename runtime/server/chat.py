@@ -17,7 +17,7 @@ from sits.runtime.server.logprobs import LogprobFormatter
 from sits.runtime.server.protocol import ChatCompletionRequest, ChatMessage
 from sits.runtime.server.request_ids import new_request_id
 from sits.runtime.server.responses import DONE, SSE_HEADERS, finish_text, sse, usage
-from sits.runtime.server.sampling import output_budget, sampling_params
+from sits.runtime.server.sampling import compile_response_format, output_budget, sampling_params
 from sits.runtime.server.serving import (
     ClientGone,
     ServingContext,
@@ -80,6 +80,7 @@ class ChatCompletions:
                                    param=limit_param, prompt_name="messages")
         params = sampling_params(body, max_tokens=max_tokens, logprobs=body.num_logprobs,
                                  vocab_size=self.ctx.vocab_size)
+        await compile_response_format(self.ctx.engine, params)
         response_id = new_request_id("chatcmpl")
         stream = merge_streams([self.ctx.generate(prompt_ids, params, response_id, tenant, arrival,
                                                   request_priority(request), salt)])

@@ -21,7 +21,7 @@ from sits.runtime.server.logprobs import LogprobFormatter
 from sits.runtime.server.protocol import CompletionRequest
 from sits.runtime.server.request_ids import new_request_id
 from sits.runtime.server.responses import DONE, SSE_HEADERS, finish_text, sse, usage
-from sits.runtime.server.sampling import output_budget, sampling_params
+from sits.runtime.server.sampling import compile_response_format, output_budget, sampling_params
 from sits.runtime.server.serving import (
     ClientGone,
     ServingContext,
@@ -71,6 +71,7 @@ class Completions:
                                  param="max_tokens", prompt_name="prompt") for ids in prompts]
         params = [sampling_params(body, max_tokens=budget, logprobs=body.logprobs, vocab_size=self.ctx.vocab_size)
                   for budget in budgets]
+        await compile_response_format(self.ctx.engine, params[0])  # one response_format for every prompt
         response_id = new_request_id("cmpl")
         engine_ids = [response_id] if len(prompts) == 1 else [f"{response_id}-{i}" for i in range(len(prompts))]
         stream = merge_streams([self.ctx.generate(ids, p, rid, tenant, arrival, request_priority(request), salt)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from sits.runtime.server.errors import invalid_request
 
@@ -26,6 +26,28 @@ class _Strict(BaseModel):
 class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+class JsonSchemaFormat(_Strict):
+    """OpenAI's `response_format.json_schema`: the schema the output must follow."""
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # accepted; the schema is always enforced
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's `response_format`: plain text, any JSON object, or JSON valid against a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError('type "json_schema" needs json_schema.schema (the JSON schema of the output)')
+        return self
 
 
 class _SamplingFields(_Strict):
@@ -44,6 +66,7 @@ class _SamplingFields(_Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[int, float] | None = None  # JSON keys are strings: "50256" -> 50256 (`_logit_bias`)
+    response_format: ResponseFormat | None = None  # vLLM accepts it on /v1/completions too
     # vLLM's extensions
     top_k: int | None = None
     min_p: float | None = None
@@ -64,6 +87,18 @@ class _SamplingFields(_Strict):
         if isinstance(value, list) and all(isinstance(item, str) for item in value):
             return value
         raise ValueError("stop must be a string or a list of strings")
+
+    @field_validator("response_format", mode="wrap")
+    @classmethod
+    def _response_format(cls, value: Any, handler: Any) -> Any:
+        """Any fault inside response_format is a 400 naming response_format (as OpenAI names it)."""
+        try:
+            return handler(value)
+        except ValidationError as error:
+            first = error.errors()[0]
+            where = ".".join(str(part) for part in first.get("loc", ()))
+            message = str(first.get("msg", "")).removeprefix("Value error, ")
+            raise ValueError(f"{where}: {message}" if where else message) from None
 
     @field_validator("max_tokens")
     @classmethod
@@ -140,16 +175,11 @@ class ChatMessage(_Strict):
         return "".join(part.text for part in self.content)
 
 
-class ResponseFormat(_Strict):
-    type: Literal["text"]
-
-
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
 

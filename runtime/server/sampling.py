@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from sits.runtime.engine.request import SamplingParams
+import asyncio
+from typing import Any
+
+from sits.runtime.engine.request import SamplingParams, StructuredOutputSpec
+from sits.runtime.engine.structured_output import JSON_OBJECT, json_schema_spec
 from sits.runtime.server.errors import invalid_request
-from sits.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
+from sits.runtime.server.protocol import ChatCompletionRequest, CompletionRequest, ResponseFormat
 
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what a torch.Generator accepts
 
@@ -59,6 +63,29 @@ def sampling_params(request: ChatCompletionRequest | CompletionRequest, *, max_t
         logprobs=logprobs,
         skip_special_tokens=request.skip_special_tokens,
         logit_bias=request.logit_bias or None,
+        structured_output=structured_output(request.response_format),
     )
     params.validate(vocab_size=vocab_size)
     return params
+
+
+def structured_output(response_format: ResponseFormat | None) -> StructuredOutputSpec | None:
+    """The engine's spec of a response_format (None for text); a non-JSON schema is a 400."""
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return JSON_OBJECT
+    schema = response_format.json_schema.schema_ if response_format.json_schema is not None else None
+    return json_schema_spec(schema)
+
+
+async def compile_response_format(engine: Any, params: SamplingParams) -> None:
+    """Compile the request's grammar in a worker thread, before the request reaches the engine: a
+    schema the grammar engine refuses is a 400 naming response_format (never a stream that fails),
+    and the engine then finds the grammar in its cache instead of compiling on its own thread."""
+    if params.structured_output is None:
+        return
+    # An AsyncEngine wraps the LLMEngine (`.engine`); its grammar cache is safe to use from any thread.
+    structured_outputs = getattr(getattr(engine, "engine", engine), "structured_outputs", None)
+    if structured_outputs is not None:
+        await asyncio.to_thread(structured_outputs.cache.compile, params.structured_output)
