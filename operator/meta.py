@@ -22,7 +22,10 @@ TRACK_LABEL = "track"  # stable | canary, on Deployments, pods and the per-track
 REVISION_LABEL = "sits.ai/revision"  # the pod-template hash, on pods and Deployments
 SERVICE_ROLE_LABEL = "sits.ai/service"  # all | stable | canary
 REVISION_ANNOTATION = "sits.ai/revision"
-RESUME_ANNOTATION = "sits.ai/resume"
+RESUME_ANNOTATION = "sits.ai/resume"  # continue past a pause (kubectl argo rollouts promote)
+ABORT_ANNOTATION = "sits.ai/abort"  # back to stable now, and stay there (kubectl argo rollouts abort)
+PROMOTE_ANNOTATION = "sits.ai/promote"  # "full": skip the remaining steps (kubectl argo rollouts promote --full)
+RETRY_ANNOTATION = "sits.ai/retry"  # start an aborted or rolled back canary again (kubectl argo rollouts retry)
 TRACKS = ("stable", "canary")
 
 HTTP_PORT = 8000  # the runtime's port; /health, /metrics and /v1/*

@@ -6,7 +6,7 @@ Per SitsDeployment (labels `namespace`, `sitsdeployment`):
 - `sits_rollout_canary_weight`: percent of traffic on the canary;
 - `sits_rollout_analysis_delta_ms`: the last measured canary-minus-stable latency quantile (P95 by
   default), milliseconds; absent until an analysis run measured one;
-- `sits_rollout_aborts_total{reason}` (analysis | alert) and `sits_rollout_promotions_total`;
+- `sits_rollout_aborts_total{reason}` (analysis | alert | manual: `sits.ai/abort`) and `sits_rollout_promotions_total`;
 and `sits_operator_reconcile_errors_total`, reconciles that raised (the Kubernetes API failed).
 The process collectors (CPU, memory, open files, GC) come along in the same registry.
 
@@ -47,8 +47,8 @@ class RolloutCollector(Collector):
                                    "(status.canaryWeight)", labels=RESOURCE_LABELS)
         delta = GaugeMetricFamily("sits_rollout_analysis_delta_ms", "The last measured canary minus stable "
                                   "latency quantile (P95 by default), milliseconds", labels=RESOURCE_LABELS)
-        aborts = CounterMetricFamily("sits_rollout_aborts", "Canaries rolled back, by reason: a failed analysis "
-                                     "or a firing alert", labels=[*RESOURCE_LABELS, "reason"])
+        aborts = CounterMetricFamily("sits_rollout_aborts", "Canaries rolled back, by reason: a failed analysis, "
+                                     "a firing alert or a manual abort", labels=[*RESOURCE_LABELS, "reason"])
         promotions = CounterMetricFamily("sits_rollout_promotions", "Canaries promoted to stable",
                                          labels=RESOURCE_LABELS)
         for rollout in snapshot.rollouts:

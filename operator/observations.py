@@ -1,11 +1,16 @@
-"""What a reconcile saw before it decided: the two Deployments, the resume annotation, an analysis run."""
+"""What a reconcile saw before it decided: the two Deployments, the manual commands, an analysis run."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from sits.operator.meta import REVISION_ANNOTATION
+from sits.operator.meta import (
+    ABORT_ANNOTATION,
+    PROMOTE_ANNOTATION,
+    RETRY_ANNOTATION,
+    REVISION_ANNOTATION,
+)
 
 PASSED, FAILED, INCONCLUSIVE = "Passed", "Failed", "Inconclusive"
 
@@ -73,12 +78,36 @@ class DeploymentObservation:
 
 
 @dataclass(frozen=True)
+class ManualCommands:
+    """The manual rollout commands annotated on the resource: each attribute is the annotation's value,
+    None when it is absent (`sits.ai/resume` is `Observations.resume_requested`)."""
+
+    abort: str | None = None  # sits.ai/abort: any value
+    promote: str | None = None  # sits.ai/promote: "full"
+    retry: str | None = None  # sits.ai/retry: any value
+
+    @classmethod
+    def from_annotations(cls, annotations: dict[str, Any] | None) -> ManualCommands:
+        found = annotations or {}
+        return cls(**{attribute: str(found[name]) for attribute, name in _COMMANDS.items() if name in found})
+
+    def present(self) -> dict[str, str]:
+        """annotation name -> value of each command given, in the order they are considered."""
+        values = {attribute: getattr(self, attribute) for attribute in _COMMANDS}
+        return {name: values[attribute] for attribute, name in _COMMANDS.items() if values[attribute] is not None}
+
+
+_COMMANDS = {"retry": RETRY_ANNOTATION, "abort": ABORT_ANNOTATION, "promote": PROMOTE_ANNOTATION}
+
+
+@dataclass(frozen=True)
 class Observations:
     """Inputs of `rollout.decide` besides the spec, the stored status and the clock.
 
     Attributes:
         generation: the SitsDeployment's metadata.generation (for status.observedGeneration).
         resume_requested: the `sits.ai/resume` annotation is present.
+        commands: the other manual commands (abort, promote full, retry) annotated on the resource.
         analysis: the analysis run made this reconcile (None when none was due).
     """
 
@@ -86,6 +115,7 @@ class Observations:
     canary: DeploymentObservation = DeploymentObservation()
     generation: int | None = None
     resume_requested: bool = False
+    commands: ManualCommands = ManualCommands()
     analysis: AnalysisOutcome | None = None
 
 

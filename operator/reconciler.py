@@ -27,7 +27,7 @@ from sits.operator.meta import (
     deployment_name,
     is_owned_by,
 )
-from sits.operator.observations import DeploymentObservation, Observations
+from sits.operator.observations import DeploymentObservation, ManualCommands, Observations
 from sits.operator.rollout import analysis_due, decide
 from sits.operator.spec import SitsDeploymentSpec, TenancySpec, parse_spec
 from sits.operator.stats import RolloutStats
@@ -122,10 +122,11 @@ class Reconciler:
                 now = self.clock()
             decision = decide(spec, owner, status, obs, now)
             self._apply(owner, spec, decision.plan, decision.status, now, obs)
-            if decision.consume_resume:
-                # Before the status: a crash in between loses a resume rather than resuming twice
+            consumed = decision.annotations_to_remove()
+            if consumed:
+                # Before the status: a crash in between loses a command rather than running it twice
                 self.kube.patch(API_VERSION, KIND, namespace, name,
-                                {"metadata": {"annotations": {RESUME_ANNOTATION: None}}})
+                                {"metadata": {"annotations": dict.fromkeys(consumed)}})
             patch = status_patch(stored, decision.status)
             if patch:
                 self.kube.patch(API_VERSION, KIND, namespace, name, {"status": patch}, subresource="status")
@@ -142,9 +143,11 @@ class Reconciler:
             self.kube.get("apps/v1", "Deployment", owner.namespace, deployment_name(owner.name, track)))
             for track in ("stable", "canary")]
         generation = meta.get("generation")
+        annotations = meta.get("annotations") or {}
         return Observations(stable=tracks[0], canary=tracks[1],
                             generation=generation if isinstance(generation, int) else None,
-                            resume_requested=RESUME_ANNOTATION in (meta.get("annotations") or {}))
+                            resume_requested=RESUME_ANNOTATION in annotations,
+                            commands=ManualCommands.from_annotations(annotations))
 
     def _apply(self, owner: Owner, spec: SitsDeploymentSpec, plan: Any, status: Status, now: float,
                obs: Observations) -> None:

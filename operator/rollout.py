@@ -11,6 +11,8 @@ pods are ready and an analysis run passed after the step began; a `pause` waits 
 (or, with none, for a resume). Past the last step the stable Deployment takes the canary's template,
 and once it is ready the canary scales to 0 (Healthy). `failureLimit` failed analysis runs in a row,
 or an alert, abort: weight 0, canary at 0 replicas, RolledBack, until the template changes again.
+The manual commands (rollout_commands.py) abort (the same path, phase Degraded), promote at once,
+or retry an aborted canary from step 0.
 """
 
 from __future__ import annotations
@@ -18,16 +20,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from sits.operator.fields import SpecError
-from sits.operator.meta import DEPLOYMENT_LABEL, Owner
-from sits.operator.observations import FAILED, PASSED, AnalysisOutcome, Observations
+from sits.operator.meta import ABORT_ANNOTATION, DEPLOYMENT_LABEL, RESUME_ANNOTATION, Owner
+from sits.operator.observations import Observations
 from sits.operator.plan import Plan, TrackPlan
 from sits.operator.replicas import canary_replicas, stable_replicas
 from sits.operator.revisions import revision_of
+from sits.operator.rollout_analysis import PAUSE_INCONCLUSIVE, analysis_due, passed_since, record_analysis
+from sits.operator.rollout_commands import ABORTED, CommandInbox, aborted_by_hand, pause_hint, retry_hint
 from sits.operator.spec import SitsDeploymentSpec, WorkloadSpec, parse_workload
 from sits.operator.status import AnalysisState, Status
 
+__all__ = ["PAUSE_INCONCLUSIVE", "PAUSE_STEP", "Decision", "RolloutEvent", "analysis_due", "decide"]
+
 PAUSE_STEP = "CanaryPauseStep"
-PAUSE_INCONCLUSIVE = "AnalysisInconclusive"
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,10 @@ class Decision:
     plan: Plan
     events: tuple[RolloutEvent, ...] = ()
     consume_resume: bool = False  # remove the sits.ai/resume annotation: it has been acted on
+    consumed_commands: tuple[str, ...] = ()  # the other command annotations to remove (acted on or refused)
+
+    def annotations_to_remove(self) -> tuple[str, ...]:
+        return (RESUME_ANNOTATION,) * self.consume_resume + self.consumed_commands
 
 
 @dataclass
@@ -62,17 +71,6 @@ class _Context:
         self.events.append(RolloutEvent(kind, reason, message))
 
 
-def analysis_due(spec: SitsDeploymentSpec, owner: Owner, status: Status, now: float) -> bool:
-    """Whether this reconcile should run the canary analysis before deciding."""
-    if spec.rollout.canary.analysis is None or status.canary_revision is None:
-        return False
-    if status.current_step is None or status.current_step >= len(spec.rollout.canary.steps):
-        return False  # promoting: both tracks run the same revision
-    if status.canary_revision != revision_of(owner, spec.workload):
-        return False  # the spec moved on; this canary is about to be replaced
-    return status.analysis.next_run_at is not None and now >= status.analysis.next_run_at
-
-
 def decide(spec: SitsDeploymentSpec, owner: Owner, status: Status, obs: Observations, now: float) -> Decision:
     s = status.copy()
     s.observed_generation = obs.generation
@@ -81,14 +79,21 @@ def decide(spec: SitsDeploymentSpec, owner: Owner, status: Status, obs: Observat
     ctx = _Context(spec=spec, owner=owner, obs=obs, now=now, stored=status, status=s,
                    stable_workload=_stable_workload(s, spec, owner),
                    desired_revision=revision_of(owner, spec.workload))
+    commands = CommandInbox(obs.commands, ctx.event)
     if ctx.desired_revision == s.stable_revision:
         plan = _steady(ctx)
-    elif ctx.desired_revision == s.aborted_revision:
+    elif ctx.desired_revision == s.aborted_revision and not commands.retry(s, ctx.desired_revision):
         plan = _rolled_back(ctx)
     else:
         if s.canary_revision != ctx.desired_revision:
-            _start_canary(ctx)
-        plan = _progress(ctx)
+            _start_canary(ctx)  # a new template, or a retry: step 0
+        if commands.abort(s):
+            plan = _abort(ctx, ABORTED, f"{ABORT_ANNOTATION} was set; all traffic is back on stable revision "
+                                        f"{s.stable_revision}")
+        else:
+            commands.promote_full(s, len(spec.rollout.canary.steps))
+            plan = _progress(ctx)
+    commands.refuse_the_rest(s, ctx.desired_revision)
     if obs.resume_requested and not ctx.consume_resume and s.canary_revision is None:
         ctx.consume_resume = True  # nothing to resume: drop it so it cannot skip a later pause
     s.replicas = obs.stable.status_replicas + obs.canary.status_replicas
@@ -98,7 +103,8 @@ def decide(spec: SitsDeploymentSpec, owner: Owner, status: Status, obs: Observat
     s.set_condition("Healthy", healthy, "Ready" if healthy else s.phase or "Pending",
                     f"{obs.stable.ready_of(s.stable_revision)}/{spec.replicas} stable replicas ready at revision "
                     f"{s.stable_revision}", now)
-    return Decision(status=s, plan=plan, events=tuple(ctx.events), consume_resume=ctx.consume_resume)
+    return Decision(status=s, plan=plan, events=tuple(ctx.events), consume_resume=ctx.consume_resume,
+                    consumed_commands=tuple(commands.consumed))
 
 
 def _stable_workload(s: Status, spec: SitsDeploymentSpec, owner: Owner) -> WorkloadSpec:
@@ -155,11 +161,14 @@ def _steady(ctx: _Context) -> Plan:
 
 
 def _rolled_back(ctx: _Context) -> Plan:
+    """The template is the aborted revision: stable only, until the template changes or a retry."""
     s = ctx.status
     _clear_canary(s)
-    s.phase = "RolledBack"
-    s.set_condition("Progressing", False, "RolledBack",
-                    f"revision {s.aborted_revision} was rolled back; change the template to roll out again", ctx.now)
+    by_hand = aborted_by_hand(s)
+    s.phase = "Degraded" if by_hand else "RolledBack"
+    s.set_condition("Progressing", False, ABORTED if by_hand else "RolledBack",
+                    f"revision {s.aborted_revision} was {'aborted' if by_hand else 'rolled back'}; "
+                    f"{retry_hint(ctx.owner.name)}", ctx.now)
     return _stable_only(ctx)
 
 
@@ -180,53 +189,14 @@ def _start_canary(ctx: _Context) -> None:
 
 
 def _abort(ctx: _Context, reason: str, message: str) -> Plan:
+    """Weight 0, canary at 0 replicas: RolledBack (analysis, alert), or Degraded when aborted by hand."""
     s = ctx.status
-    text = f"canary {s.canary_revision} rolled back: {message}"
-    ctx.event("Warning", "RolledBack", text)
+    by_hand = reason == ABORTED
+    text = f"canary {s.canary_revision} {'aborted' if by_hand else 'rolled back'}: {message}"
+    ctx.event("Warning", ABORTED if by_hand else "RolledBack", text)
     s.aborted_revision = s.canary_revision
-    _clear_canary(s)
-    s.phase = "RolledBack"
     s.set_condition("RolledBack", True, reason, text, ctx.now)
-    s.set_condition("Progressing", False, "RolledBack", text, ctx.now)
-    return _stable_only(ctx)
-
-
-def _record_analysis(ctx: _Context, outcome: AnalysisOutcome) -> str | None:
-    """Fold one run into status.analysis; returns the abort message when failureLimit is reached."""
-    s, limits = ctx.status, ctx.spec.rollout.canary.analysis
-    assert limits is not None  # analysis runs only when configured
-    a = s.analysis
-    a.last_run_at = ctx.now
-    following = (a.next_run_at or ctx.now) + limits.interval_s
-    a.next_run_at = following if following > ctx.now else ctx.now + limits.interval_s
-    a.last_result, a.message = outcome.result, outcome.message
-    if outcome.delta_ms is not None:
-        a.last_delta_ms = round(outcome.delta_ms, 3)
-    if outcome.result == PASSED:
-        a.consecutive_failures = a.consecutive_inconclusive = 0
-    elif outcome.result == FAILED:
-        a.consecutive_failures += 1
-        a.consecutive_inconclusive = 0
-    else:
-        a.consecutive_inconclusive += 1
-    state = {PASSED: True, FAILED: False}.get(outcome.result)
-    s.set_condition("Analysis", state, outcome.result, outcome.message, ctx.now)
-    if a.consecutive_failures >= limits.failure_limit:
-        return (f"{outcome.message} ({a.consecutive_failures} consecutive failed analysis runs, "
-                f"failureLimit {limits.failure_limit})")
-    if a.consecutive_inconclusive >= limits.inconclusive_limit and s.pause_reason != PAUSE_INCONCLUSIVE:
-        s.pause_reason = PAUSE_INCONCLUSIVE
-        text = (f"{a.consecutive_inconclusive} analysis runs in a row were inconclusive ({outcome.message}); "
-                f"resume with: kubectl annotate sitsd {ctx.owner.name} sits.ai/resume=true")
-        s.set_condition("Paused", True, PAUSE_INCONCLUSIVE, text, ctx.now)
-        ctx.event("Warning", PAUSE_INCONCLUSIVE, text)
-    return None
-
-
-def _passed_since(s: Status, since: float | None) -> bool:
-    a = s.analysis
-    return (a.last_result == PASSED and a.last_run_at is not None and since is not None
-            and a.last_run_at > since)
+    return _rolled_back(ctx)
 
 
 def _progress(ctx: _Context) -> Plan:
@@ -247,8 +217,8 @@ def _progress(ctx: _Context) -> Plan:
         s.analysis.consecutive_inconclusive = 0
         ctx.event("Normal", "Resumed", f"resumed from {paused}")
         s.pause_reason = None
-    if obs.analysis is not None and i < len(steps):
-        failure = _record_analysis(ctx, obs.analysis)
+    if obs.analysis is not None and analysis is not None and i < len(steps):
+        failure = record_analysis(s, analysis, obs.analysis, now, ctx.owner.name, ctx.event)
         if failure is not None:
             return _abort(ctx, "AnalysisFailed", failure)
     waiting = ""
@@ -262,7 +232,7 @@ def _progress(ctx: _Context) -> Plan:
                 break
             if analysis is not None and s.analysis.next_run_at is None and target > 0:
                 s.analysis.next_run_at = now + analysis.interval_s  # the canary serves: start measuring
-            if analysis is not None and not _passed_since(s, s.step_started_at):
+            if analysis is not None and not passed_since(s, s.step_started_at):
                 waiting = "waiting for a passing analysis run"
                 break
         else:
@@ -273,7 +243,7 @@ def _progress(ctx: _Context) -> Plan:
                 waiting = f"paused, {left}"
                 break
             s.pause_reason = None
-            if analysis is not None and not _passed_since(s, s.step_started_at):
+            if analysis is not None and not passed_since(s, s.step_started_at):
                 waiting = "waiting for a passing analysis run"
                 break
         i, s.step_started_at = i + 1, now
@@ -282,7 +252,8 @@ def _progress(ctx: _Context) -> Plan:
         return _promote(ctx)
     s.phase = "Paused" if s.pause_reason else "Progressing"
     if s.pause_reason == PAUSE_STEP:
-        s.set_condition("Paused", True, PAUSE_STEP, f"step {i + 1}/{len(steps)}: {waiting}", now)
+        s.set_condition("Paused", True, PAUSE_STEP, f"step {i + 1}/{len(steps)}: {waiting}; "
+                        f"{pause_hint(ctx.owner.name)}", now)
     elif s.pause_reason is None:
         s.remove_condition("Paused")
     s.set_condition("Progressing", True, "CanaryStep",

@@ -15,11 +15,12 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from sits.operator.rollout_commands import ABORTED
 from sits.operator.status import Status
 
 # Why a canary was aborted, as the metrics label it; keyed by the RolledBack condition's reason
-ABORT_ANALYSIS, ABORT_ALERT = "analysis", "alert"
-ABORT_REASONS = (ABORT_ANALYSIS, ABORT_ALERT)
+ABORT_ANALYSIS, ABORT_ALERT, ABORT_MANUAL = "analysis", "alert", "manual"
+ABORT_REASONS = (ABORT_ANALYSIS, ABORT_ALERT, ABORT_MANUAL)
 _ABORT_REASON_OF_CONDITION = {"AnalysisFailed": ABORT_ANALYSIS, "AlertFiring": ABORT_ALERT}
 PROMOTED_EVENT, ROLLED_BACK_EVENT = "Promoted", "RolledBack"
 
@@ -33,7 +34,7 @@ class RolloutSnapshot:
         canary_weight: percent of traffic on the canary (0 without one).
         analysis_delta_ms: the last measured canary-minus-stable latency quantile, milliseconds
             (None until an analysis run measured one).
-        aborts: canaries aborted since this process started, by reason (analysis | alert).
+        aborts: canaries aborted since this process started, by reason (analysis | alert | manual).
         promotions: canaries promoted to stable since this process started.
     """
 
@@ -87,6 +88,8 @@ class RolloutStats:
                     rollout.promotions += 1
                 elif reason == ROLLED_BACK_EVENT:
                     rollout.aborts[abort_reason(status)] += 1
+                elif reason == ABORTED:  # sits.ai/abort
+                    rollout.aborts[ABORT_MANUAL] += 1
 
     def record_error(self) -> None:
         with self._lock:
