@@ -89,6 +89,26 @@ def test_preempted_constrained_sequences_accept_each_token_once_and_stay_valid(s
     assert not engine.structured_outputs  # every matcher was released with its request
 
 
+def test_async_scheduling_steps_constrained_batches_synchronously_with_the_same_tokens(smollm2):
+    prompt = chat_prompt(smollm2, ASK_CAT)
+    requests = {"json": SamplingParams(temperature=0.0, max_tokens=24, structured_output=JSON_OBJECT),
+                "plain": SamplingParams(temperature=0.0, max_tokens=8)}
+    tokens = {}
+    for async_scheduling in (False, True):
+        config = EngineConfig(model=ModelConfig(device="cpu", dtype="float32", max_model_len=128),
+                              cache=CacheConfig(block_size=8, num_blocks=64), async_scheduling=async_scheduling)
+        engine = LLMEngine.from_loaded(smollm2, config)
+        for request_id, params in requests.items():
+            engine.add_request(request_id, prompt, params)
+        finals = {}
+        while engine.has_unfinished_requests():
+            finals.update({o.request_id: o.outputs[0] for o in engine.step() if o.finished})
+        tokens[async_scheduling] = {request_id: output.token_ids for request_id, output in finals.items()}
+        assert finals["json"].finish_reason is FinishReason.STOP
+        assert isinstance(json.loads(finals["json"].text), dict)
+    assert tokens[True] == tokens[False]
+
+
 def test_bad_schemas_are_refused_before_any_work(smollm2):
     config = EngineConfig(model=ModelConfig(device="cpu", dtype="float32", max_model_len=64),
                           cache=CacheConfig(block_size=8, num_blocks=16))
