@@ -35,6 +35,7 @@ from sits.runtime.engine.errors import (
 )
 from sits.runtime.engine.request import RequestOutput, SamplingParams
 from sits.runtime.engine.stats import EngineStats
+from sits.runtime.engine.structured_output import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +127,11 @@ class AsyncEngine:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def structured_outputs(self) -> StructuredOutputs:
+        """The engine's grammar cache and matchers (its cache is safe to use from any thread)."""
+        return self.engine.structured_outputs
 
     @property
     def vocab_size(self) -> int:

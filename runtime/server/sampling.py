@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
+from sits.runtime.engine.async_engine import AsyncEngine
 from sits.runtime.engine.request import SamplingParams, StructuredOutputSpec
 from sits.runtime.engine.structured_output import JSON_OBJECT, json_schema_spec
 from sits.runtime.server.errors import invalid_request
@@ -79,13 +79,10 @@ def structured_output(response_format: ResponseFormat | None) -> StructuredOutpu
     return json_schema_spec(schema)
 
 
-async def compile_response_format(engine: Any, params: SamplingParams) -> None:
+async def compile_response_format(engine: AsyncEngine, params: SamplingParams) -> None:
     """Compile the request's grammar in a worker thread, before the request reaches the engine: a
     schema the grammar engine refuses is a 400 naming response_format (never a stream that fails),
     and the engine then finds the grammar in its cache instead of compiling on its own thread."""
     if params.structured_output is None:
         return
-    # An AsyncEngine wraps the LLMEngine (`.engine`); its grammar cache is safe to use from any thread.
-    structured_outputs = getattr(getattr(engine, "engine", engine), "structured_outputs", None)
-    if structured_outputs is not None:
-        await asyncio.to_thread(structured_outputs.cache.compile, params.structured_output)
+    await asyncio.to_thread(engine.structured_outputs.cache.compile, params.structured_output)
