@@ -1,22 +1,26 @@
 """The reference attention back end: plain PyTorch, any device, any dtype.
 
-It is the CPU back end and the ground truth the Triton kernels are tested against, so it favours
-clarity and numerical care over speed: scores and softmax in float32, K/V gathered through the
-block tables exactly as a paged kernel reads them. Prefill sequences are handled one at a time
-(queries in chunks, so a long prompt never materialises a huge score matrix); all decodes of a
-step are handled together, padded to the longest context.
+It is the CPU back end and the ground truth the Triton kernels are tested against. Attention is
+`torch.nn.functional.scaled_dot_product_attention`, in float32 whatever the model's dtype (so
+half-precision models keep float32 scores, softmax and products, and on a CPU no whole score
+matrix is ever materialised); K/V are read through the block tables exactly as a paged kernel reads
+them. What every layer of a step shares (rows to gather, masks, the grouping of sequences, the
+gather buffers) is worked out once per step: see `torch_plan.py`, which also gives the layouts.
+
+Per layer: decodes and short prefills go in a few padded groups of similar context length, one
+call each, whatever the batch size; a long prefill gets a call of its own, causal (its new k and v
+are its context) or masked after a cached prefix (its context is read from the cache).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from sits.runtime.attention.backend import AttentionBackend, AttentionMetadata
 from sits.runtime.attention.registry import register_backend
+from sits.runtime.attention.torch_plan import LongPrefill, PaddedGroup, StepPlan, step_plan
 from sits.runtime.models.rotary import apply_rotary
-
-# Query rows per chunk of a prefill: bounds the float32 score matrix to chunk × context × heads.
-_QUERY_CHUNK = 512
 
 
 @register_backend
@@ -24,6 +28,7 @@ class TorchAttentionBackend(AttentionBackend):
     """Paged attention in plain PyTorch (CPU and CUDA, float32 / float16 / bfloat16, any head size)."""
 
     name = "torch"
+    version = "2"
     priority = 0
 
     @classmethod
@@ -39,94 +44,80 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, k_cache, v_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
         """See AttentionBackend.forward. Rows past metadata.num_tokens (padding) are left zero."""
-        out = torch.zeros_like(q)
-        block_size = k_cache.shape[1]
-        start = 0
-        for seq in range(metadata.num_prefills):
-            query_len = metadata.query_lens_list[seq]
-            seq_len = metadata.seq_lens_list[seq]
-            keys, values = gather_context(k_cache, v_cache, metadata.block_tables[seq], seq_len, block_size)
-            for chunk_start in range(0, query_len, _QUERY_CHUNK):
-                chunk_len = min(_QUERY_CHUNK, query_len - chunk_start)
-                rows = slice(start + chunk_start, start + chunk_start + chunk_len)
-                first_position = seq_len - query_len + chunk_start
-                out[rows] = causal_attention(q[rows], keys, values, scale, first_position)
-            start += query_len
-        if metadata.num_decodes:
-            rows = slice(metadata.num_prefill_tokens, metadata.num_prefill_tokens + metadata.num_decodes)
-            out[rows] = self._decode(q[rows], k_cache, v_cache, metadata, scale)
+        num_tokens, heads, head_dim = q.shape
+        plan = step_plan(metadata, k_cache, heads // k_cache.shape[2])
+        out = q.new_empty(q.shape)
+        out[metadata.num_tokens:] = 0
+        for prefill in plan.long_prefills:
+            rows = slice(prefill.first_row, prefill.first_row + prefill.query_len)
+            out[rows] = _attend_long_prefill(q[rows], k[rows], v[rows], k_cache, v_cache, plan, prefill, scale)
+        if plan.groups:
+            # Both viewed [num_tokens * kv_heads, group * head_dim]: a row is one KV head's query heads.
+            q_rows = q.reshape(num_tokens * plan.kv_heads, plan.group * head_dim)
+            out_rows = out.view(num_tokens * plan.kv_heads, plan.group * head_dim)
+            for group in plan.groups:
+                group_out = _attend_group(q_rows, k_cache, v_cache, plan, group, scale)
+                if group.real_queries is not None:
+                    group_out = group_out.index_select(0, group.real_queries)
+                out_rows.index_copy_(0, group.output_rows, group_out.to(out.dtype))
         return out
 
-    @staticmethod
-    def _decode(q, k_cache, v_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-        """All single-token decodes at once. q: [num_decodes, heads, head_dim] → same shape."""
-        block_size = k_cache.shape[1]
-        first = metadata.num_prefills
-        seq_lens = metadata.seq_lens_list[first:first + metadata.num_decodes]
-        num_blocks = -(-max(seq_lens) // block_size)
-        tables = metadata.block_tables[first:first + metadata.num_decodes, :num_blocks].long()
-        n, kv_heads, head_dim = q.shape[0], k_cache.shape[2], k_cache.shape[3]
-        keys = k_cache[tables].reshape(n, num_blocks * block_size, kv_heads, head_dim)
-        values = v_cache[tables].reshape(n, num_blocks * block_size, kv_heads, head_dim)
-        group = q.shape[1] // kv_heads
-        qf = q.float().view(n, kv_heads, group, head_dim)
-        scores = torch.einsum("nkgd,nlkd->nkgl", qf, keys.float()) * scale  # [n, kv, group, ctx]
-        lens = torch.tensor(seq_lens, device=q.device)
-        past_end = torch.arange(keys.shape[1], device=q.device)[None, :] >= lens[:, None]
-        scores.masked_fill_(past_end[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out = torch.einsum("nkgl,nlkd->nkgd", probs, values.float())
-        return out.reshape(n, kv_heads * group, head_dim).to(q.dtype)
+
+def _attend_group(q_rows, k_cache, v_cache, plan: StepPlan, group: PaddedGroup, scale: float) -> torch.Tensor:
+    """One padded group. q_rows: q viewed [num_tokens * kv_heads, group * head_dim].
+
+    Returns [size * kv_heads * query_len, group * head_dim] float32, ordered like group.query_rows.
+    """
+    head_dim = k_cache.shape[-1]
+    kv_heads, size = plan.kv_heads, group.size
+    queries = q_rows.index_select(0, group.query_rows).float()
+    queries = queries.view(size, kv_heads, group.query_len * plan.group, head_dim)
+    keys, values = _as_float32(plan.gather(k_cache, v_cache, group.cache_rows))
+    keys = keys.view(size, kv_heads, group.context_len, head_dim)
+    values = values.view(size, kv_heads, group.context_len, head_dim)
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask, scale=scale)
+    return out.reshape(size * kv_heads * group.query_len, plan.group * head_dim)
+
+
+def _attend_long_prefill(q, k, v, k_cache, v_cache, plan: StepPlan, seq: LongPrefill, scale: float) -> torch.Tensor:
+    """One long prefill. q: [query_len, heads, head_dim]; k, v: its new tokens' [query_len, kv, head_dim].
+
+    Queries are [kv_heads, group, query_len, head_dim] (a view of q), K/V broadcast over the group by
+    a stride-0 expand, so that plain causal attention (which skips the masked half) applies.
+    """
+    query_len, heads, head_dim = q.shape
+    kv_heads, group = plan.kv_heads, plan.group
+    if seq.cache_rows is None:
+        keys, values = k.transpose(0, 1), v.transpose(0, 1)  # [kv, context, head_dim], strided views
+    else:
+        keys, values = plan.gather(k_cache, v_cache, seq.cache_rows)
+        keys = keys.view(kv_heads, seq.context_len, head_dim)
+        values = values.view(kv_heads, seq.context_len, head_dim)
+    keys, values = _as_float32((keys, values))
+    queries = q.float().view(query_len, kv_heads, group, head_dim).permute(1, 2, 0, 3)
+    keys = keys[:, None].expand(kv_heads, group, seq.context_len, head_dim)
+    values = values[:, None].expand(kv_heads, group, seq.context_len, head_dim)
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=seq.mask, is_causal=seq.mask is None,
+                                         scale=scale)
+    return out.permute(2, 0, 1, 3).reshape(query_len, heads, head_dim).to(q.dtype)
+
+
+def _as_float32(tensors: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V in float32, the precision attention runs in; no copy when they already are."""
+    return tensors[0].float(), tensors[1].float()
 
 
 def write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
     """Store each token's k/v at its slot (block_id * block_size + offset); slot -1 is skipped.
 
-    k, v: [num_tokens, kv_heads, head_dim]; caches: [num_blocks, block_size, kv_heads, head_dim].
+    k, v: [num_tokens, kv_heads, head_dim] (rows past len(slot_mapping) are ignored);
+    caches: [num_blocks, block_size, kv_heads, head_dim]; slot_mapping: [num_slots] int64.
     """
     num_tokens = slot_mapping.shape[0]
     slots = slot_mapping.long()
-    valid = slots >= 0
-    slots = slots[valid]
-    k_flat = k_cache.view(-1, k_cache.shape[2], k_cache.shape[3])
-    v_flat = v_cache.view(-1, v_cache.shape[2], v_cache.shape[3])
-    k_flat[slots] = k[:num_tokens][valid].to(k_cache.dtype)
-    v_flat[slots] = v[:num_tokens][valid].to(v_cache.dtype)
-
-
-def gather_context(k_cache, v_cache, block_table, seq_len: int, block_size: int):
-    """One sequence's first seq_len keys and values, read through its block table.
-
-    Returns:
-        (keys, values), each [seq_len, kv_heads, head_dim] in the cache dtype.
-    """
-    num_blocks = -(-seq_len // block_size)
-    blocks = block_table[:num_blocks].long()
-    kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    keys = k_cache[blocks].reshape(-1, kv_heads, head_dim)[:seq_len]
-    values = v_cache[blocks].reshape(-1, kv_heads, head_dim)[:seq_len]
-    return keys, values
-
-
-def causal_attention(q, keys, values, scale: float, first_position: int) -> torch.Tensor:
-    """Softmax attention of consecutive query positions over a context, causally masked.
-
-    Args:
-        q: [num_queries, heads, head_dim]; query j sits at position first_position + j.
-        keys, values: [context_len, kv_heads, head_dim], positions 0 .. context_len-1.
-        scale: softmax scale.
-        first_position: absolute position of q's first row.
-    Returns:
-        [num_queries, heads, head_dim] in q's dtype; scores and softmax in float32.
-    """
-    num_queries, heads, head_dim = q.shape
-    context_len, kv_heads = keys.shape[0], keys.shape[1]
-    group = heads // kv_heads
-    qf = q.float().view(num_queries, kv_heads, group, head_dim)
-    scores = torch.einsum("qkgd,lkd->kgql", qf, keys.float()) * scale  # [kv, group, queries, ctx]
-    query_pos = torch.arange(num_queries, device=q.device)[:, None] + first_position
-    key_pos = torch.arange(context_len, device=q.device)[None, :]
-    scores.masked_fill_(key_pos > query_pos, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("kgql,lkd->qkgd", probs, values.float())
-    return out.reshape(num_queries, heads, head_dim).to(q.dtype)
+    k, v = k[:num_tokens], v[:num_tokens]
+    if not bool((slots >= 0).all()):  # padding rows: write only the real ones
+        valid = (slots >= 0).nonzero().squeeze(1)
+        slots, k, v = slots.index_select(0, valid), k.index_select(0, valid), v.index_select(0, valid)
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))

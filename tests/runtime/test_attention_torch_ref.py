@@ -15,6 +15,7 @@ from sits.runtime.attention.registry import (
     select_backend,
     unregister_backend,
 )
+from sits.runtime.attention.torch_plan import GROUP_OVERHEAD_TOKENS, group_by_context
 from sits.runtime.attention.torch_ref import TorchAttentionBackend, write_kv_cache
 from sits.runtime.models.rotary import apply_rotary, build_cos_sin_cache, rope_inverse_frequencies
 from tests.support.model_driver import PagedKVCache, PagedSequence, build_metadata
@@ -24,14 +25,14 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
 class _CacheHolder:
-    """Just enough of a model for PagedKVCache: one layer of the shapes above."""
+    """Just enough of a model for PagedKVCache: one layer of the given attention shape."""
 
-    def __init__(self, dtype):
+    def __init__(self, dtype, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, layers=1):
         from sits.runtime.models.config import LlamaConfig
 
-        self.config = LlamaConfig(vocab_size=8, hidden_size=HEADS * HEAD_DIM, intermediate_size=8,
-                                  num_hidden_layers=1, num_attention_heads=HEADS,
-                                  num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM)
+        self.config = LlamaConfig(vocab_size=8, hidden_size=heads * head_dim, intermediate_size=8,
+                                  num_hidden_layers=layers, num_attention_heads=heads,
+                                  num_key_value_heads=kv_heads, head_dim=head_dim)
         self._param = torch.zeros(1, dtype=dtype)
 
     def parameters(self):
@@ -46,7 +47,7 @@ def dense_reference(q, keys, values, first_position):
     group = q.shape[1] // keys.shape[1]
     k = keys.double().repeat_interleave(group, dim=1)
     v = values.double().repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,lhd->hql", q.double(), k) * HEAD_DIM**-0.5
+    scores = torch.einsum("qhd,lhd->hql", q.double(), k) * q.shape[-1] ** -0.5
     query_pos = torch.arange(q.shape[0])[:, None] + first_position
     scores = scores.masked_fill(torch.arange(k.shape[0])[None, :] > query_pos, float("-inf"))
     return torch.einsum("hql,lhd->qhd", scores.softmax(-1), v)
@@ -101,6 +102,114 @@ def test_long_prefill_is_computed_in_query_chunks():
     write_kv_cache(k, v, *cache.caches[0], metadata.slot_mapping)
     out = TorchAttentionBackend().forward(q, k, v, *cache.caches[0], metadata, HEAD_DIM**-0.5)
     torch.testing.assert_close(out.double(), dense_reference(q, k, v, 0), atol=1e-5, rtol=1e-5)
+
+
+class _RaggedStep:
+    """One step over a paged cache: sequences given as (tokens already cached, new tokens), prefills
+    first, and the dense float64 attention each sequence's new tokens should get."""
+
+    def __init__(self, layout, heads, kv_heads, head_dim, block_size, dtype=torch.float32, layers=1, seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        holder = _CacheHolder(dtype, heads, kv_heads, head_dim, layers)
+        blocks = sum(-(-(cached + new) // block_size) for cached, new in layout) + 1
+        self.cache = PagedKVCache(holder, num_blocks=blocks, block_size=block_size)
+        self.layout, self.dtype, self.head_dim = layout, dtype, head_dim
+        seqs = []
+        for cached, _ in layout:
+            seq = PagedSequence(list(range(cached + 1)))
+            self.cache.ensure_capacity(seq, cached)
+            seq.num_cached = cached
+            seqs.append(seq)
+        _, self.metadata, _ = build_metadata(self.cache, [(s, n) for s, (_, n) in zip(seqs, layout, strict=True)],
+                                             torch.device("cpu"))
+        self.layers = []
+        for k_cache, v_cache in self.cache.caches:
+            context = [(torch.randn(c + n, kv_heads, head_dim, generator=gen).to(dtype),
+                        torch.randn(c + n, kv_heads, head_dim, generator=gen).to(dtype)) for c, n in layout]
+            for seq, (cached, _), (keys, values) in zip(seqs, layout, context, strict=True):  # written by earlier steps
+                slots = torch.tensor([self.cache.slot(seq, p) for p in range(cached)], dtype=torch.int64)
+                write_kv_cache(keys[:cached], values[:cached], k_cache, v_cache, slots)
+            new_k = torch.cat([k[c:] for (k, _), (c, _) in zip(context, layout, strict=True)])
+            new_v = torch.cat([v[c:] for (_, v), (c, _) in zip(context, layout, strict=True)])
+            q = torch.randn(self.metadata.num_tokens, heads, head_dim, generator=gen).to(dtype)
+            write_kv_cache(new_k, new_v, k_cache, v_cache, self.metadata.slot_mapping)
+            self.layers.append((q, new_k, new_v, k_cache, v_cache, context))
+
+    def run(self, layer=0, backend=None):
+        q, new_k, new_v, k_cache, v_cache, _ = self.layers[layer]
+        backend = backend or TorchAttentionBackend()
+        return backend.forward(q, new_k, new_v, k_cache, v_cache, self.metadata, self.head_dim**-0.5)
+
+    def assert_matches_dense(self, out, layer=0):
+        q, *_, context = self.layers[layer]
+        assert out.dtype == self.dtype and out.shape == q.shape
+        row = 0
+        for (keys, values), (cached, new) in zip(context, self.layout, strict=True):
+            expected = dense_reference(q[row:row + new], keys, values, cached)
+            tolerance = TOLERANCE[self.dtype]
+            torch.testing.assert_close(out[row:row + new].double(), expected, atol=tolerance, rtol=tolerance,
+                                       msg=lambda m, c=cached, n=new: f"sequence ({c} cached, {n} new): {m}")
+            row += new
+
+
+# Prefills (fresh prompts of 5, 9, 150 and 1 tokens, the 150 long enough for a call of its own;
+# chunked prefills of 6 and 140 tokens after a cached prefix) then decodes whose contexts spread
+# over several padded groups.
+RAGGED_LAYOUT = [(0, 5), (0, 9), (0, 150), (37, 6), (200, 140), (0, 1),
+                 (64, 1), (3, 1), (40, 1), (41, 1), (90, 1), (250, 1), (251, 1), (600, 1), (17, 1)]
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 1, 16), (4, 4, 32)])
+def test_ragged_batch_matches_per_sequence_attention(block_size, heads, kv_heads, head_dim):
+    """SmolLM2's 9/3-head GQA, multi-query and plain multi-head attention, two block sizes."""
+    step = _RaggedStep(RAGGED_LAYOUT, heads, kv_heads, head_dim, block_size)
+    step.assert_matches_dense(step.run())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_ragged_batch_in_half_precision(dtype):
+    step = _RaggedStep(RAGGED_LAYOUT, 9, 3, 64, 16, dtype=dtype, seed=3)
+    step.assert_matches_dense(step.run())
+
+
+def test_decodes_of_many_context_lengths_in_one_step():
+    """64 decodes with contexts from 1 to 2,000 tokens (several groups, most of them padded)."""
+    lengths = torch.randint(1, 2001, (64,), generator=torch.Generator().manual_seed(5)).tolist()
+    step = _RaggedStep([(length - 1, 1) for length in lengths], 9, 3, 64, 16, seed=5)
+    assert len(group_by_context(lengths)) > 1
+    step.assert_matches_dense(step.run())
+
+
+def test_layers_of_one_step_share_the_plan_and_keep_their_results():
+    """Each layer's output stays correct after later layers of the same step reuse the gather buffers."""
+    step = _RaggedStep(RAGGED_LAYOUT, 9, 3, 64, 16, layers=3, seed=7)
+    backend = TorchAttentionBackend()
+    outs = [step.run(layer, backend) for layer in range(3)]
+    for layer, out in enumerate(outs):
+        step.assert_matches_dense(out, layer)
+
+
+def test_padding_rows_after_the_batch_are_zero():
+    """q may carry padding rows past metadata.num_tokens (a padded batch): they come back zero."""
+    step = _RaggedStep([(10, 1), (30, 1)], 4, 2, 16, 16)
+    q, new_k, new_v, k_cache, v_cache, _ = step.layers[0]
+    padded_q = torch.cat([q, torch.randn(3, 4, 16)])
+    out = TorchAttentionBackend().forward(padded_q, new_k, new_v, k_cache, v_cache, step.metadata, 16**-0.5)
+    assert out.shape == padded_q.shape and not out[2:].any()
+    step.assert_matches_dense(out[:2])
+
+
+def test_grouping_covers_every_sequence_once_and_bounds_padding():
+    lengths = [5, 2000, 1900, 100, 101, 990, 1000, 1, 1500, 30]
+    groups = group_by_context(lengths)
+    assert sorted(i for group in groups for i in group) == list(range(len(lengths)))
+    for group in groups:  # a sequence shares a group only with contexts it is not dwarfed by
+        longest = max(lengths[i] for i in group)
+        padding = sum(longest - lengths[i] for i in group)
+        assert padding <= GROUP_OVERHEAD_TOKENS or min(lengths[i] for i in group) >= 0.9 * longest
+    assert group_by_context([7, 9, 8]) == [[0, 1, 2]]  # one group keeps batch order
+    assert group_by_context([]) == []
 
 
 def test_rope_and_cache_write_rotates_and_skips_padding():
