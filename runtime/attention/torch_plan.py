@@ -52,6 +52,7 @@ class PaddedGroup:
         mask: [size, 1, query_len * group, context_len] bool, True where a query may attend a key
             (causal, inside its context); None when nothing is masked (decodes of one length).
         real_queries: [n] int64 positions among the query_rows that are not padding, None if all are.
+        output_rows: [n] int64 rows of the output (viewed like q) that the real queries fill.
     """
 
     size: int
@@ -61,11 +62,7 @@ class PaddedGroup:
     cache_rows: torch.Tensor
     mask: torch.Tensor | None
     real_queries: torch.Tensor | None
-
-    @property
-    def output_rows(self) -> torch.Tensor:
-        """The rows of the output (viewed like q) that the group's real queries fill."""
-        return self.query_rows if self.real_queries is None else self.query_rows.index_select(0, self.real_queries)
+    output_rows: torch.Tensor
 
 
 @dataclass
@@ -154,6 +151,7 @@ def build_step_plan(metadata: AttentionMetadata, block_size: int, kv_heads: int,
 
 def _padded_group(seqs: list[int], first_rows: list[int], query_lens: list[int], context_lens: list[int],
                   tables: torch.Tensor, block_size: int, kv_heads: int, group: int) -> PaddedGroup:
+    """The rows and mask of the sequences seqs (indices into the step's batch), padded together."""
     device = tables.device
     group_query_lens = [query_lens[s] for s in seqs]
     group_context_lens = [context_lens[s] for s in seqs]
@@ -175,7 +173,8 @@ def _padded_group(seqs: list[int], first_rows: list[int], query_lens: list[int],
         allowed = _causal_mask(group_query_lens, group_context_lens, query_len, context_len, device)
         mask = allowed[:, :, None, :].expand(len(seqs), query_len, group, context_len)
         mask = mask.reshape(len(seqs), 1, query_len * group, context_len)
-    return PaddedGroup(len(seqs), query_len, context_len, query_rows, cache_rows, mask, real_queries)
+    output_rows = query_rows if real_queries is None else query_rows.index_select(0, real_queries)
+    return PaddedGroup(len(seqs), query_len, context_len, query_rows, cache_rows, mask, real_queries, output_rows)
 
 
 def _causal_mask(query_lens: list[int], context_lens: list[int], query_len: int, context_len: int,

@@ -44,7 +44,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, k_cache, v_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
         """See AttentionBackend.forward. Rows past metadata.num_tokens (padding) are left zero."""
-        num_tokens, heads, head_dim = q.shape
+        num_rows, heads, head_dim = q.shape  # num_rows >= metadata.num_tokens (a batch may be padded)
         plan = step_plan(metadata, k_cache, heads // k_cache.shape[2])
         out = q.new_empty(q.shape)
         out[metadata.num_tokens:] = 0
@@ -52,9 +52,9 @@ class TorchAttentionBackend(AttentionBackend):
             rows = slice(prefill.first_row, prefill.first_row + prefill.query_len)
             out[rows] = _attend_long_prefill(q[rows], k[rows], v[rows], k_cache, v_cache, plan, prefill, scale)
         if plan.groups:
-            # Both viewed [num_tokens * kv_heads, group * head_dim]: a row is one KV head's query heads.
-            q_rows = q.reshape(num_tokens * plan.kv_heads, plan.group * head_dim)
-            out_rows = out.view(num_tokens * plan.kv_heads, plan.group * head_dim)
+            # Both viewed [num_rows * kv_heads, group * head_dim]: a row is one KV head's query heads.
+            q_rows = q.reshape(num_rows * plan.kv_heads, plan.group * head_dim)
+            out_rows = out.view(num_rows * plan.kv_heads, plan.group * head_dim)
             for group in plan.groups:
                 group_out = _attend_group(q_rows, k_cache, v_cache, plan, group, scale)
                 if group.real_queries is not None:

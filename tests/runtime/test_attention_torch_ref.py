@@ -90,8 +90,8 @@ def test_mixed_batch_matches_dense_attention(dtype):
         row += new
 
 
-def test_long_prefill_is_computed_in_query_chunks():
-    """A prompt longer than the query chunk gives the same result as dense attention."""
+def test_long_prompt_matches_dense_attention():
+    """A 700-token prompt (a causal call of its own, its new k and v as the context)."""
     gen = torch.Generator().manual_seed(1)
     cache = PagedKVCache(_CacheHolder(torch.float32), num_blocks=200, block_size=8)
     seq = PagedSequence(list(range(700)))
