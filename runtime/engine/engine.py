@@ -32,7 +32,7 @@ from sits.runtime.engine.kv_cache import KVCacheManager
 from sits.runtime.engine.nvtx import nvtx_range
 from sits.runtime.engine.output_processor import OutputProcessor
 from sits.runtime.engine.pending_output import PendingOutput
-from sits.runtime.engine.request import RequestMetrics, RequestOutput, SamplingParams
+from sits.runtime.engine.request import RequestMetrics, RequestOutput, SamplingParams, SamplingParamsError
 from sits.runtime.engine.runner import ModelRunner
 from sits.runtime.engine.sampler import Sampler
 from sits.runtime.engine.scheduler import Scheduler
@@ -161,6 +161,9 @@ class LLMEngine:
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams, tenant: str = "default") -> None:
         """Raise (a ValueError subclass, a 400 at the edge) if the request can never be served."""
         params.validate(vocab_size=self.vocab_size)
+        if params.prompt_logprobs is not None and self.config.parallel.tensor_parallel_size > 1:
+            raise SamplingParamsError("prompt_logprobs", "prompt logprobs (echo with logprobs, or prompt_logprobs) "
+                                      "are not available with tensor parallelism")
         if params.structured_output is not None:  # a 400 naming response_format; cached once compiled
             self.structured_outputs.cache.compile(params.structured_output)
         if not prompt_token_ids:
@@ -313,6 +316,8 @@ class LLMEngine:
         if isinstance(runner_output, PendingOutput):
             runner_output = runner_output.result()
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if runner_output.prompt_logprobs:  # before the updates: a request's first snapshot carries them
+            self.output_processor.add_prompt_logprobs(runner_output.prompt_logprobs)
         if self.structured_outputs:  # matchers take the new tokens; a complete document ends its sequence
             ended = self.structured_outputs.advance(updates)
             if ended:

@@ -18,7 +18,9 @@ A sequence whose request gave `logit_bias` keeps its biases with its row (as arr
 row is taken); a step gathers them for the biased rows it samples only, so steps of sequences
 without logit_bias spend nothing on it (`logit_bias.py`). A sequence under a response_format keeps
 its grammar matcher with its row the same way, and a step fills the grammar bitmask of those rows
-only (`grammar_mask.py`).
+only (`grammar_mask.py`). A sequence that scores its prompt (prompt logprobs) is noted when it takes
+its row, and a step lists its rows to score only while such a sequence still has prompt to run
+(`prompt_logprobs.py`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from sits.runtime.attention.backend import AttentionMetadata
 from sits.runtime.engine.grammar_mask import StepGrammarMask
 from sits.runtime.engine.logit_bias import SequenceLogitBias, StepLogitBias
 from sits.runtime.engine.model_input import ModelInput
+from sits.runtime.engine.prompt_logprobs import StepPromptLogprobs, collects_prompt_logprobs
 from sits.runtime.engine.scheduler_output import ScheduledSequence
 from sits.runtime.engine.sequence import PENDING_TOKEN_ID
 from sits.runtime.engine.structured_output import SequenceGrammar, StructuredOutputs
@@ -78,6 +81,7 @@ class InputBatch:
         self._rows: dict[str, _Row] = {}
         self._biased_rows: dict[str, _Row] = {}  # the rows of `_rows` that carry a logit_bias
         self._constrained_rows: dict[str, _Row] = {}  # the rows of `_rows` that carry a grammar matcher
+        self._scoring_prompts: set[str] = set()  # seq_ids of `_rows` whose prompt logprobs are not all run yet
         # The engine's matchers (set when it serves structured outputs); rows look theirs up here.
         self.structured_outputs: StructuredOutputs | None = None
         self._free_rows: list[int] = list(range(rows - 1, -1, -1))
@@ -96,6 +100,7 @@ class InputBatch:
             if row is not None:
                 self._biased_rows.pop(seq_id, None)
                 self._constrained_rows.pop(seq_id, None)
+                self._scoring_prompts.discard(seq_id)
                 self._tables[row.index, : row.written] = 0
                 self._free_rows.append(row.index)
 
@@ -145,6 +150,8 @@ class InputBatch:
                  if row.sampled_step == step and row.logit_bias is not None], self.device)
         if self._constrained_rows:  # only while a request with a response_format holds a row
             model_input.grammar_mask = self._grammar_mask(step, len(sample_sequences))
+        if self._scoring_prompts:  # only while a request with prompt logprobs has prompt left to run
+            model_input.prompt_logprobs = StepPromptLogprobs.build(ordered, self._scoring_prompts, self.device)
         return model_input
 
     def _grammar_mask(self, step: int, num_sampled: int) -> StepGrammarMask | None:
@@ -176,6 +183,8 @@ class InputBatch:
             row = self._rows[seq_id] = _Row(self._free_rows.pop(), table, SequenceLogitBias.of(item.sequence))
             if row.logit_bias is not None:
                 self._biased_rows[seq_id] = row
+            if collects_prompt_logprobs(item.sequence):
+                self._scoring_prompts.add(seq_id)
             if item.sequence.params.structured_output is not None and self.structured_outputs is not None:
                 row.grammar = self.structured_outputs.get(seq_id)
                 if row.grammar is not None:

@@ -17,6 +17,7 @@ import torch
 from sits.runtime.attention.backend import AttentionMetadata
 from sits.runtime.engine.grammar_mask import StepGrammarMask
 from sits.runtime.engine.logit_bias import StepLogitBias
+from sits.runtime.engine.prompt_logprobs import StepPromptLogprobs
 from sits.runtime.engine.scheduler_output import ScheduledSequence
 from sits.runtime.engine.sequence import Sequence as EngineSequence
 
@@ -33,6 +34,8 @@ class ModelInput:
         sample_sequences: the sequences sampled this step, in logits_indices order.
         logit_bias: the biases of the sampled rows whose requests gave logit_bias; None when none did.
         grammar_mask: the allowed tokens of the sampled rows under a response_format; None when none is.
+        prompt_logprobs: the rows that score prompt tokens of requests asking for prompt logprobs;
+            None when the step runs none (`prompt_logprobs.py`).
     """
 
     input_ids: torch.Tensor
@@ -42,6 +45,7 @@ class ModelInput:
     sample_sequences: list[EngineSequence]
     logit_bias: StepLogitBias | None = None
     grammar_mask: StepGrammarMask | None = None
+    prompt_logprobs: StepPromptLogprobs | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -3,6 +3,10 @@
 It owns each completion's text (incremental detokenization and stop strings) and gathers the n
 completions of a request into one `RequestOutput`. Every snapshot is a fresh object, so a
 consumer on another thread may keep it while the engine goes on.
+
+A request that asked for prompt logprobs gathers them chunk by chunk (`add_prompt_logprobs`); its
+snapshots wait until the list is complete (deltas of completions that got ahead are held and
+merged), so its first snapshot always carries every prompt token's logprob.
 """
 
 from __future__ import annotations
@@ -39,6 +43,12 @@ class _RequestState:
     completions: list[_CompletionState]
     stream_text: bool
     num_unfinished: int
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # [None] + one per scored prompt token
+    held: dict[int, _Delta] | None = None  # deltas waiting for the prompt logprobs to be complete
+
+    @property
+    def prompt_logprobs_pending(self) -> bool:
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     @property
     def finished(self) -> bool:
@@ -81,7 +91,20 @@ class OutputProcessor:
             output = CompletionOutput(index=index, logprobs=[] if params.logprobs is not None else None)
             completions.append(_CompletionState(text, output))
         self._requests[request_id] = _RequestState(request_id, prompt_token_ids, params, tenant, metrics, completions,
-                                                   stream_text, params.n)
+                                                   stream_text, params.n,
+                                                   [None] if params.prompt_logprobs is not None else None)
+
+    def add_prompt_logprobs(self, chunks: dict[str, tuple[int, list[TokenLogprob]]]) -> None:
+        """Append scored prompt tokens: request_id -> (position of the first, their logprobs).
+
+        Positions already held are skipped (a preempted sequence scores its prompt again)."""
+        for request_id, (first_position, entries) in chunks.items():
+            state = self._requests.get(request_id)
+            if state is None or state.prompt_logprobs is None:
+                continue
+            have = len(state.prompt_logprobs)
+            if first_position <= have:
+                state.prompt_logprobs.extend(entries[have - first_position:])
 
     def mark_scheduled(self, request_ids: Iterable[str], now: float) -> None:
         """Stamp first_scheduled_time on requests scheduled for the first time."""
@@ -118,8 +141,28 @@ class OutputProcessor:
                 state.metrics.first_token_time = now
             if seq.num_cached_prompt_tokens and seq.index == 0:
                 state.metrics.num_cached_prompt_tokens = seq.num_cached_prompt_tokens
-        outputs = [self._snapshot(self._requests[rid], step_deltas, now) for rid, step_deltas in deltas.items()]
+        outputs = []
+        for rid, step_deltas in deltas.items():
+            state = self._requests[rid]
+            if state.prompt_logprobs is not None and not self._release(state, step_deltas):
+                continue
+            outputs.append(self._snapshot(state, step_deltas, now))
         return outputs, stopped_by_string
+
+    @staticmethod
+    def _release(state: _RequestState, step_deltas: dict[int, _Delta]) -> bool:
+        """Whether a request with prompt logprobs may show this step: held deltas are merged in
+        front of the step's once its prompt logprobs are complete (or it finished)."""
+        if state.prompt_logprobs_pending and not state.finished:
+            held = state.held = state.held or {}
+            for index, delta in step_deltas.items():
+                held[index] = _merge(held[index], delta) if index in held else delta
+            return False
+        if state.held:
+            for index, delta in state.held.items():
+                step_deltas[index] = _merge(delta, step_deltas[index]) if index in step_deltas else delta
+            state.held = None
+        return True
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Finish every unfinished completion with reason ABORT; the final snapshot, or None."""
@@ -191,4 +234,11 @@ class OutputProcessor:
             finished=finished,
             metrics=state.metrics.copy(),
             tenant=state.tenant,
+            prompt_logprobs=None if state.prompt_logprobs_pending else state.prompt_logprobs,
         )
+
+
+def _merge(first: _Delta, then: _Delta) -> _Delta:
+    """Two consecutive deltas of one completion as one."""
+    logprobs = None if first[2] is None and then[2] is None else [*(first[2] or []), *(then[2] or [])]
+    return first[0] + then[0], first[1] + then[1], logprobs

@@ -56,7 +56,9 @@ class SamplingParams:
         logprobs: None for none; k >= 0 for the chosen token's logprob plus the top k.
             They come from the model's raw logits, before min_tokens, logit_bias and penalties
             (vLLM's default `raw_logprobs` mode).
-        prompt_logprobs: not supported yet; must be None.
+        prompt_logprobs: None for none; k >= 0 for each prompt token's logprob (given the tokens
+            before it), its rank and the top k (`prompt_logprobs.py`; completion 0 of n collects
+            them, and it takes no prefix-cache hits). `RequestOutput.prompt_logprobs` holds them.
         skip_special_tokens: leave special tokens out of the returned text.
         logit_bias: token id -> bias in [-100, 100] added to that token's logit before sampling
             (OpenAI semantics; greedy picks see it too); at most 300 entries, OpenAI's cap. None
@@ -120,7 +122,8 @@ class SamplingParams:
              f"frequency_penalty must be between -2 and 2, got {self.frequency_penalty}"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= self.MAX_LOGPROBS,
              f"logprobs must be between 0 and {self.MAX_LOGPROBS}, got {self.logprobs}"),
-            ("prompt_logprobs", self.prompt_logprobs is None, "prompt_logprobs is not supported"),
+            ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS,
+             f"prompt_logprobs must be between 0 and {self.MAX_LOGPROBS}, got {self.prompt_logprobs}"),
             ("stop", len(self.stop) <= 16 and all(isinstance(s, str) and s for s in self.stop),
              "stop must be at most 16 non-empty strings"),
             ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
@@ -165,6 +168,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob), best first
+    rank: int | None = None  # 1 = the most likely token; set for prompt logprobs
 
 
 @dataclass
@@ -209,7 +213,11 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """A snapshot of one request after an engine step."""
+    """A snapshot of one request after an engine step.
+
+    `prompt_logprobs` (when the params asked for them): one entry per prompt token, None for the
+    first; every snapshot of the request carries the complete list (the same list, never changed).
+    """
 
     request_id: str
     prompt_token_ids: list[int]
@@ -217,3 +225,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     tenant: str = "default"
+    prompt_logprobs: list[TokenLogprob | None] | None = None

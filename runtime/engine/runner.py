@@ -4,7 +4,8 @@ Prefill and mixed steps run eagerly. Decode-only steps replay a CUDA graph of th
 bucket once `setup_cuda_graphs` captured them (`cuda_graphs.py`); sampling always runs eagerly.
 The step's batch is built on the host and sent in one copy (`input_batch.py`); nothing in the
 forward or the sampler syncs with the GPU: `launch` returns once the step is queued, and the
-sampled ids reach the host through `PendingOutput.result()`, the step's one wait.
+sampled ids reach the host through `PendingOutput.result()`, the step's one wait. A step that runs
+prompt tokens of a request asking for prompt logprobs also scores those rows (`prompt_logprobs.py`).
 """
 
 from __future__ import annotations
@@ -111,8 +112,13 @@ class ModelRunner:
         model_input = self.prepare_input(scheduler_output)
         with nvtx_range("decode" if model_input.is_decode_only else "prefill"):
             hidden = self._forward(model_input)
+        prompt_logprobs = None
+        if model_input.prompt_logprobs is not None:
+            with nvtx_range("prompt_logprobs"):
+                prompt_logprobs = model_input.prompt_logprobs.compute(hidden, self.model.compute_logits,
+                                                                      self.model.config.vocab_size)
         if not model_input.sample_sequences:
-            return PendingOutput.nothing()
+            return PendingOutput([], None, prompt_logprobs)
         with nvtx_range("sample"):
             if len(model_input.sample_sequences) < model_input.num_tokens:  # else every row samples, in order
                 hidden = hidden.index_select(0, model_input.logits_indices)
@@ -121,7 +127,7 @@ class ModelRunner:
                 model_input.grammar_mask.apply(logits)
             sampled = self.sampler.sample(logits, model_input.sample_sequences, model_input.logit_bias)
         self.input_batch.record_sampled(sampled.token_ids)
-        return PendingOutput([seq.seq_id for seq in model_input.sample_sequences], sampled)
+        return PendingOutput([seq.seq_id for seq in model_input.sample_sequences], sampled, prompt_logprobs)
 
     def prepare_input(self, scheduler_output: SchedulerOutput) -> ModelInput:
         """The step's flat batch on the device (block tables kept across steps in `input_batch`)."""

@@ -27,7 +27,8 @@ from collections import Counter
 from collections.abc import Iterable
 
 from sits.runtime.config import SchedulerConfig
-from sits.runtime.engine.kv_cache import KVCacheManager
+from sits.runtime.engine.kv_cache import KVCacheManager, PrefixHit
+from sits.runtime.engine.prompt_logprobs import collects_prompt_logprobs
 from sits.runtime.engine.scheduler_interface import SchedulerInterface
 from sits.runtime.engine.scheduler_output import (
     ModelRunnerOutput,
@@ -160,7 +161,8 @@ class Scheduler(SchedulerInterface):
             for seq in self.waiting.heads():
                 if seq.num_pending_tokens:  # preempted while its last step ran: wait for its token
                     continue
-                prefix = self.kv_cache.find_prefix(seq)
+                # a sequence scoring its prompt needs every position's hidden state: no cache hits
+                prefix = PrefixHit() if collects_prompt_logprobs(seq) else self.kv_cache.find_prefix(seq)
                 num_new = seq.num_tokens - prefix.num_tokens
                 if num_new > step.budget:
                     # Without chunked prefill a prompt waits for a step with room for all of it,

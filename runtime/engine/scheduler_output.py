@@ -75,9 +75,12 @@ class SampledToken:
 
 @dataclass
 class ModelRunnerOutput:
-    """Sampled tokens keyed by seq_id, for the scheduled sequences whose `samples` was True."""
+    """Sampled tokens keyed by seq_id, for the scheduled sequences whose `samples` was True, and
+    the prompt logprobs the step scored: request_id -> (position of the first scored prompt token,
+    the logprobs of it and the following ones; `prompt_logprobs.py`)."""
 
     sampled: dict[str, SampledToken] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
 
 
 @dataclass
