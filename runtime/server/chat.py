@@ -79,7 +79,7 @@ class ChatCompletions:
         max_tokens = output_budget(len(prompt_ids), body.output_limit, self.ctx.context_limit(tenant), default=None,
                                    param=limit_param, prompt_name="messages")
         params = sampling_params(body, max_tokens=max_tokens, logprobs=body.num_logprobs,
-                                 vocab_size=self.ctx.vocab_size)
+                                 vocab_size=self.ctx.vocab_size, prompt_logprobs=body.prompt_logprobs)
         await compile_response_format(self.ctx.engine, params)
         response_id = new_request_id("chatcmpl")
         stream = merge_streams([self.ctx.generate(prompt_ids, params, response_id, tenant, arrival,
@@ -104,8 +104,11 @@ class ChatCompletions:
             choices.append({"index": choice.index,
                             "message": {"role": "assistant", "content": choice.text, "refusal": None},
                             "logprobs": logprobs, "finish_reason": finish_text(choice.finish_reason)})
-        return {**head, "object": "chat.completion", "choices": choices, "system_fingerprint": None,
-                "usage": usage([final])}
+        response = {**head, "object": "chat.completion", "choices": choices, "system_fingerprint": None,
+                    "usage": usage([final])}
+        if body.prompt_logprobs is not None:  # vLLM's extension, beside the choices
+            response["prompt_logprobs"] = self.logprobs.vllm_prompt(final.prompt_logprobs or [])
+        return response
 
     async def _events(self, stream: AsyncIterator[tuple[int, RequestOutput]], head: dict[str, Any],
                       body: ChatCompletionRequest, request: Request) -> AsyncIterator[str]:

@@ -2,6 +2,13 @@
 
 Each prompt of a batch is its own engine request; choice `index` is `prompt_index * n + i`, as in
 OpenAI's API.
+
+`echo` (OpenAI's legacy semantics, as vLLM serves them): a choice's text is the prompt's text then
+the completion; with `logprobs` its logprobs cover the prompt's tokens (the first with null
+logprob and top_logprobs) then the generated ones, and a stream's first chunk of each choice
+carries the prompt. `max_tokens: 0` with echo returns the prompt and its logprobs alone
+(finish_reason "length", 0 completion tokens): the engine runs the prompt and generates one token
+that is dropped, as vLLM does. vLLM's `prompt_logprobs` adds each choice's `prompt_logprobs`.
 """
 
 from __future__ import annotations
@@ -9,13 +16,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from sits.runtime.engine.request import CompletionOutput, RequestOutput
+from sits.runtime.engine.request import CompletionOutput, RequestOutput, TokenLogprob
 from sits.runtime.server.errors import as_openai_error
 from sits.runtime.server.logprobs import LogprobFormatter
 from sits.runtime.server.protocol import CompletionRequest
@@ -67,10 +74,14 @@ class Completions:
         self.ctx.admit(request, body.n * len(body.prompts()), param="n" if body.n > 1 else "prompt")
         prompts = await self.prompt_token_ids(body)
         limit = self.ctx.context_limit(tenant)
-        budgets = [output_budget(len(ids), body.max_tokens, limit, default=DEFAULT_MAX_TOKENS,
+        requested = 1 if body.echo_only else body.max_tokens  # echo alone: one token run and dropped
+        budgets = [output_budget(len(ids), requested, limit, default=DEFAULT_MAX_TOKENS,
                                  param="max_tokens", prompt_name="prompt") for ids in prompts]
-        params = [sampling_params(body, max_tokens=budget, logprobs=body.logprobs, vocab_size=self.ctx.vocab_size)
+        params = [sampling_params(body, max_tokens=budget, logprobs=body.logprobs, vocab_size=self.ctx.vocab_size,
+                                  prompt_logprobs=body.engine_prompt_logprobs)
                   for budget in budgets]
+        echoes = [self._prompt_text(prompt, ids) for prompt, ids in zip(body.prompts(), prompts, strict=True)
+                  ] if body.echo else []
         await compile_response_format(self.ctx.engine, params[0])  # one response_format for every prompt
         response_id = new_request_id("cmpl")
         engine_ids = [response_id] if len(prompts) == 1 else [f"{response_id}-{i}" for i in range(len(prompts))]
@@ -80,33 +91,63 @@ class Completions:
                 "model": self.ctx.model_name}
         headers = {"x-request-id": response_id}
         if body.stream:
-            events = self._events(stream, head, body, len(prompts), request)
+            events = self._events(stream, head, body, echoes, len(prompts), request)
             return StreamingResponse(events, media_type="text/event-stream", headers={**headers, **SSE_HEADERS})
         try:
             finals = await collect_unless_disconnected(stream, request)
         except ClientGone:
             return Response(status_code=499)
         ordered = [finals[i] for i in range(len(prompts))]
-        return JSONResponse(self._completion(ordered, head, body), headers=headers)
+        return JSONResponse(self._completion(ordered, head, body, echoes), headers=headers)
+
+    def _prompt_text(self, prompt: str | list[int], token_ids: list[int]) -> str:
+        """What echo returns of a prompt: its text as sent, or its token ids' text (special tokens kept)."""
+        return prompt if isinstance(prompt, str) else self.ctx.tokenizer.decode(token_ids, skip_special_tokens=False)
 
     def _choice(self, prompt_index: int, n: int, choice: CompletionOutput, text: str, logprobs: Any,
                 finish: str | None) -> dict[str, Any]:
         return {"index": prompt_index * n + choice.index, "text": text, "logprobs": logprobs,
                 "finish_reason": finish}
 
-    def _completion(self, finals: list[RequestOutput], head: dict[str, Any], body: CompletionRequest) -> dict:
+    def _echoed(self, body: CompletionRequest, final: RequestOutput, generated: list[TokenLogprob] | None
+                ) -> dict[str, Any] | None:
+        """The legacy logprobs of the prompt (when echoed) followed by the generated tokens'."""
+        if body.logprobs is None:
+            return None
+        if not body.echo:
+            return self.logprobs.completion(generated or [], body.logprobs)
+        prompt = self.logprobs.echoed_prompt(final.prompt_token_ids, final.prompt_logprobs or [], body.logprobs)
+        if body.echo_only:
+            return prompt
+        rest = self.logprobs.completion(generated or [], body.logprobs, self.logprobs.end_offset(prompt))
+        return self.logprobs.joined(prompt, rest)
+
+    def _completion(self, finals: list[RequestOutput], head: dict[str, Any], body: CompletionRequest,
+                    echoes: list[str]) -> dict:
         choices = []
         for prompt_index, final in enumerate(finals):
             for choice in sorted(final.outputs, key=lambda c: c.index):
-                logprobs = None
-                if body.logprobs is not None:
-                    logprobs = self.logprobs.completion(choice.logprobs or [], body.logprobs)
-                choices.append(self._choice(prompt_index, body.n, choice, choice.text, logprobs,
-                                            finish_text(choice.finish_reason)))
-        return {**head, "choices": choices, "system_fingerprint": None, "usage": usage(finals)}
+                text, finish = choice.text, finish_text(choice.finish_reason)
+                if body.echo:
+                    text, finish = (echoes[prompt_index], "length") if body.echo_only else (
+                        echoes[prompt_index] + text, finish)
+                part = self._choice(prompt_index, body.n, choice, text, self._echoed(body, final, choice.logprobs),
+                                    finish)
+                if body.prompt_logprobs is not None:
+                    part["prompt_logprobs"] = self.logprobs.vllm_prompt(final.prompt_logprobs or [])
+                choices.append(part)
+        return {**head, "choices": choices, "system_fingerprint": None, "usage": self._usage(finals, body)}
+
+    @staticmethod
+    def _usage(finals: Iterable[RequestOutput], body: CompletionRequest) -> dict[str, Any]:
+        counts = usage(finals)
+        if body.echo_only:  # the one token the engine ran is dropped
+            counts["completion_tokens"], counts["total_tokens"] = 0, counts["prompt_tokens"]
+        return counts
 
     async def _events(self, stream: AsyncIterator[tuple[int, RequestOutput]], head: dict[str, Any],
-                      body: CompletionRequest, num_prompts: int, request: Request) -> AsyncIterator[str]:
+                      body: CompletionRequest, echoes: list[str], num_prompts: int, request: Request
+                      ) -> AsyncIterator[str]:
         chunk_head = {**head, "system_fingerprint": None}
         if body.include_usage:
             chunk_head["usage"] = None
@@ -119,20 +160,29 @@ class Completions:
                     last[prompt_index] = output
                     for choice in output.outputs:
                         key = (prompt_index, choice.index)
-                        if key in finished or not (choice.text_delta or choice.logprobs_delta or choice.finished):
+                        first = body.echo and key not in text_offsets  # the chunk that echoes the prompt
+                        if key in finished or not (first or choice.text_delta or choice.logprobs_delta
+                                                   or choice.finished):
                             continue
+                        text, finish = choice.text_delta, finish_text(choice.finish_reason)
+                        if body.echo_only:
+                            text, finish = "", "length" if choice.finished else None
                         logprobs = None
-                        if body.logprobs is not None:
-                            offset = text_offsets.get(key, 0)
-                            logprobs = self.logprobs.completion(choice.logprobs_delta or [], body.logprobs, offset)
-                            text_offsets[key] = offset + sum(len(token) for token in logprobs["tokens"])
+                        if first:
+                            text = echoes[prompt_index] + text
+                            logprobs = self._echoed(body, output, choice.logprobs_delta)
+                        elif body.logprobs is not None and not body.echo_only:
+                            logprobs = self.logprobs.completion(choice.logprobs_delta or [], body.logprobs,
+                                                                text_offsets.get(key, 0))
+                        start = text_offsets.get(key, 0)  # offsets of an echo's first chunk start at 0
+                        text_offsets[key] = start + sum(len(t) for t in logprobs["tokens"]) if logprobs else start
                         if choice.finished:
                             finished.add(key)
-                        part = self._choice(prompt_index, body.n, choice, choice.text_delta, logprobs,
-                                            finish_text(choice.finish_reason))
+                        part = self._choice(prompt_index, body.n, choice, text, logprobs, finish)
                         yield sse({**chunk_head, "choices": [part]})
             if body.include_usage and len(last) == num_prompts:
-                yield sse({**chunk_head, "choices": [], "usage": usage(last[i] for i in range(num_prompts))})
+                yield sse({**chunk_head, "choices": [], "usage": self._usage((last[i] for i in range(num_prompts)),
+                                                                               body)})
         except asyncio.CancelledError:
             request.state.client_gone = True
             raise

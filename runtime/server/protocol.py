@@ -76,6 +76,8 @@ class _SamplingFields(_Strict):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's: each prompt token's logprob and its top k (not streamed, as in vLLM)
+    prompt_logprobs: int | None = None
     # SITS: the prompt may hit (and fill) the shared-prefix pool of every tenant (a 400 without one)
     shared_prefix: bool = False
 
@@ -103,8 +105,16 @@ class _SamplingFields(_Strict):
     @field_validator("max_tokens")
     @classmethod
     def _max_tokens(cls, value: int | None) -> int | None:
-        if value is not None and value < 1:
+        """0 passes here: /v1/completions allows it with echo (`check_combination` says where)."""
+        if value is not None and value < 0:
             raise ValueError(f"max_tokens must be at least 1, got {value}")
+        return value
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs_range(cls, value: int | None) -> int | None:
+        if value is not None and not 0 <= value <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {value}")
         return value
 
     @field_validator("logit_bias", mode="before")
@@ -130,6 +140,8 @@ class _SamplingFields(_Strict):
         """Rules across fields (a 400 naming the param); single-field rules are validators."""
         if self.stream_options is not None and not self.stream:
             raise invalid_request("stream_options is only allowed when stream is true", "stream_options")
+        if self.prompt_logprobs is not None and self.stream:
+            raise invalid_request("prompt_logprobs is not available when stream is true", "prompt_logprobs")
 
     @property
     def stop_list(self) -> list[str]:
@@ -206,6 +218,8 @@ class ChatCompletionRequest(_SamplingFields):
 
     def check_combination(self) -> None:
         super().check_combination()
+        if self.max_tokens == 0:
+            raise invalid_request("max_tokens must be at least 1, got 0", "max_tokens")
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid_request("top_logprobs requires logprobs to be true", "top_logprobs")
 
@@ -252,13 +266,6 @@ class CompletionRequest(_SamplingFields):
             raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {value}")
         return value
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("echo is not supported")
-        return value
-
     @field_validator("suffix")
     @classmethod
     def _no_suffix(cls, value: str | None) -> str | None:
@@ -270,6 +277,23 @@ class CompletionRequest(_SamplingFields):
         super().check_combination()
         if self.best_of is not None and self.best_of != self.n:
             raise invalid_request("best_of other than n is not supported", "best_of")
+        if self.max_tokens == 0 and not self.echo:
+            raise invalid_request("max_tokens must be at least 1, got 0 (0 is allowed only with echo, which "
+                                  "returns the prompt without generating)", "max_tokens")
+        if self.echo_only and self.min_tokens > 0:
+            raise invalid_request(f"min_tokens ({self.min_tokens}) must not exceed max_tokens (0)", "min_tokens")
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt (and its logprobs) alone, nothing generated."""
+        return self.echo and self.max_tokens == 0
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """The prompt logprobs the engine collects: prompt_logprobs, else with echo the logprobs asked."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.logprobs if self.echo else None
 
     def prompts(self) -> list[str | list[int]]:
         """The batch: each entry one prompt, text or token ids."""

@@ -38,7 +38,8 @@ def output_budget(prompt_tokens: int, requested: int | None, max_model_len: int,
 
 
 def sampling_params(request: ChatCompletionRequest | CompletionRequest, *, max_tokens: int,
-                    logprobs: int | None, vocab_size: int | None = None) -> SamplingParams:
+                    logprobs: int | None, vocab_size: int | None = None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     """SamplingParams for the request, validated (SamplingParamsError names the param: a 400) —
     against the model's vocabulary too when `vocab_size` is given, so a stream never starts for
     a request the engine would refuse."""
@@ -61,6 +62,7 @@ def sampling_params(request: ChatCompletionRequest | CompletionRequest, *, max_t
         include_stop_str_in_output=request.include_stop_str_in_output,
         ignore_eos=request.ignore_eos,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         skip_special_tokens=request.skip_special_tokens,
         logit_bias=request.logit_bias or None,
         structured_output=structured_output(request.response_format),

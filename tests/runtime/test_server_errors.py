@@ -82,7 +82,7 @@ CASES = [
     ("prompt-longer-than-context", "POST", COMPLETIONS, completion(prompt=[5] * (MAX_MODEL_LEN + 10)), 400, "prompt"),
     ("output-beyond-context", "POST", COMPLETIONS, completion(max_tokens=MAX_MODEL_LEN), 400, "max_tokens"),
     ("logprobs-too-many", "POST", COMPLETIONS, completion(logprobs=50), 400, "logprobs"),
-    ("echo-unsupported", "POST", COMPLETIONS, completion(echo=True), 400, "echo"),
+    ("max-tokens-0-without-echo", "POST", COMPLETIONS, completion(max_tokens=0), 400, "max_tokens"),
     ("presence-penalty-out-of-range", "POST", COMPLETIONS, completion(presence_penalty=5), 400, "presence_penalty"),
     ("seed-beyond-64-bits", "POST", COMPLETIONS, completion(seed=2**70), 400, "seed"),
     ("min-tokens-above-max", "POST", COMPLETIONS, completion(min_tokens=5, max_tokens=2), 400, "min_tokens"),
