@@ -25,8 +25,8 @@ from sits.runtime.engine.engine import LLMEngine
 from sits.runtime.engine.input_batch import InputBatch
 from sits.runtime.engine.output_processor import OutputProcessor
 from sits.runtime.engine.request import RequestMetrics, SamplingParams, TokenLogprob
-from sits.runtime.engine.scheduler_output import ScheduledSequence
-from sits.runtime.engine.sequence import Sequence
+from sits.runtime.engine.scheduler_output import ScheduledSequence, SequenceUpdate
+from sits.runtime.engine.sequence import Sequence, SequenceStatus
 from sits.runtime.server.app import build_app
 from sits.runtime.server.runner import BackgroundServer
 
@@ -146,6 +146,13 @@ def test_max_tokens_0_with_echo_returns_exactly_the_prompt(served, client, model
     assert chunks[-1].choices[0].finish_reason == "length"
     by_ids = client.completions.create(model=model, prompt=prompt_ids, max_tokens=0, echo=True)
     assert by_ids.choices[0].text == PROMPT  # token ids echo as their text
+    # lm-evaluation-harness's local-completions body: a batch of prompts, older versions' max_tokens 0
+    batch = httpx.post(f"{served[0].url}/v1/completions", timeout=120, json={
+        "model": model, "prompt": [PROMPT, "Hello there"], "max_tokens": 0, "logprobs": 1, "echo": True,
+        "temperature": 0}).json()
+    assert [c["text"] for c in sorted(batch["choices"], key=lambda c: c["index"])] == [PROMPT, "Hello there"]
+    assert all(c["logprobs"]["token_logprobs"][0] is None and c["logprobs"]["top_logprobs"][0] is None
+               for c in batch["choices"])
 
 
 def test_streamed_echo_carries_the_prompt_first_and_adds_up_to_the_whole(served, client, model, prompt_ids):
@@ -241,14 +248,35 @@ def test_steps_list_rows_to_score_only_for_prompt_tokens_of_requests_that_ask():
     assert batch.prepare([scheduled("scored", prompt + [5], 20, 1, prompt_logprobs=1)]).prompt_logprobs is None
 
 
-def test_a_rescored_prompt_keeps_its_first_scores():
-    class Text:
-        def decode(self, ids, skip_special_tokens=True):
-            return "".join(chr(97 + i % 26) for i in ids)
+class Letters:
+    """A tokenizer stand-in for the output processor: token i is one letter."""
 
-    processor = OutputProcessor(Text())
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+def test_a_rescored_prompt_keeps_its_first_scores():
+    processor = OutputProcessor(Letters())
     processor.add_request("r", [1, 2, 3, 4], SamplingParams(prompt_logprobs=0), "default", RequestMetrics())
     processor.add_prompt_logprobs({"r": (1, [TokenLogprob(2, -1.0), TokenLogprob(3, -2.0)])})
     processor.add_prompt_logprobs({"r": (1, [TokenLogprob(2, -9.0), TokenLogprob(3, -9.0), TokenLogprob(4, -3.0)])})
     scores = processor.abort("r").prompt_logprobs
     assert [None if s is None else s.logprob for s in scores] == [None, -1.0, -2.0, -3.0]
+
+
+def test_a_completion_ahead_of_the_prompt_scores_waits_and_arrives_with_them():
+    """Completion 1 of 2 samples before completion 0 finished scoring the prompt (after a preemption):
+    its token is held, and the request's first snapshot carries it with the complete prompt logprobs."""
+    processor = OutputProcessor(Letters())
+    params = SamplingParams(n=2, prompt_logprobs=0, max_tokens=4)
+    processor.add_request("r", [1, 2, 3], params, "default", RequestMetrics())
+    seqs = [Sequence(f"r#{i}", "r", i, [1, 2, 3], SamplingParams(prompt_logprobs=0), 4, 0.0,
+                     status=SequenceStatus.RUNNING) for i in range(2)]
+    seqs[1].append_output_token(5)
+    assert processor.process([SequenceUpdate(seqs[1], [5])]) == ([], [])
+    processor.add_prompt_logprobs({"r": (1, [TokenLogprob(2, -1.0), TokenLogprob(3, -2.0)])})
+    seqs[0].append_output_token(6)
+    seqs[1].append_output_token(7)
+    (output,), _ = processor.process([SequenceUpdate(seqs[0], [6]), SequenceUpdate(seqs[1], [7])])
+    assert [None if s is None else s.token_id for s in output.prompt_logprobs] == [None, 2, 3]
+    assert [(c.token_ids_delta, c.text_delta) for c in output.outputs] == [([6], "g"), ([5, 7], "fh")]
