@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from sits.runtime.attention.torch_ref import TorchAttentionBackend
-from sits.runtime.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
+from sits.runtime.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from sits.runtime.engine.async_engine import AsyncEngine
 from sits.runtime.engine.engine import LLMEngine
 from sits.runtime.engine.input_batch import InputBatch
@@ -33,8 +33,8 @@ from sits.runtime.engine.sampler import Sampler
 from sits.runtime.engine.scheduler_output import ScheduledSequence
 from sits.runtime.engine.sequence import PENDING_TOKEN_ID, Sequence
 from sits.runtime.models.loading import LoadedModel, load_model
-from sits.runtime.server.app import build_app
 from sits.runtime.server.runner import BackgroundServer
+from tests.support.serving import serve_loaded
 
 VOCAB = 12
 EOS = 0
@@ -223,21 +223,9 @@ QUESTION = [{"role": "user", "content": "Name a primary color."}]
 
 @pytest.fixture(scope="module")
 def served(smollm2) -> Iterator[tuple[BackgroundServer, AsyncEngine]]:
-    config = EngineConfig(model=ModelConfig(device="cpu", max_model_len=1024), cache=CacheConfig(num_blocks=256),
-                          scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256))
-    engine = AsyncEngine.from_engine(LLMEngine.from_loaded(smollm2, config))
-    with BackgroundServer(build_app(engine, ServerConfig())) as server:
-        yield server, engine
+    with serve_loaded(smollm2, max_model_len=1024, num_blocks=256, max_num_seqs=8, max_num_batched_tokens=256) as served:
+        yield served
 
-
-@pytest.fixture(scope="module")
-def client(served) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{served[0].url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(served) -> str:
-    return served[1].model_name
 
 
 @pytest.fixture(scope="module")

@@ -15,20 +15,17 @@ import threading
 from collections.abc import Iterator
 
 import httpx
-import openai
 import pytest
 import torch
 
-from sits.runtime.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
 from sits.runtime.engine.async_engine import AsyncEngine
-from sits.runtime.engine.engine import LLMEngine
 from sits.runtime.engine.input_batch import InputBatch
 from sits.runtime.engine.output_processor import OutputProcessor
 from sits.runtime.engine.request import RequestMetrics, SamplingParams, TokenLogprob
 from sits.runtime.engine.scheduler_output import ScheduledSequence, SequenceUpdate
 from sits.runtime.engine.sequence import Sequence, SequenceStatus
-from sits.runtime.server.app import build_app
 from sits.runtime.server.runner import BackgroundServer
+from tests.support.serving import serve_loaded
 
 BUDGET = 8  # tokens per step: the prompt below takes 5 chunks
 PROMPT = ("The Pacific Ocean is the largest and deepest of Earth's five oceanic divisions. It extends from "
@@ -37,22 +34,10 @@ PROMPT = ("The Pacific Ocean is the largest and deepest of Earth's five oceanic 
 
 @pytest.fixture(scope="module")
 def served(smollm2) -> Iterator[tuple[BackgroundServer, AsyncEngine]]:
-    config = EngineConfig(model=ModelConfig(device="cpu", max_model_len=256), cache=CacheConfig(num_blocks=128),
-                          scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=BUDGET),
-                          async_scheduling=True)
-    engine = AsyncEngine.from_engine(LLMEngine.from_loaded(smollm2, config))
-    with BackgroundServer(build_app(engine, ServerConfig())) as server:
-        yield server, engine
+    with serve_loaded(smollm2, max_model_len=256, num_blocks=128, max_num_seqs=8, max_num_batched_tokens=BUDGET,
+                      async_scheduling=True) as served:
+        yield served
 
-
-@pytest.fixture(scope="module")
-def client(served) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{served[0].url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(served) -> str:
-    return served[1].model_name
 
 
 @pytest.fixture(scope="module")

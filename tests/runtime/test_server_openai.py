@@ -14,34 +14,21 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sits.runtime.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
+from sits.runtime.config import ServerConfig
 from sits.runtime.engine.async_engine import AsyncEngine
-from sits.runtime.engine.engine import LLMEngine
-from sits.runtime.server.app import build_app
 from sits.runtime.server.request_ids import uuid7_time
 from sits.runtime.server.runner import BackgroundServer
+from tests.support.serving import serve_loaded
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
 def served(smollm2) -> Iterator[tuple[BackgroundServer, AsyncEngine]]:
-    config = EngineConfig(model=ModelConfig(device="cpu"), cache=CacheConfig(num_blocks=512),
-                          scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512))
-    engine = AsyncEngine.from_engine(LLMEngine.from_loaded(smollm2, config))
-    with BackgroundServer(build_app(engine, ServerConfig(track="canary"))) as server:
-        yield server, engine
+    with serve_loaded(smollm2, num_blocks=512, max_num_seqs=16, max_num_batched_tokens=512,
+                      server_config=ServerConfig(track="canary")) as served:
+        yield served
 
-
-@pytest.fixture(scope="module")
-def client(served) -> openai.OpenAI:
-    server, _ = served
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(served) -> str:
-    return served[1].model_name
 
 
 def metric_value(server: BackgroundServer, name: str, **labels: str) -> float:

@@ -22,13 +22,13 @@ import openai
 import pytest
 import torch
 
-from sits.runtime.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
+from sits.runtime.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from sits.runtime.engine.async_engine import AsyncEngine
 from sits.runtime.engine.engine import LLMEngine
 from sits.runtime.engine.request import FinishReason, SamplingParams
 from sits.runtime.engine.structured_output import JSON_OBJECT, StructuredOutputError, json_schema_spec
-from sits.runtime.server.app import build_app
 from sits.runtime.server.runner import BackgroundServer
+from tests.support.serving import serve_loaded
 
 PERSON = {
     "type": "object",
@@ -127,21 +127,9 @@ def test_bad_schemas_are_refused_before_any_work(smollm2):
 # -- the server ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def served(smollm2) -> Iterator[tuple[BackgroundServer, AsyncEngine]]:
-    config = EngineConfig(model=ModelConfig(device="cpu", max_model_len=1024), cache=CacheConfig(num_blocks=256),
-                          scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256))
-    engine = AsyncEngine.from_engine(LLMEngine.from_loaded(smollm2, config))
-    with BackgroundServer(build_app(engine, ServerConfig())) as server:
-        yield server, engine
+    with serve_loaded(smollm2, max_model_len=1024, num_blocks=256, max_num_seqs=8, max_num_batched_tokens=256) as served:
+        yield served
 
-
-@pytest.fixture(scope="module")
-def client(served) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{served[0].url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(served) -> str:
-    return served[1].model_name
 
 
 def person_format(strict: bool | None = None) -> dict:

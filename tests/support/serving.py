@@ -1,0 +1,35 @@
+"""The real server around a loaded model, as the OpenAI-API tests start it: an engine with a small
+KV cache and step budget, uvicorn on a free 127.0.0.1 port, stopped when the block ends."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+
+from sits.runtime.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
+from sits.runtime.engine.async_engine import AsyncEngine
+from sits.runtime.engine.engine import LLMEngine
+from sits.runtime.server.app import build_app
+from sits.runtime.server.runner import BackgroundServer
+
+
+@contextlib.contextmanager
+def serve_loaded(loaded: Any, *, num_blocks: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int | None = None, async_scheduling: bool | None = None,
+                 server_config: ServerConfig | None = None) -> Iterator[tuple[BackgroundServer, AsyncEngine]]:
+    """`loaded` (a LoadedModel) served on CPU; yields the running server and its engine."""
+    model = ModelConfig(device="cpu") if max_model_len is None else ModelConfig(device="cpu", max_model_len=max_model_len)
+    config = EngineConfig(model=model, cache=CacheConfig(num_blocks=num_blocks),
+                          scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
+                          async_scheduling=async_scheduling)
+    engine = AsyncEngine.from_engine(LLMEngine.from_loaded(loaded, config))
+    with BackgroundServer(build_app(engine, server_config or ServerConfig())) as server:
+        yield server, engine
+
+
+def openai_client(server: BackgroundServer) -> openai.OpenAI:
+    """The official client pointed at `server`, without retries (a test sees every answer as it is)."""
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
