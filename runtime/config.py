@@ -146,6 +146,9 @@ class EngineConfig:
             )
 
 
+TOOL_CALL_PARSERS = ("hermes",)  # `<tool_call>{"name", "arguments"}</tool_call>` (Hermes, Qwen2.5)
+
+
 @dataclass
 class ServerConfig:
     """The HTTP server around the engine.
@@ -153,15 +156,29 @@ class ServerConfig:
     Attributes:
         track: the `track` label on every metric (`stable` or `canary`), set by the operator.
         drain_timeout_s: on SIGTERM, how long in-flight requests may run before they are aborted.
+        enable_auto_tool_choice: serve tool_choice "auto" (needs tool_call_parser), as vLLM's flag.
+        tool_call_parser: how calls are read out of generated text for "auto" (TOOL_CALL_PARSERS).
     """
 
     host: str = "127.0.0.1"
     port: int = 8000
     track: str = "stable"
     drain_timeout_s: float = 30.0
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be between 0 and 65535, got {self.port}")
         if self.track not in ("stable", "canary"):
             raise ConfigError(f"--track must be stable or canary, got {self.track!r}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ConfigError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                              f"got {self.tool_call_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser (e.g. hermes)")
+
+    @property
+    def auto_tool_call_parser(self) -> str | None:
+        """The parser that serves tool_choice "auto", or None when "auto" is refused."""
+        return self.tool_call_parser if self.enable_auto_tool_choice else None

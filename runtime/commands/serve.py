@@ -13,7 +13,7 @@ from sits.runtime.commands.engine_args import (
     engine_config_from_args,
     fail,
 )
-from sits.runtime.config import ServerConfig
+from sits.runtime.config import TOOL_CALL_PARSERS, ServerConfig
 from sits.runtime.tenancy.config import TenancyConfig
 from sits.runtime.tenancy.service import Tenancy
 from sits.runtime.tenancy.state_store import redact_url
@@ -42,6 +42,12 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     server.add_argument("--otlp-endpoint", default=None, metavar="URL",
                         help="export request traces (queue, prefill, decode, detokenize spans) over OTLP/HTTP to "
                              "this collector, e.g. http://otel-collector:4318 (off by default; needs sits[tracing])")
+    server.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='serve tool_choice "auto": the model decides whether to call tools, and '
+                             "--tool-call-parser reads its calls out of the text (without it, \"auto\" is a 400)")
+    server.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                        help="the model's tool-call format, for tool_choice auto: hermes = "
+                             "<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> (Hermes, Qwen2.5)")
     add_tenancy_arguments(parser)
     parser.set_defaults(handler=run)
     return parser
@@ -75,7 +81,9 @@ def tenancy_config_from_args(args: argparse.Namespace) -> TenancyConfig:
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
-    config = ServerConfig(host=args.host, port=args.port, track=args.track, drain_timeout_s=args.drain_timeout)
+    config = ServerConfig(host=args.host, port=args.port, track=args.track, drain_timeout_s=args.drain_timeout,
+                          enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
+                          tool_call_parser=getattr(args, "tool_call_parser", None))
     config.validate()
     if config.drain_timeout_s < 0:
         raise ConfigError(f"--drain-timeout must be >= 0, got {config.drain_timeout_s}")

@@ -105,7 +105,7 @@ def build_app(engine: Any, server_config: ServerConfig | None = None, *, served_
     app.add_middleware(GenerationGate, lifecycle=lifecycle, metrics=metrics, paths=GENERATION_PATHS,
                        admission=admission)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
-    chat = ChatCompletions(ctx)
+    chat = ChatCompletions(ctx, tool_call_parser=config.auto_tool_call_parser)
     completions = Completions(ctx)
 
     @app.post("/v1/chat/completions")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -11,10 +12,11 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from sits.runtime.engine.request import RequestOutput
+from sits.runtime.engine.request import RequestOutput, SamplingParams
+from sits.runtime.engine.structured_output import StructuredOutputError
 from sits.runtime.server.errors import as_openai_error, invalid_request
 from sits.runtime.server.logprobs import LogprobFormatter
-from sits.runtime.server.protocol import ChatCompletionRequest, ChatMessage
+from sits.runtime.server.protocol import ChatCompletionRequest, ChatMessage, ToolDefinition
 from sits.runtime.server.request_ids import new_request_id
 from sits.runtime.server.responses import DONE, SSE_HEADERS, finish_text, sse, usage
 from sits.runtime.server.sampling import compile_response_format, output_budget, sampling_params
@@ -25,35 +27,38 @@ from sits.runtime.server.serving import (
     merge_streams,
 )
 from sits.runtime.server.tenant import request_cache_salt, request_priority
+from sits.runtime.server.tools import ToolPlan, plan_tool_calls
 
 
 class ChatCompletions:
-    """Renders messages with the tokenizer's chat template and runs one engine request (n choices)."""
+    """Renders messages with the tokenizer's chat template and runs one engine request (n choices).
 
-    def __init__(self, ctx: ServingContext) -> None:
+    `tool_call_parser` (e.g. "hermes"): reads the calls of tool_choice "auto" out of the text;
+    None refuses "auto", as vLLM does without --enable-auto-tool-choice.
+    """
+
+    def __init__(self, ctx: ServingContext, tool_call_parser: str | None = None) -> None:
         self.ctx = ctx
         self.logprobs = LogprobFormatter(ctx.tokenizer)
+        self.tool_call_parser = tool_call_parser
 
     async def prompt_token_ids(self, messages: list[ChatMessage], *, add_generation_prompt: bool = True,
-                               add_special_tokens: bool = False) -> list[int]:
+                               add_special_tokens: bool = False,
+                               tools: list[ToolDefinition] | None = None) -> list[int]:
         """The prompt exactly as transformers' apply_chat_template(..., add_generation_prompt=True) renders it.
 
         The keywords are for /tokenize, which renders the same way with the client's choice of both.
+        `tools` reach the template as HF's `tools` variable (rendered if the template knows how).
         """
-        self._check_size(messages)
-        conversation = []
-        for message in messages:
-            # OpenAI's "developer" role is the system prompt for models trained without it.
-            entry: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role,
-                                     "content": message.text()}
-            if message.name:
-                entry["name"] = message.name
-            conversation.append(entry)
+        self._check_size(messages, tools)
+        conversation = [template_message(message) for message in messages]
+        tool_specs = [tool.model_dump(exclude_none=True) for tool in tools] if tools else None
         # ChatTemplateError (the template rejected the conversation) is a 400 naming `messages`.
-        text = self.ctx.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+        text = self.ctx.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                      tools=tool_specs)
         return await self.ctx.encode(text, add_special_tokens=add_special_tokens, param="messages", name="messages")
 
-    def _check_size(self, messages: list[ChatMessage]) -> None:
+    def _check_size(self, messages: list[ChatMessage], tools: list[ToolDefinition] | None = None) -> None:
         """400 before rendering a conversation that cannot fit the context (or is not valid Unicode).
 
         Every rendered message costs at least one token (its role markers), and the texts' lengths
@@ -65,7 +70,10 @@ class ChatCompletions:
                 f"This model's maximum context length is {limit} tokens. However, your messages are "
                 f"{len(messages)} messages, which leave no room to generate. Please send fewer messages.",
                 param="messages", code="context_length_exceeded")
-        self.ctx.check_text("".join(m.text() + (m.name or "") for m in messages), "messages", "messages")
+        texts = [m.text() + (m.name or "") + "".join(c.function.arguments for c in m.tool_calls or ())
+                 for m in messages]
+        texts += [json.dumps(tool.model_dump(exclude_none=True)) for tool in tools or ()]
+        self.ctx.check_text("".join(texts), "messages", "messages")
 
     async def __call__(self, body: ChatCompletionRequest, tenant: str, request: Request) -> Response:
         arrival = time.perf_counter()
@@ -73,37 +81,52 @@ class ChatCompletions:
         self.ctx.check_ready()
         body.check_combination()
         salt = request_cache_salt(request, body.shared_prefix)  # 400 before the work of tokenizing
+        tool_plan = plan_tool_calls(body, self.tool_call_parser)
         self.ctx.admit(request, body.n)  # 503 when the server is full, before any work for it
-        prompt_ids = await self.prompt_token_ids(body.messages)
+        prompt_ids = await self.prompt_token_ids(body.messages, tools=body.tools)
         limit_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = output_budget(len(prompt_ids), body.output_limit, self.ctx.context_limit(tenant), default=None,
                                    param=limit_param, prompt_name="messages")
         params = sampling_params(body, max_tokens=max_tokens, logprobs=body.num_logprobs,
                                  vocab_size=self.ctx.vocab_size, prompt_logprobs=body.prompt_logprobs)
-        await compile_response_format(self.ctx.engine, params)
+        await self._compile_output_grammar(params, tool_plan)
         response_id = new_request_id("chatcmpl")
         stream = merge_streams([self.ctx.generate(prompt_ids, params, response_id, tenant, arrival,
                                                   request_priority(request), salt)])
         head = {"id": response_id, "created": int(time.time()), "model": self.ctx.model_name}
         headers = {"x-request-id": response_id}
         if body.stream:
-            events = self._events(stream, head, body, request)
+            events = self._events(stream, head, body, request, tool_plan)
             return StreamingResponse(events, media_type="text/event-stream", headers={**headers, **SSE_HEADERS})
         try:
             final = (await collect_unless_disconnected(stream, request))[0]
         except ClientGone:
             return Response(status_code=499)
-        return JSONResponse(self._completion(final, head, body), headers=headers)
+        return JSONResponse(self._completion(final, head, body, tool_plan), headers=headers)
 
-    def _completion(self, final: RequestOutput, head: dict[str, Any], body: ChatCompletionRequest) -> dict:
+    async def _compile_output_grammar(self, params: SamplingParams, tool_plan: ToolPlan) -> None:
+        """response_format's grammar, or a forced tool call's (a schema xgrammar refuses: a 400 naming tools)."""
+        tool_grammar = tool_plan.structured_output()
+        if tool_grammar is None:
+            await compile_response_format(self.ctx.engine, params)
+            return
+        params.structured_output = tool_grammar
+        try:
+            await compile_response_format(self.ctx.engine, params)
+        except StructuredOutputError as error:
+            message = str(error).replace("response_format.json_schema.schema", "the function's parameters")
+            raise invalid_request(f"the parameters schema of the tools cannot be enforced: {message}",
+                                  "tools") from None
+
+    def _completion(self, final: RequestOutput, head: dict[str, Any], body: ChatCompletionRequest,
+                    tool_plan: ToolPlan) -> dict:
         choices = []
         for choice in sorted(final.outputs, key=lambda c: c.index):
             logprobs = None
             if body.num_logprobs is not None:
                 logprobs = self.logprobs.chat(choice.logprobs or [], body.num_logprobs)
-            choices.append({"index": choice.index,
-                            "message": {"role": "assistant", "content": choice.text, "refusal": None},
-                            "logprobs": logprobs, "finish_reason": finish_text(choice.finish_reason)})
+            message, finish = tool_plan.message(choice.text, finish_text(choice.finish_reason))
+            choices.append({"index": choice.index, "message": message, "logprobs": logprobs, "finish_reason": finish})
         response = {**head, "object": "chat.completion", "choices": choices, "system_fingerprint": None,
                     "usage": usage([final])}
         if body.prompt_logprobs is not None:  # vLLM's extension, beside the choices
@@ -111,12 +134,13 @@ class ChatCompletions:
         return response
 
     async def _events(self, stream: AsyncIterator[tuple[int, RequestOutput]], head: dict[str, Any],
-                      body: ChatCompletionRequest, request: Request) -> AsyncIterator[str]:
+                      body: ChatCompletionRequest, request: Request, tool_plan: ToolPlan) -> AsyncIterator[str]:
         chunk_head = {**head, "object": "chat.completion.chunk", "system_fingerprint": None}
         if body.include_usage:
             chunk_head["usage"] = None
         started: set[int] = set()
         finished: set[int] = set()
+        tool_streams = {}  # choice index -> ToolCallStream (content or tool-call deltas)
         last: RequestOutput | None = None
         try:
             async with contextlib.aclosing(stream):
@@ -127,16 +151,26 @@ class ChatCompletions:
                             continue
                         if choice.index not in started:
                             started.add(choice.index)
+                            tool_streams[choice.index] = tool_plan.streamer()
                             yield self._chunk(chunk_head, choice.index, {"role": "assistant", "content": ""})
+                        tool_stream = tool_streams[choice.index]
                         if choice.text_delta or choice.logprobs_delta:
                             logprobs = None
                             if body.num_logprobs is not None:
                                 logprobs = self.logprobs.chat(choice.logprobs_delta or [], body.num_logprobs)
-                            yield self._chunk(chunk_head, choice.index, {"content": choice.text_delta},
-                                              logprobs=logprobs)
+                            # a token's logprobs go out even while its text is held (a split tag)
+                            deltas = tool_stream.feed(choice.text_delta) or [{"content": ""}]
+                            for position, delta in enumerate(deltas):
+                                if delta == {"content": ""} and logprobs is None:
+                                    continue
+                                yield self._chunk(chunk_head, choice.index, delta,
+                                                  logprobs=logprobs if position == 0 else None)
                         if choice.finished:
                             finished.add(choice.index)
-                            yield self._chunk(chunk_head, choice.index, {}, finish=finish_text(choice.finish_reason))
+                            for delta in tool_stream.finish():
+                                yield self._chunk(chunk_head, choice.index, delta)
+                            yield self._chunk(chunk_head, choice.index, {},
+                                              finish=tool_stream.finish_reason(finish_text(choice.finish_reason)))
             if body.include_usage and last is not None:
                 yield sse({**chunk_head, "choices": [], "usage": usage([last])})
         except asyncio.CancelledError:
@@ -152,3 +186,27 @@ class ChatCompletions:
         return sse({**chunk_head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                                                "finish_reason": finish}]})
 
+
+
+def template_message(message: ChatMessage) -> dict[str, Any]:
+    """One message as HF chat templates read it: OpenAI's "developer" is the system prompt for
+    models trained without it, and a call's arguments are an object (templates `tojson` them)."""
+    entry: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role,
+                             "content": message.text()}
+    if message.name:
+        entry["name"] = message.name
+    if message.tool_call_id is not None:
+        entry["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        entry["tool_calls"] = [{"id": call.id, "type": call.type,
+                                "function": {"name": call.function.name,
+                                             "arguments": _arguments_object(call.function.arguments)}}
+                               for call in message.tool_calls]
+    return entry
+
+
+def _arguments_object(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments  # not JSON: the template gets the text the client sent

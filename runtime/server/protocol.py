@@ -154,6 +154,62 @@ class _SamplingFields(_Strict):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+class FunctionDefinition(_Strict):
+    """A function the model may call: its name and the JSON schema of its arguments."""
+
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # accepted; a forced call always follows the schema
+
+    @field_validator("parameters")
+    @classmethod
+    def _object_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Arguments are a JSON object, so the schema must describe one (as OpenAI requires)."""
+        if value is not None and value.get("type", "object") != "object":
+            raise ValueError(f'parameters must be a JSON schema of type "object", got type {value.get("type")!r}')
+        return value
+
+
+class ToolDefinition(_Strict):
+    """OpenAI's `tools[i]`: `{"type": "function", "function": {"name", "description", "parameters"}}`."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    """`tool_choice` naming one function: the model must call it."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # a JSON document, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    """A call an assistant message made earlier in the conversation."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+def _collapsed(error: ValidationError) -> ValueError:
+    """The first fault of a nested field, as one message (the 400 then names the field itself)."""
+    first = error.errors()[0]
+    where = ".".join(str(part) for part in first.get("loc", ()))
+    message = str(first.get("msg", "")).removeprefix("Value error, ")
+    return ValueError(f"{where}: {message}" if where else message)
+
+
 class TextContentPart(_Strict):
     type: Literal["text"]
     text: str
@@ -165,7 +221,8 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
-    tool_call_id: str | None = None
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    tool_calls: list[ToolCall] | None = None  # an assistant message: the calls it made
 
     @field_validator("content", mode="before")
     @classmethod
@@ -192,8 +249,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    # None: "auto" when tools are given, else "none" (`effective_tool_choice`)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
     @field_validator("max_completion_tokens")
     @classmethod
@@ -209,12 +267,37 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {value}")
         return value
 
-    @field_validator("tools")
+    @field_validator("tools", mode="wrap")
     @classmethod
-    def _no_tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-        if value:
-            raise ValueError("tool calling is not supported")
-        return value
+    def _tools(cls, value: Any, handler: Any) -> Any:
+        """Any fault inside tools is a 400 naming tools; two functions may not share a name."""
+        try:
+            tools = handler(value)
+        except ValidationError as error:
+            raise _collapsed(error) from None
+        names = [tool.function.name for tool in tools or ()]
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        if duplicates:
+            raise ValueError(f"function names must be unique, {duplicates[0]!r} is given more than once")
+        return tools
+
+    @field_validator("tool_choice", mode="wrap")
+    @classmethod
+    def _tool_choice(cls, value: Any, handler: Any) -> Any:
+        if isinstance(value, str) and value not in ("none", "auto", "required"):
+            raise ValueError(f'tool_choice must be "none", "auto", "required" or a named function, got {value!r}')
+        try:
+            return handler(value)
+        except ValidationError as error:
+            raise ValueError('tool_choice must be "none", "auto", "required" or '
+                             '{"type": "function", "function": {"name": ...}}') from error
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """What tool_choice means here: "auto" when tools are given without one (OpenAI's default)."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
 
     def check_combination(self) -> None:
         super().check_combination()
@@ -222,6 +305,19 @@ class ChatCompletionRequest(_SamplingFields):
             raise invalid_request("max_tokens must be at least 1, got 0", "max_tokens")
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        self._check_tool_choice()
+
+    def _check_tool_choice(self) -> None:
+        choice = self.tool_choice
+        if choice is not None and choice != "none" and not self.tools:
+            raise invalid_request("tool_choice is only allowed when tools are given", "tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools or ()}:
+            raise invalid_request(f"tool_choice names the function {choice.function.name!r}, which is not among "
+                                  "the tools", "tool_choice")
+        forced = choice == "required" or isinstance(choice, NamedToolChoice)
+        if forced and self.response_format is not None and self.response_format.type != "text":
+            raise invalid_request("response_format cannot be combined with a tool_choice that forces a call: "
+                                  "the call's arguments already follow the function's schema", "response_format")
 
     @property
     def output_limit(self) -> int | None:
