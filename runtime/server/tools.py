@@ -70,7 +70,7 @@ class ToolPlan:
         message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
         if calls:
             message["tool_calls"] = [openai_call(call) for call in calls]
-        return message, calls_finish(finish_reason, bool(calls))
+        return message, calls_finish(finish_reason, bool(calls), self.mode)
 
     def streamer(self) -> ToolCallStream:
         return ToolCallStream(self)
@@ -116,9 +116,15 @@ def openai_call(call: ParsedCall) -> dict[str, Any]:
             "function": {"name": call.name, "arguments": call.arguments}}
 
 
-def calls_finish(finish_reason: str | None, called: bool) -> str | None:
-    """"tool_calls" when the completion ended by itself with calls; "length" and "abort" stay."""
-    return "tool_calls" if called and finish_reason == "stop" else finish_reason
+def calls_finish(finish_reason: str | None, called: bool, mode: ToolMode) -> str | None:
+    """"tool_calls" when the completion ended by itself with calls; "length" and "abort" stay.
+
+    A named tool_choice ends with "stop", as OpenAI answers it (and vLLM since it aligned with
+    OpenAI): the client forced that call, so the call is the ordinary end of the turn.
+    """
+    if not called or finish_reason != "stop" or mode == "named":
+        return finish_reason
+    return "tool_calls"
 
 
 class ToolCallStream:
@@ -161,7 +167,7 @@ class ToolCallStream:
         return []
 
     def finish_reason(self, finish_reason: str | None) -> str | None:
-        return calls_finish(finish_reason, self.calls > 0)
+        return calls_finish(finish_reason, self.calls > 0, self.plan.mode)
 
     def _events(self, events: list[str | ParsedCall]) -> list[dict[str, Any]]:
         deltas: list[dict[str, Any]] = []
