@@ -210,6 +210,20 @@ def _collapsed(error: ValidationError) -> ValueError:
     return ValueError(f"{where}: {message}" if where else message)
 
 
+def validated_tools(value: Any, handler: Any) -> Any:
+    """A `tools` list's wrap validator: any fault inside is a 400 naming tools; two functions may
+    not share a name."""
+    try:
+        tools = handler(value)
+    except ValidationError as error:
+        raise _collapsed(error) from None
+    names = [tool.function.name for tool in tools or ()]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise ValueError(f"function names must be unique, {duplicates[0]!r} is given more than once")
+    return tools
+
+
 class TextContentPart(_Strict):
     type: Literal["text"]
     text: str
@@ -270,16 +284,7 @@ class ChatCompletionRequest(_SamplingFields):
     @field_validator("tools", mode="wrap")
     @classmethod
     def _tools(cls, value: Any, handler: Any) -> Any:
-        """Any fault inside tools is a 400 naming tools; two functions may not share a name."""
-        try:
-            tools = handler(value)
-        except ValidationError as error:
-            raise _collapsed(error) from None
-        names = [tool.function.name for tool in tools or ()]
-        duplicates = sorted({name for name in names if names.count(name) > 1})
-        if duplicates:
-            raise ValueError(f"function names must be unique, {duplicates[0]!r} is given more than once")
-        return tools
+        return validated_tools(value, handler)
 
     @field_validator("tool_choice", mode="wrap")
     @classmethod

@@ -20,11 +20,11 @@ import importlib.metadata
 from typing import Any
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from sits.runtime.server.chat import ChatCompletions
 from sits.runtime.server.errors import invalid_request
-from sits.runtime.server.protocol import ChatMessage
+from sits.runtime.server.protocol import ChatMessage, ToolDefinition, validated_tools
 from sits.runtime.server.serving import ServingContext
 
 PACKAGE_NAME = "sits"
@@ -52,7 +52,12 @@ class TokenizeRequest(_StrictBody):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     return_token_strs: bool | None = False
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ToolDefinition] | None = None
+
+    @field_validator("tools", mode="wrap")
+    @classmethod
+    def _tools(cls, value: Any, handler: Any) -> Any:
+        return validated_tools(value, handler)
 
     def check_form(self) -> None:
         """400 unless exactly one of `prompt` and `messages` is given, with only the options we render."""
@@ -65,8 +70,6 @@ class TokenizeRequest(_StrictBody):
             return
         if self.continue_final_message:
             raise invalid_request("continue_final_message is not supported", param="continue_final_message")
-        if self.tools:
-            raise invalid_request("tool calling is not supported", param="tools")
 
 
 class DetokenizeRequest(_StrictBody):
@@ -105,7 +108,7 @@ class Tokenization:
         else:  # the chat form (check_form: messages are given)
             token_ids = await self.chat.prompt_token_ids(
                 body.messages or [], add_generation_prompt=body.add_generation_prompt,
-                add_special_tokens=bool(body.add_special_tokens))
+                add_special_tokens=bool(body.add_special_tokens), tools=body.tools)
         response: dict[str, Any] = {"count": len(token_ids), "max_model_len": self.ctx.max_model_len,
                                     "tokens": token_ids}
         if body.return_token_strs:

@@ -117,6 +117,19 @@ def test_version_is_the_installed_package_version(http):
     assert response.json() == {"version": importlib.metadata.version("sits")}
 
 
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_tokenize_with_tools_gives_the_prompt_the_chat_route_runs_with_them(http):
+    """Tools reach the chat template on both routes alike (SmolLM2's template leaves them out)."""
+    answer = tokenize(http, messages=CONVERSATION, tools=[WEATHER_TOOL])
+    completion = http.post("/v1/chat/completions", json={"messages": CONVERSATION, "tools": [WEATHER_TOOL],
+                                                         "tool_choice": "none", "max_tokens": 1, "temperature": 0})
+    assert completion.status_code == 200, completion.text
+    assert completion.json()["usage"]["prompt_tokens"] == answer["count"]
+
+
 def bad_input_cases(ctx) -> list[tuple[str, str, object, int, str | None]]:
     """(path, case id, JSON body or raw bytes, expected status, expected param)."""
     vocab_size = ctx.tokenizer.vocab_size
@@ -135,6 +148,10 @@ def bad_input_cases(ctx) -> list[tuple[str, str, object, int, str | None]]:
          "add_special_tokens"),
         ("/tokenize", "continue-final-message", {"messages": CONVERSATION, "add_generation_prompt": False,
                                                  "continue_final_message": True}, 400, "continue_final_message"),
+        ("/tokenize", "tools-sharing-a-name", {"messages": CONVERSATION, "tools": [WEATHER_TOOL, WEATHER_TOOL]}, 400,
+         "tools"),
+        ("/tokenize", "tool-without-a-function", {"messages": CONVERSATION, "tools": [{"type": "function"}]}, 400,
+         "tools"),
         ("/tokenize", "lone-surrogate", b'{"prompt": "a\\ud800b"}', 400, "prompt"),
         ("/tokenize", "longer-than-any-context", {"prompt": too_long}, 400, "prompt"),
         ("/detokenize", "unknown-model", {"model": "no-such-model", "tokens": [1]}, 404, "model"),
