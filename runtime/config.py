@@ -6,7 +6,9 @@ raises `ConfigError` naming the option, so a bad flag is a one-line error, never
 
 from __future__ import annotations
 
+import codecs
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from sits.runtime.parallel.config import ParallelConfig
 
@@ -33,6 +35,8 @@ class ModelConfig:
         max_model_len: prompt + output tokens per sequence; None takes the checkpoint's context.
         quantization: weight quantization applied after load (GPU engine).
         seed: seed for random weights and for requests that give none.
+        chat_template: `--chat-template`: a jinja2 file, or the template text itself, that replaces
+            the model's own chat template (read with `read_chat_template`); None keeps the model's.
     """
 
     model: str | None = None
@@ -42,8 +46,11 @@ class ModelConfig:
     max_model_len: int | None = None
     quantization: str = "none"
     seed: int = 0
+    chat_template: str | None = None
 
     def validate(self) -> None:
+        if self.chat_template is not None:
+            read_chat_template(self.chat_template)
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.device not in DEVICES:
@@ -52,6 +59,46 @@ class ModelConfig:
             raise ConfigError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"--max-model-len must be positive, got {self.max_model_len}")
+
+
+# A value with none of these characters is meant as a file name (vLLM's rule for --chat-template).
+JINJA_CHARS = "{}\n"
+
+
+def read_chat_template(value: str) -> tuple[str, str]:
+    """The `--chat-template` value as (template text, where it came from, for the startup log).
+
+    As vLLM reads it: the contents of the file `value` names if there is one, else `value` itself as
+    the template, with backslash escapes such as `\\n` decoded (so a shell can pass it on one line).
+    The template is compiled here, so a broken one stops the server before the model loads.
+    Raises:
+        ConfigError: no such file and `value` does not look like a template, the file cannot be read,
+            or the template does not compile.
+    """
+    try:
+        text, origin = Path(value).expanduser().read_text(encoding="utf-8"), f"file {value}"
+    except (OSError, ValueError) as exc:  # ValueError: not UTF-8, or a NUL in the name
+        if not any(char in value for char in JINJA_CHARS):
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise ConfigError(f"--chat-template {value!r} is neither a readable file ({reason}) "
+                              "nor a jinja2 template") from None
+        try:  # backslashreplace first keeps non-Latin-1 text intact through unicode_escape
+            text = codecs.decode(value.encode("latin-1", "backslashreplace"), "unicode_escape")
+        except UnicodeDecodeError:  # a stray backslash (e.g. "\\N" alone): take the text as it is
+            text = value
+        origin = f"inline, {len(text)} characters"
+    import jinja2  # here, not at the top: the config stays light for commands that never render chats
+
+    from sits.runtime.models.chat_template import ChatTemplateError, compile_template
+
+    try:
+        compile_template(text)
+    except ChatTemplateError as exc:
+        cause = exc.__cause__
+        where = f" at line {cause.lineno}" if isinstance(cause, jinja2.TemplateSyntaxError) else ""
+        message = cause.message if isinstance(cause, jinja2.TemplateSyntaxError) else str(exc)
+        raise ConfigError(f"--chat-template ({origin}) does not compile{where}: {message}") from None
+    return text, origin
 
 
 @dataclass

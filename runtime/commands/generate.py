@@ -14,6 +14,7 @@ from sits.runtime.commands.engine_args import (
     engine_config_from_args,
     fail,
 )
+from sits.runtime.commands.serve import add_chat_template_argument, with_chat_template
 
 PROG = "sits generate"
 
@@ -30,6 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                         help="wrap the prompt in the model's chat template (default) or send it raw")
     add_engine_arguments(parser)
+    add_chat_template_argument(parser)
     parser.set_defaults(handler=run, log_level="warning")
     return parser
 
@@ -75,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     try:
-        config = engine_config_from_args(args)
+        config = with_chat_template(engine_config_from_args(args), args)
     except ConfigError as error:
         return fail(PROG, str(error))
     from sits.runtime.commands.loading import load_engine

@@ -13,7 +13,7 @@ from sits.runtime.commands.engine_args import (
     engine_config_from_args,
     fail,
 )
-from sits.runtime.config import TOOL_CALL_PARSERS, ServerConfig
+from sits.runtime.config import TOOL_CALL_PARSERS, EngineConfig, ServerConfig
 from sits.runtime.tenancy.config import TenancyConfig
 from sits.runtime.tenancy.service import Tenancy
 from sits.runtime.tenancy.state_store import redact_url
@@ -29,6 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API",
                                    description="Serve a model over the OpenAI-compatible HTTP API.")
     add_engine_arguments(parser)
+    add_chat_template_argument(parser)
     server = parser.add_argument_group("server")
     server.add_argument("--host", default=ServerConfig.host)
     server.add_argument("--port", type=int, default=ServerConfig.port)
@@ -51,6 +52,19 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     add_tenancy_arguments(parser)
     parser.set_defaults(handler=run)
     return parser
+
+
+def add_chat_template_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                        help="a jinja2 chat template file, or the template itself, used in place of the model's "
+                             "own (tokenizer_config.json, chat_template.jinja or GGUF metadata)")
+
+
+def with_chat_template(config: EngineConfig, args: argparse.Namespace) -> EngineConfig:
+    """`config` with `--chat-template` set and checked (read and compiled); raises ConfigError naming the flag."""
+    config.model.chat_template = getattr(args, "chat_template", None)
+    config.model.validate()
+    return config
 
 
 def add_tenancy_arguments(parser: argparse.ArgumentParser) -> None:
@@ -110,7 +124,7 @@ def bind(host: str, port: int) -> socket.socket:
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
     try:
-        engine_config = engine_config_from_args(args)
+        engine_config = with_chat_template(engine_config_from_args(args), args)
         server_config = server_config_from_args(args)
         tracer = build_tracer(args.otlp_endpoint)
         from sits.runtime.parallel.cli_args import run_if_torchrun_worker

@@ -19,7 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from sits.runtime.attention.backend import AttentionBackend
-from sits.runtime.config import ModelConfig
+from sits.runtime.config import ModelConfig, read_chat_template
 from sits.runtime.models.config import LlamaConfig, UnsupportedModelError
 from sits.runtime.models.embedded import embedded_gguf_path
 from sits.runtime.models.errors import ModelLoadError
@@ -113,14 +113,17 @@ def load_model(model_config: ModelConfig, backend: AttentionBackend, *, progress
     Raises:
         ModelLoadError: the path does not exist or is not a checkpoint, the checkpoint is broken,
             or its architecture is not supported.
+        ConfigError: `model_config.chat_template` names no readable file or does not compile.
     """
     device, dtype = resolve_device_dtype(model_config)
+    # read before the weights, so a broken --chat-template fails at once (and not as a ModelLoadError)
+    override = read_chat_template(model_config.chat_template) if model_config.chat_template is not None else None
     directory, name, source = _resolve_source(model_config.model, progress)
     try:
         hf_config = read_hf_config(directory)
         config = LlamaConfig.from_hf_dict(hf_config)
         files = safetensors_files(directory)
-        tokenizer = _load_tokenizer(directory, config)
+        tokenizer = _with_chat_template(_load_tokenizer(directory, config), override, source)
         max_positions = max(config.max_position_embeddings, model_config.max_model_len or 0)
         if max_positions > config.max_position_embeddings:
             logger.warning("max_model_len %d exceeds the model's context (%d tokens); quality may drop",
@@ -185,6 +188,22 @@ def _load_tokenizer(directory: Path, config: LlamaConfig) -> Tokenizer:
         return Tokenizer.from_directory(directory, extra_eos_token_ids=config.eos_token_ids)
     except Exception as exc:  # tokenizers raises a bare Exception on a malformed file
         raise CheckpointError(f"cannot read the tokenizer in {directory}: {exc}") from exc
+
+
+def _with_chat_template(tokenizer: Tokenizer, override: tuple[str, str] | None, source: str) -> Tokenizer:
+    """The tokenizer with `override` ((text, origin) of `--chat-template`) in place of the model's
+    template, logging which template serves chats."""
+    if override is not None:
+        text, origin = override
+        logger.info("chat template: --chat-template %s, in place of the model's%s", origin,
+                    "" if tokenizer.chat_template is not None else " (it has none)")
+        return tokenizer.with_chat_template(text)
+    if tokenizer.chat_template is not None:
+        logger.info("chat template: the model's own (%s)", source)
+    else:
+        logger.info("chat template: none (%s has none; chat requests are refused, --chat-template sets one)",
+                    source)
+    return tokenizer
 
 
 def _resolve_source(model: str | None, progress: bool) -> tuple[Path, str, str]:
