@@ -11,16 +11,18 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from sits.runtime.server.errors import invalid_request
+from sits.runtime.server.protocol_base import StrictModel as _Strict
+from sits.runtime.server.protocol_base import collapsed
+from sits.runtime.server.protocol_tools import NamedToolChoice, ToolCall, ToolDefinition, validated_tools
+
+__all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "NamedToolChoice", "ResponseFormat",
+           "ToolCall", "ToolDefinition", "validated_tools"]
 
 MAX_LOGPROBS = 20
 _TOKEN_ID = re.compile(r"-?[0-9]+")  # a token id as a JSON key spells it (SamplingParams refuses a negative one)
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
 
 
 class StreamOptions(_Strict):
@@ -97,10 +99,7 @@ class _SamplingFields(_Strict):
         try:
             return handler(value)
         except ValidationError as error:
-            first = error.errors()[0]
-            where = ".".join(str(part) for part in first.get("loc", ()))
-            message = str(first.get("msg", "")).removeprefix("Value error, ")
-            raise ValueError(f"{where}: {message}" if where else message) from None
+            raise collapsed(error) from None
 
     @field_validator("max_tokens")
     @classmethod
@@ -152,76 +151,6 @@ class _SamplingFields(_Strict):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
-
-
-class FunctionDefinition(_Strict):
-    """A function the model may call: its name and the JSON schema of its arguments."""
-
-    name: str = Field(min_length=1)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # accepted; a forced call always follows the schema
-
-    @field_validator("parameters")
-    @classmethod
-    def _object_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        """Arguments are a JSON object, so the schema must describe one (as OpenAI requires)."""
-        if value is not None and value.get("type", "object") != "object":
-            raise ValueError(f'parameters must be a JSON schema of type "object", got type {value.get("type")!r}')
-        return value
-
-
-class ToolDefinition(_Strict):
-    """OpenAI's `tools[i]`: `{"type": "function", "function": {"name", "description", "parameters"}}`."""
-
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class NamedFunction(_Strict):
-    name: str
-
-
-class NamedToolChoice(_Strict):
-    """`tool_choice` naming one function: the model must call it."""
-
-    type: Literal["function"]
-    function: NamedFunction
-
-
-class FunctionCall(_Strict):
-    name: str
-    arguments: str  # a JSON document, as OpenAI sends it
-
-
-class ToolCall(_Strict):
-    """A call an assistant message made earlier in the conversation."""
-
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-def _collapsed(error: ValidationError) -> ValueError:
-    """The first fault of a nested field, as one message (the 400 then names the field itself)."""
-    first = error.errors()[0]
-    where = ".".join(str(part) for part in first.get("loc", ()))
-    message = str(first.get("msg", "")).removeprefix("Value error, ")
-    return ValueError(f"{where}: {message}" if where else message)
-
-
-def validated_tools(value: Any, handler: Any) -> Any:
-    """A `tools` list's wrap validator: any fault inside is a 400 naming tools; two functions may
-    not share a name."""
-    try:
-        tools = handler(value)
-    except ValidationError as error:
-        raise _collapsed(error) from None
-    names = [tool.function.name for tool in tools or ()]
-    duplicates = sorted({name for name in names if names.count(name) > 1})
-    if duplicates:
-        raise ValueError(f"function names must be unique, {duplicates[0]!r} is given more than once")
-    return tools
 
 
 class TextContentPart(_Strict):

@@ -20,11 +20,12 @@ import importlib.metadata
 from typing import Any
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
 from sits.runtime.server.chat import ChatCompletions
 from sits.runtime.server.errors import invalid_request
 from sits.runtime.server.protocol import ChatMessage, ToolDefinition, validated_tools
+from sits.runtime.server.protocol_base import StrictModel
 from sits.runtime.server.serving import ServingContext
 
 PACKAGE_NAME = "sits"
@@ -33,12 +34,7 @@ PACKAGE_NAME = "sits"
 DECODE_INLINE_TOKENS = 4096
 
 
-class _StrictBody(BaseModel):
-    # As the generation bodies: a string is not a number, unknown fields are ignored (as vLLM does).
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-
-class TokenizeRequest(_StrictBody):
+class TokenizeRequest(StrictModel):
     """vLLM's TokenizeCompletionRequest (`prompt`) or TokenizeChatRequest (`messages`): one of the two.
 
     `add_special_tokens` defaults to true for a prompt (e.g. a BOS token, as /v1/completions adds)
@@ -72,7 +68,7 @@ class TokenizeRequest(_StrictBody):
             raise invalid_request("continue_final_message is not supported", param="continue_final_message")
 
 
-class DetokenizeRequest(_StrictBody):
+class DetokenizeRequest(StrictModel):
     """vLLM's DetokenizeRequest: token ids back to text."""
 
     model: str | None = None
