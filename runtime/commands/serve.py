@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import socket
+from collections.abc import Mapping
 
 from sits.runtime.commands.engine_args import (
     ConfigError,
@@ -21,6 +23,7 @@ from sits.runtime.tenancy.tenants import TenantConfigError
 from sits.runtime.tracing import build_tracer
 
 PROG = "sits serve"
+API_KEY_ENV = "SITS_API_KEY"  # read when no --api-key is given (vLLM: VLLM_API_KEY)
 EVICTION_INDEX_INTERVAL_S = 1.0  # how often the engine thread hands its eviction index to the store
 logger = logging.getLogger("sits.serve")
 
@@ -69,6 +72,10 @@ def with_chat_template(config: EngineConfig, args: argparse.Namespace) -> Engine
 
 def add_tenancy_arguments(parser: argparse.ArgumentParser) -> None:
     tenancy = parser.add_argument_group("tenancy")
+    tenancy.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                         help="protect a server without tenants: every /v1/* call, /tokenize and /detokenize "
+                              "need `Authorization: Bearer KEY`; repeat for several keys (default: "
+                              f"${API_KEY_ENV} if set, else open); not with --tenants")
     tenancy.add_argument("--tenants", default=None, metavar="FILE",
                          help="tenants YAML (names, API keys, priorities, KV shares, limits); with it every "
                               "/v1/* call needs `Authorization: Bearer <key>` (default: open, one tenant)")
@@ -92,6 +99,24 @@ def tenancy_config_from_args(args: argparse.Namespace) -> TenancyConfig:
                            eviction_ttl_s=args.eviction_ttl)
     config.validate()
     return config
+
+
+def api_keys_from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> tuple[str, ...]:
+    """The keys of `--api-key` (each given), else of $SITS_API_KEY; () serves without keys.
+
+    Raises ConfigError for an empty key, and for keys together with --tenants (each tenant has its own)."""
+    flagged = getattr(args, "api_key", None)
+    if flagged:
+        keys, source = tuple(key.strip() for key in flagged), "--api-key"
+        if not all(keys):
+            raise ConfigError("--api-key must not be empty")
+    else:
+        from_env = environ.get(API_KEY_ENV, "").strip()
+        keys, source = ((from_env,) if from_env else ()), API_KEY_ENV
+    if keys and getattr(args, "tenants", None) is not None:
+        raise ConfigError(f"{source} and --tenants cannot be used together: with --tenants each tenant has "
+                          "its own apiKey in the tenants file")
+    return keys
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -126,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         engine_config = with_chat_template(engine_config_from_args(args), args)
         server_config = server_config_from_args(args)
+        api_keys = api_keys_from_args(args)
         tracer = build_tracer(args.otlp_endpoint)
         from sits.runtime.parallel.cli_args import run_if_torchrun_worker
 
@@ -139,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
     from sits.runtime.commands.loading import load_engine
     from sits.runtime.server.app import build_app
     from sits.runtime.server.runner import run_server
+    from sits.runtime.server.tenant import ApiKeyResolver
 
     engine = load_engine(engine_config, PROG, **tenancy.engine_hooks())
     if isinstance(engine, int):
@@ -146,7 +173,8 @@ def run(args: argparse.Namespace) -> int:
         return engine
     engine.add_periodic(tenancy.publish_eviction_index, EVICTION_INDEX_INTERVAL_S)
     app = build_app(engine, server_config, served_model_name=engine_config.model.served_model_name,
-                    tenancy=tenancy, max_waiting_requests=args.max_waiting_requests)
+                    tenancy=tenancy, max_waiting_requests=args.max_waiting_requests,
+                    tenant_resolver=ApiKeyResolver(api_keys) if api_keys else None)
     app.state.ctx.tracer = tracer
     host, port = sock.getsockname()[:2]
     url_host = f"[{host}]" if ":" in host else host
@@ -155,8 +183,9 @@ def run(args: argparse.Namespace) -> int:
     if app.state.admission is not None:
         logger.info("admission: %d sequences running + %d waiting, then 503 with Retry-After",
                     app.state.admission.max_running, app.state.admission.max_waiting)
-    logger.info("tenancy: %s, %d tenant(s), state store %s (deployment %s)", tenancy.authenticator.mode.value,
-                len(tenancy.table), redact_url(tenancy.config.state_store), tenancy.config.deployment)
+    mode = f"api_key ({len(api_keys)} key(s))" if api_keys else tenancy.authenticator.mode.value  # never the keys
+    logger.info("tenancy: %s, %d tenant(s), state store %s (deployment %s)", mode, len(tenancy.table),
+                redact_url(tenancy.config.state_store), tenancy.config.deployment)
     try:
         return run_server(app, engine, sock, server_config.drain_timeout_s, args.log_level)
     finally:

@@ -11,11 +11,13 @@ A `TenantResolver` on `app.state.tenant_resolver` answers three questions:
 `TenantGate` runs the first two for every /v1/* request (and /tokenize, /detokenize, which expose
 the deployment's chat template and vocabulary) before FastAPI reads the body, so an
 unauthenticated request with a malformed body gets 401, not 400 (what OpenAI does). Without
-tenancy every request is the tenant "default" (`SingleTenantResolver`).
+tenancy every request is the tenant "default": open (`SingleTenantResolver`) or behind
+`sits serve --api-key` (`ApiKeyResolver`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 from fastapi import Request
@@ -23,6 +25,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sits.runtime.server.admission import AdmissionControl
 from sits.runtime.server.errors import OpenAIError, invalid_request
+from sits.runtime.tenancy.auth import Authenticator, AuthMode
+from sits.runtime.tenancy.tenants import Tenant, TenantTable, api_key_digest
 
 DEFAULT_TENANT = "default"
 UNRESOLVED_TENANT = "unknown"  # the metrics label of a request rejected before its tenant was known
@@ -60,6 +64,36 @@ class SingleTenantResolver:
         if shared:
             raise shared_prefix_unavailable()
         return None
+
+
+class ApiKeyResolver(SingleTenantResolver):
+    """`sits serve --api-key`: one tenant, "default", whose callers must present one of `api_keys`.
+
+    The keys go through the tenancy code path unchanged: each becomes a digest-only entry of a
+    `TenantTable` (looked up in constant time over every key, never kept in clear), and a missing or
+    wrong key is the tenants mode's 401, `WWW-Authenticate: Bearer`, in OpenAI's error shape.
+    No limits and no prefix-cache salt, as without keys.
+    """
+
+    def __init__(self, api_keys: Sequence[str], tenant: str = DEFAULT_TENANT) -> None:
+        if not api_keys:
+            raise ValueError("ApiKeyResolver needs at least one API key")
+        super().__init__(tenant)
+        # One table entry per key (names are internal: every caller is `tenant`).
+        table = TenantTable([Tenant(f"key{index}", api_key_sha256=api_key_digest(key))
+                             for index, key in enumerate(api_keys)])
+        # Imported here: sits.runtime.tenancy.server_auth imports this module.
+        from sits.runtime.tenancy.server_auth import TenancyResolver
+
+        self._keys = TenancyResolver(Authenticator(table, AuthMode.API_KEY))
+        self.num_keys = len(api_keys)
+
+    def __repr__(self) -> str:
+        return f"ApiKeyResolver({self.num_keys} key(s), tenant={self.tenant!r})"
+
+    async def resolve(self, request: Request) -> str:
+        await self._keys.resolve(request)  # OpenAIError 401 for a missing or wrong key
+        return self.tenant
 
 
 def shared_prefix_unavailable() -> OpenAIError:
