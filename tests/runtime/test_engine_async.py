@@ -28,13 +28,7 @@ from sits.runtime.models.loading import LoadedModel, load_model
 PROMPTS = ["Hello there", "The quick brown fox jumps over the lazy dog", "1 2 3 4 5 6 7 8 9 10 11 12"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Test workers share two cores; one intra-op thread each avoids oversubscription."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,6 @@ import httpx
 import jsonschema
 import openai
 import pytest
-import torch
 
 from sits.runtime.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from sits.runtime.engine.async_engine import AsyncEngine
@@ -45,13 +44,7 @@ ASK_CAT = [{"role": "user", "content": "Return a JSON object with a cat's name."
 ASK_CAT_AGE = [{"role": "user", "content": "Give a cat's name and age as a JSON object."}]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Test workers share two cores; one intra-op thread each avoids oversubscription."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # -- the engine ----------------------------------------------------------------------------------

@@ -16,7 +16,6 @@ import httpx
 import jsonschema
 import openai
 import pytest
-import torch
 
 from sits.runtime.config import ServerConfig
 from sits.runtime.engine.async_engine import AsyncEngine
@@ -36,13 +35,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 WEATHER_CHOICE = {"type": "function", "function": {"name": "get_weather"}}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Test workers share two cores; one intra-op thread each avoids oversubscription."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
