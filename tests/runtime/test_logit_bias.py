@@ -31,24 +31,11 @@ from sits.runtime.engine.request import SamplingParams, SamplingParamsError
 from sits.runtime.engine.runner import ModelRunner
 from sits.runtime.engine.sampler import Sampler
 from sits.runtime.engine.scheduler_output import ScheduledSequence
-from sits.runtime.engine.sequence import PENDING_TOKEN_ID, Sequence
+from sits.runtime.engine.sequence import PENDING_TOKEN_ID
 from sits.runtime.models.loading import LoadedModel, load_model
 from sits.runtime.server.runner import BackgroundServer
+from tests.runtime.sampling_helpers import EOS, VOCAB, fixed_logits, seq
 from tests.support.serving import serve_loaded
-
-VOCAB = 12
-EOS = 0
-
-
-def seq(seq_id="s", prompt=(1, 2, 3), output=(), **params) -> Sequence:
-    s = Sequence(seq_id, seq_id, 0, list(prompt), SamplingParams(**params), max_tokens=100, arrival_time=0.0)
-    for token in output:
-        s.append_output_token(token)
-    return s
-
-
-def fixed_logits(rows: int = 1, seed: int = 0) -> torch.Tensor:
-    return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 2
 
 
 # -- the sampler ---------------------------------------------------------------------------------

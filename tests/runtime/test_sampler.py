@@ -8,24 +8,9 @@ from collections import Counter
 import pytest
 import torch
 
-from sits.runtime.engine.request import SamplingParams
 from sits.runtime.engine.sampler import Sampler
 from sits.runtime.engine.sequence import Sequence
-
-VOCAB = 12
-EOS = 0
-
-
-def seq(seq_id="s", prompt=(1, 2, 3), output=(), **params) -> Sequence:
-    s = Sequence(seq_id, seq_id, 0, list(prompt), SamplingParams(**params), max_tokens=100, arrival_time=0.0)
-    for token in output:
-        s.append_output_token(token)
-    return s
-
-
-def fixed_logits(rows: int = 1, seed: int = 0) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randn(rows, VOCAB, generator=generator) * 2
+from tests.runtime.sampling_helpers import EOS, VOCAB, fixed_logits, seq
 
 
 def draw(sampler: Sampler, logits: torch.Tensor, sequence: Sequence, times: int) -> Counter:

@@ -15,11 +15,11 @@ from sits.runtime.engine.errors import PromptTooLongError
 from sits.runtime.engine.request import SamplingParams
 from sits.runtime.models.loading import load_model
 from sits.runtime.tenancy.config import TenancyConfig
-from sits.runtime.tenancy.kv_policy import TenantEvictionPolicy
 from sits.runtime.tenancy.memory_store import MemoryStateStore
 from sits.runtime.tenancy.request_ids import RequestIdGenerator, new_request_id
 from sits.runtime.tenancy.service import Tenancy
 from sits.runtime.tenancy.tenants import Tenant, TenantTable
+from tests.tenancy.recording_policy import RecordingPolicy
 
 BLOCK = 4
 
@@ -137,20 +137,6 @@ def test_preemption_spares_tenants_within_their_guarantee_and_takes_the_lowest_p
     assert preempted.get("bronze", 0) >= 1
     # The same squeeze without shards preempts by priority alone: silver goes first.
     assert squeeze(make_engine(tiny, table, num_blocks=16, tenancy=False), table).get("silver", 0) >= 1
-
-
-class RecordingPolicy(TenantEvictionPolicy):
-    """The real policy, remembering the blocks it gave up, in order."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.victims: list[int] = []
-
-    def pop_victim(self, requester):
-        block = super().pop_victim(requester)
-        if block is not None:
-            self.victims.append(block.block_id)
-        return block
 
 
 def test_eviction_order_through_the_engine_follows_the_score(tiny):

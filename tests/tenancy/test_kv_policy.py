@@ -10,9 +10,9 @@ from sits.runtime.engine.eviction import BlockOwner
 from sits.runtime.engine.kv_cache import KVCacheManager
 from sits.runtime.engine.request import SamplingParams
 from sits.runtime.engine.sequence import Sequence
-from sits.runtime.tenancy.kv_policy import TenantEvictionPolicy
 from sits.runtime.tenancy.request_ids import RequestIdGenerator
 from sits.runtime.tenancy.tenants import Tenant, TenantTable
+from tests.tenancy.recording_policy import RecordingPolicy
 
 ENGINE_START = 1_700_000_000.0
 BLOCK = 4
@@ -21,20 +21,6 @@ BLOCK = 4
 def request_id_at(seconds: float) -> str:
     when_ns = int((ENGINE_START + seconds) * 1e9)
     return RequestIdGenerator(clock_ns=lambda: when_ns).new()
-
-
-class RecordingPolicy(TenantEvictionPolicy):
-    """The real policy, remembering the order of the blocks it gave up."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.victims: list[int] = []
-
-    def pop_victim(self, requester):
-        block = super().pop_victim(requester)
-        if block is not None:
-            self.victims.append(block.block_id)
-        return block
 
 
 class Cache:
