@@ -152,44 +152,63 @@ async def test_idle_loop_sleeps_instead_of_polling(engine, tiny):
     assert time.process_time() - before < 0.1  # a busy loop would burn ~0.5 s of CPU here
 
 
-async def test_shutdown_drains_in_flight_requests_then_aborts_the_rest(tiny):
-    engine = AsyncEngine.from_engine(LLMEngine.from_loaded(tiny, config()))
-    await engine.start()
-    prompt = tiny.tokenizer.encode(PROMPTS[0])
-    short = asyncio.create_task(collect(engine, prompt, greedy(3), "short"))
-    endless = asyncio.create_task(collect(engine, prompt, greedy(500), "endless"))
-    await wait_until(lambda: engine.stats().num_running == 2)
-    await engine.shutdown(drain_timeout_s=1.0)
-    short_outputs, endless_outputs = await asyncio.wait_for(asyncio.gather(short, endless), 10)
-    assert short_outputs[-1].outputs[0].finish_reason is FinishReason.LENGTH
-    assert endless_outputs[-1].outputs[0].finish_reason is FinishReason.ABORT
-    assert engine.stats().kv_blocks_used == 0
-    with pytest.raises(EngineShuttingDownError):
-        await anext(engine.generate(prompt, greedy(1), "late"))
+class InstrumentedModel(torch.nn.Module):
+    """The real model, with a floor on each forward's duration (so step counts map to wall time)
+    and a switch that makes it raise: a device fault in the middle of serving."""
 
-
-class FailingModel(torch.nn.Module):
-    """The real model, made to raise on demand: a device fault in the middle of serving."""
-
-    def __init__(self, model) -> None:
+    def __init__(self, model, seconds_per_step: float = 0.0) -> None:
         super().__init__()
         self.inner = model
         self.config = model.config
+        self.seconds_per_step = seconds_per_step
         self.fail = False
 
     def forward(self, *args):
         if self.fail:
             raise RuntimeError("simulated device fault")
+        time.sleep(self.seconds_per_step)
         return self.inner(*args)
 
     def compute_logits(self, hidden):
         return self.inner.compute_logits(hidden)
 
 
+def serving(tiny: LoadedModel, model: InstrumentedModel) -> AsyncEngine:
+    loaded = LoadedModel(model, tiny.tokenizer, tiny.config, tiny.name, tiny.source, tiny.device, tiny.dtype)
+    return AsyncEngine.from_engine(LLMEngine.from_loaded(loaded, config()))
+
+
+async def test_shutdown_drains_in_flight_requests_then_aborts_the_rest(tiny):
+    engine = serving(tiny, InstrumentedModel(tiny.model, seconds_per_step=0.01))
+    await engine.start()
+    prompt = tiny.tokenizer.encode(PROMPTS[0])
+    started = {"short": asyncio.Event(), "endless": asyncio.Event()}
+
+    async def collect_and_signal(params: SamplingParams, request_id: str):
+        outputs = []
+        async for output in engine.generate(prompt, params, request_id):
+            outputs.append(output)
+            started[request_id].set()
+        return outputs
+
+    # Both admitted and streaming; short needs 8 steps (>= 0.08 s), endless 500 (>= 5 s), so the
+    # 2 s drain lets short finish and must abort endless.
+    short = asyncio.create_task(collect_and_signal(greedy(8), "short"))
+    endless = asyncio.create_task(collect_and_signal(greedy(500), "endless"))
+    await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started.values())), 10)
+    await engine.shutdown(drain_timeout_s=2.0)
+    short_outputs, endless_outputs = await asyncio.wait_for(asyncio.gather(short, endless), 10)
+    assert short_outputs[-1].outputs[0].finish_reason is FinishReason.LENGTH
+    assert len(short_outputs[-1].outputs[0].token_ids) == 8
+    assert endless_outputs[-1].outputs[0].finish_reason is FinishReason.ABORT
+    assert engine.stats().kv_blocks_used == 0
+    with pytest.raises(EngineShuttingDownError):
+        await anext(engine.generate(prompt, greedy(1), "late"))
+
+
 async def test_a_failing_step_fails_in_flight_requests_and_marks_the_engine_unhealthy(tiny):
-    failing = FailingModel(tiny.model)
-    loaded = LoadedModel(failing, tiny.tokenizer, tiny.config, tiny.name, tiny.source, tiny.device, tiny.dtype)
-    engine = AsyncEngine.from_engine(LLMEngine.from_loaded(loaded, config()))
+    failing = InstrumentedModel(tiny.model)
+    engine = serving(tiny, failing)
     await engine.start()
     try:
         stream = engine.generate(tiny.tokenizer.encode(PROMPTS[0]), greedy(400), "doomed")
