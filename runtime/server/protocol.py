@@ -16,6 +16,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from sits.runtime.server.errors import invalid_request
 from sits.runtime.server.protocol_base import StrictModel as _Strict
 from sits.runtime.server.protocol_base import collapsed
+from sits.runtime.server.protocol_chat import ChatTemplateOptions, PromptTruncation
 from sits.runtime.server.protocol_tools import NamedToolChoice, ToolCall, ToolDefinition, validated_tools
 
 __all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "NamedToolChoice", "ResponseFormat",
@@ -187,8 +188,12 @@ class ChatMessage(_Strict):
         return "".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(ChatTemplateOptions, PromptTruncation, _SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    # vLLM's: the rendered prompt's special tokens (the template writes its own), and echo, which
+    # starts the reply with the last message's text when that is an assistant message
+    add_special_tokens: bool = False
+    echo: bool = False
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -239,6 +244,7 @@ class ChatCompletionRequest(_SamplingFields):
             raise invalid_request("max_tokens must be at least 1, got 0", "max_tokens")
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        self.check_rendering()
         self._check_tool_choice()
 
     def _check_tool_choice(self) -> None:
@@ -263,7 +269,7 @@ class ChatCompletionRequest(_SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(PromptTruncation, _SamplingFields):
     """`prompt` is a string, a list of strings (a batch), a list of token ids, or a list of those."""
 
     prompt: Any
