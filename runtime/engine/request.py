@@ -23,16 +23,29 @@ class SamplingParamsError(ValueError):
 
 @dataclass(frozen=True)
 class StructuredOutputSpec:
-    """What a completion's text must be (OpenAI's `response_format`), enforced token by token.
+    """What a completion's text must be, enforced token by token: OpenAI's `response_format`, or
+    vLLM's `structured_outputs` (and its older `guided_*` parameters).
 
     Attributes:
-        kind: "json_object" (any JSON object) or "json_schema" (JSON valid against `schema`).
-        schema: the JSON schema as compact JSON text (keys in the client's order, which is the
-            order properties are generated in): the engine's grammar cache key; None for json_object.
+        kind: "json_object" (any JSON object), "json_schema" (JSON valid against a schema), "regex"
+            (text the regular expression matches whole), "choice" (exactly one of a list of strings)
+            or "grammar" (text derived from an EBNF grammar's `root` rule, xgrammar's dialect).
+        text: what the kind is built from: the schema as compact JSON (keys in the client's order,
+            which is the order properties are generated in), the regex, the grammar (for "choice",
+            the grammar of the choices' string literals); None for json_object.
+        source: the request field the constraint came from, dotted ("response_format.json_schema.schema",
+            "structured_outputs.regex", "guided_choice"): errors name it, and a 400 names its first
+            part. Not part of equality, so (kind, text) alone keys the engine's grammar cache.
     """
 
-    kind: Literal["json_object", "json_schema"]
-    schema: str | None = None
+    kind: Literal["json_object", "json_schema", "regex", "choice", "grammar"]
+    text: str | None = None
+    source: str = field(default="response_format", compare=False)
+
+    @property
+    def param(self) -> str:
+        """The request parameter a 400 about this constraint names."""
+        return self.source.split(".", 1)[0]
 
 
 @dataclass
@@ -63,8 +76,9 @@ class SamplingParams:
         logit_bias: token id -> bias in [-100, 100] added to that token's logit before sampling
             (OpenAI semantics; greedy picks see it too); at most 300 entries, OpenAI's cap. None
             or empty: off. The engine checks the ids against its vocabulary.
-        structured_output: the output must be JSON (an object, or valid against a schema): tokens
-            that would break it are masked before sampling (`structured_output.py`); None: off.
+        structured_output: the output must be JSON (an object, or valid against a schema), match a
+            regex, be one of some strings or follow a grammar: tokens that would break it are masked
+            before sampling (`structured_output.py`); None: off.
     """
 
     n: int = 1

@@ -1,17 +1,21 @@
-"""Structured outputs: OpenAI's `response_format` (json_object, json_schema) enforced with xgrammar.
+"""Structured outputs enforced with xgrammar: OpenAI's `response_format` (json_object, json_schema)
+and vLLM's `structured_outputs` / `guided_*` (json, regex, choice, grammar, json_object).
 
-xgrammar (the grammar engine vLLM uses) compiles a JSON schema against the model's vocabulary once;
-a `GrammarMatcher` per sequence then says, before each sampling step, which tokens keep the text a
-prefix of a valid document (a bitmask over the logits, `grammar_mask.py`), and is advanced with the
-token that was sampled. Once the document is complete the grammar allows only the stop tokens, so
-the completion ends with finish_reason "stop"; reaching max_tokens first ends it with "length" and
-the JSON cut short, as in vLLM and OpenAI.
+xgrammar (the grammar engine vLLM uses) compiles a JSON schema, a regex or an EBNF grammar against
+the model's vocabulary once; a `GrammarMatcher` per sequence then says, before each sampling step,
+which tokens keep the text a prefix of a valid output (a bitmask over the logits, `grammar_mask.py`),
+and is advanced with the token that was sampled. Once the output is complete and cannot go on the
+grammar allows only the stop tokens, so the completion ends with finish_reason "stop"; reaching
+max_tokens first ends it with "length" and the output cut short, as in vLLM and OpenAI. A choice
+is compiled as a grammar whose root is the alternation of the choices as string literals (every
+character escaped as needed, so quotes, backslashes and regex metacharacters stand for themselves).
 
 Costs, and where they are paid:
   - `GrammarCache` builds xgrammar's view of the tokenizer on the first structured request only,
-    and compiles each distinct schema once (an LRU keyed by the schema's canonical JSON). The
+    and compiles each distinct constraint once (an LRU keyed by the spec's kind and text). The
     server compiles a request's grammar in a worker thread before the request reaches the engine
-    (a schema xgrammar refuses is a 400 naming response_format), so the engine finds it cached.
+    (a schema, regex or grammar xgrammar refuses is a 400 naming the field it came from), so the
+    engine finds it cached.
   - `StructuredOutputs` keeps one matcher per constrained sequence (n > 1: one per completion);
     a step without constrained sequences does no work for them at all.
   - A matcher needs the previous token before it can build the next mask, so the engine does not
@@ -45,23 +49,59 @@ _MAX_ROLLBACK_TOKENS = 0
 
 
 class StructuredOutputError(SamplingParamsError):
-    """A response_format the grammar engine cannot enforce (a 400 naming response_format)."""
+    """An output constraint the grammar engine cannot enforce (a 400 naming `param`, by default
+    response_format)."""
 
-    def __init__(self, message: str) -> None:
-        super().__init__(RESPONSE_FORMAT, message)
+    def __init__(self, message: str, param: str = RESPONSE_FORMAT) -> None:
+        super().__init__(param, message)
 
 
-def json_schema_spec(schema: Any) -> StructuredOutputSpec:
-    """The spec of a json_schema response_format: the schema must be a JSON object."""
+def json_schema_spec(schema: Any, source: str = "response_format.json_schema.schema") -> StructuredOutputSpec:
+    """The spec of a JSON schema (from the request field `source`): the schema must be a JSON object."""
+    param = source.split(".", 1)[0]
     if not isinstance(schema, dict):
-        raise StructuredOutputError(f"response_format.json_schema.schema must be a JSON object, "
-                                    f"got {type(schema).__name__}")
+        raise StructuredOutputError(f"{source} must be a JSON object, got {type(schema).__name__}", param)
     try:
         # Keys keep their order: it is the order the document's properties are generated in.
         text = json.dumps(schema, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError, RecursionError) as error:
-        raise StructuredOutputError(f"response_format.json_schema.schema is not valid JSON: {error}") from None
-    return StructuredOutputSpec("json_schema", text)
+        raise StructuredOutputError(f"{source} is not valid JSON: {error}", param) from None
+    return StructuredOutputSpec("json_schema", text, source)
+
+
+def regex_spec(pattern: str, source: str) -> StructuredOutputSpec:
+    """The output must match `pattern` whole (xgrammar's regex dialect, close to JavaScript's)."""
+    return StructuredOutputSpec("regex", pattern, source)
+
+
+def grammar_spec(grammar: str, source: str) -> StructuredOutputSpec:
+    """The output must derive from the grammar's `root` rule (EBNF as xgrammar's compile_grammar reads it)."""
+    return StructuredOutputSpec("grammar", grammar, source)
+
+
+def choice_spec(choices: Sequence[str], source: str) -> StructuredOutputSpec:
+    """The output must be exactly one of `choices` (a non-empty list of strings)."""
+    if not choices or not all(isinstance(choice, str) for choice in choices):
+        raise StructuredOutputError(f"{source} must be a non-empty list of strings", source.split(".", 1)[0])
+    alternatives = " | ".join(ebnf_literal(choice) for choice in dict.fromkeys(choices))
+    return StructuredOutputSpec("choice", f"root ::= {alternatives}", source)
+
+
+def ebnf_literal(text: str) -> str:
+    """`text` as an EBNF string literal that matches exactly it: quote and backslash escaped, and
+    every character outside printable ASCII written as a \\u / \\U escape (newlines included)."""
+    parts = ['"']
+    for char in text:
+        if char in '"\\':
+            parts.append("\\" + char)
+        elif " " <= char <= "~":
+            parts.append(char)
+        elif ord(char) <= 0xFFFF:
+            parts.append(f"\\u{ord(char):04x}")
+        else:
+            parts.append(f"\\U{ord(char):08x}")
+    parts.append('"')
+    return "".join(parts)
 
 
 JSON_OBJECT = StructuredOutputSpec("json_object")
@@ -125,17 +165,25 @@ class GrammarCache:
 
 
 def _compile(compiler: Any, spec: StructuredOutputSpec) -> Any:
-    schema = _ANY_OBJECT_SCHEMA if spec.kind == "json_object" else spec.schema
-    if schema is None:
-        raise StructuredOutputError("response_format json_schema needs json_schema.schema")
+    if spec.kind != "json_object" and spec.text is None:
+        raise StructuredOutputError(f"{spec.source} is missing", spec.param)
     try:
+        if spec.kind == "regex":
+            return compiler.compile_regex(spec.text)
+        if spec.kind in ("grammar", "choice"):
+            return compiler.compile_grammar(spec.text, root_rule_name="root")
         # json_object: any object (strict_mode=False keeps its undeclared properties allowed).
+        schema = _ANY_OBJECT_SCHEMA if spec.kind == "json_object" else spec.text
         return compiler.compile_json_schema(schema, any_whitespace=ANY_WHITESPACE,
                                             strict_mode=spec.kind == "json_schema")
-    except Exception as error:  # whatever the grammar engine refuses in a client's schema is a 400
-        reason = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
-        reason = reason.split(": ", 1)[-1] if reason.startswith("[") else reason  # drop xgrammar's source location
-        raise StructuredOutputError(f"response_format.json_schema.schema cannot be enforced: {reason}") from None
+    except Exception as error:  # whatever the grammar engine refuses in a client's constraint is a 400
+        raise StructuredOutputError(f"{spec.source} cannot be enforced: {_reason(error)}", spec.param) from None
+
+
+def _reason(error: Exception) -> str:
+    """xgrammar's message without its log prefix ("[12:00:00] /project/cpp/x.cc:94: ...")."""
+    reason = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+    return reason.split(": ", 1)[-1] if reason.startswith("[") else reason
 
 
 class SequenceGrammar:

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from sits.runtime.server import protocol_structured as structured
 from sits.runtime.server.errors import invalid_request
 from sits.runtime.server.protocol_base import StrictModel as _Strict
 from sits.runtime.server.protocol_base import collapsed
@@ -83,6 +84,14 @@ class _SamplingFields(_Strict):
     prompt_logprobs: int | None = None
     # SITS: the prompt may hit (and fill) the shared-prefix pool of every tenant (a 400 without one)
     shared_prefix: bool = False
+    # vLLM's output constraints (`protocol_structured.py`): at most one of these and response_format
+    structured_outputs: structured.StructuredOutputsParams | None = None
+    guided_json: structured.SchemaObject = None
+    guided_regex: str | None = None
+    guided_choice: structured.Choices = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: structured.WhitespacePattern = None
+    guided_decoding_backend: structured.Backend = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -93,10 +102,10 @@ class _SamplingFields(_Strict):
             return value
         raise ValueError("stop must be a string or a list of strings")
 
-    @field_validator("response_format", mode="wrap")
+    @field_validator("response_format", "structured_outputs", mode="wrap")
     @classmethod
     def _response_format(cls, value: Any, handler: Any) -> Any:
-        """Any fault inside response_format is a 400 naming response_format (as OpenAI names it)."""
+        """Any fault inside response_format (or structured_outputs) is a 400 naming it (as OpenAI names it)."""
         try:
             return handler(value)
         except ValidationError as error:
@@ -142,6 +151,7 @@ class _SamplingFields(_Strict):
             raise invalid_request("stream_options is only allowed when stream is true", "stream_options")
         if self.prompt_logprobs is not None and self.stream:
             raise invalid_request("prompt_logprobs is not available when stream is true", "prompt_logprobs")
+        structured.check_one_constraint(self)  # response_format, structured_outputs, guided_*: at most one
 
     @property
     def stop_list(self) -> list[str]:

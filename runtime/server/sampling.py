@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from typing import Any
 
 from sits.runtime.engine.async_engine import AsyncEngine
 from sits.runtime.engine.request import SamplingParams, StructuredOutputSpec
-from sits.runtime.engine.structured_output import JSON_OBJECT, json_schema_spec
+from sits.runtime.engine.structured_output import (
+    JSON_OBJECT,
+    choice_spec,
+    grammar_spec,
+    json_schema_spec,
+    regex_spec,
+)
 from sits.runtime.server.errors import invalid_request
-from sits.runtime.server.protocol import ChatCompletionRequest, CompletionRequest, ResponseFormat
+from sits.runtime.server.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
+from sits.runtime.server.protocol_structured import GUIDED_CONSTRAINTS
 
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what a torch.Generator accepts
 
@@ -65,26 +74,57 @@ def sampling_params(request: ChatCompletionRequest | CompletionRequest, *, max_t
         prompt_logprobs=prompt_logprobs,
         skip_special_tokens=request.skip_special_tokens,
         logit_bias=request.logit_bias or None,
-        structured_output=structured_output(request.response_format),
+        structured_output=structured_output(request),
     )
     params.validate(vocab_size=vocab_size)
     return params
 
 
-def structured_output(response_format: ResponseFormat | None) -> StructuredOutputSpec | None:
-    """The engine's spec of a response_format (None for text); a non-JSON schema is a 400."""
-    if response_format is None or response_format.type == "text":
-        return None
-    if response_format.type == "json_object":
-        return JSON_OBJECT
-    schema = response_format.json_schema.schema_ if response_format.json_schema is not None else None
-    return json_schema_spec(schema)
+# vLLM's constraint names -> the engine's spec of a value sent in the request field `source`
+_SPECS: dict[str, Callable[[Any, str], StructuredOutputSpec]] = {
+    "json": json_schema_spec,
+    "regex": regex_spec,
+    "choice": choice_spec,
+    "grammar": grammar_spec,
+    "json_object": lambda _, source: StructuredOutputSpec("json_object", source=source),
+}
+
+
+def structured_output(request: ChatCompletionRequest | CompletionRequest) -> StructuredOutputSpec | None:
+    """The engine's spec of the request's output constraint: response_format (None for text),
+    structured_outputs or a guided_* parameter (the protocol let at most one through); its `source`
+    is the field sent, so whatever the grammar engine refuses is a 400 naming it. In a chat whose
+    tool_choice forces a call, structured_outputs and guided_* are 400s, as response_format is."""
+    response_format = request.response_format
+    if response_format is not None and response_format.type != "text":
+        if response_format.type == "json_object":
+            return JSON_OBJECT
+        schema = response_format.json_schema.schema_ if response_format.json_schema is not None else None
+        return json_schema_spec(schema)
+    if request.structured_outputs is not None:
+        name, value = request.structured_outputs.constraint()
+        param, spec = "structured_outputs", _SPECS[name](value, f"structured_outputs.{name}")
+    else:
+        param = next((name for name in GUIDED_CONSTRAINTS if getattr(request, name) is not None), "")
+        if not param:
+            return None
+        spec = _SPECS[param.removeprefix("guided_")](getattr(request, param), param)
+    if isinstance(request, ChatCompletionRequest) and _forces_tool_call(request):
+        raise invalid_request(f"{param} cannot be combined with a tool_choice that forces a call: the call's "
+                              "arguments already follow the function's schema", param)
+    return spec
+
+
+def _forces_tool_call(request: ChatCompletionRequest) -> bool:
+    choice = request.tool_choice
+    return choice == "required" or isinstance(choice, NamedToolChoice)
 
 
 async def compile_response_format(engine: AsyncEngine, params: SamplingParams) -> None:
     """Compile the request's grammar in a worker thread, before the request reaches the engine: a
-    schema the grammar engine refuses is a 400 naming response_format (never a stream that fails),
-    and the engine then finds the grammar in its cache instead of compiling on its own thread."""
+    schema, regex or grammar the grammar engine refuses is a 400 naming the field it came from
+    (never a stream that fails), and the engine then finds the grammar in its cache instead of
+    compiling on its own thread."""
     if params.structured_output is None:
         return
     await asyncio.to_thread(engine.structured_outputs.cache.compile, params.structured_output)
