@@ -17,6 +17,7 @@ from sits.runtime.engine.structured_output import StructuredOutputError
 from sits.runtime.server.errors import as_openai_error, invalid_request
 from sits.runtime.server.logprobs import LogprobFormatter
 from sits.runtime.server.protocol import ChatCompletionRequest, ChatMessage, ToolDefinition
+from sits.runtime.server.protocol_chat import ChatTemplateOptions
 from sits.runtime.server.request_ids import new_request_id
 from sits.runtime.server.responses import DONE, SSE_HEADERS, finish_text, sse, usage
 from sits.runtime.server.sampling import compile_response_format, output_budget, sampling_params
@@ -42,23 +43,25 @@ class ChatCompletions:
         self.logprobs = LogprobFormatter(ctx.tokenizer)
         self.tool_call_parser = tool_call_parser
 
-    async def prompt_token_ids(self, messages: list[ChatMessage], *, add_generation_prompt: bool = True,
+    async def prompt_token_ids(self, messages: list[ChatMessage], options: ChatTemplateOptions, *,
                                add_special_tokens: bool = False,
                                tools: list[ToolDefinition] | None = None) -> list[int]:
-        """The prompt exactly as transformers' apply_chat_template(..., add_generation_prompt=True) renders it.
+        """The prompt exactly as transformers' apply_chat_template renders it with the same options
+        (add_generation_prompt, continue_final_message, documents, chat_template_kwargs).
 
-        The keywords are for /tokenize, which renders the same way with the client's choice of both.
+        /tokenize renders through here too, so its count is the chat endpoint's prompt.
         `tools` reach the template as HF's `tools` variable (rendered if the template knows how).
         """
-        self._check_size(messages, tools)
+        options.check_rendering()
+        self._check_size(messages, tools, options)
         conversation = [template_message(message) for message in messages]
         tool_specs = [tool.model_dump(exclude_none=True) for tool in tools] if tools else None
         # ChatTemplateError (the template rejected the conversation) is a 400 naming `messages`.
-        text = self.ctx.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                                      tools=tool_specs)
+        text = self.ctx.tokenizer.apply_chat_template(conversation, tools=tool_specs, **options.template_variables())
         return await self.ctx.encode(text, add_special_tokens=add_special_tokens, param="messages", name="messages")
 
-    def _check_size(self, messages: list[ChatMessage], tools: list[ToolDefinition] | None = None) -> None:
+    def _check_size(self, messages: list[ChatMessage], tools: list[ToolDefinition] | None = None,
+                    options: ChatTemplateOptions | None = None) -> None:
         """400 before rendering a conversation that cannot fit the context (or is not valid Unicode).
 
         Every rendered message costs at least one token (its role markers), and the texts' lengths
@@ -73,6 +76,8 @@ class ChatCompletions:
         texts = [m.text() + (m.name or "") + "".join(c.function.arguments for c in m.tool_calls or ())
                  for m in messages]
         texts += [json.dumps(tool.model_dump(exclude_none=True)) for tool in tools or ()]
+        if options is not None and (options.documents or options.chat_template_kwargs):
+            texts.append(json.dumps([options.documents, options.chat_template_kwargs], default=str))
         self.ctx.check_text("".join(texts), "messages", "messages")
 
     async def __call__(self, body: ChatCompletionRequest, tenant: str, request: Request) -> Response:
@@ -83,9 +88,12 @@ class ChatCompletions:
         salt = request_cache_salt(request, body.shared_prefix)  # 400 before the work of tokenizing
         tool_plan = plan_tool_calls(body, self.tool_call_parser)
         self.ctx.admit(request, body.n)  # 503 when the server is full, before any work for it
-        prompt_ids = await self.prompt_token_ids(body.messages, tools=body.tools)
+        prompt_ids = await self.prompt_token_ids(body.messages, body, add_special_tokens=body.add_special_tokens,
+                                                 tools=body.tools)
         limit_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        max_tokens = output_budget(len(prompt_ids), body.output_limit, self.ctx.context_limit(tenant), default=None,
+        context = self.ctx.context_limit(tenant)
+        prompt_ids = body.truncated(prompt_ids, room=context - (body.output_limit or 1))
+        max_tokens = output_budget(len(prompt_ids), body.output_limit, context, default=None,
                                    param=limit_param, prompt_name="messages")
         params = sampling_params(body, max_tokens=max_tokens, logprobs=body.num_logprobs,
                                  vocab_size=self.ctx.vocab_size, prompt_logprobs=body.prompt_logprobs)
@@ -96,13 +104,13 @@ class ChatCompletions:
         head = {"id": response_id, "created": int(time.time()), "model": self.ctx.model_name}
         headers = {"x-request-id": response_id}
         if body.stream:
-            events = self._events(stream, head, body, request, tool_plan)
+            events = self._events(stream, head, body, request, tool_plan, echo_text(body))
             return StreamingResponse(events, media_type="text/event-stream", headers={**headers, **SSE_HEADERS})
         try:
             final = (await collect_unless_disconnected(stream, request))[0]
         except ClientGone:
             return Response(status_code=499)
-        return JSONResponse(self._completion(final, head, body, tool_plan), headers=headers)
+        return JSONResponse(self._completion(final, head, body, tool_plan, echo_text(body)), headers=headers)
 
     async def _compile_output_grammar(self, params: SamplingParams, tool_plan: ToolPlan) -> None:
         """response_format's grammar, or a forced tool call's (a schema xgrammar refuses: a 400 naming tools)."""
@@ -119,13 +127,15 @@ class ChatCompletions:
                                   "tools") from None
 
     def _completion(self, final: RequestOutput, head: dict[str, Any], body: ChatCompletionRequest,
-                    tool_plan: ToolPlan) -> dict:
+                    tool_plan: ToolPlan, echo: str) -> dict:
         choices = []
         for choice in sorted(final.outputs, key=lambda c: c.index):
             logprobs = None
             if body.num_logprobs is not None:
                 logprobs = self.logprobs.chat(choice.logprobs or [], body.num_logprobs)
             message, finish = tool_plan.message(choice.text, finish_text(choice.finish_reason))
+            if echo and message.get("content") is not None:
+                message["content"] = echo + message["content"]
             choices.append({"index": choice.index, "message": message, "logprobs": logprobs, "finish_reason": finish})
         response = {**head, "object": "chat.completion", "choices": choices, "system_fingerprint": None,
                     "usage": usage([final])}
@@ -134,7 +144,8 @@ class ChatCompletions:
         return response
 
     async def _events(self, stream: AsyncIterator[tuple[int, RequestOutput]], head: dict[str, Any],
-                      body: ChatCompletionRequest, request: Request, tool_plan: ToolPlan) -> AsyncIterator[str]:
+                      body: ChatCompletionRequest, request: Request, tool_plan: ToolPlan,
+                      echo: str) -> AsyncIterator[str]:
         chunk_head = {**head, "object": "chat.completion.chunk", "system_fingerprint": None}
         if body.include_usage:
             chunk_head["usage"] = None
@@ -153,6 +164,8 @@ class ChatCompletions:
                             started.add(choice.index)
                             tool_streams[choice.index] = tool_plan.streamer()
                             yield self._chunk(chunk_head, choice.index, {"role": "assistant", "content": ""})
+                            if echo:
+                                yield self._chunk(chunk_head, choice.index, {"content": echo})
                         tool_stream = tool_streams[choice.index]
                         if choice.text_delta or choice.logprobs_delta:
                             logprobs = None
@@ -186,6 +199,13 @@ class ChatCompletions:
         return sse({**chunk_head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                                                "finish_reason": finish}]})
 
+
+
+def echo_text(body: ChatCompletionRequest) -> str:
+    """What vLLM's chat `echo` puts before the reply: the last message's text when the reply
+    continues its role (an assistant message, e.g. with continue_final_message), else nothing."""
+    last = body.messages[-1]
+    return last.text() if body.echo and last.role == "assistant" else ""
 
 
 def template_message(message: ChatMessage) -> dict[str, Any]:

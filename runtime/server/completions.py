@@ -47,21 +47,23 @@ class Completions:
         self.ctx = ctx
         self.logprobs = LogprobFormatter(ctx.tokenizer)
 
-    async def prompt_token_ids(self, body: CompletionRequest) -> list[list[int]]:
+    async def prompt_token_ids(self, body: CompletionRequest, room: int) -> list[list[int]]:
+        """Each prompt's token ids, cut to its last tokens under truncate_prompt_tokens (`room`: the
+        most a prompt may keep with -1, the context minus the tokens to generate)."""
         prompts = body.prompts()
         param = "prompt"
         for prompt in prompts:  # every prompt checked before any is tokenized
             if isinstance(prompt, str):
                 self.ctx.check_text(prompt, param)
             else:
-                self.ctx.check_token_ids(prompt, param)
+                self.ctx.check_token_ids(body.truncated(prompt, room), param)
         result = []
         for prompt in prompts:
             if isinstance(prompt, str):
                 token_ids = await self.ctx.encode(prompt, add_special_tokens=True, param=param)
             else:
                 token_ids = prompt
-            result.append(self.ctx.check_token_ids(token_ids, param))
+            result.append(self.ctx.check_token_ids(body.truncated(token_ids, room), param))
         return result
 
     async def __call__(self, body: CompletionRequest, tenant: str, request: Request) -> Response:
@@ -72,16 +74,16 @@ class Completions:
         salt = request_cache_salt(request, body.shared_prefix)  # 400 before the work of tokenizing
         # n choices of each prompt: 503 when the server is full, 400 when it could never fit
         self.ctx.admit(request, body.n * len(body.prompts()), param="n" if body.n > 1 else "prompt")
-        prompts = await self.prompt_token_ids(body)
         limit = self.ctx.context_limit(tenant)
         requested = 1 if body.echo_only else body.max_tokens  # echo alone: one token run and dropped
+        prompts = await self.prompt_token_ids(body, room=limit - (requested or DEFAULT_MAX_TOKENS))
         budgets = [output_budget(len(ids), requested, limit, default=DEFAULT_MAX_TOKENS,
                                  param="max_tokens", prompt_name="prompt") for ids in prompts]
         params = [sampling_params(body, max_tokens=budget, logprobs=body.logprobs, vocab_size=self.ctx.vocab_size,
                                   prompt_logprobs=body.engine_prompt_logprobs)
                   for budget in budgets]
-        echoes = [self._prompt_text(prompt, ids) for prompt, ids in zip(body.prompts(), prompts, strict=True)
-                  ] if body.echo else []
+        echoes = [self._prompt_text(prompt, ids, body.truncate_prompt_tokens is not None)
+                  for prompt, ids in zip(body.prompts(), prompts, strict=True)] if body.echo else []
         await compile_response_format(self.ctx.engine, params[0])  # one response_format for every prompt
         response_id = new_request_id("cmpl")
         engine_ids = [response_id] if len(prompts) == 1 else [f"{response_id}-{i}" for i in range(len(prompts))]
@@ -100,9 +102,12 @@ class Completions:
         ordered = [finals[i] for i in range(len(prompts))]
         return JSONResponse(self._completion(ordered, head, body, echoes), headers=headers)
 
-    def _prompt_text(self, prompt: str | list[int], token_ids: list[int]) -> str:
-        """What echo returns of a prompt: its text as sent, or its token ids' text (special tokens kept)."""
-        return prompt if isinstance(prompt, str) else self.ctx.tokenizer.decode(token_ids, skip_special_tokens=False)
+    def _prompt_text(self, prompt: str | list[int], token_ids: list[int], truncated: bool) -> str:
+        """What echo returns of a prompt: its text as sent, or the text of the token ids the model
+        read (special tokens kept): ids sent, or a prompt cut by truncate_prompt_tokens."""
+        if isinstance(prompt, str) and not truncated:
+            return prompt
+        return self.ctx.tokenizer.decode(token_ids, skip_special_tokens=False)
 
     def _choice(self, prompt_index: int, n: int, choice: CompletionOutput, text: str, logprobs: Any,
                 finish: str | None) -> dict[str, Any]:

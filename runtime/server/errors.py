@@ -104,7 +104,7 @@ def validation_error(error: RequestValidationError, content_type: str = "applica
         detail = context.get("error", "") if isinstance(context, dict) else ""
         return invalid_request(f"The request body is not valid JSON: {detail}".rstrip(": "), code="invalid_json")
     param = _param_from_loc(tuple(first.get("loc", ())))
-    if param is None or kind in ("model_attributes_type", "model_type", "dict_type"):
+    if param is None:  # the body itself is not an object (a field that is not one is named below)
         if "json" not in content_type:
             return invalid_request("The request body must be JSON, sent with Content-Type: application/json.",
                                    code="invalid_body")

@@ -26,6 +26,7 @@ from sits.runtime.server.chat import ChatCompletions
 from sits.runtime.server.errors import invalid_request
 from sits.runtime.server.protocol import ChatMessage, ToolDefinition, validated_tools
 from sits.runtime.server.protocol_base import StrictModel
+from sits.runtime.server.protocol_chat import ChatTemplateOptions
 from sits.runtime.server.serving import ServingContext
 
 PACKAGE_NAME = "sits"
@@ -34,7 +35,7 @@ PACKAGE_NAME = "sits"
 DECODE_INLINE_TOKENS = 4096
 
 
-class TokenizeRequest(StrictModel):
+class TokenizeRequest(ChatTemplateOptions):
     """vLLM's TokenizeCompletionRequest (`prompt`) or TokenizeChatRequest (`messages`): one of the two.
 
     `add_special_tokens` defaults to true for a prompt (e.g. a BOS token, as /v1/completions adds)
@@ -45,8 +46,6 @@ class TokenizeRequest(StrictModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
     return_token_strs: bool | None = False
     tools: list[ToolDefinition] | None = None
 
@@ -62,10 +61,6 @@ class TokenizeRequest(StrictModel):
                                   param="prompt", code="missing_required_parameter")
         if self.prompt is not None and self.messages is not None:
             raise invalid_request("Give either 'prompt' or 'messages', not both.", param="messages")
-        if self.messages is None:
-            return
-        if self.continue_final_message:
-            raise invalid_request("continue_final_message is not supported", param="continue_final_message")
 
 
 class DetokenizeRequest(StrictModel):
@@ -103,8 +98,7 @@ class Tokenization:
             token_ids = await self.ctx.encode(body.prompt, add_special_tokens=add_special_tokens, param="prompt")
         else:  # the chat form (check_form: messages are given)
             token_ids = await self.chat.prompt_token_ids(
-                body.messages or [], add_generation_prompt=body.add_generation_prompt,
-                add_special_tokens=bool(body.add_special_tokens), tools=body.tools)
+                body.messages or [], body, add_special_tokens=bool(body.add_special_tokens), tools=body.tools)
         response: dict[str, Any] = {"count": len(token_ids), "max_model_len": self.ctx.max_model_len,
                                     "tokens": token_ids}
         if body.return_token_strs:

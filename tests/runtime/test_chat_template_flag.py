@@ -21,8 +21,9 @@ from sits.runtime.attention.torch_ref import TorchAttentionBackend
 from sits.runtime.cli import main
 from sits.runtime.config import ConfigError, ModelConfig, read_chat_template
 from sits.runtime.engine.async_engine import AsyncEngine
-from sits.runtime.models.loading import LoadedModel, load_model
+from sits.runtime.models.loading import load_model
 from sits.runtime.server.runner import BackgroundServer
+from tests.support.models import load_smollm2_with_template
 from tests.support.serving import serve_loaded
 
 # A ChatML template (SmolLM2's turn markers) that lists each tool's function name in a system block.
@@ -42,12 +43,6 @@ TOOLS = [{"type": "function", "function": {"name": "lookup_tide_tables", "descri
 ASK = [{"role": "user", "content": "When is high tide in Brest?"}]
 
 
-def load_with_template(chat_template: str) -> LoadedModel:
-    config = ModelConfig(model=None, device="cpu", dtype="float32", chat_template=chat_template)
-    config.validate()
-    return load_model(config, TorchAttentionBackend(), progress=False)
-
-
 @pytest.fixture(scope="module")
 def template_file(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("templates") / "tools.jinja"
@@ -57,7 +52,7 @@ def template_file(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def served(smollm2_checkpoint_dir, template_file) -> Iterator[tuple[BackgroundServer, AsyncEngine]]:
-    with serve_loaded(load_with_template(str(template_file)), max_model_len=512, num_blocks=32, max_num_seqs=2,
+    with serve_loaded(load_smollm2_with_template(str(template_file)), max_model_len=512, num_blocks=32, max_num_seqs=2,
                       max_num_batched_tokens=256) as served:
         yield served
 
@@ -89,7 +84,7 @@ def test_the_file_template_renders_tools_alike_in_tokenize_and_chat_completions(
 def test_an_inline_template_replaces_the_model_template_and_is_logged(smollm2, caplog):
     inline = "{% for message in messages %}[{{ message.role }}] {{ message.content }}\\n{% endfor %}"
     with caplog.at_level(logging.INFO, logger="sits.runtime.models.loading"):
-        loaded = load_with_template(inline)
+        loaded = load_smollm2_with_template(inline)
     assert loaded.tokenizer.apply_chat_template(ASK) == "[user] When is high tide in Brest?\n"  # \\n decoded
     assert smollm2.tokenizer.chat_template is not None
     assert smollm2.tokenizer.apply_chat_template(ASK) != loaded.tokenizer.apply_chat_template(ASK)

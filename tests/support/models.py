@@ -81,6 +81,13 @@ def smollm2(smollm2_checkpoint_dir: Path) -> LoadedModel:
     return load_model(config, TorchAttentionBackend(), progress=False)
 
 
+def load_smollm2_with_template(chat_template: str) -> LoadedModel:
+    """SmolLM2 as `smollm2` loads it, with `--chat-template`'s override (a file path or the text)."""
+    config = ModelConfig(model=None, device="cpu", dtype="float32", chat_template=chat_template)
+    config.validate()
+    return load_model(config, TorchAttentionBackend(), progress=False)
+
+
 @pytest.fixture(scope="session")
 def hf_smollm2(smollm2_gguf_path: Path):
     """transformers' SmolLM2-135M-Instruct, read from the same GGUF file (the reference)."""
