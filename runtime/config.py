@@ -10,6 +10,7 @@ import codecs
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sits.runtime.lora.config import LoraConfig, LoraConfigError
 from sits.runtime.parallel.config import ParallelConfig
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -164,6 +165,7 @@ class EngineConfig:
         async_scheduling: schedule and prepare the next step, and process the previous step's
             outputs, while the device computes the current one; None (auto) turns it on for one
             CUDA device and off on a CPU, where the forward runs on the calling thread anyway.
+        lora: multi-LoRA serving (`--enable-lora`, `--lora-modules`, ...).
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -175,9 +177,11 @@ class EngineConfig:
     cuda_graph_max_batch_size: int | None = None
     compile: bool = False
     async_scheduling: bool | None = None
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def validate(self) -> None:
         self.model.validate()
+        self._validate_lora()
         self.cache.validate()
         self.scheduler.validate()
         self.parallel.validate()
@@ -191,6 +195,23 @@ class EngineConfig:
             raise ConfigError(
                 f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
             )
+
+    def _validate_lora(self) -> None:
+        """LoRA's own options, and what it does not run with: its delta layers run eagerly beside
+        plain (unsharded, unquantized) linear layers."""
+        try:
+            self.lora.validate()
+        except LoraConfigError as error:
+            raise ConfigError(str(error)) from None
+        if not self.lora.enable_lora:
+            return
+        if self.parallel.tensor_parallel_size > 1:
+            raise ConfigError("--enable-lora does not run with --tensor-parallel-size > 1 yet")
+        if self.model.quantization != "none":
+            raise ConfigError(f"--enable-lora does not run with --quantization {self.model.quantization} "
+                              "(adapters need the unquantized weights' layers)")
+        if self.compile:
+            raise ConfigError("--enable-lora does not run with --compile (the adapters' layers run eagerly)")
 
 
 TOOL_CALL_PARSERS = ("hermes",)  # `<tool_call>{"name", "arguments"}</tool_call>` (Hermes, Qwen2.5)

@@ -1,0 +1,137 @@
+"""The engine's adapters: every `--lora-modules` adapter loaded into a slot at start-up.
+
+`setup_lora` reads and checks every adapter first (so a bad one stops the start before the model
+is touched), then hooks a `LoraDelta` onto each linear layer some adapter targets, writes each
+adapter into its slot and hands the runner the `LoraStepState` it fills every step. Without
+--enable-lora it does nothing at all: the model keeps its plain forward.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from sits.runtime.config import ConfigError
+from sits.runtime.engine.errors import InvalidRequestError
+from sits.runtime.lora.adapter import TARGETS, LoraAdapter, load_adapter, target_shapes
+from sits.runtime.lora.config import LoraConfig, LoraConfigError, LoraModule
+from sits.runtime.lora.layers import LoraDelta, LoraStepState
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from sits.runtime.engine.runner import ModelRunner
+    from sits.runtime.models.config import LlamaConfig
+
+logger = logging.getLogger(__name__)
+
+# Our fused layers and the targets each holds, in slice order.
+FUSED_LAYERS: dict[str, tuple[str, ...]] = {
+    "self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "self_attn.o_proj": ("o_proj",),
+    "mlp.gate_up_proj": ("gate_proj", "up_proj"),
+    "mlp.down_proj": ("down_proj",),
+}
+
+
+class LoraManager:
+    """Adapters held in slots 1..n of every hooked layer (slot 0 is the base model).
+
+    Args:
+        model: the base decoder (`model.model.layers[i].self_attn / .mlp`).
+        model_config: its shape.
+        config: the LoRA options.
+    Attributes:
+        modules: name -> LoraModule of each adapter served.
+        slots: name -> slot.
+        step: the per-step adapter index the model runner fills.
+    """
+
+    def __init__(self, model: nn.Module, model_config: LlamaConfig, config: LoraConfig) -> None:
+        adapters = [load_adapter(module, model_config, config.max_lora_rank) for module in config.modules]
+        device = next(model.parameters()).device
+        self.step = LoraStepState(device)
+        self.modules: dict[str, LoraModule] = {a.module.name: a.module for a in adapters}
+        self.slots: dict[str, int] = {a.module.name: slot for slot, a in enumerate(adapters, start=1)}
+        self.adapters = adapters
+        targeted = set().union(*(a.targets for a in adapters))
+        shapes = target_shapes(model_config)
+        self._deltas: dict[tuple[int, str], LoraDelta] = {}
+        previous = getattr(model, "lora_manager", None)
+        if previous is not None:  # an earlier engine over the same model object: its hooks go
+            previous.detach()
+        for index, layer in enumerate(model.model.layers):
+            for layer_name, targets in FUSED_LAYERS.items():
+                if targeted.isdisjoint(targets):
+                    continue
+                linear = layer.get_submodule(layer_name)
+                sizes = [shapes[target][1] for target in targets]
+                self._deltas[(index, layer_name)] = LoraDelta(linear, sizes, config.num_slots, config.max_lora_rank,
+                                                              self.step)
+        for slot, adapter in enumerate(adapters, start=1):
+            self._write(slot, adapter)
+        model.lora_manager = self
+        self._model = model
+
+    def _write(self, slot: int, adapter: LoraAdapter) -> None:
+        for (layer, target), (lora_a, lora_b) in adapter.weights.items():
+            layer_name, index = TARGETS[target]
+            self._deltas[(layer, layer_name)].set_slice(slot, index, lora_a, lora_b, adapter.scale)
+
+    def slot_of(self, name: str | None) -> int:
+        """The slot of adapter `name` (0 for None: the base model).
+
+        Raises:
+            InvalidRequestError: no adapter of that name is served.
+        """
+        if name is None:
+            return 0
+        slot = self.slots.get(name)
+        if slot is None:
+            raise InvalidRequestError(f"unknown LoRA adapter {name!r} (served: {', '.join(self.slots) or 'none'})")
+        return slot
+
+    def detach(self) -> None:
+        """Remove every hook: the model computes the base model alone again."""
+        for delta in self._deltas.values():
+            delta.remove()
+        self._deltas.clear()
+        self.step.clear()
+        if getattr(self._model, "lora_manager", None) is self:
+            del self._model.lora_manager
+
+
+def lora_slot(manager: LoraManager | None, name: str | None) -> int:
+    """The slot a request naming adapter `name` runs with (0: the base model).
+
+    Raises:
+        InvalidRequestError: an adapter was named but LoRA is off, or no adapter has that name.
+    """
+    if name is None:
+        return 0
+    if manager is None:
+        raise InvalidRequestError(f"LoRA adapter {name!r} was asked for, but LoRA is not enabled (--enable-lora)")
+    return manager.slot_of(name)
+
+
+def setup_lora(runner: ModelRunner, model: nn.Module, model_config: LlamaConfig, config: LoraConfig,
+               served_model_name: str) -> LoraManager | None:
+    """Load the configured adapters and hand the runner their step state; None without --enable-lora.
+
+    Raises:
+        ConfigError: a bad adapter, or one named like the base model (the message names the flag).
+    """
+    if not config.enable_lora:
+        return None
+    clash = next((m.name for m in config.modules if m.name == served_model_name), None)
+    if clash is not None:
+        raise ConfigError(f"--lora-modules {clash}: the adapter has the base model's name; pick another name")
+    try:
+        manager = LoraManager(model, model_config, config)
+    except LoraConfigError as error:
+        raise ConfigError(str(error)) from None
+    runner.enable_lora(manager.step)
+    served = ", ".join(f"{a.module.name} (rank {a.rank}, {a.module.path})" for a in manager.adapters) or "none yet"
+    logger.info("LoRA: adapters %s; %d slots, --max-lora-rank %d; steps with LoRA run eagerly (no CUDA graphs)",
+                served, config.num_slots, config.max_lora_rank)
+    return manager
