@@ -36,6 +36,8 @@ from sits.runtime.engine.errors import (
 from sits.runtime.engine.request import RequestOutput, SamplingParams
 from sits.runtime.engine.stats import EngineStats
 from sits.runtime.engine.structured_output import StructuredOutputs
+from sits.runtime.lora.config import LoraModule
+from sits.runtime.lora.manager import lora_slot
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +65,7 @@ class _Add:
     priority: int
     cache_salt: str | None = None
     stream_text: bool = True
+    lora: str | None = None
 
 
 @dataclass
@@ -123,6 +126,11 @@ class AsyncEngine:
     @property
     def model_name(self) -> str:
         return self.engine.model_name
+
+    @property
+    def lora_modules(self) -> dict[str, LoraModule]:
+        """The LoRA adapters served (name -> module), empty without --enable-lora."""
+        return dict(self.engine.lora.modules) if self.engine.lora is not None else {}
 
     @property
     def max_model_len(self) -> int:
@@ -201,12 +209,14 @@ class AsyncEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         stream_text: bool = True,
+        lora: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its snapshot after every step that produced tokens.
 
         Leaving early (break, aclose, cancellation) aborts the request and frees its KV blocks.
         `cache_salt` (the tenant's prefix-cache salt) keeps its cached prefix blocks private.
         `stream_text=False`: only the final snapshot carries text (see `LLMEngine.add_request`).
+        `lora`: the LoRA adapter to run with (a `--lora-modules` name); None: the base model.
 
         Raises:
             PromptTooLongError, InvalidRequestError, SamplingParamsError: bad request (400).
@@ -218,6 +228,7 @@ class AsyncEngine:
         if not self._accepting:
             raise EngineShuttingDownError("the engine is shutting down and accepts no new requests")
         self.engine.validate_request(prompt_token_ids, params, tenant)  # reads limits only (ints)
+        lora_slot(self.engine.lora, lora)  # an adapter not served: InvalidRequestError, before queueing
         self._ensure_started()
         stream = _Stream(asyncio.get_running_loop())
         with self._cond:  # re-checked under the lock: a crash or shutdown may have just happened
@@ -229,7 +240,7 @@ class AsyncEngine:
                 raise DuplicateRequestError(f"request id {request_id!r} is already in the engine")
             self._streams[request_id] = stream
             self._commands.append(_Add(request_id, list(prompt_token_ids), params, tenant, priority, cache_salt,
-                                       stream_text))
+                                       stream_text, lora))
             self._idle.clear()
             self._cond.notify()
         finished = False
@@ -312,7 +323,7 @@ class AsyncEngine:
                 self.engine.add_request(
                     command.request_id, command.prompt_token_ids, command.params,
                     tenant=command.tenant, priority=command.priority, cache_salt=command.cache_salt,
-                    stream_text=command.stream_text,
+                    stream_text=command.stream_text, lora=command.lora,
                 )
             except ValueError as exc:  # raced with a duplicate id, or other request validation
                 self._send(command.request_id, exc)

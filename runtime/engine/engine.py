@@ -41,6 +41,7 @@ from sits.runtime.engine.scheduling_policy import SchedulingPolicy, WaitingQueue
 from sits.runtime.engine.sequence import Sequence, SequenceStatus, child_sequence_id
 from sits.runtime.engine.stats import EngineStats
 from sits.runtime.engine.structured_output import StructuredOutputs
+from sits.runtime.lora.manager import lora_slot, setup_lora
 
 if TYPE_CHECKING:  # the models package is imported only when a model is loaded
     from sits.runtime.models.loading import LoadedModel
@@ -91,6 +92,7 @@ class LLMEngine:
         quantize(loaded, config.model.quantization)
         sampler = Sampler(self.eos_token_ids, loaded.device, seed=config.model.seed)
         self.runner = runner_factory(loaded.model, loaded.device, loaded.dtype, block_size, sampler)
+        self.lora = setup_lora(self.runner, loaded.model, loaded.config, config.lora, self.model_name)
 
         profile = None
         if loaded.device.type == "cuda" and config.cache.num_blocks is None:
@@ -197,8 +199,11 @@ class LLMEngine:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         stream_text: bool = True,
+        lora: str | None = None,
     ) -> None:
         """Queue a request; its n completions are scheduled as n sequences sharing the prompt.
+
+        `lora` names the LoRA adapter (`--lora-modules`) the request runs with; None: the base model.
 
         `stream_text=False` (a caller that reads the text only once the request finished, like a
         non-streaming API call): the text is decoded when the request finishes, in one go, unless
@@ -206,13 +211,14 @@ class LLMEngine:
 
         Raises:
             PromptTooLongError: empty prompt, or prompt + max_tokens (1 if None) > max_model_len.
-            InvalidRequestError: a token id outside the vocabulary, or a duplicate request id.
+            InvalidRequestError: a token id outside the vocabulary, a duplicate id, an unknown LoRA adapter.
             SamplingParamsError: a sampling parameter out of range.
         """
         if request_id in self._children:
             raise DuplicateRequestError(f"request id {request_id!r} is already in the engine")
         prompt_token_ids = list(prompt_token_ids)
         self.validate_request(prompt_token_ids, params, tenant)
+        slot = lora_slot(self.lora, lora)  # InvalidRequestError for an adapter not served
         arrival_time = time.time() if arrival_time is None else arrival_time
         # A sequence longer than its tenant's room in the cache could never finish: it stops there.
         longest = min(self.max_model_len, self.kv_cache.max_tokens_for(tenant))
@@ -235,6 +241,7 @@ class LLMEngine:
                     tenant=tenant,
                     priority=priority,
                     cache_salt=cache_salt,
+                    lora_name=lora, lora_slot=slot,
                     sibling_ids=tuple(s for s in seq_ids if s != seq_id),
                     arrival_order=order,
                 )

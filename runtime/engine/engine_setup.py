@@ -46,6 +46,8 @@ def prepare_execution(runner: ModelRunner, loaded: LoadedModel, config: EngineCo
         reason = "--enforce-eager"
     elif backend is None or not getattr(backend, "supports_cuda_graphs", False):
         reason = f"the {getattr(backend, 'name', '?')} attention back end cannot be captured"
+    elif getattr(runner, "lora", None) is not None:
+        reason = "LoRA adapters are applied eagerly"
     elif not runner.cuda_graphs_supported:
         reason = f"{type(runner).__name__} does not support them"
     else:

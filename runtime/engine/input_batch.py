@@ -84,6 +84,7 @@ class InputBatch:
         self._scoring_prompts: set[str] = set()  # seq_ids of `_rows` whose prompt logprobs are not all run yet
         # The engine's matchers (set when it serves structured outputs); rows look theirs up here.
         self.structured_outputs: StructuredOutputs | None = None
+        self.lora_enabled = False  # steps carry their sequences' LoRA slots (set by the runner)
         self._free_rows: list[int] = list(range(rows - 1, -1, -1))
         self._step = 0  # steps prepared so far
         self._sampled_ids: torch.Tensor | None = None  # [N] int64 on the device, of step _sampled_step
@@ -152,6 +153,8 @@ class InputBatch:
             model_input.grammar_mask = self._grammar_mask(step, len(sample_sequences))
         if self._scoring_prompts:  # only while a request with prompt logprobs has prompt left to run
             model_input.prompt_logprobs = StepPromptLogprobs.build(ordered, self._scoring_prompts, self.device)
+        if self.lora_enabled:
+            model_input.lora_slots = [item.sequence.lora_slot for item in ordered]
         return model_input
 
     def _grammar_mask(self, step: int, num_sampled: int) -> StepGrammarMask | None:

@@ -114,7 +114,8 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return PrefixHit()
         max_blocks = (seq.num_tokens - 1) // self.block_size
-        extend_block_hashes(seq.block_hashes, seq.all_token_ids, self.block_size, max_blocks, seq.cache_salt)
+        extend_block_hashes(seq.block_hashes, seq.all_token_ids, self.block_size, max_blocks, seq.cache_salt,
+                            seq.lora_name)
         hit: list[KVBlock] = []
         for block_hash in seq.block_hashes[:max_blocks]:
             block = self.pool.lookup(block_hash)
@@ -209,7 +210,8 @@ class KVCacheManager:
         committed = self._num_committed.get(seq.seq_id, 0)
         if num_full <= committed:
             return
-        extend_block_hashes(seq.block_hashes, seq.all_token_ids, self.block_size, num_full, seq.cache_salt)
+        extend_block_hashes(seq.block_hashes, seq.all_token_ids, self.block_size, num_full, seq.cache_salt,
+                            seq.lora_name)
         for index in range(committed, num_full):
             self.pool.cache(table[index], seq.block_hashes[index])
         self._num_committed[seq.seq_id] = num_full

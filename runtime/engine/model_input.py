@@ -36,6 +36,7 @@ class ModelInput:
         grammar_mask: the allowed tokens of the sampled rows under a response_format; None when none is.
         prompt_logprobs: the rows that score prompt tokens of requests asking for prompt logprobs;
             None when the step runs none (`prompt_logprobs.py`).
+        lora_slots: each sequence's LoRA adapter slot (0: none), in batch order; None without LoRA.
     """
 
     input_ids: torch.Tensor
@@ -46,6 +47,7 @@ class ModelInput:
     logit_bias: StepLogitBias | None = None
     grammar_mask: StepGrammarMask | None = None
     prompt_logprobs: StepPromptLogprobs | None = None
+    lora_slots: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:

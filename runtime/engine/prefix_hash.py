@@ -45,15 +45,26 @@ def extend_block_hashes(
     block_size: int,
     num_full_blocks: int,
     cache_salt: str | None = None,
+    lora_name: str | None = None,
 ) -> None:
     """Append the hashes of blocks len(hashes) .. num_full_blocks-1 of token_ids, in place.
 
     Incremental: a sequence pays for each block's hash once, however often it is asked. The salt
-    goes into the first block only; the chain carries it to every later block.
+    and the LoRA adapter's name go into the first block only; the chain carries them to every later
+    block, so KV computed under one adapter (or the base model) is never a hit for another.
     """
     num_full_blocks = min(num_full_blocks, len(token_ids) // block_size)
+    first_extra = first_block_extra_keys(cache_salt, lora_name)
     for index in range(len(hashes), num_full_blocks):
         parent = hashes[index - 1] if index > 0 else None
-        extra = (cache_salt,) if index == 0 and cache_salt else ()
+        extra = first_extra if index == 0 else ()
         start = index * block_size
         hashes.append(hash_block(parent, token_ids[start : start + block_size], extra))
+
+
+def first_block_extra_keys(cache_salt: str | None, lora_name: str | None) -> tuple[str, ...]:
+    """The extra keys of a sequence's first block: its salt, and with an adapter two keys (salt or
+    "", then the adapter), which no single salt can hash like (keys are length-prefixed)."""
+    if lora_name is None:
+        return (cache_salt,) if cache_salt else ()
+    return (cache_salt or "", f"lora:{lora_name}")

@@ -11,6 +11,7 @@ prompt tokens of a request asking for prompt logprobs also scores those rows (`p
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,6 +25,9 @@ from sits.runtime.engine.request import SamplingParams
 from sits.runtime.engine.sampler import Sampler
 from sits.runtime.engine.scheduler_output import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 from sits.runtime.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from sits.runtime.lora.layers import LoraStepState
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +63,13 @@ class ModelRunner:
         self.kv_caches: KVCaches = []
         self.decode_graphs: DecodeGraphs | None = None
         self.input_batch = InputBatch(block_size, self.device)
+        self.lora: LoraStepState | None = None  # the adapters' per-step row index, with --enable-lora
+
+    def enable_lora(self, step: LoraStepState) -> None:
+        """Serve LoRA adapters: each step's batch carries its sequences' adapter slots, and `step`
+        gets them before the forward (the hooked layers read it; `sits.runtime.lora`)."""
+        self.lora = step
+        self.input_batch.lora_enabled = True
 
     @property
     def num_blocks(self) -> int:
@@ -135,6 +146,8 @@ class ModelRunner:
 
     def _forward(self, model_input: ModelInput) -> torch.Tensor:
         """[num_tokens, hidden] hidden states of the batch: a graph replay for decode-only batches."""
+        if self.lora is not None:  # no decode graphs with LoRA: every step runs eagerly
+            self.lora.begin_step(model_input.lora_slots, model_input.metadata.query_lens_list)
         if self.decode_graphs is not None and self.decode_graphs.can_run(model_input):
             return self.decode_graphs.run(model_input)
         return self.model(model_input.input_ids, model_input.positions, self.kv_caches, model_input.metadata)

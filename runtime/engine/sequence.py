@@ -61,6 +61,8 @@ class Sequence:
             and preempted last); the tenancy layer reads them for shards and eviction scores.
         cache_salt: mixed into the first block's prefix hash so tenants never share cached KV
             unless they share the salt.
+        lora_name, lora_slot: the LoRA adapter this completion runs with and its slot in the
+            model's adapter stacks (None and 0: the base model); the name keys its prefix hashes.
         num_computed_tokens: tokens whose K/V are in the cache or being computed by a step already
             scheduled (the scheduler advances it when it schedules them; prefix hits count).
         num_pending_tokens: tokens already scheduled to be sampled whose ids have not reached the
@@ -81,6 +83,8 @@ class Sequence:
     tenant: str = "default"
     priority: int = 0
     cache_salt: str | None = None
+    lora_name: str | None = None
+    lora_slot: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
