@@ -1,14 +1,15 @@
 """Every object one SitsDeployment owns, from its spec and the rollout's plan (pure, no cluster).
 
-The `build_*` functions live by concern in workloads.py, networking.py and monitoring.py; this
-module gathers them so a reconcile applies one list, and names the optional kinds it must delete
-when the spec stops asking for them.
+The `build_*` functions live by concern in workloads.py, networking.py, monitoring.py and
+autoscaling.py; this module gathers them so a reconcile applies one list, and names the optional
+kinds it must delete when the spec stops asking for them.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from sits.operator.autoscaling import HPA_API, HPA_KIND, build_horizontal_pod_autoscaler
 from sits.operator.meta import Owner
 from sits.operator.monitoring import build_prometheus_rule, build_service_monitor
 from sits.operator.networking import build_http_route, build_pod_disruption_budget, build_services
@@ -22,11 +23,12 @@ OPTIONAL_KINDS = (
     ("gateway.networking.k8s.io/v1", "HTTPRoute"),
     ("monitoring.coreos.com/v1", "ServiceMonitor"),
     ("monitoring.coreos.com/v1", "PrometheusRule"),
+    (HPA_API, HPA_KIND),
 )
 
 __all__ = [
-    "OPTIONAL_KINDS", "build_all", "build_config_map", "build_deployment", "build_http_route",
-    "build_pod_disruption_budget", "build_pod_template", "build_prometheus_rule", "build_service_monitor",
+    "OPTIONAL_KINDS", "build_all", "build_config_map", "build_deployment", "build_horizontal_pod_autoscaler",
+    "build_http_route", "build_pod_disruption_budget", "build_pod_template", "build_prometheus_rule", "build_service_monitor",
     "build_services",
 ]
 
@@ -45,4 +47,6 @@ def build_all(owner: Owner, spec: SitsDeploymentSpec, plan: Plan,
         objects.append(build_service_monitor(owner))
     if spec.monitoring.prometheus_rule:
         objects.append(build_prometheus_rule(owner, spec.rollout.canary.analysis))
+    if spec.autoscaling is not None:
+        objects.append(build_horizontal_pod_autoscaler(owner, spec.autoscaling))
     return objects

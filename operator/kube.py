@@ -35,6 +35,7 @@ PLURALS = {
     "ConfigMap": "configmaps", "Secret": "secrets", "Service": "services", "Event": "events",
     "Deployment": "deployments", "PodDisruptionBudget": "poddisruptionbudgets", "HTTPRoute": "httproutes",
     "ServiceMonitor": "servicemonitors", "PrometheusRule": "prometheusrules", "SitsDeployment": "sitsdeployments",
+    "HorizontalPodAutoscaler": "horizontalpodautoscalers",
 }
 
 

@@ -2,7 +2,8 @@
 
 One SitsDeployment `x` owns: ConfigMap `x-engine`, Deployments `x-stable` and `x-canary`,
 Services `x` (both tracks), `x-stable` and `x-canary`, PodDisruptionBudget `x`, and optionally
-the HTTPRoute the spec names, ServiceMonitor `x` and PrometheusRule `x`.
+the HTTPRoute the spec names, ServiceMonitor `x`, PrometheusRule `x` and HorizontalPodAutoscaler `x`
+(which scales `x` itself through its scale subresource).
 """
 
 from __future__ import annotations

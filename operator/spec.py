@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sits.operator.fields import Fields, SpecError
+from sits.operator.spec_autoscaling import AutoscalingSpec, parse_autoscaling
 from sits.operator.spec_rollout import HTTP_URL, MonitoringSpec, RolloutSpec, parse_monitoring, parse_rollout
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -136,10 +137,12 @@ class SitsDeploymentSpec:
     tenancy: TenancySpec = field(default_factory=TenancySpec)
     rollout: RolloutSpec = field(default_factory=RolloutSpec)
     monitoring: MonitoringSpec = field(default_factory=MonitoringSpec)
+    autoscaling: AutoscalingSpec | None = None  # a HorizontalPodAutoscaler writes `replicas`
 
 
 _SPEC_FIELDS = {"model", "image", "imagePullPolicy", "replicas", "gpusPerReplica", "gpuProduct", "resources",
-                "engine", "nccl", "tenancy", "rollout", "monitoring", "tracing"}
+                "engine", "nccl", "tenancy", "rollout", "monitoring", "tracing", "autoscaling"}
+_AUTOSCALING_FIELDS = {"minReplicas", "maxReplicas", "metrics", "behavior"}
 
 
 def parse_spec(spec: Any, name: str) -> SitsDeploymentSpec:
@@ -152,11 +155,18 @@ def parse_spec(spec: Any, name: str) -> SitsDeploymentSpec:
         raise SpecError("spec.rollout.canary.tenants",
                         "routing tenants to the canary needs spec.rollout.trafficRouting.gatewayAPI "
                         "(a header match); without it traffic is split by replica ratio only")
+    autoscaling = parse_autoscaling(fields.child("autoscaling", _AUTOSCALING_FIELDS),
+                                    cpu_requested=any(kind == "requests" and "cpu" in dict(values)
+                                                      for kind, values in workload.resources))
+    replicas = fields.integer("replicas", 1, minimum=0)
+    if autoscaling is not None:
+        # The HPA keeps spec.replicas within its bounds; until its first sync the operator does the same
+        replicas = autoscaling.clamp(replicas)
     return SitsDeploymentSpec(
-        name=name, workload=workload,
-        replicas=fields.integer("replicas", 1, minimum=0),
+        name=name, workload=workload, replicas=replicas,
         tenancy=tenancy, rollout=rollout,
         monitoring=parse_monitoring(fields.child("monitoring", {"serviceMonitor", "prometheusRule"})),
+        autoscaling=autoscaling,
     )
 
 

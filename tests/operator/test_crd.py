@@ -123,6 +123,11 @@ MAXIMAL = {
                                                           "port": 443}]}}},
     "monitoring": {"serviceMonitor": True, "prometheusRule": True},
     "tracing": {"otlpEndpoint": "http://otel-collector:4318"},
+    "autoscaling": {"minReplicas": 2, "maxReplicas": 6,
+                    "metrics": [{"type": "cpu", "targetUtilization": 70}, {"type": "waitingRequests", "targetAverage": 4}],
+                    "behavior": {direction: {"stabilizationWindowSeconds": 60, "selectPolicy": "Max",
+                                             "policies": [{"type": "Pods", "value": 1, "periodSeconds": 30}]}
+                                 for direction in ("scaleUp", "scaleDown")}},
 }
 
 
