@@ -7,9 +7,10 @@ schedules and launches step N+1 on the device first, then processes step N's sam
 the device computes: N+1's decode inputs come from N's sampled ids on the device, so the GPU never
 idles on the host's scheduling, batch building, detokenization or output snapshots. A stop found
 in N's tokens (EOS, stop token or string) then costs one token of compute in N+1, never an output
-token; while a request with penalties or a response_format runs, steps are processed before the
-next is scheduled (a penalty needs every output token on the host; a grammar matcher needs the
-previous token before it can build the next step's mask: `structured_output.py`).
+token; while a request with penalties, bad_words or a response_format runs, steps are processed
+before the next is scheduled (a penalty needs every output token on the host; a grammar matcher or
+a bad word needs the previous token before it can build the next step's mask: `structured_output.py`,
+`token_masks.py`).
 
 `LLMEngine` is single-threaded: call every method from one thread (`AsyncEngine` runs it on its
 own background thread and funnels requests to it).
@@ -41,6 +42,7 @@ from sits.runtime.engine.scheduling_policy import SchedulingPolicy, WaitingQueue
 from sits.runtime.engine.sequence import Sequence, SequenceStatus, child_sequence_id
 from sits.runtime.engine.stats import EngineStats
 from sits.runtime.engine.structured_output import StructuredOutputs
+from sits.runtime.engine.token_masks import resolve_bad_words
 from sits.runtime.lora.manager import lora_slot, setup_lora
 
 if TYPE_CHECKING:  # the models package is imported only when a model is loaded
@@ -117,7 +119,7 @@ class LLMEngine:
         self.async_scheduling = _resolve_async_scheduling(config, loaded)
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None  # launched, not yet processed
         self._unscheduled_requests: set[str] = set()  # added, never scheduled (first_scheduled_time)
-        # with penalties or a response_format: sampling needs all their tokens (no step ahead)
+        # with penalties, bad_words or a response_format: sampling needs all their tokens (no step ahead)
         self._history_requests: set[str] = set()
         self.structured_outputs = StructuredOutputs(self.tokenizer, self.vocab_size)
         self.runner.input_batch.structured_outputs = self.structured_outputs
@@ -163,6 +165,7 @@ class LLMEngine:
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams, tenant: str = "default") -> None:
         """Raise (a ValueError subclass, a 400 at the edge) if the request can never be served."""
         params.validate(vocab_size=self.vocab_size)
+        resolve_bad_words(params, self.tokenizer, self.vocab_size)  # bad_words as token ids, once
         if params.prompt_logprobs is not None and self.config.parallel.tensor_parallel_size > 1:
             raise SamplingParamsError("prompt_logprobs", "prompt logprobs (echo with logprobs, or prompt_logprobs) "
                                       "are not available with tensor parallelism")
@@ -250,8 +253,7 @@ class LLMEngine:
         self._unscheduled_requests.add(request_id)
         if params.structured_output is not None:
             self.structured_outputs.add(seq_ids, params.structured_output)
-        if (params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty
-                or params.structured_output is not None):
+        if params.needs_output_tokens:
             self._history_requests.add(request_id)
         self._counters["prompt_tokens"] += len(prompt_token_ids)
 

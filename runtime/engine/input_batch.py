@@ -18,9 +18,10 @@ A sequence whose request gave `logit_bias` keeps its biases with its row (as arr
 row is taken); a step gathers them for the biased rows it samples only, so steps of sequences
 without logit_bias spend nothing on it (`logit_bias.py`). A sequence under a response_format keeps
 its grammar matcher with its row the same way, and a step fills the grammar bitmask of those rows
-only (`grammar_mask.py`). A sequence that scores its prompt (prompt logprobs) is noted when it takes
-its row, and a step lists its rows to score only while such a sequence still has prompt to run
-(`prompt_logprobs.py`).
+only (`grammar_mask.py`). A sequence whose request gave allowed_token_ids or bad_words keeps them
+with its row as arrays too, and a step gathers them for those rows only (`token_masks.py`). A
+sequence that scores its prompt (prompt logprobs) is noted when it takes its row, and a step lists
+its rows to score only while such a sequence still has prompt to run (`prompt_logprobs.py`).
 """
 
 from __future__ import annotations
@@ -38,12 +39,13 @@ from sits.runtime.engine.prompt_logprobs import StepPromptLogprobs, collects_pro
 from sits.runtime.engine.scheduler_output import ScheduledSequence
 from sits.runtime.engine.sequence import PENDING_TOKEN_ID
 from sits.runtime.engine.structured_output import SequenceGrammar, StructuredOutputs
+from sits.runtime.engine.token_masks import SequenceTokenMask, StepTokenMask
 
 
 class _Row:
     """One sequence's row of the block-table array and the list it mirrors."""
 
-    __slots__ = ("index", "table", "written", "sampled_step", "sampled_row", "logit_bias", "grammar")
+    __slots__ = ("index", "table", "written", "sampled_step", "sampled_row", "logit_bias", "grammar", "token_mask")
 
     def __init__(self, index: int, table: list[int], logit_bias: SequenceLogitBias | None = None) -> None:
         self.index = index
@@ -53,6 +55,7 @@ class _Row:
         self.sampled_row = -1  # ... and the sequence's row in that step's sampled ids
         self.logit_bias = logit_bias  # the request's logit_bias, or None
         self.grammar: SequenceGrammar | None = None  # the sequence's matcher under a response_format
+        self.token_mask: SequenceTokenMask | None = None  # its allowed_token_ids / bad_words
 
 
 class InputBatch:
@@ -81,6 +84,7 @@ class InputBatch:
         self._rows: dict[str, _Row] = {}
         self._biased_rows: dict[str, _Row] = {}  # the rows of `_rows` that carry a logit_bias
         self._constrained_rows: dict[str, _Row] = {}  # the rows of `_rows` that carry a grammar matcher
+        self._masked_rows: dict[str, _Row] = {}  # the rows of `_rows` with allowed_token_ids / bad_words
         self._scoring_prompts: set[str] = set()  # seq_ids of `_rows` whose prompt logprobs are not all run yet
         # The engine's matchers (set when it serves structured outputs); rows look theirs up here.
         self.structured_outputs: StructuredOutputs | None = None
@@ -101,6 +105,7 @@ class InputBatch:
             if row is not None:
                 self._biased_rows.pop(seq_id, None)
                 self._constrained_rows.pop(seq_id, None)
+                self._masked_rows.pop(seq_id, None)
                 self._scoring_prompts.discard(seq_id)
                 self._tables[row.index, : row.written] = 0
                 self._free_rows.append(row.index)
@@ -149,6 +154,10 @@ class InputBatch:
             model_input.logit_bias = StepLogitBias.build(
                 [(row.sampled_row, row.logit_bias) for row in self._biased_rows.values()
                  if row.sampled_step == step and row.logit_bias is not None], self.device)
+        if self._masked_rows:  # only while a request with allowed_token_ids or bad_words holds a row
+            model_input.token_mask = StepTokenMask.build(
+                [(row.sampled_row, row.token_mask) for row in self._masked_rows.values()
+                 if row.sampled_step == step and row.token_mask is not None], self.device)
         if self._constrained_rows:  # only while a request with a response_format holds a row
             model_input.grammar_mask = self._grammar_mask(step, len(sample_sequences))
         if self._scoring_prompts:  # only while a request with prompt logprobs has prompt left to run
@@ -186,6 +195,9 @@ class InputBatch:
             row = self._rows[seq_id] = _Row(self._free_rows.pop(), table, SequenceLogitBias.of(item.sequence))
             if row.logit_bias is not None:
                 self._biased_rows[seq_id] = row
+            row.token_mask = SequenceTokenMask.of(item.sequence)
+            if row.token_mask is not None:
+                self._masked_rows[seq_id] = row
             if collects_prompt_logprobs(item.sequence):
                 self._scoring_prompts.add(seq_id)
             if item.sequence.params.structured_output is not None and self.structured_outputs is not None:

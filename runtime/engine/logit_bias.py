@@ -64,7 +64,7 @@ class StepLogitBias:
         index[0] = np.repeat(np.array([row for row, _ in entries], dtype=np.int64), counts)
         index[1] = np.concatenate([bias.token_ids for _, bias in entries])
         values = np.concatenate([bias.values for _, bias in entries])
-        index_t, values_t = _to_device(index, device), _to_device(values, device)
+        index_t, values_t = to_device(index, device), to_device(values, device)
         return cls(index_t[0], index_t[1], values_t)
 
     @classmethod
@@ -79,7 +79,7 @@ class StepLogitBias:
         return logits.index_put_((self.rows, self.token_ids), self.values, accumulate=True)
 
 
-def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     """`array` on the device; on CUDA through pinned memory, so the copy does not wait for queued work."""
     host = torch.from_numpy(array)
     if device.type == "cpu":

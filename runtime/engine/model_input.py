@@ -20,6 +20,7 @@ from sits.runtime.engine.logit_bias import StepLogitBias
 from sits.runtime.engine.prompt_logprobs import StepPromptLogprobs
 from sits.runtime.engine.scheduler_output import ScheduledSequence
 from sits.runtime.engine.sequence import Sequence as EngineSequence
+from sits.runtime.engine.token_masks import StepTokenMask
 
 
 @dataclass
@@ -34,6 +35,8 @@ class ModelInput:
         sample_sequences: the sequences sampled this step, in logits_indices order.
         logit_bias: the biases of the sampled rows whose requests gave logit_bias; None when none did.
         grammar_mask: the allowed tokens of the sampled rows under a response_format; None when none is.
+        token_mask: the allowed ids and banned tokens of the sampled rows whose requests gave
+            allowed_token_ids or bad_words; None when none did (or nothing is banned this step).
         prompt_logprobs: the rows that score prompt tokens of requests asking for prompt logprobs;
             None when the step runs none (`prompt_logprobs.py`).
         lora_slots: each sequence's LoRA adapter slot (0: none), in batch order; None without LoRA.
@@ -46,6 +49,7 @@ class ModelInput:
     sample_sequences: list[EngineSequence]
     logit_bias: StepLogitBias | None = None
     grammar_mask: StepGrammarMask | None = None
+    token_mask: StepTokenMask | None = None
     prompt_logprobs: StepPromptLogprobs | None = None
     lora_slots: list[int] | None = None
 

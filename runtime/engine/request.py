@@ -79,6 +79,14 @@ class SamplingParams:
         structured_output: the output must be JSON (an object, or valid against a schema), match a
             regex, be one of some strings or follow a grammar: tokens that would break it are masked
             before sampling (`structured_output.py`); None: off.
+        allowed_token_ids: vLLM's: only these ids may be sampled (every other token is masked before
+            sampling, `token_masks.py`); None: off. Not empty; the engine checks them against its
+            vocabulary. Logprobs stay those of the raw logits, as for logit_bias.
+        bad_words: vLLM's: words the output must never contain (`token_masks.py` says how they are
+            matched); at most 128 non-blank strings. None or empty: off.
+        bad_words_token_ids: the token-id form of bad words: each a token sequence that must never
+            appear in the output. None: the engine fills it from `bad_words` with its tokenizer
+            when the request is added; given: used as it is (what callers without a tokenizer set).
     """
 
     n: int = 1
@@ -101,20 +109,36 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     structured_output: StructuredOutputSpec | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
 
     MAX_N = 128
     MAX_LOGPROBS = 20
     MAX_LOGIT_BIAS = 100.0  # |bias| limit
     MAX_LOGIT_BIAS_ENTRIES = 300
+    MAX_BAD_WORDS = 128  # vLLM's per-request limit
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def needs_output_tokens(self) -> bool:
+        """Sampling the next token needs every output token so far on the host (penalties, a
+        grammar, a bad word of several tokens): the engine does not run a step ahead while such a
+        request runs. Bad words not yet turned into token ids count as several tokens."""
+        if self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0:
+            return True
+        if self.bad_words and self.bad_words_token_ids is None:
+            return True
+        return self.structured_output is not None or any(len(w) > 1 for w in self.bad_words_token_ids or ())
+
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise SamplingParamsError naming the first parameter that is out of range.
 
-        `vocab_size` (when known): logit_bias token ids must be below it.
+        `vocab_size` (when known): logit_bias, allowed_token_ids and bad_words_token_ids ids must
+        be below it.
         """
         checks: list[tuple[str, bool, str]] = [
             ("n", 1 <= self.n <= self.MAX_N, f"n must be between 1 and {self.MAX_N}, got {self.n}"),
@@ -148,6 +172,32 @@ class SamplingParams:
                 raise SamplingParamsError(param, message)
         if self.logit_bias:
             self._validate_logit_bias(vocab_size)
+        if self.allowed_token_ids is not None:
+            self._validate_token_ids("allowed_token_ids", self.allowed_token_ids, vocab_size)
+        if self.bad_words is not None:
+            self._validate_bad_words()
+        for word in self.bad_words_token_ids or ():
+            self._validate_token_ids("bad_words", word, vocab_size)
+
+    @staticmethod
+    def _validate_token_ids(param: str, token_ids: list[int], vocab_size: int | None) -> None:
+        if not isinstance(token_ids, list | tuple) or not token_ids:
+            raise SamplingParamsError(param, f"{param} must be a non-empty list of token ids")
+        for token_id in token_ids:
+            if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
+                raise SamplingParamsError(param, f"{param} must hold non-negative token ids, got {token_id!r}")
+            if vocab_size is not None and token_id >= vocab_size:
+                raise SamplingParamsError(param, f"{param} token id {token_id} is out of range "
+                                                 f"(vocabulary size {vocab_size})")
+
+    def _validate_bad_words(self) -> None:
+        words = self.bad_words
+        if not isinstance(words, list | tuple) or len(words) > self.MAX_BAD_WORDS:
+            raise SamplingParamsError("bad_words", f"bad_words must be a list of at most {self.MAX_BAD_WORDS} "
+                                                   "strings")
+        bad = next((w for w in words if not isinstance(w, str) or not w.strip()), None)
+        if bad is not None:
+            raise SamplingParamsError("bad_words", f"bad_words must hold non-empty words, got {bad!r}")
 
     def _validate_logit_bias(self, vocab_size: int | None) -> None:
         bias = self.logit_bias or {}

@@ -136,7 +136,8 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden)
             if model_input.grammar_mask is not None:  # structured outputs: disallowed tokens to -inf
                 model_input.grammar_mask.apply(logits)
-            sampled = self.sampler.sample(logits, model_input.sample_sequences, model_input.logit_bias)
+            sampled = self.sampler.sample(logits, model_input.sample_sequences, model_input.logit_bias,
+                                          model_input.token_mask)
         self.input_batch.record_sampled(sampled.token_ids)
         return PendingOutput([seq.seq_id for seq in model_input.sample_sequences], sampled, prompt_logprobs)
 

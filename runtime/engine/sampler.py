@@ -2,11 +2,12 @@
 
 Order of operations per row (vLLM's):
   1. logprobs (when asked) from the raw logits: log_softmax of the model's float32 output;
-  2. stop tokens masked while fewer than min_tokens were generated;
-  3. logit_bias added (`logit_bias.py`; logprobs above do not reflect it, as in vLLM);
-  4. repetition / presence / frequency penalties;
-  5. temperature 0: argmax — exactly `logits.argmax()` on float32 when nothing above applies;
-  6. otherwise: divide by temperature, min_p, top_k, top_p, then draw with the row's generator.
+  2. allowed_token_ids and bad_words: the other / banned tokens to -inf (`token_masks.py`);
+  3. stop tokens masked while fewer than min_tokens were generated;
+  4. logit_bias added (`logit_bias.py`; logprobs above reflect neither it nor 2, as in vLLM);
+  5. repetition / presence / frequency penalties;
+  6. temperature 0: argmax — exactly `logits.argmax()` on float32 when nothing above applies;
+  7. otherwise: divide by temperature, min_p, top_k, top_p, then draw with the row's generator.
 A request with a seed owns a `torch.Generator` seeded with it (completion i of n gets seed + i),
 and its noise is drawn from that generator alone, so the same seed gives the same tokens
 whatever else is batched. Requests without a seed share the engine's generator.
@@ -29,6 +30,7 @@ from sits.runtime.engine.sampling_ops import (
 )
 from sits.runtime.engine.scheduler_output import SampledToken
 from sits.runtime.engine.sequence import Sequence as EngineSequence
+from sits.runtime.engine.token_masks import StepTokenMask
 
 _TINY = torch.finfo(torch.float32).tiny
 
@@ -61,29 +63,34 @@ class Sampler:
         Args:
             logits: [N, V] float32, row i for sequences[i].
             sequences: the sequences being sampled (their params and tokens so far); their
-                logit_bias is gathered here (the per-step path passes it to `sample` instead).
+                logit_bias, allowed_token_ids and bad_words (as token ids) are gathered here (the
+                per-step path passes them to `sample` instead).
         Returns:
             N sampled tokens, with logprobs for rows whose params ask for them.
         """
-        return self.sample(logits, sequences, StepLogitBias.of_sequences(sequences, logits.device)).to_tokens()
+        return self.sample(logits, sequences, StepLogitBias.of_sequences(sequences, logits.device),
+                           StepTokenMask.of_sequences(sequences, logits.device)).to_tokens()
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, sequences: Sequence[EngineSequence],
-               logit_bias: StepLogitBias | None = None) -> SamplerOutput:
+               logit_bias: StepLogitBias | None = None, token_mask: StepTokenMask | None = None) -> SamplerOutput:
         """Pick one token per row, leaving the results on the logits' device (nothing waits for it).
 
         Args and rows as for `__call__`; the caller copies the result to the host when it wants.
         `logit_bias`: the biases of the rows whose requests gave one (the persistent batch keeps
         them, `InputBatch`), None when no row has any; the sequences' own logit_bias is not read.
+        `token_mask`: the same for allowed_token_ids and bad_words.
         """
         logits = logits.float()
         # the common case: exactly argmax, no copy of the logits
-        if logit_bias is None and all(map(_plain_greedy, sequences)):
+        if logit_bias is None and token_mask is None and all(map(_plain_greedy, sequences)):
             return SamplerOutput(logits.argmax(dim=-1))
         num_rows, vocab_size = logits.shape
         logprob_ks = [-1 if seq.params.logprobs is None else seq.params.logprobs for seq in sequences]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if max(logprob_ks) >= 0 else None
         logits = logits.clone()
+        if token_mask is not None:
+            token_mask.apply(logits)
         self._mask_stop_tokens(logits, sequences)
         if logit_bias is not None:
             logit_bias.apply(logits)

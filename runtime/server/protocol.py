@@ -82,6 +82,9 @@ class _SamplingFields(_Strict):
     skip_special_tokens: bool = True
     # vLLM's: each prompt token's logprob and its top k (not streamed, as in vLLM)
     prompt_logprobs: int | None = None
+    # vLLM's: only these token ids may be sampled; words the output never contains (`token_masks.py`)
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     # SITS: the prompt may hit (and fill) the shared-prefix pool of every tenant (a 400 without one)
     shared_prefix: bool = False
     # vLLM's output constraints (`protocol_structured.py`): at most one of these and response_format
@@ -106,6 +109,16 @@ class _SamplingFields(_Strict):
     @classmethod
     def _response_format(cls, value: Any, handler: Any) -> Any:
         """Any fault inside response_format (or structured_outputs) is a 400 naming it (as OpenAI names it)."""
+        try:
+            return handler(value)
+        except ValidationError as error:
+            raise collapsed(error) from None
+
+    @field_validator("allowed_token_ids", "bad_words", mode="wrap")
+    @classmethod
+    def _token_lists(cls, value: Any, handler: Any) -> Any:
+        """A wrong item is a 400 naming the list itself (emptiness, ranges and the vocabulary are
+        SamplingParams' and the engine's checks)."""
         try:
             return handler(value)
         except ValidationError as error:

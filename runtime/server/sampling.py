@@ -75,6 +75,8 @@ def sampling_params(request: ChatCompletionRequest | CompletionRequest, *, max_t
         skip_special_tokens=request.skip_special_tokens,
         logit_bias=request.logit_bias or None,
         structured_output=structured_output(request),
+        allowed_token_ids=request.allowed_token_ids,
+        bad_words=request.bad_words,
     )
     params.validate(vocab_size=vocab_size)
     return params
