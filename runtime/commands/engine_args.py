@@ -21,6 +21,7 @@ from sits.runtime.config import (
     ModelConfig,
     SchedulerConfig,
 )
+from sits.runtime.lora.config import LoraConfig, LoraConfigError, parse_lora_module
 from sits.runtime.parallel.cli_args import add_parallel_arguments, parallel_config_from_args
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -63,8 +64,33 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="schedule and prepare the next step while the GPU computes the current one "
                              "(default: on for one CUDA device, off on CPU)")
+    add_lora_arguments(parser)
     add_parallel_arguments(parser)
     parser.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS)
+
+
+def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
+    """vLLM's multi-LoRA flags: requests pick an adapter by sending its name as `model`."""
+    lora = parser.add_argument_group("LoRA adapters")
+    lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters over the base model")
+    lora.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
+                      help='PEFT adapter directories served as model NAME (or JSON: {"name": ..., "path": ..., '
+                           '"base_model_name": ...}); all are loaded at start-up')
+    lora.add_argument("--max-loras", type=int, default=None,
+                      help="adapter slots (adapters in one batch); at least the number of --lora-modules, "
+                           "which is the default")
+    lora.add_argument("--max-lora-rank", type=int, default=LoraConfig.max_lora_rank, help="largest adapter rank")
+
+
+def lora_config_from_args(args: argparse.Namespace) -> LoraConfig:
+    """The LoRA options; a malformed --lora-modules value is a ConfigError naming it."""
+    try:
+        modules = [parse_lora_module(value) for value in getattr(args, "lora_modules", None) or ()]
+    except LoraConfigError as error:
+        raise ConfigError(str(error)) from None
+    return LoraConfig(enable_lora=getattr(args, "enable_lora", False), modules=modules,
+                      max_loras=getattr(args, "max_loras", None),
+                      max_lora_rank=getattr(args, "max_lora_rank", LoraConfig.max_lora_rank))
 
 
 def _on_cpu(device: str) -> bool:
@@ -112,6 +138,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         cuda_graph_max_batch_size=graph_max if graph_max is not None else chosen.cuda_graph_max_batch_size,
         compile=getattr(args, "compile", False),
         async_scheduling=getattr(args, "async_scheduling", None),
+        lora=lora_config_from_args(args),
     )
     config.validate()
     return config

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 class LoraConfigError(ValueError):
@@ -91,3 +92,6 @@ class LoraConfig:
         duplicate = next((name for name in names if names.count(name) > 1), None)
         if duplicate is not None:
             raise LoraConfigError(f"--lora-modules names {duplicate!r} twice")
+        for module in self.modules:  # before the model loads: a typo in a path costs no loading time
+            if not Path(module.path).expanduser().is_dir():
+                raise LoraConfigError(f"--lora-modules {module.name}={module.path}: no such adapter directory")

@@ -19,7 +19,7 @@ from sits.runtime.config import ServerConfig
 from sits.runtime.server.admission import AdmissionCollector, AdmissionControl, default_max_waiting
 from sits.runtime.server.chat import ChatCompletions
 from sits.runtime.server.completions import Completions
-from sits.runtime.server.errors import install_error_handlers, model_not_found
+from sits.runtime.server.errors import install_error_handlers
 from sits.runtime.server.lifecycle import Lifecycle
 from sits.runtime.server.metrics import CONTENT_TYPE, ServerMetrics
 from sits.runtime.server.middleware import BodySizeLimit, GenerationGate
@@ -118,20 +118,25 @@ def build_app(engine: Any, server_config: ServerConfig | None = None, *, served_
                                 tenant: str = Depends(request_tenant)) -> Response:
         return await completions(body, tenant, request)
 
-    def model_card() -> dict[str, Any]:
-        return {"id": model_name, "object": "model", "created": created, "owned_by": "sits",
+    def model_card(model_id: str) -> dict[str, Any]:
+        """As vLLM lists models: `root` is where the weights came from; a LoRA adapter's `parent` is its base."""
+        card = {"id": model_id, "object": "model", "created": created, "owned_by": "sits",
+                "root": getattr(getattr(engine, "loaded_model", None), "source", model_name), "parent": None,
                 "max_model_len": engine.max_model_len}
+        adapter = ctx.lora_modules.get(model_id) if model_id != model_name else None
+        if adapter is not None:
+            card.update(root=adapter.path, parent=adapter.base_model_name or model_name)
+        return card
 
     # Listing models needs a key too (TenantGate covers every /v1/* path), as OpenAI's API does.
     @app.get("/v1/models", dependencies=[Depends(request_tenant)])
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(model_name)] + [model_card(name) for name in ctx.lora_modules]}
 
     @app.get("/v1/models/{model_id:path}", dependencies=[Depends(request_tenant)])
     async def retrieve_model(model_id: str) -> dict[str, Any]:
-        if model_id != model_name:
-            raise model_not_found(model_id)
-        return model_card()
+        ctx.check_model(model_id)  # 404 for a model neither the base nor an adapter
+        return model_card(model_id)
 
     # vLLM's utility endpoints: with tenants /tokenize and /detokenize need a key (TenantGate covers
     # them), but they run no engine work, so no rate limit or admission applies.

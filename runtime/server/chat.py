@@ -82,7 +82,7 @@ class ChatCompletions:
 
     async def __call__(self, body: ChatCompletionRequest, tenant: str, request: Request) -> Response:
         arrival = time.perf_counter()
-        self.ctx.check_model(body.model)
+        lora = self.ctx.check_model(body.model)  # the adapter the model id names (None: the base model)
         self.ctx.check_ready()
         body.check_combination()
         salt = request_cache_salt(request, body.shared_prefix)  # 400 before the work of tokenizing
@@ -100,8 +100,8 @@ class ChatCompletions:
         await self._compile_output_grammar(params, tool_plan)
         response_id = new_request_id("chatcmpl")
         stream = merge_streams([self.ctx.generate(prompt_ids, params, response_id, tenant, arrival,
-                                                  request_priority(request), salt)])
-        head = {"id": response_id, "created": int(time.time()), "model": self.ctx.model_name}
+                                                  request_priority(request), salt, lora)])
+        head = {"id": response_id, "created": int(time.time()), "model": lora or self.ctx.model_name}
         headers = {"x-request-id": response_id}
         if body.stream:
             events = self._events(stream, head, body, request, tool_plan, echo_text(body))

@@ -68,7 +68,7 @@ class Completions:
 
     async def __call__(self, body: CompletionRequest, tenant: str, request: Request) -> Response:
         arrival = time.perf_counter()
-        self.ctx.check_model(body.model)
+        lora = self.ctx.check_model(body.model)  # the adapter the model id names (None: the base model)
         self.ctx.check_ready()
         body.check_combination()
         salt = request_cache_salt(request, body.shared_prefix)  # 400 before the work of tokenizing
@@ -87,10 +87,11 @@ class Completions:
         await compile_response_format(self.ctx.engine, params[0])  # one response_format for every prompt
         response_id = new_request_id("cmpl")
         engine_ids = [response_id] if len(prompts) == 1 else [f"{response_id}-{i}" for i in range(len(prompts))]
-        stream = merge_streams([self.ctx.generate(ids, p, rid, tenant, arrival, request_priority(request), salt)
+        stream = merge_streams([self.ctx.generate(ids, p, rid, tenant, arrival, request_priority(request), salt,
+                                                  lora)
                                 for ids, p, rid in zip(prompts, params, engine_ids, strict=True)])
         head = {"id": response_id, "object": "text_completion", "created": int(time.time()),
-                "model": self.ctx.model_name}
+                "model": lora or self.ctx.model_name}
         headers = {"x-request-id": response_id}
         if body.stream:
             events = self._events(stream, head, body, echoes, len(prompts), request)

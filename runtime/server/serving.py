@@ -109,10 +109,19 @@ class ServingContext:
         or less when the tenant's share of the KV cache holds fewer tokens."""
         return min(self.max_model_len, self.engine.max_tokens_for(tenant))
 
-    def check_model(self, model: str | None) -> None:
-        """404 for a model this server does not serve (a missing model means the served one)."""
-        if model is not None and model != self.model_name:
-            raise model_not_found(model)
+    @property
+    def lora_modules(self) -> dict[str, Any]:
+        """The LoRA adapters served as models of their own (name -> `LoraModule`), as the engine has them."""
+        return getattr(self.engine, "lora_modules", None) or {}
+
+    def check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter `model` names, None for the base model (also when no model is sent);
+        404 for a model this server does not serve."""
+        if model is None or model == self.model_name:
+            return None
+        if model in self.lora_modules:
+            return model
+        raise model_not_found(model)
 
     def check_ready(self) -> None:
         if self.lifecycle.draining:
@@ -139,17 +148,18 @@ class ServingContext:
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
                        tenant: str, arrival: float, priority: int = 0,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None, lora: str | None = None) -> AsyncIterator[RequestOutput]:
         """The engine's outputs for one request; closing this early aborts the request.
 
         arrival is the request's time.perf_counter() when it reached the server (for TTFT);
         priority is what the tenant resolver left on request.state (0 by default); cache_salt
-        keeps the prompt's cached KV blocks private to the tenant (`request_cache_salt`).
+        keeps the prompt's cached KV blocks private to the tenant (`request_cache_salt`); lora is
+        the adapter `check_model` found (None: the base model).
         """
         self.lifecycle.track(request_id)
         self._observe(self.prompt_observer, tenant, len(prompt_token_ids))
         stream = self.engine.generate(prompt_token_ids, params, request_id, tenant=tenant, priority=priority,
-                                      cache_salt=cache_salt)
+                                      cache_salt=cache_salt, lora=lora)
         first_token_at: float | None = None
         last: RequestOutput | None = None
         try:
@@ -165,7 +175,8 @@ class ServingContext:
                 with contextlib.suppress(Exception):
                     await stream.aclose()
             self._record(prompt_token_ids, last, tenant, arrival, first_token_at)
-            self.tracer.record_request(request_id, tenant, params, last, model=self.model_name, track=self.metrics.track)
+            self.tracer.record_request(request_id, tenant, params, last, model=lora or self.model_name,
+                                       track=self.metrics.track)
 
     def _record(self, prompt_token_ids: list[int], last: RequestOutput | None, tenant: str, arrival: float,
                 first_token_at: float | None) -> None:

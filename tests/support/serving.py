@@ -12,6 +12,7 @@ import openai
 from sits.runtime.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
 from sits.runtime.engine.async_engine import AsyncEngine
 from sits.runtime.engine.engine import LLMEngine
+from sits.runtime.lora.config import LoraConfig
 from sits.runtime.server.app import build_app
 from sits.runtime.server.runner import BackgroundServer
 
@@ -19,15 +20,21 @@ from sits.runtime.server.runner import BackgroundServer
 @contextlib.contextmanager
 def serve_loaded(loaded: Any, *, num_blocks: int, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int | None = None, async_scheduling: bool | None = None,
-                 server_config: ServerConfig | None = None) -> Iterator[tuple[BackgroundServer, AsyncEngine]]:
-    """`loaded` (a LoadedModel) served on CPU; yields the running server and its engine."""
+                 server_config: ServerConfig | None = None,
+                 lora: LoraConfig | None = None) -> Iterator[tuple[BackgroundServer, AsyncEngine]]:
+    """`loaded` (a LoadedModel) served on CPU; yields the running server and its engine (serving the
+    LoRA adapters of `lora` too when given; their hooks come off the model when the block ends)."""
     model = ModelConfig(device="cpu") if max_model_len is None else ModelConfig(device="cpu", max_model_len=max_model_len)
     config = EngineConfig(model=model, cache=CacheConfig(num_blocks=num_blocks),
                           scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
-                          async_scheduling=async_scheduling)
+                          async_scheduling=async_scheduling, lora=lora or LoraConfig())
     engine = AsyncEngine.from_engine(LLMEngine.from_loaded(loaded, config))
-    with BackgroundServer(build_app(engine, server_config or ServerConfig())) as server:
-        yield server, engine
+    try:
+        with BackgroundServer(build_app(engine, server_config or ServerConfig())) as server:
+            yield server, engine
+    finally:
+        if engine.engine.lora is not None:
+            engine.engine.lora.detach()
 
 
 def openai_client(server: BackgroundServer) -> openai.OpenAI:
