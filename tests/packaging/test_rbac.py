@@ -2,9 +2,9 @@
 
 A real operator (kopf handlers in KopfRunner) runs a SitsDeployment's whole life against the
 emulated API server, which records every (verb, resource) the operator's token asks for: create
-with tenants, Gateway API route, ServiceMonitor and PrometheusRule; owned objects edited behind
-its back (drift it repairs); a canary promoted; a canary rolled back by an Alertmanager alert;
-the optional objects dropped from the spec (deleted); the resource deleted. The rendered
+with tenants, Gateway API route, ServiceMonitor, PrometheusRule and HorizontalPodAutoscaler; owned
+objects edited behind its back (drift it repairs); a canary promoted; a canary rolled back by an
+Alertmanager alert; the optional objects dropped from the spec (deleted); the resource deleted. The rendered
 ClusterRole (and Role, when the chart watches one namespace) must equal that set.
 """
 
@@ -44,7 +44,9 @@ PEERING_RESOURCES = {  # kopf's peering CRDs, for runs with --peering
 }
 TAMPERED = {"metadata": {"labels": {"app.kubernetes.io/name": "edited-by-hand"}}}
 DRIFTED = [("v1", "Service", NAME), ("policy/v1", "PodDisruptionBudget", NAME),
-           ("monitoring.coreos.com/v1", "ServiceMonitor", NAME), ("monitoring.coreos.com/v1", "PrometheusRule", NAME)]
+           ("monitoring.coreos.com/v1", "ServiceMonitor", NAME), ("monitoring.coreos.com/v1", "PrometheusRule", NAME),
+           ("autoscaling/v2", "HorizontalPodAutoscaler", NAME)]
+AUTOSCALING = {"maxReplicas": 4, "metrics": [{"type": "waitingRequests", "targetAverage": 8}]}
 
 
 @pytest.fixture
@@ -84,7 +86,8 @@ def full_life(kube: KubeClient, webhook_port: int) -> None:
     steps = [{"setWeight": 50}, {"pause": {"duration": "1s"}}]
     kube.create(sitsdeployment(NAME, NAMESPACE, tenancy={"tenants": tenants},
                                rollout={"canary": {"steps": steps}, "trafficRouting": {"gatewayAPI": {"httpRoute": NAME}}},
-                               monitoring={"serviceMonitor": True, "prometheusRule": True}))
+                               monitoring={"serviceMonitor": True, "prometheusRule": True},
+                               autoscaling=AUTOSCALING))
     first = wait_for_status(kube, NAME, lambda s: s.get("phase") == "Healthy", namespace=NAMESPACE, what="Healthy")
     # Drift: hand edits of owned objects and a deleted Deployment; the next full pass repairs them
     for api_version, kind, name in DRIFTED:
@@ -103,7 +106,8 @@ def full_life(kube: KubeClient, webhook_port: int) -> None:
     post_alert(webhook_port)
     wait_for_status(kube, NAME, lambda s: s.get("phase") == "RolledBack", namespace=NAMESPACE, what="RolledBack")
     # Optional objects dropped from the spec are deleted
-    kube.patch(API_VERSION, KIND, NAMESPACE, NAME, {"spec": {"monitoring": None, "rollout": {"trafficRouting": None}}})
+    kube.patch(API_VERSION, KIND, NAMESPACE, NAME, {"spec": {"monitoring": None, "rollout": {"trafficRouting": None},
+                                                             "autoscaling": None}})
     wait_for(lambda: all(kube.get(v, k, NAMESPACE, n) is None for v, k, n in DRIFTED[2:])
              and kube.get("gateway.networking.k8s.io/v1", "HTTPRoute", NAMESPACE, NAME) is None,
              timeout_s=20, what="optional objects deleted")
@@ -143,7 +147,8 @@ def as_rules(calls: set[ApiCall]) -> set[tuple[str, str, str]]:
 def test_watching_all_namespaces_the_cluster_role_is_exactly_what_the_operator_calls(recording, peering):
     calls = record_operator(recording, None, peering)
     assert {("sits.ai", "sitsdeployments", "watch"), ("apps", "deployments", "patch"),
-            ("monitoring.coreos.com", "prometheusrules", "delete")} <= as_rules(calls), "the run was not complete"
+            ("monitoring.coreos.com", "prometheusrules", "delete"),
+            ("autoscaling", "horizontalpodautoscalers", "delete")} <= as_rules(calls), "the run was not complete"
     objs = objects({"operator": {"peering": peering or ""}})
     assert not [o for o in objs if o["kind"] in ("Role", "RoleBinding")]
     assert rbac_rules(objs, "ClusterRole") == as_rules(calls)

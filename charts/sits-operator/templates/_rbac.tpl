@@ -26,6 +26,9 @@
 - apiGroups: [monitoring.coreos.com]
   resources: [servicemonitors, prometheusrules]
   verbs: [get, list, create, patch, delete]
+- apiGroups: [autoscaling]
+  resources: [horizontalpodautoscalers]
+  verbs: [get, list, create, patch, delete]
 # tenants' API keys (only their SHA-256 leaves the operator)
 - apiGroups: [""]
   resources: [secrets]
