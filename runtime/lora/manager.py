@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from torch import nn
+
 from sits.runtime.config import ConfigError
 from sits.runtime.engine.errors import InvalidRequestError
 from sits.runtime.lora.adapter import TARGETS, LoraAdapter, load_adapter, target_shapes
@@ -18,12 +20,15 @@ from sits.runtime.lora.config import LoraConfig, LoraConfigError, LoraModule
 from sits.runtime.lora.layers import LoraDelta, LoraStepState
 
 if TYPE_CHECKING:
-    from torch import nn
-
     from sits.runtime.engine.runner import ModelRunner
     from sits.runtime.models.config import LlamaConfig
+    from sits.runtime.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
+
+# The model's attribute naming the manager whose hooks it carries (a later engine over the same
+# model object takes them off before hooking its own).
+MANAGER_ATTRIBUTE = "lora_manager"
 
 # Our fused layers and the targets each holds, in slice order.
 FUSED_LAYERS: dict[str, tuple[str, ...]] = {
@@ -47,7 +52,7 @@ class LoraManager:
         step: the per-step adapter index the model runner fills.
     """
 
-    def __init__(self, model: nn.Module, model_config: LlamaConfig, config: LoraConfig) -> None:
+    def __init__(self, model: LlamaForCausalLM, model_config: LlamaConfig, config: LoraConfig) -> None:
         adapters = [load_adapter(module, model_config, config.max_lora_rank) for module in config.modules]
         device = next(model.parameters()).device
         self.step = LoraStepState(device)
@@ -57,7 +62,7 @@ class LoraManager:
         targeted = set().union(*(a.targets for a in adapters))
         shapes = target_shapes(model_config)
         self._deltas: dict[tuple[int, str], LoraDelta] = {}
-        previous = getattr(model, "lora_manager", None)
+        previous = getattr(model, MANAGER_ATTRIBUTE, None)
         if previous is not None:  # an earlier engine over the same model object: its hooks go
             previous.detach()
         for index, layer in enumerate(model.model.layers):
@@ -65,12 +70,15 @@ class LoraManager:
                 if targeted.isdisjoint(targets):
                     continue
                 linear = layer.get_submodule(layer_name)
+                if not isinstance(linear, nn.Linear):  # e.g. quantized or sharded: the delta needs the plain layer
+                    raise LoraConfigError(f"--enable-lora needs plain linear layers; {layer_name} is a "
+                                          f"{type(linear).__name__}")
                 sizes = [shapes[target][1] for target in targets]
                 self._deltas[(index, layer_name)] = LoraDelta(linear, sizes, config.num_slots, config.max_lora_rank,
                                                               self.step)
         for slot, adapter in enumerate(adapters, start=1):
             self._write(slot, adapter)
-        model.lora_manager = self
+        setattr(model, MANAGER_ATTRIBUTE, self)
         self._model = model
 
     def _write(self, slot: int, adapter: LoraAdapter) -> None:
@@ -97,8 +105,8 @@ class LoraManager:
             delta.remove()
         self._deltas.clear()
         self.step.clear()
-        if getattr(self._model, "lora_manager", None) is self:
-            del self._model.lora_manager
+        if getattr(self._model, MANAGER_ATTRIBUTE, None) is self:
+            delattr(self._model, MANAGER_ATTRIBUTE)
 
 
 def lora_slot(manager: LoraManager | None, name: str | None) -> int:
@@ -114,7 +122,7 @@ def lora_slot(manager: LoraManager | None, name: str | None) -> int:
     return manager.slot_of(name)
 
 
-def setup_lora(runner: ModelRunner, model: nn.Module, model_config: LlamaConfig, config: LoraConfig,
+def setup_lora(runner: ModelRunner, model: LlamaForCausalLM, model_config: LlamaConfig, config: LoraConfig,
                served_model_name: str) -> LoraManager | None:
     """Load the configured adapters and hand the runner their step state; None without --enable-lora.
 
