@@ -117,6 +117,20 @@ def test_mixed_batch_runs_each_row_with_its_own_adapter(tiny, adapters, referenc
     assert len({tuple(expected[name][0][0]) for name in (None, "alpha", "beta")}) == 3
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_chunked_prefill_mixes_adapters_within_a_step(tiny, adapters, references, async_scheduling):
+    prompts, expected = references
+    config = lora_config(adapters)
+    config.scheduler.max_num_batched_tokens = 10  # prompts run in chunks beside other rows' decodes
+    config.async_scheduling = async_scheduling
+    engine = LLMEngine.from_loaded(tiny, config)
+    requests = {f"{name or 'base'}-{i}": (ids, name) for i, ids in enumerate(prompts)
+                for name in ("beta", None, "alpha")}
+    outputs = run(engine, requests)
+    for request_id, (_, name) in requests.items():
+        assert_matches(outputs[request_id], expected[name][int(request_id[-1])], request_id)
+
+
 def test_prefix_cache_is_never_shared_across_adapters(tiny, adapters, references):
     prompts, expected = references
     prompt = prompts[1]  # 16 tokens: the first block of 8 can be a hit (the last token always runs)
