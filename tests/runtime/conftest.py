@@ -1,6 +1,7 @@
 """Fixtures of the runtime tests: for the OpenAI-API tests a module defines `served` (the running
 server and its engine, e.g. through tests.support.serving.serve_loaded) and these give the client
-and the served model id; `one_torch_thread` for modules that run many small engine steps."""
+and the served model id; `one_torch_thread` for modules that run many small engine steps; `tiny`,
+the tiny random Llama loaded for engine tests."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import openai
 import pytest
 import torch
 
+from sits.runtime.attention.torch_ref import TorchAttentionBackend
+from sits.runtime.config import ModelConfig
+from sits.runtime.models.loading import LoadedModel, load_model
 from tests.support.serving import openai_client
 
 
@@ -30,3 +34,10 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_dir) -> LoadedModel:
+    """The tiny random GQA Llama (real loading and model code, SmolLM2's tokenizer), float32 on CPU."""
+    return load_model(ModelConfig(model=str(tiny_llama_dir), device="cpu", dtype="float32"),
+                      TorchAttentionBackend(), progress=False)

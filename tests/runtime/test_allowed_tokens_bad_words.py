@@ -25,19 +25,14 @@ import openai
 import pytest
 import torch
 
-from sits.runtime.attention.torch_ref import TorchAttentionBackend
-from sits.runtime.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from sits.runtime.engine.async_engine import AsyncEngine
-from sits.runtime.engine.engine import LLMEngine
 from sits.runtime.engine.input_batch import InputBatch
 from sits.runtime.engine.request import SamplingParams, SamplingParamsError
-from sits.runtime.engine.runner import ModelRunner
 from sits.runtime.engine.sampler import Sampler
 from sits.runtime.engine.scheduler_output import ScheduledSequence
-from sits.runtime.engine.sequence import PENDING_TOKEN_ID
 from sits.runtime.engine.token_masks import StepTokenMask, bad_words_token_ids
-from sits.runtime.models.loading import LoadedModel, load_model
 from sits.runtime.server.runner import BackgroundServer
+from tests.runtime.engine_helpers import generate_all
 from tests.runtime.sampling_helpers import EOS, VOCAB, fixed_logits, seq
 from tests.support.model_driver import greedy_generate
 from tests.support.serving import serve_loaded
@@ -165,39 +160,6 @@ def test_the_input_batch_gathers_masks_of_the_rows_it_samples_only():
 
 
 # -- the engine, token ids only, async scheduling off and on -------------------------------------
-class PendingCountingRunner(ModelRunner):
-    """The engine's runner, counting input tokens taken from the previous step's sampled ids."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.pending_inputs = 0
-
-    def launch(self, scheduler_output):
-        self.pending_inputs += sum(s.token_ids.count(PENDING_TOKEN_ID) for s in scheduler_output.scheduled)
-        return super().launch(scheduler_output)
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_llama_dir) -> LoadedModel:
-    return load_model(ModelConfig(model=str(tiny_llama_dir), device="cpu", dtype="float32"),
-                      TorchAttentionBackend(), progress=False)
-
-
-def generate_all(loaded: LoadedModel, async_scheduling: bool, requests: dict) -> tuple[dict, LLMEngine]:
-    config = EngineConfig(model=ModelConfig(device="cpu", dtype="float32", max_model_len=128),
-                          cache=CacheConfig(block_size=8, num_blocks=96),
-                          scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256),
-                          async_scheduling=async_scheduling)
-    engine = LLMEngine.from_loaded(loaded, config, runner_factory=PendingCountingRunner)
-    for request_id, (prompt, params) in requests.items():
-        engine.add_request(request_id, prompt, params)
-    finals = {}
-    for _ in range(500):
-        if not engine.has_unfinished_requests():
-            break
-        finals.update({o.request_id: [c.token_ids for c in o.outputs] for o in engine.step() if o.finished})
-    assert set(finals) == set(requests)
-    return finals, engine
 
 
 def contains(tokens: list[int], word: list[int]) -> bool:

@@ -12,7 +12,6 @@ import time
 import pytest
 import torch
 
-from sits.runtime.attention.torch_ref import TorchAttentionBackend
 from sits.runtime.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from sits.runtime.engine.async_engine import AsyncEngine
 from sits.runtime.engine.engine import LLMEngine
@@ -23,18 +22,12 @@ from sits.runtime.engine.errors import (
     PromptTooLongError,
 )
 from sits.runtime.engine.request import FinishReason, SamplingParams
-from sits.runtime.models.loading import LoadedModel, load_model
+from sits.runtime.models.loading import LoadedModel
 
 PROMPTS = ["Hello there", "The quick brown fox jumps over the lazy dog", "1 2 3 4 5 6 7 8 9 10 11 12"]
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_llama_dir) -> LoadedModel:
-    return load_model(ModelConfig(model=str(tiny_llama_dir), device="cpu", dtype="float32"),
-                      TorchAttentionBackend(), progress=False)
 
 
 def config() -> EngineConfig:

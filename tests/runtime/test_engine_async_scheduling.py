@@ -18,7 +18,6 @@ import dataclasses
 import pytest
 import torch
 
-from sits.runtime.attention.torch_ref import TorchAttentionBackend
 from sits.runtime.commands.engine_args import add_engine_arguments, engine_config_from_args
 from sits.runtime.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SchedulerConfig
 from sits.runtime.engine.async_engine import AsyncEngine
@@ -26,7 +25,7 @@ from sits.runtime.engine.engine import LLMEngine
 from sits.runtime.engine.request import FinishReason, RequestOutput, SamplingParams
 from sits.runtime.engine.runner import ModelRunner
 from sits.runtime.engine.sequence import PENDING_TOKEN_ID
-from sits.runtime.models.loading import LoadedModel, load_model
+from sits.runtime.models.loading import LoadedModel
 from sits.runtime.parallel.config import ParallelConfig
 
 PROMPTS = [
@@ -38,12 +37,6 @@ PROMPTS = [
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_llama_dir) -> LoadedModel:
-    return load_model(ModelConfig(model=str(tiny_llama_dir), device="cpu", dtype="float32"),
-                      TorchAttentionBackend(), progress=False)
 
 
 @pytest.fixture(scope="module")
