@@ -30,6 +30,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--system", default=None, help="a system message (chat mode)")
     parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                         help="wrap the prompt in the model's chat template (default) or send it raw")
+    parser.add_argument("--lora", default=None, metavar="NAME",
+                        help="answer with this LoRA adapter (a name given to --lora-modules)")
     add_engine_arguments(parser)
     add_chat_template_argument(parser)
     parser.set_defaults(handler=run, log_level="warning")
@@ -64,7 +66,7 @@ async def stream_answer(engine: Any, args: argparse.Namespace, prompt: str) -> i
             params.validate()
         except SamplingParamsError as error:
             return fail(PROG, f"--{error.param.replace('_', '-')}: {error}")
-        async for output in engine.generate(ids, params, new_request_id("gen")):
+        async for output in engine.generate(ids, params, new_request_id("gen"), lora=args.lora):
             sys.stdout.write(output.outputs[0].text_delta)
             sys.stdout.flush()
         sys.stdout.write("\n")
@@ -78,6 +80,9 @@ def run(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     try:
         config = with_chat_template(engine_config_from_args(args), args)
+        served = [module.name for module in config.lora.modules]
+        if args.lora is not None and args.lora not in served:
+            raise ConfigError(f"--lora {args.lora}: no such adapter in --lora-modules ({', '.join(served) or 'none'})")
     except ConfigError as error:
         return fail(PROG, str(error))
     from sits.runtime.commands.loading import load_engine

@@ -118,3 +118,16 @@ def test_bad_lora_flags_exit_2_with_one_line(argv, capsys):
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1, lines
     assert lines[0].startswith("sits serve: error: ") and "-lora" in lines[0]
+
+
+def test_generate_answers_with_an_adapter(adapters, tiny_llama_dir, capsys):
+    loaded, paths = adapters
+    code = cli.main(["generate", PROMPT, "--model", str(tiny_llama_dir), "--device", "cpu", "--no-chat",
+                     "--temperature", "0", "--max-tokens", str(NEW_TOKENS), "--num-blocks", "16", "--max-model-len", "64",
+                     "--enable-lora", "--lora-modules", f"sql={paths['sql']}", "--lora", "sql"])
+    expected, _ = hf_greedy(merged_hf_model(tiny_llama_dir, paths["sql"]), loaded.tokenizer.encode(PROMPT), NEW_TOKENS)
+    assert code == 0
+    assert capsys.readouterr().out == loaded.tokenizer.decode(expected) + "\n"
+    code = cli.main(["generate", PROMPT, "--device", "cpu", "--lora", "sql"])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and lines == ["sits generate: error: --lora sql: no such adapter in --lora-modules (none)"]
