@@ -15,6 +15,7 @@ from sits.runtime.attention.torch_ref import TorchAttentionBackend
 from sits.runtime.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SchedulerConfig
 from sits.runtime.engine.engine import LLMEngine
 from sits.runtime.engine.errors import InvalidRequestError
+from sits.runtime.engine.prefix_hash import extend_block_hashes
 from sits.runtime.engine.request import RequestOutput, SamplingParams
 from sits.runtime.lora.config import LoraConfig, LoraConfigError, LoraModule, parse_lora_module
 from sits.runtime.models.loading import load_model
@@ -142,6 +143,20 @@ def test_prefix_cache_is_never_shared_across_adapters(tiny, adapters, references
     again = run(engine, {"again": (prompt, "alpha")})["again"]
     assert_matches(again, expected["alpha"][1], "alpha again")
     assert engine.stats().prefix_cache_hits == again.metrics.num_cached_prompt_tokens == 8  # same adapter: a hit
+
+
+def test_the_adapter_keys_the_prefix_hash_chain():
+    tokens = list(range(16))
+
+    def chain(salt=None, lora=None):
+        hashes: list[bytes] = []
+        extend_block_hashes(hashes, tokens, block_size=8, num_full_blocks=2, cache_salt=salt, lora_name=lora)
+        return hashes
+
+    base, alpha = chain(), chain(lora="alpha")
+    assert base[0] != alpha[0] and base[1] != alpha[1]  # the first block's key carries down the chain
+    assert len({alpha[0], chain(lora="beta")[0], chain(salt="lora:alpha")[0], chain("t", "alpha")[0]}) == 4
+    assert chain(salt="t") == chain(salt="t") and alpha == chain(lora="alpha")
 
 
 def test_smollm2_adapter_matches_its_merged_weights(smollm2, smollm2_checkpoint_dir, tmp_path):
