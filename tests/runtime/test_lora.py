@@ -11,14 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from sits.runtime.attention.torch_ref import TorchAttentionBackend
 from sits.runtime.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SchedulerConfig
 from sits.runtime.engine.engine import LLMEngine
 from sits.runtime.engine.errors import InvalidRequestError
 from sits.runtime.engine.prefix_hash import extend_block_hashes
 from sits.runtime.engine.request import RequestOutput, SamplingParams
 from sits.runtime.lora.config import LoraConfig, LoraConfigError, LoraModule, parse_lora_module
-from sits.runtime.models.loading import load_model
 from tests.runtime.lora_helpers import hf_greedy, merged_hf_model, write_peft_adapter
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -28,13 +26,11 @@ LOGPROB_TOLERANCE = 2e-4
 PROMPTS = ["The three primary colors are", "Once upon a time, in a small village at the edge of a forest,"]
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_llama_dir):
-    """Our model on the tiny random checkpoint (adapters hook onto it; each engine's hooks replace the last's)."""
-    loaded = load_model(ModelConfig(model=str(tiny_llama_dir), device="cpu", dtype="float32"),
-                        TorchAttentionBackend(), progress=False)
-    yield loaded
-    manager = getattr(loaded.model, "lora_manager", None)
+@pytest.fixture(scope="module", autouse=True)
+def hooks_come_off(tiny):
+    """Each engine's adapters replace the last one's on the module's tiny model; the last come off at the end."""
+    yield
+    manager = getattr(tiny.model, "lora_manager", None)
     if manager is not None:
         manager.detach()
 

@@ -13,10 +13,7 @@ import openai
 import pytest
 
 from sits.runtime import cli
-from sits.runtime.attention.torch_ref import TorchAttentionBackend
-from sits.runtime.config import ModelConfig
 from sits.runtime.lora.config import LoraConfig, LoraModule
-from sits.runtime.models.loading import load_model
 from tests.runtime.lora_helpers import hf_greedy, merged_hf_model, write_peft_adapter
 from tests.support.serving import openai_client, serve_loaded
 
@@ -25,9 +22,8 @@ NEW_TOKENS = 5
 
 
 @pytest.fixture(scope="module")
-def adapters(tiny_llama_dir, tmp_path_factory) -> tuple[object, dict[str, Path]]:
-    loaded = load_model(ModelConfig(model=str(tiny_llama_dir), device="cpu", dtype="float32"),
-                        TorchAttentionBackend(), progress=False)
+def adapters(tiny, tmp_path_factory) -> tuple[object, dict[str, Path]]:
+    loaded = tiny
     root = tmp_path_factory.mktemp("served-adapters")
     return loaded, {"sql": write_peft_adapter(root / "sql", loaded.config, rank=8, alpha=16, seed=11),
                     "poet": write_peft_adapter(root / "poet", loaded.config, rank=4, alpha=4, seed=12,
