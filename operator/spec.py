@@ -15,6 +15,8 @@ from typing import Any
 
 from sits.operator.fields import Fields, SpecError
 from sits.operator.spec_autoscaling import AutoscalingSpec, parse_autoscaling
+from sits.operator.spec_lora import ENGINE_FIELDS as LORA_ENGINE_FIELDS
+from sits.operator.spec_lora import LoraSpec, parse_lora
 from sits.operator.spec_rollout import HTTP_URL, MonitoringSpec, RolloutSpec, parse_monitoring, parse_rollout
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -75,6 +77,7 @@ class WorkloadSpec:
     redis_url: str | None = None
     tenants_file: bool = False  # serve with the tenants file of the ConfigMap
     otlp_endpoint: str | None = None  # request traces to this OTLP/HTTP collector (spec.tracing)
+    lora: LoraSpec = field(default_factory=LoraSpec)  # spec.model.loraAdapters, spec.engine.maxLoras/maxLoraRank
 
     def to_dict(self) -> dict[str, Any]:
         """The spec-shaped dict `parse_workload` reads back (kept in status.stableSpec)."""
@@ -82,12 +85,14 @@ class WorkloadSpec:
                                  "quantization": self.model.quantization}
         if self.model.max_model_len is not None:
             model["maxModelLen"] = self.model.max_model_len
+        model.update(self.lora.model_dict())
         data: dict[str, Any] = {
             "model": model, "image": self.image, "gpusPerReplica": self.gpus_per_replica,
             "engine": {"maxNumSeqs": self.engine.max_num_seqs,
                        "maxNumBatchedTokens": self.engine.max_num_batched_tokens,
                        "gpuMemoryUtilization": self.engine.gpu_memory_utilization,
-                       "kvBlockSize": self.engine.kv_block_size, "cudaGraphs": self.engine.cuda_graphs},
+                       "kvBlockSize": self.engine.kv_block_size, "cudaGraphs": self.engine.cuda_graphs,
+                       **self.lora.engine_dict()},
             "nccl": {"socketNThreads": self.nccl.socket_nthreads, "minChannels": self.nccl.min_channels,
                      "env": dict(self.nccl.env)},
             "tenantsFile": self.tenants_file,
@@ -174,7 +179,8 @@ def parse_workload(data: Any, path: str, *, default_model_name: str | None = Non
                    tenants_file: bool | None = None) -> WorkloadSpec:
     """The pod-template part of a spec-shaped dict (a spec, or status.stableSpec)."""
     fields = Fields(data, path)
-    model_fields = fields.child("model", {"name", "uri", "dtype", "quantization", "maxModelLen"}, required=True)
+    model_fields = fields.child("model", {"name", "uri", "dtype", "quantization", "maxModelLen", "loraAdapters"},
+                                required=True)
     assert model_fields is not None  # required=True raised otherwise
     model = ModelSpec(
         name=model_fields.string("name", default_model_name, required=default_model_name is None),
@@ -185,7 +191,7 @@ def parse_workload(data: Any, path: str, *, default_model_name: str | None = Non
         max_model_len=model_fields.integer("maxModelLen", None, minimum=1),
     )
     engine_fields = fields.child("engine", {"maxNumSeqs", "maxNumBatchedTokens", "gpuMemoryUtilization",
-                                            "kvBlockSize", "cudaGraphs"}) or Fields({}, fields.at("engine"))
+                                            "kvBlockSize", "cudaGraphs", *LORA_ENGINE_FIELDS}) or Fields({}, fields.at("engine"))
     block_size = engine_fields.integer("kvBlockSize", 16)
     if block_size not in BLOCK_SIZES:
         raise SpecError(engine_fields.at("kvBlockSize"), f"must be a power of two up to 256, got {block_size}")
@@ -208,11 +214,15 @@ def parse_workload(data: Any, path: str, *, default_model_name: str | None = Non
     tracing = fields.child("tracing", {"otlpEndpoint"})
     if tenants_file is None:
         tenants_file = fields.boolean("tenantsFile", False)
+    gpus_per_replica = fields.integer("gpusPerReplica", 1, minimum=0)
+    assert gpus_per_replica is not None  # a default
+    lora = parse_lora(model_fields, engine_fields, model_name=str(model.name), uri_pattern=MODEL_URI,
+                      quantization=model.quantization or "none", gpus_per_replica=gpus_per_replica)
     return WorkloadSpec(
         model=model,
         image=fields.string("image", required=True),
         image_pull_policy=fields.string("imagePullPolicy", None, choices=PULL_POLICIES),
-        gpus_per_replica=fields.integer("gpusPerReplica", 1, minimum=0),
+        gpus_per_replica=gpus_per_replica,
         gpu_product=fields.string("gpuProduct", None),
         resources=_parse_resources(fields.child("resources", {"requests", "limits"})),
         engine=engine, nccl=nccl,
@@ -220,6 +230,7 @@ def parse_workload(data: Any, path: str, *, default_model_name: str | None = Non
         tenants_file=tenants_file,
         otlp_endpoint=tracing.string("otlpEndpoint", None, pattern=HTTP_URL,
                                      what="an http(s):// URL of an OTLP/HTTP collector") if tracing else None,
+        lora=lora,
     )
 
 

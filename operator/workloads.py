@@ -6,6 +6,7 @@ from typing import Any
 
 import yaml
 
+from sits.operator.lora_workloads import build_lora_volumes, lora_args, lora_downloads_from_hub
 from sits.operator.meta import (
     DEPLOYMENT_LABEL,
     HTTP_PORT,
@@ -68,7 +69,7 @@ def engine_args(workload: WorkloadSpec, deployment: str) -> list[str]:
         args += ["--state-store", workload.redis_url, "--deployment", deployment]
     if workload.otlp_endpoint:
         args += ["--otlp-endpoint", workload.otlp_endpoint]
-    return args
+    return args + lora_args(workload.lora)
 
 
 def _model_path(uri: str) -> str:
@@ -81,11 +82,16 @@ def _model_path(uri: str) -> str:
     return rest  # file:///path -> /path inside the image
 
 
+def _downloads_from_hub(workload: WorkloadSpec) -> bool:
+    """The base model or an adapter is an hf:// repository, fetched into HF_HOME when the pod starts."""
+    return workload.model.uri.startswith("hf://") or lora_downloads_from_hub(workload.lora)
+
+
 def _env(workload: WorkloadSpec) -> list[dict[str, Any]]:
     values = {"NCCL_SOCKET_NTHREADS": str(workload.nccl.socket_nthreads),
               "NCCL_MIN_NCHANNELS": str(workload.nccl.min_channels),
               "HOME": RUNTIME_HOME}  # the writable emptyDir, whatever the image's own HOME
-    if workload.model.uri.startswith("hf://"):
+    if _downloads_from_hub(workload):
         values["HF_HOME"] = HF_CACHE_DIR
     values.update(dict(workload.nccl.env))  # the spec's own variables win over the defaults
     return [{"name": key, "value": values[key]} for key in sorted(values)]
@@ -119,7 +125,10 @@ def build_pod_template(owner: Owner, workload: WorkloadSpec, track: str | None =
         claim = workload.model.uri[len("pvc://"):].partition("/")[0]
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
         mounts.append({"name": "model", "mountPath": MODEL_DIR, "readOnly": True})
-    if workload.model.uri.startswith("hf://"):
+    lora_volumes, lora_mounts = build_lora_volumes(workload.lora, workload.model.uri, base_volume="model")
+    volumes += lora_volumes
+    mounts += lora_mounts
+    if _downloads_from_hub(workload):
         # Downloaded once per pod: a restarted container finds the checkpoint in the emptyDir
         volumes.append({"name": "hf-cache", "emptyDir": {}})
         mounts.append({"name": "hf-cache", "mountPath": HF_CACHE_DIR})

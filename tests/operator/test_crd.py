@@ -102,11 +102,12 @@ def test_crd_defaults_are_the_operators_defaults(spec):
 
 
 MAXIMAL = {
-    "model": {"name": "m", "uri": "pvc://models/m", "dtype": "float16", "quantization": "fp8", "maxModelLen": 4096},
-    "image": "sits:1", "imagePullPolicy": "IfNotPresent", "replicas": 3, "gpusPerReplica": 2,
+    "model": {"name": "m", "uri": "pvc://models/m", "dtype": "float16", "quantization": "none", "maxModelLen": 4096,
+              "loraAdapters": [{"name": "sql", "uri": "pvc://models/adapters/sql"}]},
+    "image": "sits:1", "imagePullPolicy": "IfNotPresent", "replicas": 3, "gpusPerReplica": 1,
     "gpuProduct": "NVIDIA-H200", "resources": {"requests": {"cpu": "8"}, "limits": {"memory": "64Gi"}},
     "engine": {"maxNumSeqs": 64, "maxNumBatchedTokens": 4096, "gpuMemoryUtilization": 0.8, "kvBlockSize": 32,
-               "cudaGraphs": False},
+               "cudaGraphs": False, "maxLoras": 2, "maxLoraRank": 32},
     "nccl": {"socketNThreads": 4, "minChannels": 2, "env": {"NCCL_DEBUG": "INFO"}},
     "tenancy": {"redis": {"url": "redis://r:6379/0"},
                 "tenants": [{"name": "a", "priority": 2, "kvCacheShare": 0.5,
