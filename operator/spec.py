@@ -126,6 +126,7 @@ class TenantSpec:
     kv_cache_share: float = 0.0
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
+    models: tuple[str, ...] | None = None  # model ids (base name, adapter names) it may use; None: all
 
 
 @dataclass(frozen=True)
@@ -257,7 +258,7 @@ def _parse_tenancy(fields: Fields | None) -> TenancySpec:
     redis = fields.child("redis", {"url"})
     tenants = []
     for path, item in fields.items("tenants"):
-        tenant = Fields(item, path, {"name", "priority", "kvCacheShare", "apiKeySecretRef", "limits"})
+        tenant = Fields(item, path, {"name", "priority", "kvCacheShare", "apiKeySecretRef", "limits", "models"})
         ref = tenant.child("apiKeySecretRef", {"name", "key"}, required=True)
         assert ref is not None
         limits = tenant.child("limits", {"requestsPerMinute", "tokensPerMinute"}) or Fields({}, tenant.at("limits"))
@@ -271,6 +272,7 @@ def _parse_tenancy(fields: Fields | None) -> TenancySpec:
             kv_cache_share=tenant.number("kvCacheShare", 0.0, minimum=0.0, maximum=1.0),
             requests_per_minute=limits.integer("requestsPerMinute", None, minimum=1),
             tokens_per_minute=limits.integer("tokensPerMinute", None, minimum=1),
+            models=_model_ids(tenant),
         ))
     seen: set[str] = set()
     for index, parsed in enumerate(tenants):
@@ -284,3 +286,21 @@ def _parse_tenancy(fields: Fields | None) -> TenancySpec:
         redis_url=redis.string("url", None, pattern=REDIS_URL, what="redis://host:port/db") if redis else None,
         tenants=tuple(tenants),
     )
+
+
+def _model_ids(tenant: Fields) -> tuple[str, ...] | None:
+    """A tenant's `models` allow-list: absent, or distinct non-empty ids. Ids the workload does not
+    serve are allowed (the runtime warns): the list may name adapters before they are rolled out."""
+    if tenant.data.get("models") is None:
+        return None
+    items = tenant.items("models")
+    if not items:
+        raise SpecError(tenant.at("models"), "must list at least one model id (leave it out to allow every model)")
+    ids: list[str] = []
+    for path, item in items:
+        if not isinstance(item, str) or not item.strip() or item != item.strip():
+            raise SpecError(path, f"must be a model id (a non-blank string without surrounding spaces), got {item!r}")
+        if item in ids:
+            raise SpecError(path, f"{item!r} is listed twice")
+        ids.append(item)
+    return tuple(ids)

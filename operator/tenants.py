@@ -30,6 +30,7 @@ class TenantRecord:
     kv_cache_share: float = 0.0
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
+    models: tuple[str, ...] | None = None  # the model ids the tenant may use; None: every served model
 
     def to_document(self) -> dict[str, Any]:
         entry: dict[str, Any] = {"name": self.name, "apiKeySha256": self.api_key_sha256,
@@ -38,6 +39,8 @@ class TenantRecord:
             entry["requestsPerMinute"] = self.requests_per_minute
         if self.tokens_per_minute is not None:
             entry["tokensPerMinute"] = self.tokens_per_minute
+        if self.models is not None:
+            entry["models"] = list(self.models)
         return entry
 
 
@@ -82,6 +85,7 @@ def resolve_tenants(tenancy: TenancySpec, read_secret: SecretReader) -> TenantRe
         records.append(TenantRecord(
             name=tenant.name, api_key_sha256=hashlib.sha256(api_key.encode("utf-8")).hexdigest(),
             priority=tenant.priority, kv_cache_share=tenant.kv_cache_share,
-            requests_per_minute=tenant.requests_per_minute, tokens_per_minute=tenant.tokens_per_minute))
+            requests_per_minute=tenant.requests_per_minute, tokens_per_minute=tenant.tokens_per_minute,
+            models=tenant.models))
         del api_key
     return TenantResolution(records=records, problems=problems)

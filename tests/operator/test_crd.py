@@ -112,7 +112,8 @@ MAXIMAL = {
     "tenancy": {"redis": {"url": "redis://r:6379/0"},
                 "tenants": [{"name": "a", "priority": 2, "kvCacheShare": 0.5,
                              "apiKeySecretRef": {"name": "s", "key": "k"},
-                             "limits": {"requestsPerMinute": 60, "tokensPerMinute": 6000}}]},
+                             "limits": {"requestsPerMinute": 60, "tokensPerMinute": 6000},
+                             "models": ["m", "sql"]}]},
     "rollout": {
         "canary": {"steps": [{"setWeight": 20}, {"pause": {"duration": "30s"}}], "tenants": ["a"],
                    "analysis": {"prometheus": {"url": "http://p:9090"}, "quantile": 0.99, "maxDeltaMs": 20,
