@@ -9,6 +9,9 @@ A PEFT adapter is `adapter_config.json` (`r`, `lora_alpha`, `target_modules`, op
 `fan_in_fan_out` only says how the *base* weight is laid out (GPT-2's Conv1D); PEFT stores lora_A
 and lora_B as ordinary linear weights either way, so the layout read here does not depend on it.
 
+An `hf://org/name[@revision]` adapter is fetched by the base model's Hub helper (`hf_snapshot_dir`:
+the same Hugging Face cache, HF_TOKEN and HF_HUB_OFFLINE) before it is read.
+
 Every problem is a `LoraConfigError` naming `--lora-modules` (or `--max-lora-rank`), raised before any
 adapter is written into the model.
 """
@@ -23,8 +26,9 @@ from pathlib import Path
 
 import torch
 
-from sits.runtime.lora.config import LoraConfigError, LoraModule
+from sits.runtime.lora.config import HF_SCHEME, LoraConfigError, LoraModule
 from sits.runtime.models.config import LlamaConfig
+from sits.runtime.models.errors import ModelLoadError
 
 # The projections an adapter may target, each with the fused module of ours that holds it and its
 # slice index there (q/k/v live in qkv_proj, gate/up in gate_up_proj).
@@ -76,11 +80,12 @@ def load_adapter(module: LoraModule, config: LlamaConfig, max_rank: int) -> Lora
     """Read `module.path` and check it fits the base model described by `config`.
 
     Raises:
-        LoraConfigError: a missing directory or file, a rank above max_rank, an unknown or unsupported
-            target (embeddings, lm_head), or a tensor whose shape does not match the base model.
+        LoraConfigError: a missing directory or file, an hf:// repository that cannot be had, a rank above
+            max_rank, an unknown or unsupported target (embeddings, lm_head), or a tensor whose shape does
+            not match the base model.
     """
     where = f"--lora-modules {module.name}={module.path}"
-    directory = Path(module.path).expanduser()
+    directory = adapter_directory(module, where)
     if not directory.is_dir():
         raise LoraConfigError(f"{where}: no such adapter directory")
     settings = _read_config(directory, where)
@@ -123,6 +128,18 @@ def load_adapter(module: LoraModule, config: LlamaConfig, max_rank: int) -> Lora
     if not adapter.weights:
         raise LoraConfigError(f"{where}: adapter_model.safetensors holds no LoRA weights")
     return adapter
+
+
+def adapter_directory(module: LoraModule, where: str) -> Path:
+    """The local directory of the adapter: its path, or the Hub repository downloaded into the HF cache."""
+    if not module.path.startswith(HF_SCHEME):
+        return Path(module.path).expanduser()
+    from sits.runtime.models.loading import hf_snapshot_dir  # huggingface_hub is imported only there
+
+    try:
+        return hf_snapshot_dir(module.path)
+    except ModelLoadError as error:
+        raise LoraConfigError(f"{where}: {error}") from None
 
 
 def _read_config(directory: Path, where: str) -> dict:

@@ -1,11 +1,17 @@
 """The LoRA options of `sits serve` (vLLM's `--enable-lora`, `--lora-modules`, `--max-loras`,
-`--max-lora-rank`), validated into one-line errors naming the flag."""
+`--max-lora-rank`), validated into one-line errors naming the flag.
+
+An adapter's path is a local PEFT directory or, as for `--model`, `hf://org/name[@revision]`: a Hub
+repository downloaded into the Hugging Face cache when the adapters load.
+"""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+
+HF_SCHEME = "hf://"
 
 
 class LoraConfigError(ValueError):
@@ -18,7 +24,8 @@ class LoraModule:
 
     Attributes:
         name: the model id clients ask for.
-        path: the PEFT adapter directory (adapter_config.json + adapter_model.safetensors).
+        path: the PEFT adapter directory (adapter_config.json + adapter_model.safetensors), or
+            `hf://org/name[@revision]`, a Hub repository holding those files.
         base_model_name: what `/v1/models` reports as its parent; None: the served base model.
     """
 
@@ -93,5 +100,17 @@ class LoraConfig:
         if duplicate is not None:
             raise LoraConfigError(f"--lora-modules names {duplicate!r} twice")
         for module in self.modules:  # before the model loads: a typo in a path costs no loading time
-            if not Path(module.path).expanduser().is_dir():
+            if module.path.startswith(HF_SCHEME):
+                _check_hub_uri(module)
+            elif not Path(module.path).expanduser().is_dir():
                 raise LoraConfigError(f"--lora-modules {module.name}={module.path}: no such adapter directory")
+
+
+def _check_hub_uri(module: LoraModule) -> None:
+    """The form of an hf:// adapter, checked as `--model hf://` is (the download comes when adapters load)."""
+    from sits.runtime.models.loading import HF_REPO_ID, HF_REVISION
+
+    repo_id, at, revision = module.path[len(HF_SCHEME):].partition("@")
+    if not HF_REPO_ID.match(repo_id) or (at and not HF_REVISION.match(revision)):
+        raise LoraConfigError(f"--lora-modules {module.name}={module.path} is not a Hugging Face repository: "
+                              "expected hf://org/name or hf://org/name@revision")
