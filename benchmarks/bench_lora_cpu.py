@@ -8,6 +8,8 @@ the floor any LoRA server is measured against. Scenarios and peer alternate over
 rounds (median kept), so other work on the machine slows all of them alike.
 
 Adapters are random PEFT adapters on every projection (q, k, v, o, gate, up, down), rank --rank.
+The last row runs the 4-adapter batch with the adapters applied one group of rows at a time (the
+path of large steps) instead of all slots at once under a mask (small steps' path, the default).
 
     PYTHONSAFEPATH=1 python benchmarks/bench_lora_cpu.py [--batch 8] [--max-tokens 32] [--rank 16]
 """
@@ -38,6 +40,7 @@ from sits.runtime.config import CacheConfig, EngineConfig, ModelConfig, Schedule
 from sits.runtime.engine.engine import LLMEngine  # noqa: E402
 from sits.runtime.engine.request import SamplingParams  # noqa: E402
 from sits.runtime.lora.config import LoraConfig, LoraModule  # noqa: E402
+from sits.runtime.lora.layers import DENSE_MAX_TOKENS  # noqa: E402
 from sits.runtime.models.loading import load_model  # noqa: E402
 from tests.runtime.lora_helpers import write_peft_adapter  # noqa: E402
 
@@ -45,6 +48,7 @@ PROMPTS = ["The three primary colors are", "Once upon a time, in a small village
            "A recipe for pancakes:", "Why is the sky blue?", "Photosynthesis is the process", "def fibonacci(n):",
            "The largest ocean on Earth"]
 ADAPTERS = ("a1", "a2", "a3", "a4")
+PER_ADAPTER = "4 adapters, mixed, per-adapter loop"
 
 
 def engine_config(lora: LoraConfig | None, batch: int) -> EngineConfig:
@@ -98,13 +102,18 @@ def main() -> None:
         }
         run_batch(plain, [None] * batch, 4)  # warm-up of both engines
         run_batch(with_lora, scenarios["4 adapters, mixed"], 4)
-        rates: dict[str, list[float]] = {name: [] for name in ["no LoRA (peer)", *scenarios]}
+        rates: dict[str, list[float]] = {name: [] for name in ["no LoRA (peer)", *scenarios, PER_ADAPTER]}
         for _ in range(args.repeats):
             tokens, seconds = run_batch(plain, [None] * batch, args.max_tokens)
             rates["no LoRA (peer)"].append(tokens / seconds)
             for name, adapters in scenarios.items():
                 tokens, seconds = run_batch(with_lora, adapters, args.max_tokens)
                 rates[name].append(tokens / seconds)
+            # the same mixed batch with every step applying the adapters group by group
+            with_lora.lora.step.dense_max_tokens = 0
+            tokens, seconds = run_batch(with_lora, scenarios["4 adapters, mixed"], args.max_tokens)
+            rates[PER_ADAPTER].append(tokens / seconds)
+            with_lora.lora.step.dense_max_tokens = DENSE_MAX_TOKENS
         plain.shutdown()
         with_lora.shutdown()
 
@@ -112,10 +121,10 @@ def main() -> None:
           f"{args.threads} threads, batch {batch} x {args.max_tokens} tokens, rank {args.rank}, "
           f"median of {args.repeats}")
     peer = statistics.median(rates["no LoRA (peer)"])
-    print(f"{'scenario':34s} {'tok/s':>8s} {'vs no LoRA':>11s}")
+    print(f"{'scenario':38s} {'tok/s':>8s} {'vs no LoRA':>11s}")
     for name, values in rates.items():
         rate = statistics.median(values)
-        print(f"{name:34s} {rate:8.1f} {rate / peer:10.2f}x")
+        print(f"{name:38s} {rate:8.1f} {rate / peer:10.2f}x")
 
 
 if __name__ == "__main__":

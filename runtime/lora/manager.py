@@ -54,8 +54,8 @@ class LoraManager:
 
     def __init__(self, model: LlamaForCausalLM, model_config: LlamaConfig, config: LoraConfig) -> None:
         adapters = [load_adapter(module, model_config, config.max_lora_rank) for module in config.modules]
-        device = next(model.parameters()).device
-        self.step = LoraStepState(device)
+        weight = next(model.parameters())
+        self.step = LoraStepState(weight.device, config.num_slots, weight.dtype)
         self.modules: dict[str, LoraModule] = {a.module.name: a.module for a in adapters}
         self.slots: dict[str, int] = {a.module.name: slot for slot, a in enumerate(adapters, start=1)}
         self.adapters = adapters
