@@ -25,7 +25,13 @@ from sits.runtime.server.metrics import CONTENT_TYPE, ServerMetrics
 from sits.runtime.server.middleware import BodySizeLimit, GenerationGate
 from sits.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
 from sits.runtime.server.serving import ServingContext
-from sits.runtime.server.tenant import SingleTenantResolver, TenantGate, TenantResolver, request_tenant
+from sits.runtime.server.tenant import (
+    SingleTenantResolver,
+    TenantGate,
+    TenantResolver,
+    request_allowed_models,
+    request_tenant,
+)
 from sits.runtime.server.tokenize import DetokenizeRequest, Tokenization, TokenizeRequest, installed_version
 from sits.runtime.tenancy.server_auth import TenancyResolver
 
@@ -73,6 +79,8 @@ def build_app(engine: Any, server_config: ServerConfig | None = None, *, served_
     ctx = ServingContext(engine=engine, model_name=model_name, metrics=metrics, lifecycle=lifecycle,
                          usage_observer=usage_observer, prompt_observer=prompt_observer, admission=admission)
     ctx.max_prompt_chars  # noqa: B018 - read once from the vocabulary now, not on the first request
+    if tenancy is not None:
+        tenancy.warn_unserved_models(ctx.served_models)  # tenants' allow-lists naming models not served here
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -108,14 +116,18 @@ def build_app(engine: Any, server_config: ServerConfig | None = None, *, served_
     chat = ChatCompletions(ctx, tool_call_parser=config.auto_tool_call_parser)
     completions = Completions(ctx)
 
+    # A tenant's `models` allow-list is checked first in each handler that names a model: a model kept
+    # from the tenant is the same 404 as one that does not exist, before any work (no stream starts).
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                                      tenant: str = Depends(request_tenant)) -> Response:
+        ctx.check_model(body.model, request_allowed_models(request))
         return await chat(body, tenant, request)
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request,
                                 tenant: str = Depends(request_tenant)) -> Response:
+        ctx.check_model(body.model, request_allowed_models(request))
         return await completions(body, tenant, request)
 
     def model_card(model_id: str) -> dict[str, Any]:
@@ -130,12 +142,14 @@ def build_app(engine: Any, server_config: ServerConfig | None = None, *, served_
 
     # Listing models needs a key too (TenantGate covers every /v1/* path), as OpenAI's API does.
     @app.get("/v1/models", dependencies=[Depends(request_tenant)])
-    async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card(model_name)] + [model_card(name) for name in ctx.lora_modules]}
+    async def list_models(request: Request) -> dict[str, Any]:
+        allowed = request_allowed_models(request)
+        return {"object": "list", "data": [model_card(model_id) for model_id in ctx.served_models
+                                           if allowed is None or model_id in allowed]}
 
     @app.get("/v1/models/{model_id:path}", dependencies=[Depends(request_tenant)])
-    async def retrieve_model(model_id: str) -> dict[str, Any]:
-        ctx.check_model(model_id)  # 404 for a model neither the base nor an adapter
+    async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
+        ctx.check_model(model_id, request_allowed_models(request))  # 404: neither served nor the tenant's
         return model_card(model_id)
 
     # vLLM's utility endpoints: with tenants /tokenize and /detokenize need a key (TenantGate covers
@@ -144,12 +158,12 @@ def build_app(engine: Any, server_config: ServerConfig | None = None, *, served_
     version = {"version": installed_version()}
 
     @app.post("/tokenize", dependencies=[Depends(request_tenant)])
-    async def tokenize(body: TokenizeRequest) -> Response:
-        return await tokenization.tokenize(body)
+    async def tokenize(body: TokenizeRequest, request: Request) -> Response:
+        return await tokenization.tokenize(body, request_allowed_models(request))
 
     @app.post("/detokenize", dependencies=[Depends(request_tenant)])
-    async def detokenize(body: DetokenizeRequest) -> Response:
-        return await tokenization.detokenize(body)
+    async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
+        return await tokenization.detokenize(body, request_allowed_models(request))
 
     @app.get("/version")
     async def server_version() -> dict[str, str]:

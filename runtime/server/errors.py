@@ -71,7 +71,8 @@ def invalid_request(message: str, param: str | None = None, code: str | None = N
 
 
 def model_not_found(model: str) -> OpenAIError:
-    return OpenAIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+    return OpenAIError(404, f"The model `{model}` does not exist or you do not have access to it.",
+                       param="model", code="model_not_found")
 
 
 def service_unavailable(message: str) -> OpenAIError:

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -114,9 +114,19 @@ class ServingContext:
         """The LoRA adapters served as models of their own (name -> `LoraModule`), as the engine has them."""
         return getattr(self.engine, "lora_modules", None) or {}
 
-    def check_model(self, model: str | None) -> str | None:
+    @property
+    def served_models(self) -> list[str]:
+        """Every model id this server answers to: the base model's, then each adapter's."""
+        return [self.model_name, *self.lora_modules]
+
+    def check_model(self, model: str | None, allowed: Collection[str] | None = None) -> str | None:
         """The LoRA adapter `model` names, None for the base model (also when no model is sent);
-        404 for a model this server does not serve."""
+        404 for a model this server does not serve, and the same 404 for one outside `allowed`
+        (the tenant's allow-list, None for every served model; no model sent means the base
+        model), so a tenant cannot tell a model kept from it from one that does not exist."""
+        asked = self.model_name if model is None else model
+        if allowed is not None and asked not in allowed:
+            raise model_not_found(asked)
         if model is None or model == self.model_name:
             return None
         if model in self.lora_modules:

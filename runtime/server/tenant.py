@@ -6,7 +6,9 @@ A `TenantResolver` on `app.state.tenant_resolver` answers three questions:
 - `admit(request, tenant)`: may this generation request run now; raises `OpenAIError(429)` with
   Retry-After for a tenant over its rate limit;
 - `cache_salt(request, shared)`: the prefix-cache salt of the request's prompts, so tenants never
-  share cached KV (`shared`: the prompt is marked for the shared-prefix pool; 400 where none is).
+  share cached KV (`shared`: the prompt is marked for the shared-prefix pool; 400 where none is);
+- `allowed_models(request)`: the model ids the tenant may use (None: every served model); the
+  others answer as models that do not exist (`request_allowed_models`, `ServingContext.check_model`).
 
 `TenantGate` runs the first two for every /v1/* request (and /tokenize, /detokenize, which expose
 the deployment's chat template and vocabulary) before FastAPI reads the body, so an
@@ -17,7 +19,7 @@ tenancy every request is the tenant "default": open (`SingleTenantResolver`) or 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Protocol
 
 from fastapi import Request
@@ -47,6 +49,10 @@ class TenantResolver(Protocol):
         """The prefix-cache salt of this request's prompts; raise OpenAIError(400) for a refused `shared`."""
         ...
 
+    def allowed_models(self, request: Request) -> Collection[str] | None:
+        """The model ids this request's tenant may use; None for every model the server serves."""
+        ...
+
 
 class SingleTenantResolver:
     """Every request belongs to one tenant (a server without API keys); no limits, no salt."""
@@ -63,6 +69,9 @@ class SingleTenantResolver:
     def cache_salt(self, request: Request, shared: bool) -> str | None:
         if shared:
             raise shared_prefix_unavailable()
+        return None
+
+    def allowed_models(self, request: Request) -> Collection[str] | None:
         return None
 
 
@@ -159,3 +168,8 @@ def request_priority(request: Request) -> int:
 def request_cache_salt(request: Request, shared: bool = False) -> str | None:
     """The prefix-cache salt for the request's prompts (see `TenantResolver.cache_salt`)."""
     return request.app.state.tenant_resolver.cache_salt(request, shared)
+
+
+def request_allowed_models(request: Request) -> Collection[str] | None:
+    """The model ids the request's tenant may use, None for all (see `TenantResolver.allowed_models`)."""
+    return request.app.state.tenant_resolver.allowed_models(request)

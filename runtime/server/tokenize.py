@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.metadata
+from collections.abc import Collection
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -90,8 +91,9 @@ class Tokenization:
         self.ctx = ctx
         self.chat = chat
 
-    async def tokenize(self, body: TokenizeRequest) -> JSONResponse:
-        self.ctx.check_model(body.model)
+    async def tokenize(self, body: TokenizeRequest, allowed: Collection[str] | None = None) -> JSONResponse:
+        """`allowed`: the tenant's model allow-list (None: every served model; see `ServingContext.check_model`)."""
+        self.ctx.check_model(body.model, allowed)
         body.check_form()
         if body.prompt is not None:
             add_special_tokens = True if body.add_special_tokens is None else body.add_special_tokens
@@ -105,8 +107,8 @@ class Tokenization:
             response["token_strs"] = [self.ctx.tokenizer.id_to_token(token_id) for token_id in token_ids]
         return JSONResponse(response)
 
-    async def detokenize(self, body: DetokenizeRequest) -> JSONResponse:
-        self.ctx.check_model(body.model)
+    async def detokenize(self, body: DetokenizeRequest, allowed: Collection[str] | None = None) -> JSONResponse:
+        self.ctx.check_model(body.model, allowed)
         vocab_size = self.ctx.tokenizer.vocab_size
         bad = next((index for index, token_id in enumerate(body.tokens) if not 0 <= token_id < vocab_size), None)
         if bad is not None:

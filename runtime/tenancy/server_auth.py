@@ -13,7 +13,7 @@ tenant's window (`Tenancy.observe_prompt`, `Tenancy.observe_usage`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from fastapi import Request
 
@@ -74,6 +74,10 @@ class TenancyResolver:
         if shared and not table.shared_prefix_pool:
             raise shared_prefix_unavailable()
         return table.prefix_salt(tenant, shared)
+
+    def allowed_models(self, request: Request) -> Collection[str] | None:
+        """The tenant's `models` allow-list as authenticated (the table current at `resolve`)."""
+        return self._tenant(request).models
 
     @staticmethod
     def _tenant(request: Request) -> Tenant:

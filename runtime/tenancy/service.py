@@ -15,14 +15,15 @@ What `build_app` does with it, piece by piece:
     await tenancy.close()
 
 Live tenant-table updates reach the authenticator, the shards, the eviction priorities and the
-queue weights through the registry's listeners.
+queue weights through the registry's listeners; each tenant's `models` allow-list is read from the
+tenant authenticated for each request, so a new list applies to the next request.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from sits.runtime.tenancy.auth import Authenticator, AuthMode
 from sits.runtime.tenancy.config import TenancyConfig
@@ -81,6 +82,21 @@ class Tenancy:
 
     def authenticate(self, headers: Mapping[str, str]) -> Tenant:
         return self.authenticator.authenticate(headers)
+
+    def warn_unserved_models(self, served: Collection[str]) -> None:
+        """Warn about each tenant whose `models` names an id outside `served` (the base model's name
+        and the adapters'), now and after every live table update. Not an error: an operator may
+        write the table before the adapters change; until then those requests get the 404 of an
+        unknown model."""
+        served = frozenset(served)
+
+        def warn(table: TenantTable) -> None:
+            for name, model_ids in table.unserved_models(served).items():
+                log.warning("tenant %s lists model(s) %s, which this server does not serve (serving: %s)",
+                            name, ", ".join(model_ids), ", ".join(sorted(served)))
+
+        warn(self.table)
+        self.registry.subscribe(warn)
 
     def cache_salt(self, tenant: Tenant, shared: bool = False) -> str:
         """`Sequence.cache_salt` for a request of this tenant (prompts marked shared use the pool's)."""

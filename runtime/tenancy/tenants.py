@@ -6,11 +6,19 @@ A tenants file (`sits serve --tenants tenants.yaml`) looks like:
     tenants:
       - {name: finance, apiKey: "sk-...", priority: 3, kvCacheShare: 0.4,
          requestsPerMinute: 600, tokensPerMinute: 200000}
-      - {name: research, apiKeySha256: "9f86d0...", priority: 1, kvCacheShare: 0.2}
+      - {name: research, apiKeySha256: "9f86d0...", priority: 1, kvCacheShare: 0.2,
+         models: [llama-3-8b-instruct, research-sql]}   # optional allow-list, see below
 
 API keys are hashed with SHA-256 as soon as they are read; only the digest is kept, and it is
 shown by no repr, log line or error message. The same table, with digests only, is what the
 state store holds so an operator can update tenants live (`TenantTable.to_document`).
+
+`models` lists the model ids a tenant may use: the base model's served name and LoRA adapter
+names. Absent, the tenant may use every model the server serves; an empty list is an error (a
+tenant that may use nothing should be removed). To the tenant, a model outside its list does not
+exist: requests for it are the same 404 as for an unknown model and /v1/models leaves it out. An
+id the server does not serve is not an error here (the table may be written before adapters
+change); the server logs a warning for it (`TenantTable.unserved_models`).
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +40,7 @@ SHA256_HEX = re.compile(r"^[0-9a-fA-F]{64}$")
 DEFAULT_TENANT = "default"
 
 _TENANT_FIELDS = {"name", "apiKey", "apiKeySha256", "priority", "kvCacheShare", "requestsPerMinute",
-                  "tokensPerMinute", "weight"}
+                  "tokensPerMinute", "weight", "models"}
 _TABLE_FIELDS = {"tenants", "sharedPrefixPool"}
 _SALT_DOMAIN = b"sits/prefix-salt/v1\x00"
 SHARED_PREFIX_SALT = hashlib.sha256(_SALT_DOMAIN + b"\x00shared-prefix-pool").hexdigest()[:32]
@@ -59,6 +67,8 @@ class Tenant:
         requests_per_minute, tokens_per_minute: limits across all replicas; None is unlimited.
         weight: share of scheduling inside the priority tier, relative to the tier's other tenants.
         api_key_sha256: digest of the API key (None in trusted-gateway mode); never shown.
+        models: the model ids (served base-model name, LoRA adapter names) this tenant may use;
+            None allows every model the server serves.
     """
 
     name: str
@@ -68,6 +78,11 @@ class Tenant:
     tokens_per_minute: int | None = None
     weight: float = 1.0
     api_key_sha256: bytes | None = field(default=None, repr=False, compare=False)
+    models: tuple[str, ...] | None = None
+
+    def may_use(self, model_id: str) -> bool:
+        """Whether this tenant's allow-list admits `model_id` (every id when it has no list)."""
+        return self.models is None or model_id in self.models
 
     @property
     def prefix_salt(self) -> str:
@@ -130,6 +145,11 @@ class TenantTable:
     def get(self, name: str) -> Tenant | None:
         return self._tenants.get(name)
 
+    def unserved_models(self, served: Collection[str]) -> dict[str, list[str]]:
+        """Tenant name -> the ids in its `models` that are not among `served` (tenants with none left out)."""
+        unserved = {t.name: [m for m in t.models if m not in served] for t in self._tenants.values() if t.models}
+        return {name: ids for name, ids in unserved.items() if ids}
+
     def by_key(self, api_key: str) -> Tenant | None:
         """The tenant whose key this is, or None.
 
@@ -160,6 +180,8 @@ class TenantTable:
                 entry["requestsPerMinute"] = t.requests_per_minute
             if t.tokens_per_minute is not None:
                 entry["tokensPerMinute"] = t.tokens_per_minute
+            if t.models is not None:
+                entry["models"] = list(t.models)
             tenants.append(entry)
         return {"sharedPrefixPool": self.shared_prefix_pool, "tenants": tenants}
 
@@ -225,7 +247,25 @@ def _parse_tenant(entry: Any, index: int, source: str, require_keys: bool) -> Te
         tokens_per_minute=_integer(entry, "tokensPerMinute", where, default=None, low=1),
         weight=_number(entry, "weight", where, default=1.0, low=1e-6, high=1e6),
         api_key_sha256=_key_digest(entry, where, require_keys),
+        models=_model_ids(entry, where),
     )
+
+
+def _model_ids(entry: Mapping, where: str) -> tuple[str, ...] | None:
+    """The tenant's `models` allow-list: absent (None) or a non-empty list of distinct model ids."""
+    if "models" not in entry or entry["models"] is None:
+        return None
+    value = entry["models"]
+    if not isinstance(value, list) or not value:
+        raise TenantConfigError(f"{where}: models must be a non-empty list of model ids (leave it out to allow "
+                                f"every served model), got {value!r}")
+    for index, model_id in enumerate(value):
+        if not isinstance(model_id, str) or not model_id.strip() or model_id != model_id.strip():
+            raise TenantConfigError(f"{where}: models[{index}] must be a model id (a non-blank string without "
+                                    f"surrounding spaces), got {model_id!r}")
+        if model_id in value[:index]:
+            raise TenantConfigError(f"{where}: models lists {model_id!r} twice")
+    return tuple(value)
 
 
 def _key_digest(entry: Mapping, where: str, require_keys: bool) -> bytes | None:
