@@ -6,6 +6,7 @@ import copy
 from pathlib import Path
 from typing import Any
 
+import celpy
 import jsonschema
 import kubernetes_validate
 import pytest
@@ -154,6 +155,9 @@ def test_the_default_model_name_is_the_resources_name_and_no_adapter_may_take_it
     del spec["model"]["name"]
     with pytest.raises(SpecError, match=r"^spec\.model\.loraAdapters\[0\]\.name: 'llm-a' is the base model's name"):
         parse_spec(spec, OWNER.name)
+    assert not crd_accepts(spec)  # the CRD's root rule reads metadata.name
+    spec["model"]["loraAdapters"][0]["name"] = "sql"
+    assert crd_accepts(spec) and parse_spec(spec, OWNER.name).workload.lora.adapters[0].name == "sql"
 
 
 # -- the CRD: its OpenAPI schema and CEL rules accept and refuse what the operator does -------------------
@@ -164,6 +168,11 @@ def crd_accepts(spec: dict[str, Any]) -> bool:
     try:
         jsonschema.Draft4Validator(SCHEMA).validate(body)
     except jsonschema.ValidationError:
+        return False
+    environment = celpy.Environment()
+    root_rules = [environment.program(environment.compile(rule["rule"]))
+                  for rule in SCHEMA.get("x-kubernetes-validations") or []]  # these may read metadata.name
+    if not all(rule.evaluate({"self": celpy.json_to_cel(body)}) for rule in root_rules):
         return False
     return not crd_violations(SPEC_SCHEMA, body["spec"], "spec")
 
