@@ -16,8 +16,6 @@ batch gets its tokens alone, and bad values are 400s naming the param, before an
 from __future__ import annotations
 
 import itertools
-import threading
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -35,7 +33,7 @@ from sits.runtime.server.runner import BackgroundServer
 from tests.runtime.engine_helpers import generate_all
 from tests.runtime.sampling_helpers import EOS, VOCAB, fixed_logits, seq
 from tests.support.model_driver import greedy_generate
-from tests.support.serving import serve_loaded
+from tests.support.serving import beside_a_stream, serve_loaded
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -288,29 +286,13 @@ def test_a_two_token_bad_word_never_appears_streamed_or_sampled(client, model):
 
 def test_a_neighbour_without_the_options_gets_its_tokens_alone(client, model, allowed):
     alone = client.completions.create(model=model, prompt=PARIS, max_tokens=8, temperature=0).choices[0].text
-    started, last_chunk_at, masked_text = threading.Event(), [0.0], []
-
-    def run_masked() -> None:
-        stream = client.completions.create(model=model, prompt="Once upon a time", max_tokens=40, temperature=0,
-                                           stream=True, extra_body={"allowed_token_ids": list(allowed),
-                                                                    "bad_words": ["the sky"]})
-        for chunk in stream:
-            started.set()
-            masked_text.append(chunk.choices[0].text if chunk.choices else "")
-            last_chunk_at[0] = time.monotonic()
-
-    masked = threading.Thread(target=run_masked)
-    masked.start()
-    try:
-        assert started.wait(60)
-        together = client.completions.create(model=model, prompt=PARIS, max_tokens=8, temperature=0)
-        plain_done_at = time.monotonic()
-    finally:
-        masked.join(120)
-    assert not masked.is_alive()
-    assert last_chunk_at[0] > plain_done_at  # the masked request was still running: they shared steps
+    together, masked_text = beside_a_stream(
+        lambda: client.completions.create(model=model, prompt="Once upon a time", max_tokens=40, temperature=0,
+                                          stream=True, extra_body={"allowed_token_ids": list(allowed),
+                                                                   "bad_words": ["the sky"]}),
+        lambda: client.completions.create(model=model, prompt=PARIS, max_tokens=8, temperature=0))
     assert together.choices[0].text == alone
-    assert "the sky" not in "".join(masked_text) and "".join(masked_text)
+    assert masked_text and "the sky" not in masked_text
 
 
 @pytest.mark.parametrize(("extra", "param"), [

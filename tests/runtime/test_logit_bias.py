@@ -12,8 +12,6 @@ naming `logit_bias` that leave the server serving.
 from __future__ import annotations
 
 import itertools
-import threading
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -30,7 +28,7 @@ from sits.runtime.engine.scheduler_output import ScheduledSequence
 from sits.runtime.server.runner import BackgroundServer
 from tests.runtime.engine_helpers import generate_all
 from tests.runtime.sampling_helpers import EOS, VOCAB, fixed_logits, seq
-from tests.support.serving import serve_loaded
+from tests.support.serving import beside_a_stream, serve_loaded
 
 
 # -- the sampler ---------------------------------------------------------------------------------
@@ -255,28 +253,12 @@ def test_streams_carry_the_biased_tokens(client, model, served):
 def test_a_request_without_bias_batched_with_a_biased_one_gets_its_tokens_alone(client, model, served):
     token_id, text = word_token(served, " ocean")
     alone = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text
-    started, last_chunk_at, biased_text = threading.Event(), [0.0], []
-
-    def run_biased() -> None:
-        stream = client.completions.create(model=model, prompt="Once upon a time", max_tokens=48, temperature=0,
-                                           stream=True, logit_bias={str(token_id): 100})
-        for chunk in stream:
-            started.set()
-            biased_text.append(chunk.choices[0].text if chunk.choices else "")
-            last_chunk_at[0] = time.monotonic()
-
-    biased = threading.Thread(target=run_biased)
-    biased.start()
-    try:
-        assert started.wait(60)
-        together = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0)
-        plain_done_at = time.monotonic()
-    finally:
-        biased.join(120)
-    assert not biased.is_alive()
-    assert last_chunk_at[0] > plain_done_at  # the biased request was still running: they shared steps
+    together, biased_text = beside_a_stream(
+        lambda: client.completions.create(model=model, prompt="Once upon a time", max_tokens=48, temperature=0,
+                                          stream=True, logit_bias={str(token_id): 100}),
+        lambda: client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0))
     assert together.choices[0].text == alone
-    assert "".join(biased_text) == text * 48
+    assert biased_text == text * 48
 
 
 @pytest.mark.parametrize("logit_bias", [

@@ -4,8 +4,10 @@ KV cache and step budget, uvicorn on a free 127.0.0.1 port, stopped when the blo
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Any
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
 
 import openai
 
@@ -15,6 +17,8 @@ from sits.runtime.engine.engine import LLMEngine
 from sits.runtime.lora.config import LoraConfig
 from sits.runtime.server.app import build_app
 from sits.runtime.server.runner import BackgroundServer
+
+T = TypeVar("T")
 
 
 @contextlib.contextmanager
@@ -40,3 +44,28 @@ def serve_loaded(loaded: Any, *, num_blocks: int, max_num_seqs: int, max_num_bat
 def openai_client(server: BackgroundServer) -> openai.OpenAI:
     """The official client pointed at `server`, without retries (a test sees every answer as it is)."""
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def beside_a_stream(open_stream: Callable[[], Iterable[Any]], request: Callable[[], T]) -> tuple[T, str]:
+    """Run `request` while the completions stream `open_stream()` returns is running, so both share
+    engine steps; returns request's result and the stream's text. Asserts the stream was still
+    producing after the request finished (else they did not run side by side)."""
+    started, last_chunk_at, texts = threading.Event(), [0.0], []
+
+    def consume() -> None:
+        for chunk in open_stream():
+            started.set()
+            texts.append(chunk.choices[0].text if chunk.choices else "")
+            last_chunk_at[0] = time.monotonic()
+
+    streaming = threading.Thread(target=consume)
+    streaming.start()
+    try:
+        assert started.wait(60)
+        result = request()
+        done_at = time.monotonic()
+    finally:
+        streaming.join(120)
+    assert not streaming.is_alive()
+    assert last_chunk_at[0] > done_at  # the stream was still running: they shared steps
+    return result, "".join(texts)
