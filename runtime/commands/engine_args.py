@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from sits.runtime.config import (
@@ -21,7 +22,7 @@ from sits.runtime.config import (
     ModelConfig,
     SchedulerConfig,
 )
-from sits.runtime.lora.config import LoraConfig, LoraConfigError, parse_lora_module
+from sits.runtime.lora.config import RUNTIME_UPDATING_ENV, LoraConfig, LoraConfigError, parse_lora_module
 from sits.runtime.parallel.cli_args import add_parallel_arguments, parallel_config_from_args
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -80,17 +81,24 @@ def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
                       help="adapter slots (adapters in one batch); at least the number of --lora-modules, "
                            "which is the default")
     lora.add_argument("--max-lora-rank", type=int, default=LoraConfig.max_lora_rank, help="largest adapter rank")
+    lora.add_argument("--allow-runtime-lora-updating", action="store_true",
+                      help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter, which load adapters "
+                           f"into free --max-loras slots and unload them while serving (or {RUNTIME_UPDATING_ENV}=1)")
 
 
 def lora_config_from_args(args: argparse.Namespace) -> LoraConfig:
-    """The LoRA options; a malformed --lora-modules value is a ConfigError naming it."""
+    """The LoRA options; a malformed --lora-modules value is a ConfigError naming it. The environment's
+    SITS_ALLOW_RUNTIME_LORA_UPDATING=1 counts as --allow-runtime-lora-updating with --enable-lora."""
     try:
         modules = [parse_lora_module(value) for value in getattr(args, "lora_modules", None) or ()]
     except LoraConfigError as error:
         raise ConfigError(str(error)) from None
     return LoraConfig(enable_lora=getattr(args, "enable_lora", False), modules=modules,
                       max_loras=getattr(args, "max_loras", None),
-                      max_lora_rank=getattr(args, "max_lora_rank", LoraConfig.max_lora_rank))
+                      max_lora_rank=getattr(args, "max_lora_rank", LoraConfig.max_lora_rank),
+                      allow_runtime_updating=getattr(args, "allow_runtime_lora_updating", False)
+                      or (getattr(args, "enable_lora", False)
+                          and os.environ.get(RUNTIME_UPDATING_ENV, "").lower() in ("1", "true")))
 
 
 def _on_cpu(device: str) -> bool:

@@ -17,6 +17,7 @@ marked unhealthy (`is_healthy` False) and new requests get `EngineDeadError`; no
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import threading
@@ -38,6 +39,7 @@ from sits.runtime.engine.stats import EngineStats
 from sits.runtime.engine.structured_output import StructuredOutputs
 from sits.runtime.lora.config import LoraModule
 from sits.runtime.lora.manager import lora_slot
+from sits.runtime.lora.usage import AdapterUsage
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +76,12 @@ class _Abort:
 
 
 @dataclass
+class _Call:  # run on the engine thread between steps (call_between_steps)
+    function: Callable[[], Any]
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+@dataclass
 class _Periodic:
     """A callback run on the engine thread every interval_s while the engine state changes."""
 
@@ -93,8 +101,9 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self._cond = threading.Condition()
-        self._commands: list[_Add | _Abort] = []
+        self._commands: list[_Add | _Abort | _Call] = []
         self._streams: dict[str, _Stream] = {}  # guarded by _cond
+        self.lora_usage = AdapterUsage()  # requests in flight per LoRA adapter (runtime unloads)
         self._thread: threading.Thread | None = None
         self._stop = False
         self._accepting = True
@@ -238,6 +247,7 @@ class AsyncEngine:
                 raise EngineShuttingDownError("the engine is shutting down and accepts no new requests")
             if request_id in self._streams:
                 raise DuplicateRequestError(f"request id {request_id!r} is already in the engine")
+            self.lora_usage.enter(lora)  # InvalidRequestError while the adapter is being unloaded
             self._streams[request_id] = stream
             self._commands.append(_Add(request_id, list(prompt_token_ids), params, tenant, priority, cache_salt,
                                        stream_text, lora))
@@ -256,6 +266,7 @@ class AsyncEngine:
         finally:
             with self._cond:
                 self._streams.pop(request_id, None)
+                self.lora_usage.leave(lora)
                 if not finished:
                     self._commands.append(_Abort([request_id]))
                     self._cond.notify()
@@ -266,6 +277,16 @@ class AsyncEngine:
         with self._cond:
             self._commands.append(_Abort(ids))
             self._cond.notify()
+
+    async def call_between_steps(self, function: Callable[[], Any]) -> Any:
+        """`function()` run on the engine thread between two steps, so it may change what steps read (a LoRA slot)."""
+        self._ensure_started()
+        with self._cond:
+            if self._stop or not self._healthy:
+                raise EngineShuttingDownError("the engine is stopped")
+            self._commands.append(call := _Call(function))
+            self._cond.notify()
+        return await asyncio.wrap_future(call.future)
 
     # -- the background thread -------------------------------------------------------------
     def _run(self) -> None:
@@ -314,8 +335,14 @@ class AsyncEngine:
             if not (self._commands or self._stop):
                 self._cond.wait(timeout=_BACK_OFF_S)
 
-    def _apply(self, commands: list[_Add | _Abort]) -> None:
+    def _apply(self, commands: list[_Add | _Abort | _Call]) -> None:
         for command in commands:
+            if isinstance(command, _Call):
+                try:
+                    command.future.set_result(command.function())
+                except Exception as exc:  # the caller's error, not the engine's
+                    command.future.set_exception(exc)
+                continue
             if isinstance(command, _Abort):
                 self._deliver(self.engine.abort_request(command.request_ids))
                 continue
@@ -345,7 +372,7 @@ class AsyncEngine:
         self._stats = self.engine.stats()
         with self._cond:
             pending = [c.request_id for c in self._commands if isinstance(c, _Add)]
-            self._commands.clear()
+            _drop_commands(self._commands)
         for request_id in pending:
             self._send(request_id, EngineShuttingDownError("the engine shut down before the request started"))
         self._idle.set()
@@ -356,10 +383,17 @@ class AsyncEngine:
             self._healthy = False
             self._accepting = False
             streams = list(self._streams.values())
-            self._commands.clear()
+            _drop_commands(self._commands)
         for stream in streams:
             stream.put(error)
         with contextlib.suppress(Exception):  # free what can be freed; the engine may be broken
             self.engine.abort_request(list(self.engine.output_processor.request_ids()))
             self._stats = self.engine.stats()
         self._idle.set()
+
+
+def _drop_commands(commands: list[_Add | _Abort | _Call]) -> None:
+    for command in commands:
+        if isinstance(command, _Call):
+            command.future.set_exception(EngineShuttingDownError("the engine stopped before the call ran"))
+    commands.clear()

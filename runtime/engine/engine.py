@@ -43,7 +43,7 @@ from sits.runtime.engine.sequence import Sequence, SequenceStatus, child_sequenc
 from sits.runtime.engine.stats import EngineStats
 from sits.runtime.engine.structured_output import StructuredOutputs
 from sits.runtime.engine.token_masks import resolve_bad_words
-from sits.runtime.lora.manager import lora_slot, setup_lora
+from sits.runtime.lora.manager import lora_binding, setup_lora
 
 if TYPE_CHECKING:  # the models package is imported only when a model is loaded
     from sits.runtime.models.loading import LoadedModel
@@ -221,7 +221,7 @@ class LLMEngine:
             raise DuplicateRequestError(f"request id {request_id!r} is already in the engine")
         prompt_token_ids = list(prompt_token_ids)
         self.validate_request(prompt_token_ids, params, tenant)
-        slot = lora_slot(self.lora, lora)  # InvalidRequestError for an adapter not served
+        slot, lora_key = lora_binding(self.lora, lora)  # InvalidRequestError for an adapter not served
         arrival_time = time.time() if arrival_time is None else arrival_time
         # A sequence longer than its tenant's room in the cache could never finish: it stops there.
         longest = min(self.max_model_len, self.kv_cache.max_tokens_for(tenant))
@@ -244,7 +244,7 @@ class LLMEngine:
                     tenant=tenant,
                     priority=priority,
                     cache_salt=cache_salt,
-                    lora_name=lora, lora_slot=slot,
+                    lora_name=lora_key, lora_slot=slot,
                     sibling_ids=tuple(s for s in seq_ids if s != seq_id),
                     arrival_order=order,
                 )

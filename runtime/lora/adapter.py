@@ -76,15 +76,17 @@ class LoraAdapter:
         return {target for _, target in self.weights}
 
 
-def load_adapter(module: LoraModule, config: LlamaConfig, max_rank: int) -> LoraAdapter:
+def load_adapter(module: LoraModule, config: LlamaConfig, max_rank: int, where: str | None = None) -> LoraAdapter:
     """Read `module.path` and check it fits the base model described by `config`.
+
+    `where` starts every error message (default: the `--lora-modules` value).
 
     Raises:
         LoraConfigError: a missing directory or file, an hf:// repository that cannot be had, a rank above
             max_rank, an unknown or unsupported target (embeddings, lm_head), or a tensor whose shape does
             not match the base model.
     """
-    where = f"--lora-modules {module.name}={module.path}"
+    where = where or f"--lora-modules {module.name}={module.path}"
     directory = adapter_directory(module, where)
     if not directory.is_dir():
         raise LoraConfigError(f"{where}: no such adapter directory")

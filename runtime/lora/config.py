@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 HF_SCHEME = "hf://"
+RUNTIME_UPDATING_ENV = "SITS_ALLOW_RUNTIME_LORA_UPDATING"  # as vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING
 
 
 class LoraConfigError(ValueError):
@@ -72,12 +73,15 @@ class LoraConfig:
         max_loras: adapter slots (at most this many adapters in one batch); here every configured
             adapter holds a slot, so it must be at least len(modules). None: len(modules), at least 1.
         max_lora_rank: the largest rank an adapter may have (the slots are sized for it).
+        allow_runtime_updating: adapters may be loaded into free slots and unloaded while serving
+            (`--allow-runtime-lora-updating`, vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter).
     """
 
     enable_lora: bool = False
     modules: list[LoraModule] = field(default_factory=list)
     max_loras: int | None = None
     max_lora_rank: int = 16
+    allow_runtime_updating: bool = False
 
     @property
     def num_slots(self) -> int:
@@ -87,6 +91,8 @@ class LoraConfig:
     def validate(self) -> None:
         if self.modules and not self.enable_lora:
             raise LoraConfigError("--lora-modules needs --enable-lora")
+        if self.allow_runtime_updating and not self.enable_lora:
+            raise LoraConfigError("--allow-runtime-lora-updating needs --enable-lora")
         if self.max_lora_rank < 1:
             raise LoraConfigError(f"--max-lora-rank must be positive, got {self.max_lora_rank}")
         if self.max_loras is not None and self.max_loras < 1:

@@ -112,6 +112,11 @@ class LoraDelta:
         self.lora_a[slot, column:column + rank] = lora_a.to(self.lora_a.dtype)
         self.lora_b_t[slot, column:column + rank, start:end] = (lora_b.float() * scale).T.to(self.lora_b_t.dtype)
 
+    def clear_slot(self, slot: int) -> None:
+        """Zero `slot` (an unloaded adapter's): its rows add nothing until another adapter is written there."""
+        self.lora_a[slot].zero_()
+        self.lora_b_t[slot].zero_()
+
     def remove(self) -> None:
         """Take the hook off the layer (its output is the base layer's again)."""
         self._handle.remove()

@@ -1,14 +1,22 @@
-"""The engine's adapters: every `--lora-modules` adapter loaded into a slot at start-up.
+"""The engine's adapters: every `--lora-modules` adapter loaded into a slot at start-up, and with
+--allow-runtime-lora-updating more loaded into free slots (and unloaded) while serving.
 
 `setup_lora` reads and checks every adapter first (so a bad one stops the start before the model
 is touched), then hooks a `LoraDelta` onto each linear layer some adapter targets, writes each
 adapter into its slot and hands the runner the `LoraStepState` it fills every step. Without
 --enable-lora it does nothing at all: the model keeps its plain forward.
+
+Runtime updates: `read` (any thread, slow: disk or Hub) checks an adapter; `add` and `remove` write
+and zero its slot and must run on the engine's thread between steps (`AsyncEngine.call_between_steps`),
+never while a step reads the stacks. The name -> slot maps are replaced, never mutated, so other
+threads may read them at any time. Each runtime load gets a fresh prefix-cache key (the name plus a
+load id): blocks cached under an unloaded adapter are never a hit for another loaded under its name.
 """
 
 from __future__ import annotations
 
 import logging
+import uuid
 from typing import TYPE_CHECKING
 
 from torch import nn
@@ -49,17 +57,21 @@ class LoraManager:
     Attributes:
         modules: name -> LoraModule of each adapter served.
         slots: name -> slot.
+        cache_keys: name -> the key its prefix-cache blocks are hashed under.
         step: the per-step adapter index the model runner fills.
     """
 
     def __init__(self, model: LlamaForCausalLM, model_config: LlamaConfig, config: LoraConfig) -> None:
         adapters = [load_adapter(module, model_config, config.max_lora_rank) for module in config.modules]
+        self.model_config, self.max_rank, self.num_slots = model_config, config.max_lora_rank, config.num_slots
         weight = next(model.parameters())
         self.step = LoraStepState(weight.device, config.num_slots, weight.dtype)
         self.modules: dict[str, LoraModule] = {a.module.name: a.module for a in adapters}
         self.slots: dict[str, int] = {a.module.name: slot for slot, a in enumerate(adapters, start=1)}
+        self.cache_keys: dict[str, str] = {name: name for name in self.slots}  # as before runtime updates
         self.adapters = adapters
-        targeted = set().union(*(a.targets for a in adapters))
+        # an adapter loaded later may target any projection: every layer is hooked up front
+        targeted = set(TARGETS) if config.allow_runtime_updating else set().union(*(a.targets for a in adapters))
         shapes = target_shapes(model_config)
         self._deltas: dict[tuple[int, str], LoraDelta] = {}
         previous = getattr(model, MANAGER_ATTRIBUTE, None)
@@ -85,6 +97,47 @@ class LoraManager:
         for (layer, target), (lora_a, lora_b) in adapter.weights.items():
             layer_name, index = TARGETS[target]
             self._deltas[(layer, layer_name)].set_slice(slot, index, lora_a, lora_b, adapter.scale)
+
+    def read(self, module: LoraModule) -> LoraAdapter:
+        """Read and check an adapter for a runtime load (any thread; touches no slot).
+
+        Raises:
+            LoraConfigError: as at start-up, the message starting with the adapter's name and path.
+        """
+        return load_adapter(module, self.model_config, self.max_rank, where=f"{module.name} ({module.path})")
+
+    def add(self, adapter: LoraAdapter) -> int:
+        """Write `adapter` into the lowest free slot; engine thread only, between steps.
+
+        Raises:
+            LoraConfigError: its name is served already, or no slot is free.
+        """
+        name = adapter.module.name
+        if name in self.slots:
+            raise LoraConfigError(f"The lora adapter '{name}' has already been loaded.")
+        slot = next((s for s in range(1, self.num_slots + 1) if s not in self.slots.values()), None)
+        if slot is None:
+            raise LoraConfigError(f"No free LoRA slot: all {self.num_slots} slots (--max-loras) hold adapters; "
+                                  "unload one first or raise --max-loras")
+        self._write(slot, adapter)
+        self.modules = {**self.modules, name: adapter.module}
+        self.cache_keys = {**self.cache_keys, name: f"{name}#{uuid.uuid4().hex}"}
+        self.adapters = [*self.adapters, adapter]
+        self.slots = {**self.slots, name: slot}  # last: requests find the adapter once it is written
+        return slot
+
+    def remove(self, name: str) -> None:
+        """Unload adapter `name` and zero its slot; engine thread only, between steps, with no
+        sequence using it (the caller makes sure). Unknown names are ignored."""
+        slot = self.slots.get(name)
+        if slot is None:
+            return
+        self.slots = {n: s for n, s in self.slots.items() if n != name}
+        self.modules = {n: m for n, m in self.modules.items() if n != name}
+        self.cache_keys = {n: k for n, k in self.cache_keys.items() if n != name}
+        self.adapters = [a for a in self.adapters if a.module.name != name]
+        for delta in self._deltas.values():
+            delta.clear_slot(slot)
 
     def slot_of(self, name: str | None) -> int:
         """The slot of adapter `name` (0 for None: the base model).
@@ -120,6 +173,12 @@ def lora_slot(manager: LoraManager | None, name: str | None) -> int:
     if manager is None:
         raise InvalidRequestError(f"LoRA adapter {name!r} was asked for, but LoRA is not enabled (--enable-lora)")
     return manager.slot_of(name)
+
+
+def lora_binding(manager: LoraManager | None, name: str | None) -> tuple[int, str | None]:
+    """`lora_slot` and the key the request's prefix-cache blocks are hashed under (None: the base model)."""
+    slot = lora_slot(manager, name)
+    return slot, (manager.cache_keys.get(name, name) if manager is not None and name is not None else None)
 
 
 def setup_lora(runner: ModelRunner, model: LlamaForCausalLM, model_config: LlamaConfig, config: LoraConfig,

@@ -19,6 +19,9 @@ tenant that may use nothing should be removed). To the tenant, a model outside i
 exist: requests for it are the same 404 as for an unknown model and /v1/models leaves it out. An
 id the server does not serve is not an error here (the table may be written before adapters
 change); the server logs a warning for it (`TenantTable.unserved_models`).
+
+`admin: true` marks a tenant whose key may load and unload LoRA adapters at runtime (with
+`--allow-runtime-lora-updating`); absent, it is false.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ SHA256_HEX = re.compile(r"^[0-9a-fA-F]{64}$")
 DEFAULT_TENANT = "default"
 
 _TENANT_FIELDS = {"name", "apiKey", "apiKeySha256", "priority", "kvCacheShare", "requestsPerMinute",
-                  "tokensPerMinute", "weight", "models"}
+                  "tokensPerMinute", "weight", "models", "admin"}
 _TABLE_FIELDS = {"tenants", "sharedPrefixPool"}
 _SALT_DOMAIN = b"sits/prefix-salt/v1\x00"
 SHARED_PREFIX_SALT = hashlib.sha256(_SALT_DOMAIN + b"\x00shared-prefix-pool").hexdigest()[:32]
@@ -69,6 +72,7 @@ class Tenant:
         api_key_sha256: digest of the API key (None in trusted-gateway mode); never shown.
         models: the model ids (served base-model name, LoRA adapter names) this tenant may use;
             None allows every model the server serves.
+        admin: may call the operator endpoints (`/v1/load_lora_adapter`, `/v1/unload_lora_adapter`).
     """
 
     name: str
@@ -79,6 +83,7 @@ class Tenant:
     weight: float = 1.0
     api_key_sha256: bytes | None = field(default=None, repr=False, compare=False)
     models: tuple[str, ...] | None = None
+    admin: bool = False
 
     def may_use(self, model_id: str) -> bool:
         """Whether this tenant's allow-list admits `model_id` (every id when it has no list)."""
@@ -182,6 +187,8 @@ class TenantTable:
                 entry["tokensPerMinute"] = t.tokens_per_minute
             if t.models is not None:
                 entry["models"] = list(t.models)
+            if t.admin:
+                entry["admin"] = True
             tenants.append(entry)
         return {"sharedPrefixPool": self.shared_prefix_pool, "tenants": tenants}
 
@@ -248,7 +255,18 @@ def _parse_tenant(entry: Any, index: int, source: str, require_keys: bool) -> Te
         weight=_number(entry, "weight", where, default=1.0, low=1e-6, high=1e6),
         api_key_sha256=_key_digest(entry, where, require_keys),
         models=_model_ids(entry, where),
+        admin=_admin(entry, where),
     )
+
+
+def _admin(entry: Mapping, where: str) -> bool:
+    """`admin: true` lets the tenant's key load and unload LoRA adapters; absent means false."""
+    value = entry.get("admin", False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise TenantConfigError(f"{where}: admin must be true or false, got {value!r}")
+    return value
 
 
 def _model_ids(entry: Mapping, where: str) -> tuple[str, ...] | None:
