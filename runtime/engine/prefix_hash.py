@@ -50,7 +50,8 @@ def extend_block_hashes(
     """Append the hashes of blocks len(hashes) .. num_full_blocks-1 of token_ids, in place.
 
     Incremental: a sequence pays for each block's hash once, however often it is asked. The salt
-    and the LoRA adapter's name go into the first block only; the chain carries them to every later
+    and the LoRA adapter's key (its name; for an adapter loaded at runtime, its name and a load id,
+    `LoraManager.cache_keys`) go into the first block only; the chain carries them to every later
     block, so KV computed under one adapter (or the base model) is never a hit for another.
     """
     num_full_blocks = min(num_full_blocks, len(token_ids) // block_size)

@@ -120,10 +120,10 @@ class LoraManager:
             raise LoraConfigError(f"No free LoRA slot: all {self.num_slots} slots (--max-loras) hold adapters; "
                                   "unload one first or raise --max-loras")
         self._write(slot, adapter)
-        self.modules = {**self.modules, name: adapter.module}
         self.cache_keys = {**self.cache_keys, name: f"{name}#{uuid.uuid4().hex}"}
         self.adapters = [*self.adapters, adapter]
-        self.slots = {**self.slots, name: slot}  # last: requests find the adapter once it is written
+        self.slots = {**self.slots, name: slot}
+        self.modules = {**self.modules, name: adapter.module}  # last: the server routes to it from now on
         return slot
 
     def remove(self, name: str) -> None:
@@ -132,8 +132,8 @@ class LoraManager:
         slot = self.slots.get(name)
         if slot is None:
             return
+        self.modules = {n: m for n, m in self.modules.items() if n != name}  # first: the server's 404 from now on
         self.slots = {n: s for n, s in self.slots.items() if n != name}
-        self.modules = {n: m for n, m in self.modules.items() if n != name}
         self.cache_keys = {n: k for n, k in self.cache_keys.items() if n != name}
         self.adapters = [a for a in self.adapters if a.module.name != name]
         for delta in self._deltas.values():

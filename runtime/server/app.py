@@ -21,6 +21,7 @@ from sits.runtime.server.chat import ChatCompletions
 from sits.runtime.server.completions import Completions
 from sits.runtime.server.errors import install_error_handlers
 from sits.runtime.server.lifecycle import Lifecycle
+from sits.runtime.server.lora_routes import install_lora_routes
 from sits.runtime.server.metrics import CONTENT_TYPE, ServerMetrics
 from sits.runtime.server.middleware import BodySizeLimit, GenerationGate
 from sits.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -151,6 +152,9 @@ def build_app(engine: Any, server_config: ServerConfig | None = None, *, served_
     async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
         ctx.check_model(model_id, request_allowed_models(request))  # 404: neither served nor the tenant's
         return model_card(model_id)
+
+    # --allow-runtime-lora-updating: /v1/load_lora_adapter and /v1/unload_lora_adapter (else no such routes)
+    install_lora_routes(app, engine, model_name, tenancy, metrics, config.track)
 
     # vLLM's utility endpoints: with tenants /tokenize and /detokenize need a key (TenantGate covers
     # them), but they run no engine work, so no rate limit or admission applies.
