@@ -70,8 +70,9 @@ class LoraConfig:
     Attributes:
         enable_lora: wrap the model's linear layers so requests can pick an adapter.
         modules: the adapters, all loaded at start-up.
-        max_loras: adapter slots (at most this many adapters in one batch); here every configured
-            adapter holds a slot, so it must be at least len(modules). None: len(modules), at least 1.
+        max_loras: adapter slots (at most this many adapters in one batch); every configured adapter
+            holds a slot, so it must be at least len(modules); with runtime updates the rest are free for
+            adapters loaded later. None: len(modules), at least 1.
         max_lora_rank: the largest rank an adapter may have (the slots are sized for it).
         allow_runtime_updating: adapters may be loaded into free slots and unloaded while serving
             (`--allow-runtime-lora-updating`, vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter).

@@ -268,3 +268,14 @@ def test_with_an_api_key_the_key_is_required(own_tiny, paths):
             assert unload(server, "k", "sk-key").status_code == 200
     finally:
         engine.engine.lora.detach()
+
+
+def test_the_admin_flag_of_a_tenant_parses_and_survives_the_state_store():
+    from sits.runtime.tenancy.tenants import TenantConfigError, parse_tenants
+
+    table = parse_tenants({"tenants": [{"name": "ops", "apiKey": "k1", "admin": True}, {"name": "app", "apiKey": "k2"}]})
+    assert (table.get("ops").admin, table.get("app").admin) == (True, False)
+    again = parse_tenants(table.to_document())
+    assert (again.get("ops").admin, again.get("app").admin) == (True, False)
+    with pytest.raises(TenantConfigError, match='tenant "ops": admin must be true or false'):
+        parse_tenants({"tenants": [{"name": "ops", "apiKey": "k1", "admin": "yes"}]})
