@@ -153,9 +153,9 @@ def test_a_load_does_not_disturb_a_stream_and_a_busy_adapter_refuses_to_unload(s
     server, engine = served
     client = openai_client(server)
     assert load(server, "streamer", paths["a"]).status_code == 200
-    expected, _ = hf_greedy(merged_hf_model(tiny_llama_dir, paths["a"]), tiny.tokenizer.encode(PROMPT), 24)
-    stream = client.completions.create(model="streamer", prompt=PROMPT, max_tokens=24, temperature=0,
-                                       extra_body={"min_tokens": 24}, stream=True)
+    expected, _ = hf_greedy(merged_hf_model(tiny_llama_dir, paths["a"]), tiny.tokenizer.encode(PROMPT), 32)
+    stream = client.completions.create(model="streamer", prompt=PROMPT, max_tokens=32, temperature=0,
+                                       extra_body={"min_tokens": 32}, stream=True)
     chunks = [next(stream)]
     assert load(server, "newcomer", paths["b"]).status_code == 200  # between two of the stream's steps
     chunks += list(stream)
