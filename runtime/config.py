@@ -7,6 +7,7 @@ raises `ConfigError` naming the option, so a bad flag is a one-line error, never
 from __future__ import annotations
 
 import codecs
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -153,6 +154,61 @@ class SchedulerConfig:
             raise ConfigError(f"--max-num-batched-tokens must be positive, got {self.max_num_batched_tokens}")
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (`--speculative-config`, vLLM's JSON): n-gram prompt lookup.
+
+    Attributes:
+        method: "ngram": drafts are the tokens that followed the latest earlier occurrence of the
+            sequence's last n tokens in its own prompt + output.
+        num_speculative_tokens: drafts proposed (and verified) per step at most (k).
+        prompt_lookup_max, prompt_lookup_min: the longest and shortest n tried, longest first.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+
+    @classmethod
+    def from_json(cls, text: str) -> SpeculativeConfig:
+        """Parse the flag's JSON object; a ConfigError naming the flag for anything malformed."""
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"--speculative-config is not valid JSON: {error}") from None
+        if not isinstance(values, dict):
+            raise ConfigError("--speculative-config must be a JSON object, e.g. "
+                              '\'{"method": "ngram", "num_speculative_tokens": 4}\'')
+        unknown = sorted(set(values) - {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"})
+        if unknown:
+            raise ConfigError(f"--speculative-config: unknown key(s) {', '.join(unknown)}")
+        if "method" not in values:
+            raise ConfigError('--speculative-config needs a "method" (only "ngram" is supported)')
+        config = cls(**values)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ConfigError(f"--speculative-config: method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                              f"got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"--speculative-config: {name} must be a positive integer, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigError(f"--speculative-config: prompt_lookup_min ({self.prompt_lookup_min}) exceeds "
+                              f"prompt_lookup_max ({self.prompt_lookup_max})")
+
+    def describe(self) -> str:
+        return (f"{self.method}, {self.num_speculative_tokens} speculative tokens, "
+                f"prompt lookup n {self.prompt_lookup_max}..{self.prompt_lookup_min}")
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs to start.
@@ -166,6 +222,8 @@ class EngineConfig:
             outputs, while the device computes the current one; None (auto) turns it on for one
             CUDA device and off on a CPU, where the forward runs on the calling thread anyway.
         lora: multi-LoRA serving (`--enable-lora`, `--lora-modules`, ...).
+        speculative: speculative decoding (`--speculative-config`); None: off. It runs with the
+            synchronous engine only (async scheduling auto-resolves to off) and one device.
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -178,9 +236,11 @@ class EngineConfig:
     compile: bool = False
     async_scheduling: bool | None = None
     lora: LoraConfig = field(default_factory=LoraConfig)
+    speculative: SpeculativeConfig | None = None
 
     def validate(self) -> None:
         self.model.validate()
+        self._validate_speculative()
         self._validate_lora()
         self.cache.validate()
         self.scheduler.validate()
@@ -195,6 +255,16 @@ class EngineConfig:
             raise ConfigError(
                 f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
             )
+
+    def _validate_speculative(self) -> None:
+        if self.speculative is None:
+            return
+        self.speculative.validate()
+        if self.async_scheduling:
+            raise ConfigError("--speculative-config does not run with --async-scheduling (verifying drafts "
+                              "needs the previous step's tokens on the host); leave --async-scheduling off")
+        if self.parallel.tensor_parallel_size > 1:
+            raise ConfigError("--speculative-config does not run with --tensor-parallel-size > 1 yet")
 
     def _validate_lora(self) -> None:
         """LoRA's own options, and what it does not run with: its delta layers run eagerly beside

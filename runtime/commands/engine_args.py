@@ -21,6 +21,7 @@ from sits.runtime.config import (
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from sits.runtime.lora.config import RUNTIME_UPDATING_ENV, LoraConfig, LoraConfigError, parse_lora_module
 from sits.runtime.parallel.cli_args import add_parallel_arguments, parallel_config_from_args
@@ -65,6 +66,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="schedule and prepare the next step while the GPU computes the current one "
                              "(default: on for one CUDA device, off on CPU)")
+    engine.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                             '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (default: off)')
     add_lora_arguments(parser)
     add_parallel_arguments(parser)
     parser.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS)
@@ -147,9 +151,15 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         compile=getattr(args, "compile", False),
         async_scheduling=getattr(args, "async_scheduling", None),
         lora=lora_config_from_args(args),
+        speculative=_speculative_config(getattr(args, "speculative_config", None)),
     )
     config.validate()
     return config
+
+
+def _speculative_config(value: str | None) -> SpeculativeConfig | None:
+    """--speculative-config's JSON; a ConfigError naming the flag when malformed."""
+    return SpeculativeConfig.from_json(value) if value is not None else None
 
 
 def fail(prog: str, message: str) -> int:

@@ -29,6 +29,20 @@ class PrefixCacheCounts:
 
 
 @dataclass(frozen=True)
+class SpecDecodeCounts:
+    """Speculative decoding's cumulative figures: draft tokens proposed and, of those, accepted
+    by the target model (vLLM's spec_decode num_draft_tokens / num_accepted_tokens)."""
+
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / proposed drafts, 0..1 (0 before any draft)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
+@dataclass(frozen=True)
 class SchedulerStats:
     """The scheduler's and the KV cache's state after a step.
 
@@ -58,6 +72,7 @@ class SchedulerStats:
     kv_blocks_used_by_tenant: dict[str, int] = field(default_factory=dict)
     preemptions_by_tenant: dict[str, int] = field(default_factory=dict)
     prefix_cache_by_tenant: dict[str, PrefixCacheCounts] = field(default_factory=dict)
+    spec_decode: SpecDecodeCounts | None = None  # speculative decoding's figures; None when off
 
 
 @dataclass(frozen=True)
@@ -77,6 +92,7 @@ class EngineStats:
         num_prompt_tokens, num_generation_tokens: tokens taken in and produced (cumulative).
         num_steps: engine steps that ran the model (cumulative).
         *_by_tenant, prefix_cache_by_tenant: as in SchedulerStats.
+        spec_decode: speculative decoding's drafts proposed / accepted; None when it is off.
     """
 
     timestamp: float = field(default_factory=time.time)
@@ -102,6 +118,7 @@ class EngineStats:
     kv_blocks_used_by_tenant: dict[str, int] = field(default_factory=dict)
     preemptions_by_tenant: dict[str, int] = field(default_factory=dict)
     prefix_cache_by_tenant: dict[str, PrefixCacheCounts] = field(default_factory=dict)
+    spec_decode: SpecDecodeCounts | None = None  # speculative decoding's figures; None when off
 
     @property
     def prefix_cache_hit_rate(self) -> float:
