@@ -109,9 +109,8 @@ class LLMEngine:
             eviction_policy = eviction_policy(num_blocks)
         self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, eviction_policy,
                                        shared_cache_salt=shared_cache_salt)
-        self.scheduler = Scheduler(
-            config.scheduler, self.kv_cache, self.max_model_len, self.eos_token_ids, scheduling_policy, waiting_queue
-        )
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len, self.eos_token_ids,
+                                   scheduling_policy, waiting_queue, speculative=config.speculative)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._children: dict[str, list[str]] = {}  # request_id -> seq_ids of its completions
         self._arrival_counter = itertools.count()
@@ -382,14 +381,15 @@ class LLMEngine:
             kv_blocks_used_by_tenant=s.kv_blocks_used_by_tenant,
             preemptions_by_tenant=s.preemptions_by_tenant,
             prefix_cache_by_tenant=s.prefix_cache_by_tenant,
+            spec_decode=s.spec_decode,
         )
 
 
 def _resolve_async_scheduling(config: EngineConfig, loaded: LoadedModel) -> bool:
-    """EngineConfig.async_scheduling, with None (auto) on for one CUDA device only."""
+    """EngineConfig.async_scheduling, with None (auto) on for one CUDA device without speculation only."""
     if config.async_scheduling is not None:
         return config.async_scheduling
-    return loaded.device.type == "cuda" and config.parallel.tensor_parallel_size == 1
+    return loaded.device.type == "cuda" and config.parallel.tensor_parallel_size == 1 and config.speculative is None
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -38,6 +38,7 @@ from sits.runtime.engine.model_input import ModelInput
 from sits.runtime.engine.prompt_logprobs import StepPromptLogprobs, collects_prompt_logprobs
 from sits.runtime.engine.scheduler_output import ScheduledSequence
 from sits.runtime.engine.sequence import PENDING_TOKEN_ID
+from sits.runtime.engine.spec_verify import SpecRow
 from sits.runtime.engine.structured_output import SequenceGrammar, StructuredOutputs
 from sits.runtime.engine.token_masks import SequenceTokenMask, StepTokenMask
 
@@ -132,7 +133,7 @@ class InputBatch:
         step = self._step
         self._step += 1
         rows, starts, counts, input_ids, widths, sample_sequences, sampled_seqs = [], [], [], [], [], [], []
-        fill_at, fill_from = [], []
+        fill_at, fill_from, spec_rows = [], [], []
         for index, item in enumerate(ordered):
             row = self._sync_row(item)
             rows.append(row.index)
@@ -144,6 +145,8 @@ class InputBatch:
             if token_ids[-1] == PENDING_TOKEN_ID:
                 fill_at.append(len(input_ids) - 1)
                 fill_from.append(self._pending_source(item, row))
+            if item.draft_token_ids:  # speculative drafts end the chunk: logits at each are verified
+                spec_rows.append(SpecRow(len(sampled_seqs), len(input_ids) - len(token_ids), item.draft_token_ids))
             if item.samples:
                 row.sampled_step, row.sampled_row = step, len(sampled_seqs)
                 sampled_seqs.append(index)
@@ -162,6 +165,8 @@ class InputBatch:
             model_input.grammar_mask = self._grammar_mask(step, len(sample_sequences))
         if self._scoring_prompts:  # only while a request with prompt logprobs has prompt left to run
             model_input.prompt_logprobs = StepPromptLogprobs.build(ordered, self._scoring_prompts, self.device)
+        if spec_rows:
+            model_input.spec_rows = spec_rows
         if self.lora_enabled:
             model_input.lora_slots = [item.sequence.lora_slot for item in ordered]
         return model_input

@@ -20,6 +20,7 @@ from sits.runtime.engine.logit_bias import StepLogitBias
 from sits.runtime.engine.prompt_logprobs import StepPromptLogprobs
 from sits.runtime.engine.scheduler_output import ScheduledSequence
 from sits.runtime.engine.sequence import Sequence as EngineSequence
+from sits.runtime.engine.spec_verify import SpecRow
 from sits.runtime.engine.token_masks import StepTokenMask
 
 
@@ -40,6 +41,7 @@ class ModelInput:
         prompt_logprobs: the rows that score prompt tokens of requests asking for prompt logprobs;
             None when the step runs none (`prompt_logprobs.py`).
         lora_slots: each sequence's LoRA adapter slot (0: none), in batch order; None without LoRA.
+        spec_rows: the rows that verify speculative drafts (`spec_verify.py`); None when none do.
     """
 
     input_ids: torch.Tensor
@@ -52,6 +54,7 @@ class ModelInput:
     token_mask: StepTokenMask | None = None
     prompt_logprobs: StepPromptLogprobs | None = None
     lora_slots: list[int] | None = None
+    spec_rows: list[SpecRow] | None = None
 
     @property
     def num_tokens(self) -> int:

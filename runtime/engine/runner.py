@@ -25,6 +25,7 @@ from sits.runtime.engine.request import SamplingParams
 from sits.runtime.engine.sampler import Sampler
 from sits.runtime.engine.scheduler_output import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 from sits.runtime.engine.sequence import Sequence
+from sits.runtime.engine.spec_verify import verify_drafts
 
 if TYPE_CHECKING:
     from sits.runtime.lora.layers import LoraStepState
@@ -131,15 +132,24 @@ class ModelRunner:
         if not model_input.sample_sequences:
             return PendingOutput([], None, prompt_logprobs)
         with nvtx_range("sample"):
+            last = hidden
             if len(model_input.sample_sequences) < model_input.num_tokens:  # else every row samples, in order
-                hidden = hidden.index_select(0, model_input.logits_indices)
-            logits = self.model.compute_logits(hidden)
+                last = hidden.index_select(0, model_input.logits_indices)
+            logits = self.model.compute_logits(last)
             if model_input.grammar_mask is not None:  # structured outputs: disallowed tokens to -inf
                 model_input.grammar_mask.apply(logits)
             sampled = self.sampler.sample(logits, model_input.sample_sequences, model_input.logit_bias,
                                           model_input.token_mask)
+        accepted = None
+        if model_input.spec_rows:  # speculative drafts: keep those the target agrees with (waits for them)
+            with nvtx_range("verify"):
+                accepted = verify_drafts(hidden, model_input.spec_rows, model_input.sample_sequences,
+                                         self.model.compute_logits, self.sampler, sampled.token_ids)
         self.input_batch.record_sampled(sampled.token_ids)
-        return PendingOutput([seq.seq_id for seq in model_input.sample_sequences], sampled, prompt_logprobs)
+        pending = PendingOutput([seq.seq_id for seq in model_input.sample_sequences], sampled, prompt_logprobs)
+        if accepted is not None:
+            pending.result().accepted_drafts.update(accepted)
+        return pending
 
     def prepare_input(self, scheduler_output: SchedulerOutput) -> ModelInput:
         """The step's flat batch on the device (block tables kept across steps in `input_batch`)."""

@@ -182,6 +182,11 @@ class Sampler:
                 noise[row].exponential_(generator=self._generator_for(seq))
         return noise.clamp_min_(_TINY)  # Exp(1) can round to 0; 0/0 would be NaN
 
+    def generator_for(self, seq: EngineSequence) -> torch.Generator:
+        """The generator `seq`'s random draws come from: its own when seeded, else the shared one
+        (speculative decoding's acceptance tests draw from it too)."""
+        return self._generator_for(seq) if seq.params.seed is not None else self._shared_generator
+
     def _generator_for(self, seq: EngineSequence) -> torch.Generator:
         generator = self._generators.get(seq.seq_id)
         if generator is None:

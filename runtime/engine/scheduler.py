@@ -26,7 +26,7 @@ import bisect
 from collections import Counter
 from collections.abc import Iterable
 
-from sits.runtime.config import SchedulerConfig
+from sits.runtime.config import SchedulerConfig, SpeculativeConfig
 from sits.runtime.engine.kv_cache import KVCacheManager, PrefixHit
 from sits.runtime.engine.prompt_logprobs import collects_prompt_logprobs
 from sits.runtime.engine.scheduler_interface import SchedulerInterface
@@ -43,6 +43,7 @@ from sits.runtime.engine.scheduling_policy import (
     WaitingQueue,
 )
 from sits.runtime.engine.sequence import PENDING_TOKEN_ID, Sequence, SequenceStatus
+from sits.runtime.engine.speculative import Speculator
 from sits.runtime.engine.stats import SchedulerStats
 
 
@@ -55,6 +56,8 @@ class Scheduler(SchedulerInterface):
         max_model_len: a sequence finishes (length) when it holds this many tokens.
         eos_token_ids: tokens that end a sequence unless its params say ignore_eos.
         policy: admission and preemption order (FCFS by default).
+        speculative: n-gram speculative decoding (`speculative.py`); None: off. A decode that
+            speculates computes [its token + drafts] and keeps the drafts the target accepted.
     """
 
     def __init__(
@@ -65,6 +68,7 @@ class Scheduler(SchedulerInterface):
         eos_token_ids: Iterable[int] = (),
         policy: SchedulingPolicy | None = None,
         waiting_queue: WaitingQueue | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.config = config
         self.kv_cache = kv_cache
@@ -81,6 +85,7 @@ class Scheduler(SchedulerInterface):
         self._finished_since_step: list[str] = []
         self.num_preemptions = 0
         self.preemptions_by_tenant: Counter[str] = Counter()
+        self.speculator = Speculator(speculative, max_model_len) if speculative is not None else None
 
     # -- requests in and out ---------------------------------------------------------------
     def add_request(self, seq: Sequence) -> None:
@@ -144,6 +149,10 @@ class Scheduler(SchedulerInterface):
     def _schedule_running(self, seq: Sequence, step: _StepPlan) -> None:
         num_new = min(seq.num_uncomputed_tokens, step.budget)
         if num_new <= 0 or (seq.num_pending_tokens and self._pending_token_is_last(seq)):
+            return
+        drafts = self.speculator.drafts_for(seq, step.budget) if self.speculator is not None else []
+        if drafts and self.kv_cache.allocate(seq, 1 + len(drafts)) is not None:
+            step.add(self._scheduled(seq, 1, drafts))  # short of blocks: decode plainly (may preempt)
             return
         while True:
             if self.kv_cache.allocate(seq, num_new) is not None:
@@ -224,9 +233,11 @@ class Scheduler(SchedulerInterface):
         return (seq.num_output_tokens + pending >= seq.max_tokens
                 or len(seq.all_token_ids) + pending >= self.max_model_len)
 
-    def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSequence:
+    def _scheduled(self, seq: Sequence, num_new: int, drafts: list[int] | None = None) -> ScheduledSequence:
         """The step's share of `seq`; counts its tokens as computed (they are from now on being
-        computed) and, when the chunk reaches the end, the token it samples as pending."""
+        computed) and, when the chunk reaches the end, the token it samples as pending. `drafts`
+        (a decode that speculates) follow its token and count as computed until the output says
+        how many were accepted."""
         start = seq.num_computed_tokens
         end = start + num_new
         known = len(seq.all_token_ids)
@@ -235,7 +246,9 @@ class Scheduler(SchedulerInterface):
         else:  # ends with the previous step's sampled token, not on the host yet
             token_ids = seq.all_token_ids[start:known] + [PENDING_TOKEN_ID] * (end - max(start, known))
         samples = end == known + seq.num_pending_tokens
-        seq.num_computed_tokens = end
+        if drafts:
+            token_ids = token_ids + drafts
+        seq.num_computed_tokens = end + len(drafts or ())
         if samples:
             seq.num_pending_tokens += 1
         return ScheduledSequence(
@@ -244,6 +257,7 @@ class Scheduler(SchedulerInterface):
             start_position=start,
             block_ids=self.kv_cache.block_table(seq.seq_id),
             samples=samples,
+            draft_token_ids=drafts or [],
         )
 
     def _add_running(self, seq: Sequence) -> None:
@@ -281,6 +295,10 @@ class Scheduler(SchedulerInterface):
             seq = scheduled.sequence
             if seq.status.finished:  # aborted, stopped by a string, or ended by an earlier token
                 continue
+            accepted = runner_output.accepted_drafts.get(seq.seq_id, []) if scheduled.draft_token_ids else []
+            if scheduled.draft_token_ids and self.speculator is not None:  # only accepted drafts keep their KV
+                seq.num_computed_tokens = scheduled.start_position + 1 + len(accepted)
+                self.speculator.record(len(scheduled.draft_token_ids), len(accepted))
             if seq.status is SequenceStatus.RUNNING:  # (else preempted after this step was launched)
                 self.kv_cache.cache_computed_blocks(seq)
                 if self._held_siblings:
@@ -291,8 +309,13 @@ class Scheduler(SchedulerInterface):
             sampled = runner_output.sampled.get(seq.seq_id)
             if sampled is None:
                 continue
-            seq.append_output_token(sampled.token_id)
-            status, by_token = self._check_stop(seq, sampled.token_id)
+            appended: list[int] = []
+            for token_id in [*accepted, sampled.token_id]:  # a stop inside the accepted run ends it there
+                seq.append_output_token(token_id)
+                appended.append(token_id)
+                status, by_token = self._check_stop(seq, token_id)
+                if status is not None:
+                    break
             if status is not None:
                 if seq.status is SequenceStatus.RUNNING:
                     self._remove_running(seq)
@@ -300,7 +323,7 @@ class Scheduler(SchedulerInterface):
                     self.waiting.remove(seq)
                 self._finish(seq, status)
             logprobs = [sampled.logprob] if sampled.logprob is not None else None
-            updates.append(SequenceUpdate(seq, [sampled.token_id], logprobs, finished_by_token=by_token))
+            updates.append(SequenceUpdate(seq, appended, logprobs, finished_by_token=by_token))
         return updates
 
     def _check_stop(self, seq: Sequence, token_id: int) -> tuple[SequenceStatus | None, bool]:
@@ -341,6 +364,7 @@ class Scheduler(SchedulerInterface):
             kv_blocks_used_by_tenant=pool.used_blocks_by_tenant(),
             preemptions_by_tenant=dict(self.preemptions_by_tenant),
             prefix_cache_by_tenant=self.kv_cache.prefix_counts_snapshot(),
+            spec_decode=self.speculator.counts() if self.speculator is not None else None,
         )
 
 

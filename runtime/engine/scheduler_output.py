@@ -26,6 +26,8 @@ class ScheduledSequence:
             (no copy), valid for this step; readers never change it.
         samples: True when this chunk reaches the end of the known tokens, so the step samples
             the next token; False for a prefill chunk that stops short of the prompt's end.
+        draft_token_ids: speculative drafts (the tail of token_ids after the sequence's last
+            token): the runner verifies them against the target model (`spec_verify.py`).
     """
 
     sequence: Sequence
@@ -33,6 +35,7 @@ class ScheduledSequence:
     start_position: int
     block_ids: list[int]
     samples: bool
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def seq_id(self) -> str:
@@ -77,10 +80,13 @@ class SampledToken:
 class ModelRunnerOutput:
     """Sampled tokens keyed by seq_id, for the scheduled sequences whose `samples` was True, and
     the prompt logprobs the step scored: request_id -> (position of the first scored prompt token,
-    the logprobs of it and the following ones; `prompt_logprobs.py`)."""
+    the logprobs of it and the following ones; `prompt_logprobs.py`). With speculation,
+    `accepted_drafts` holds a speculating sequence's drafts the target accepted, which come before
+    its sampled token (the target's correction, or its bonus token when every draft was accepted)."""
 
     sampled: dict[str, SampledToken] = field(default_factory=dict)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
+    accepted_drafts: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass

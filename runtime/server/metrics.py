@@ -25,6 +25,7 @@ from sits.runtime.server.tenant import DEFAULT_TENANT
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0,
                    7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0)
 LABELS = ("model", "tenant", "track")
+SPEC_LABELS = ("model", "track")
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
@@ -47,7 +48,9 @@ class EngineStatsCollector:
                 ("sits_requests_running", "sits_requests_waiting", "sits_kv_cache_usage_ratio")] + [
             CounterMetricFamily(name, "", labels=LABELS) for name in
             ("sits_prefix_cache_queries", "sits_prefix_cache_hits", "sits_prefix_cache_cross_tenant_hits",
-             "sits_prefix_cache_shared_hits", "sits_preemptions")]
+             "sits_prefix_cache_shared_hits", "sits_preemptions")] + [
+            CounterMetricFamily(name, "", labels=SPEC_LABELS) for name in
+            ("sits_spec_decode_draft_tokens", "sits_spec_decode_accepted_tokens")]
 
     def collect(self) -> Iterator[Metric]:
         stats = self._stats_source()
@@ -81,6 +84,15 @@ class EngineStatsCollector:
         yield self._family(CounterMetricFamily, "sits_preemptions",
                            "Times a running sequence lost its KV blocks to make room.",
                            _by_tenant(stats.preemptions_by_tenant, stats.num_preemptions))
+        spec = getattr(stats, "spec_decode", None)
+        if spec is not None:  # only while speculative decoding is on (engine-wide, as vLLM's spec_decode_*)
+            for name, doc, value in (
+                    ("sits_spec_decode_draft_tokens", "Speculative draft tokens proposed.", spec.num_draft_tokens),
+                    ("sits_spec_decode_accepted_tokens", "Speculative draft tokens the target model accepted.",
+                     spec.num_accepted_tokens)):
+                family = CounterMetricFamily(name, doc, labels=SPEC_LABELS)
+                family.add_metric([self._model, self._track], float(value))
+                yield family
 
     def _family(self, kind: type, name: str, doc: str, values: dict[str, float]) -> Metric:
         family = kind(name, doc, labels=LABELS)
