@@ -101,10 +101,16 @@ def verify_drafts(hidden: torch.Tensor, spec_rows: Sequence[SpecRow], sequences:
         seq_id -> the drafts accepted (in order), for every speculating row.
     """
     accepted: dict[str, list[int]] = {}
+    # every verified position of every row through the head at once (one pass over its weights)
+    positions = [row.flat_start + j for row in spec_rows for j in range(len(row.draft_token_ids))]
+    index = torch.tensor(positions, dtype=torch.long, device=hidden.device)
+    all_logits = compute_logits(hidden.index_select(0, index)).float()
+    offset = 0
     for row in spec_rows:
         seq = sequences[row.sample_row]
         drafts = row.draft_token_ids
-        logits = compute_logits(hidden[row.flat_start : row.flat_start + len(drafts)]).float()
+        logits = all_logits[offset : offset + len(drafts)]
+        offset += len(drafts)
         if seq.params.greedy:
             targets = logits.argmax(dim=-1).tolist()
             num_accepted = next((j for j, (t, d) in enumerate(zip(targets, drafts, strict=True)) if t != d),
