@@ -124,6 +124,19 @@ def test_a_stop_token_inside_the_accepted_run_ends_it_there_and_frees_the_blocks
     assert scheduler.kv_cache.pool.num_used_blocks == 0
 
 
+def test_eos_inside_the_accepted_run_ends_it_unless_ignored():
+    for ignore_eos, expected in ((False, [3, 4, 0]), (True, [3, 4, 0, 6, 7, 8])):
+        scheduler = _scheduler()  # EOS is token 0
+        params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=ignore_eos)
+        seq = _prefilled(scheduler, [1, 2, 3, 4, 0, 6, 7, 8, 9, 1, 2], params, 3)
+        out = scheduler.schedule()
+        assert out.scheduled[0].draft_token_ids == [4, 0, 6, 7]
+        scheduler.update_from_output(
+            out, ModelRunnerOutput(sampled={"s": SampledToken(8)}, accepted_drafts={"s": [4, 0, 6, 7]}))
+        assert seq.output_token_ids == expected
+        assert seq.finished is not ignore_eos
+
+
 def test_drafts_fit_max_tokens_and_skip_rows_that_cannot_speculate():
     scheduler = _scheduler()
     seq = _prefilled(scheduler, [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2], SamplingParams(temperature=0, max_tokens=3), 3)
