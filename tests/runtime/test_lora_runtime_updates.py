@@ -161,14 +161,20 @@ def test_a_load_does_not_disturb_a_stream_and_a_busy_adapter_refuses_to_unload(s
     chunks += list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == tiny.tokenizer.decode(expected)
 
-    long = client.completions.create(model="newcomer", prompt=PROMPT, max_tokens=LONG_TOKENS, temperature=0,
-                                     extra_body={"min_tokens": LONG_TOKENS}, stream=True)
-    next(long)
-    busy = unload(server, "newcomer")
-    assert busy.status_code == 409, busy.text
-    assert busy.json()["error"]["code"] == "adapter_in_use"
-    assert "newcomer" in model_ids(client)  # still served
-    long.response.close()  # the client leaves: the request is aborted
+    # Each forward takes at least 5 ms from here on, so the long stream (>= 2 s) is surely in flight
+    # when the unload arrives, however fast or loaded the machine.
+    pace = tiny.model.model.embed_tokens.register_forward_pre_hook(lambda *_: time.sleep(0.005))
+    try:
+        long = client.completions.create(model="newcomer", prompt=PROMPT, max_tokens=LONG_TOKENS, temperature=0,
+                                         extra_body={"min_tokens": LONG_TOKENS}, stream=True)
+        next(long)
+        busy = unload(server, "newcomer")
+        assert busy.status_code == 409, busy.text
+        assert busy.json()["error"]["code"] == "adapter_in_use"
+        assert "newcomer" in model_ids(client)  # still served
+        long.response.close()  # the client leaves: the request is aborted
+    finally:
+        pace.remove()
     deadline = time.monotonic() + 30
     while (answer := unload(server, "newcomer")).status_code == 409 and time.monotonic() < deadline:
         time.sleep(0.05)
