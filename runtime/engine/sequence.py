@@ -61,8 +61,9 @@ class Sequence:
             and preempted last); the tenancy layer reads them for shards and eviction scores.
         cache_salt: mixed into the first block's prefix hash so tenants never share cached KV
             unless they share the salt.
-        lora_name, lora_slot: the LoRA adapter this completion runs with and its slot in the
-            model's adapter stacks (None and 0: the base model); the name keys its prefix hashes.
+        lora_name, lora_slot: the LoRA adapter's prefix-cache key (its name; with a per-load id for an
+            adapter loaded at runtime, `LoraManager.cache_keys`) and its slot in the model's adapter
+            stacks (None and 0: the base model); the key keeps its prefix hashes apart.
         num_computed_tokens: tokens whose K/V are in the cache or being computed by a step already
             scheduled (the scheduler advances it when it schedules them; prefix hits count).
         num_pending_tokens: tokens already scheduled to be sampled whose ids have not reached the
