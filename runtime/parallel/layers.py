@@ -18,6 +18,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from sits.runtime.models.kernel_ops import logits_float32
+
 # torch 2.13 renamed all_gather_into_tensor; older releases (the GPU image's 2.11) have only the old name.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -97,8 +99,9 @@ class VocabParallelLMHead(nn.Module):
         self.group = group
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, hidden_size] → logits [N, vocab_size] in the weight's dtype, equal on every rank."""
-        local = F.linear(hidden, self.weight)  # [N, rows_per_rank]
+        """hidden: [N, hidden_size] → logits [N, vocab_size] float32 (never rounded to the weight's dtype,
+        see `logits_float32`), equal on every rank."""
+        local = logits_float32(hidden, self.weight)  # [N, rows_per_rank]
         world_size = dist.get_world_size(self.group)
         num_rows, rows_per_rank = local.shape
         gathered = local.new_empty((world_size * num_rows, rows_per_rank))

