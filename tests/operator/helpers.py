@@ -94,9 +94,18 @@ def set_image(kube, name: str, image: str) -> None:
     kube.patch(API_VERSION, KIND, "llm", name, {"spec": {"image": image}})
 
 
-def post_alerts(port: int, payload) -> tuple[int, dict]:
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/alertmanager", method="POST",
-                                     data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
+WEBHOOK_TOKEN = "test-webhook-token-0123456789abcdef"  # the operator_config fixture's bearer token
+
+
+def post_alerts(port: int, payload, token: str | None = WEBHOOK_TOKEN,
+                authorization: str | None = None) -> tuple[int, dict]:
+    """POST a payload to the webhook as Alertmanager would (`Authorization: Bearer <token>`)."""
+    headers = {"Content-Type": "application/json"}
+    if authorization is not None or token is not None:
+        headers["Authorization"] = authorization if authorization is not None else f"Bearer {token}"
+    body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/alertmanager", method="POST", data=body,
+                                     headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=10) as response:
             return response.status, json.loads(response.read())
