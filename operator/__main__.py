@@ -51,7 +51,6 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
         if value <= 0:
             raise ValueError(f"{flag} must be positive, got {value}")
     token_file, token = args.webhook_token_file, os.environ.get(TOKEN_ENV) or None
-    token_from(token_file, token)  # fails now, with the reason, rather than at startup
     return OperatorConfig(namespace=args.namespace, listen_host=args.listen_host, webhook_port=args.webhook_port,
                           webhook_token_file=token_file, webhook_token=token,
                           webhook_allow_unauthenticated=args.webhook_allow_unauthenticated,
@@ -62,6 +61,7 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
 def run(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
+        token_from(config.webhook_token_file, config.webhook_token)  # an unusable token fails now, not at startup
     except ValueError as error:
         print(f"sits operator: error: {error}", file=sys.stderr)
         return 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import time
@@ -118,3 +119,21 @@ def firing(namespace: str, name: str, status: str = "firing") -> dict:
                                          "sitsdeployment": name},
             "annotations": {"summary": "canary P95 exceeds stable by more than 50 ms"},
             "startsAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 1))}
+
+
+def runtime_has_metrics_port() -> bool:
+    """Whether this checkout's `sits serve` takes `--metrics-port` (the flag the operator gives its pods)."""
+    from sits.runtime.cli import build_parser
+
+    subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return "--metrics-port" in subparsers.choices["serve"]._option_string_actions
+
+
+def serve_args(container_args: list[str]) -> list[str]:
+    """A runtime container's args as this checkout's `sits serve` takes them: a runtime without
+    `--metrics-port` serves /metrics on its API port, so the flag is dropped for it."""
+    args = list(container_args)
+    if "--metrics-port" in args and not runtime_has_metrics_port():
+        index = args.index("--metrics-port")
+        del args[index:index + 2]
+    return args

@@ -42,7 +42,7 @@ RULE_ANALYSIS = AnalysisSpec(prometheus_url="", max_delta_ms=MAX_DELTA_MS, inter
 
 
 def prometheus_config(kubelet: LocalKubelet, alertmanager_port: int) -> str:
-    targets = [kubelet.target("stable"), kubelet.target("canary")]
+    targets = [kubelet.metrics_target("stable"), kubelet.metrics_target("canary")]
     return yaml.safe_dump({
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "rule_files": ["rules.yml"],
