@@ -86,6 +86,18 @@ def scrape(port: int) -> Samples:
         return parse_metrics(response.read().decode())
 
 
+def scrape_when(port: int, ready: Callable[[Samples], Any], what: str) -> Samples:
+    """Scrape until `ready(samples)` holds: the operator records its metrics after it writes the status."""
+    found: list[Samples] = []
+
+    def check() -> bool:
+        found[:] = [scrape(port)]
+        return bool(ready(found[0]))
+
+    wait_for(check, what=what)
+    return found[0]
+
+
 def sample(samples: Samples, name: str, **labels: str) -> float | None:
     """The value of the sample with exactly these labels (None when there is none)."""
     return samples.get((name, frozenset(labels.items())))

@@ -26,7 +26,7 @@ from tests.operator.helpers import (
     firing,
     post_alerts,
     sample,
-    scrape,
+    scrape_when,
     set_image,
     sitsdeployment,
     status_of,
@@ -125,7 +125,8 @@ def test_template_change_runs_a_canary_and_promotes(kube, deployments, run_opera
         assert image_of(kube, "promote", "stable").endswith(":2")
         assert deployment(kube, "promote", "canary")["spec"]["replicas"] == 0
         assert route_weights(kube) == [("promote-stable", 100), ("promote-canary", 0)]
-        assert {"CanaryStarted", "Promoted"} <= set(reasons(kube, "promote"))
+        # Events and metrics follow the status write: wait for them
+        wait_for(lambda: {"CanaryStarted", "Promoted"} <= set(reasons(kube, "promote")), what="the rollout's Events")
 
 
 def test_failing_analysis_rolls_back(kube, deployments, run_operator, operator_config, prometheus):
@@ -142,16 +143,19 @@ def test_failing_analysis_rolls_back(kube, deployments, run_operator, operator_c
         rolled_back = condition(status, "RolledBack")
         assert rolled_back["reason"] == "AnalysisFailed" and "ms > maxDeltaMs 50 ms" in rolled_back["message"]
         assert status["analysis"]["lastDeltaMs"] > 150
-        # the operator's metrics say the same: the measured delta, and one abort by the analysis
-        metrics = scrape(config.health_port)
+        # the operator's metrics say the same: the measured delta, and one abort by the analysis (they are
+        # recorded after the status is written: wait for the abort to show)
         resource = {"namespace": "llm", "sitsdeployment": "slow"}
+        metrics = scrape_when(config.health_port, lambda m: sample(m, "sits_rollout_aborts_total", **resource,
+                                                                   reason="analysis"), what="the abort in the metrics")
         assert sample(metrics, "sits_rollout_analysis_delta_ms", **resource) == status["analysis"]["lastDeltaMs"]
         assert sample(metrics, "sits_rollout_aborts_total", **resource, reason="analysis") == 1
         assert sample(metrics, "sits_rollout_aborts_total", **resource, reason="alert") == 0
         assert deployment(kube, "slow", "canary")["spec"]["replicas"] == 0
         assert route_weights(kube) == [("slow-stable", 100), ("slow-canary", 0)]
-        warning = [e for e in events(kube, "slow") if e["reason"] == "RolledBack"]
-        assert warning and warning[0]["type"] == "Warning" and "maxDeltaMs" in warning[0]["message"]
+        warning = wait_for(lambda: [e for e in events(kube, "slow") if e["reason"] == "RolledBack"],
+                           what="the RolledBack Event")
+        assert warning[0]["type"] == "Warning" and "maxDeltaMs" in warning[0]["message"]
         time.sleep(1)
         assert status_of(kube, "slow")["phase"] == "RolledBack", "the same template does not start again"
         set_image(kube, "slow", "registry.example.com/sits:slow-2")
