@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from typing import Any
 
 from aiohttp import web
@@ -37,6 +38,10 @@ logger = logging.getLogger("sits.operator.webhook")
 MESSAGE_LIMIT = 256  # characters of the alert's text written into the resource's condition
 MAX_BODY_BYTES = 1 << 20  # Alertmanager's groups are a few KB; larger bodies get 413
 RECEIVED = {"status": "received"}
+# Kubernetes names: a namespace is a DNS label, a SitsDeployment's name a DNS subdomain. Anything else
+# names nothing and never reaches the API (where a malformed path would be a 503 retried forever)
+NAMESPACE_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+RESOURCE_NAME = re.compile(r"(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 
 
 def _error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
@@ -120,6 +125,8 @@ async def _handle_alert(reconciler: Reconciler, namespace: str | None, alert: di
         outcome = "ignored: not firing"
     elif not target_ns or not target:
         outcome = "ignored: no namespace and sitsdeployment labels"
+    elif not NAMESPACE_NAME.fullmatch(target_ns) or not RESOURCE_NAME.fullmatch(target):
+        outcome = "ignored: the namespace or sitsdeployment label is not a Kubernetes name"
     elif namespace is not None and target_ns != namespace:
         outcome = f"ignored: this operator watches namespace {namespace} only"
     else:

@@ -196,7 +196,8 @@ def test_an_alert_through_the_webhook_rolls_back(kube, deployments, run_operator
         assert post_alerts(port, {"status": "resolved", "alerts": [
             firing("llm", "alerted", "resolved"), {"status": "firing", "labels": {"alertname": "Other"},
                                                    "startsAt": "2026-01-01T00:00:00Z"},
-            firing("other-namespace", "missing"), firing("llm", "missing")]}) == received
+            firing("other-namespace", "missing"), firing("llm", "missing"),
+            firing("llm", "../../api/v1/secrets"), firing("Not A Namespace", "alerted")]}) == received
         assert status_of(kube, "alerted")["phase"] != "RolledBack"
         old = {**firing("llm", "alerted"), "startsAt": "2020-01-01T00:00:00Z"}  # fired before this canary began
         assert post_alerts(port, {"status": "firing", "alerts": [old]}) == received
