@@ -89,6 +89,8 @@ def build_app(reconciler: Reconciler, token: BearerToken | None, namespace: str 
             payload = await request.json()
         except ValueError:
             return _error(400, "the body is not JSON")
+        except web.HTTPRequestEntityTooLarge:
+            return _error(413, f"the body is larger than {MAX_BODY_BYTES} bytes")
         starts = _start_times(payload)
         if isinstance(starts, str):
             return _error(400, starts)

@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from sits.operator.webhook import condition_message, printable
+from sits.operator.webhook import MAX_BODY_BYTES, condition_message, printable
 from sits.operator.webhook_auth import BearerToken, WebhookTokenError, token_from
 from tests.operator.helpers import WEBHOOK_TOKEN, post_alerts, sitsdeployment, wait_for_status
 from tests.support.services import free_port, wait_for_port
@@ -74,3 +74,6 @@ def test_without_a_token_the_webhook_does_not_listen(kube, deployments, run_oper
     with run_operator(open_config):
         wait_for_port(open_config.webhook_port)
         assert post_alerts(open_config.webhook_port, {"alerts": []}, token=None) == (200, {"status": "received"})
+        huge = b'{"alerts": [], "padding": "' + b"x" * MAX_BODY_BYTES + b'"}'
+        assert post_alerts(open_config.webhook_port, huge, token=None) == (
+            413, {"error": f"the body is larger than {MAX_BODY_BYTES} bytes"})
