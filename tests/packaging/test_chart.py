@@ -218,8 +218,10 @@ def token_file_of(container: dict, pod: dict) -> tuple[str, dict]:
 
 def test_the_chart_creates_the_webhook_token_and_mounts_it_where_the_operator_reads_it():
     objs = objects()
-    path, secret_volume = token_file_of(*operator_container(objs))
+    container, pod = operator_container(objs)
+    path, secret_volume = token_file_of(container, pod)
     assert path == "/etc/sits-operator/webhook/token"
+    assert not [arg for arg in container["args"] if "unauthenticated" in arg]  # the webhook always needs it
     secret = one(objs, "Secret", "-webhook-token")
     assert secret_volume["secretName"] == secret["metadata"]["name"] == "sits-sits-operator-webhook-token"
     assert secret_volume["items"][0]["key"] == "token" and secret_volume["defaultMode"] == 0o440
