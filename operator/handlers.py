@@ -10,7 +10,7 @@ sits.operator` each get their own, configured the same way):
 - a timer every `tenancy_interval_s`: write the tenant table to Redis;
 - delete: forget the resource (its metrics series go) and delete its tenant table from Redis;
 - startup / cleanup: settings, the API client, the health server (`/healthz`, `/metrics`) and
-  the Alertmanager webhook.
+  the Alertmanager webhook (only with a bearer token, or explicitly unauthenticated).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from sits.operator.metrics import build_registry
 from sits.operator.reconciler import Reconciler
 from sits.operator.spec import parse_spec
 from sits.operator.tenancy_sync import delete_tenant_table
-from sits.operator.webhook import start_webhook
+from sits.operator.webhook import start_configured_webhook
 
 RESOURCE = (GROUP, VERSION, PLURAL)
 
@@ -73,9 +73,8 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> Operato
         if config.health_port and state.health is None:
             state.health = await start_health_server(build_registry(state.reconciler.stats.snapshot),
                                                      config.listen_host, config.health_port)
-        if config.webhook_port and state.webhook is None:
-            state.webhook = await start_webhook(state.reconciler, config.listen_host, config.webhook_port,
-                                                config.namespace)
+        if state.webhook is None:
+            state.webhook = await start_configured_webhook(state.reconciler, config)
 
     @kopf.on.cleanup(id="cleanup", registry=registry)
     async def cleanup(**_: Any) -> None:

@@ -29,7 +29,10 @@ PROMOTE_ANNOTATION = "sits.ai/promote"  # "full": skip the remaining steps (kube
 RETRY_ANNOTATION = "sits.ai/retry"  # start an aborted or rolled back canary again (kubectl argo rollouts retry)
 TRACKS = ("stable", "canary")
 
-HTTP_PORT = 8000  # the runtime's port; /health, /metrics and /v1/*
+HTTP_PORT = 8000  # the runtime's API port: /health and /v1/*
+# The runtime's Prometheus port (`sits serve --metrics-port`): GET /metrics there, never on the API port,
+# whose callers must not see every tenant's traffic. Pods name it `metrics`; the ServiceMonitors scrape it.
+METRICS_PORT = 9400
 SERVICE_PORT = 80
 
 

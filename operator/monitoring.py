@@ -15,7 +15,8 @@ DEFAULT_RULE_ANALYSIS = AnalysisSpec(prometheus_url="http://prometheus:9090", ma
 
 
 def build_service_monitor(owner: Owner, interval: str = "15s") -> dict[str, Any]:
-    """Scrape the stable and canary Services (not `x`, which would scrape the same pods twice).
+    """Scrape the stable and canary Services (not `x`, which would scrape the same pods twice) on
+    their `metrics` port (the runtime's --metrics-port).
 
     The relabelling gives every series the `sitsdeployment` label the P95-delta query selects on.
     """
@@ -28,7 +29,7 @@ def build_service_monitor(owner: Owner, interval: str = "15s") -> dict[str, Any]
                                                "values": ["stable", "canary"]}]},
             "namespaceSelector": {"matchNames": [owner.namespace]},
             "endpoints": [{
-                "port": "http", "path": "/metrics", "interval": interval,
+                "port": "metrics", "path": "/metrics", "interval": interval,
                 "relabelings": [{"sourceLabels": ["__meta_kubernetes_service_label_sits_ai_deployment"],
                                  "targetLabel": "sitsdeployment"}],
             }],

@@ -6,6 +6,7 @@ from typing import Any
 
 from sits.operator.meta import (
     DEPLOYMENT_LABEL,
+    METRICS_PORT,
     SERVICE_PORT,
     SERVICE_ROLE_LABEL,
     TRACK_LABEL,
@@ -20,7 +21,11 @@ HTTP_ROUTE_API = "gateway.networking.k8s.io/v1"
 
 
 def build_services(owner: Owner) -> list[dict[str, Any]]:
-    """`x` selects both tracks; `x-stable` and `x-canary` one each (the HTTPRoute's backends)."""
+    """`x` selects both tracks; `x-stable` and `x-canary` one each (the HTTPRoute's backends).
+
+    Port `http` (80) serves the API; `x-stable` and `x-canary` also carry port `metrics` (the
+    runtime's METRICS_PORT), which the ServiceMonitors scrape and no route sends traffic to.
+    """
     services = []
     for track in (None, "stable", "canary"):
         selector = {DEPLOYMENT_LABEL: owner.name}
@@ -29,11 +34,13 @@ def build_services(owner: Owner) -> list[dict[str, Any]]:
         labels = {SERVICE_ROLE_LABEL: track or "all"}
         if track is not None:
             labels[TRACK_LABEL] = track
+        ports = [{"name": "http", "port": SERVICE_PORT, "targetPort": "http", "protocol": "TCP"}]
+        if track is not None:
+            ports.append({"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"})
         services.append({
             "apiVersion": "v1", "kind": "Service",
             "metadata": object_meta(owner, service_name(owner.name, track), labels),
-            "spec": {"type": "ClusterIP", "selector": selector,
-                     "ports": [{"name": "http", "port": SERVICE_PORT, "targetPort": "http", "protocol": "TCP"}]},
+            "spec": {"type": "ClusterIP", "selector": selector, "ports": ports},
         })
     return services
 

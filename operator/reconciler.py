@@ -229,9 +229,9 @@ class Reconciler:
 
     # -- Alertmanager ---------------------------------------------------------------------------
 
-    def request_abort(self, namespace: str, name: str, reason: str, message: str,
-                      started_at: float | None = None) -> str:
-        """Abort this resource's running canary (an alert fired); returns what was done, in words."""
+    def request_abort(self, namespace: str, name: str, reason: str, message: str, started_at: float) -> str:
+        """Abort this resource's running canary (an alert that started firing at `started_at`, Unix
+        seconds); returns what was done, in words. An alert older than the canary is ignored."""
         with self.lock(namespace, name):
             body = self._get(namespace, name)
             if body is None:
@@ -239,8 +239,7 @@ class Reconciler:
             status = Status.from_dict(body.get("status"))
             if status.canary_revision is None or status.phase not in ("Progressing", "Paused"):
                 return "ignored: no canary is running"
-            if started_at is not None and status.canary_started_at is not None \
-                    and started_at < status.canary_started_at:
+            if status.canary_started_at is not None and started_at < status.canary_started_at:
                 return "ignored: the alert started firing before this canary started"
             request = {"revision": status.canary_revision, "reason": reason, "message": message,
                        "requestedAt": to_timestamp(self.clock())}

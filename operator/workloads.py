@@ -10,6 +10,7 @@ from sits.operator.lora_workloads import build_lora_volumes, lora_args, lora_dow
 from sits.operator.meta import (
     DEPLOYMENT_LABEL,
     HTTP_PORT,
+    METRICS_PORT,
     REVISION_ANNOTATION,
     REVISION_LABEL,
     TRACK_LABEL,
@@ -48,7 +49,7 @@ def engine_args(workload: WorkloadSpec, deployment: str) -> list[str]:
     (`sits:{deployment}:...`), where the operator writes the tenant table.
     """
     model, engine = workload.model, workload.engine
-    args = ["serve", "--host", "0.0.0.0", "--port", str(HTTP_PORT),
+    args = ["serve", "--host", "0.0.0.0", "--port", str(HTTP_PORT), "--metrics-port", str(METRICS_PORT),
             "--model", _model_path(model.uri), "--served-model-name", model.name,
             "--dtype", model.dtype, "--quantization", model.quantization,
             "--max-num-seqs", str(engine.max_num_seqs),
@@ -135,7 +136,8 @@ def build_pod_template(owner: Owner, workload: WorkloadSpec, track: str | None =
     args = engine_args(workload, deployment_id(owner.namespace, owner.name)) + (["--track", track] if track else [])
     container: dict[str, Any] = {
         "name": "sits", "image": workload.image, "args": args,
-        "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
+        "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
+                  {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}],
         "env": _env(workload),
         "resources": _resources(workload),
         "volumeMounts": mounts,
@@ -159,7 +161,7 @@ def build_pod_template(owner: Owner, workload: WorkloadSpec, track: str | None =
         labels[TRACK_LABEL] = track
     if revision:
         labels[REVISION_LABEL] = revision
-    annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(HTTP_PORT),
+    annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(METRICS_PORT),
                    "prometheus.io/path": "/metrics"}
     return {"metadata": {"labels": labels, "annotations": annotations}, "spec": pod_spec}
 

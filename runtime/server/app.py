@@ -34,6 +34,7 @@ from sits.runtime.server.tenant import (
     request_tenant,
 )
 from sits.runtime.server.tokenize import DetokenizeRequest, Tokenization, TokenizeRequest, installed_version
+from sits.runtime.server.tokenizer_info import install_tokenizer_info_route
 from sits.runtime.tenancy.server_auth import TenancyResolver
 
 logger = logging.getLogger("sits.server")
@@ -172,6 +173,8 @@ def build_app(engine: Any, server_config: ServerConfig | None = None, *, served_
     @app.get("/version")
     async def server_version() -> dict[str, str]:
         return version
+
+    install_tokenizer_info_route(app, ctx)  # GET /tokenizer_info (lm-eval's remote tokenizer)
 
     def readiness() -> JSONResponse:
         if lifecycle.draining:

@@ -27,6 +27,7 @@ from sits.runtime.server.serving import (
     collect_unless_disconnected,
     merge_streams,
 )
+from sits.runtime.server.stream_usage import running_usage, wants_continuous_usage
 from sits.runtime.server.tenant import request_cache_salt, request_priority
 from sits.runtime.server.tools import ToolPlan, plan_tool_calls
 
@@ -147,7 +148,8 @@ class ChatCompletions:
                       body: ChatCompletionRequest, request: Request, tool_plan: ToolPlan,
                       echo: str) -> AsyncIterator[str]:
         chunk_head = {**head, "object": "chat.completion.chunk", "system_fingerprint": None}
-        if body.include_usage:
+        continuous = wants_continuous_usage(body.stream_options)
+        if body.include_usage or continuous:
             chunk_head["usage"] = None
         started: set[int] = set()
         finished: set[int] = set()
@@ -160,12 +162,17 @@ class ChatCompletions:
                     for choice in output.outputs:
                         if choice.index in finished:
                             continue
+                        head_of = chunk_head
+                        if continuous:  # this choice's token counts so far in each of its chunks
+                            head_of = {**chunk_head, "usage": running_usage(output, choice)}
                         if choice.index not in started:
                             started.add(choice.index)
                             tool_streams[choice.index] = tool_plan.streamer()
-                            yield self._chunk(chunk_head, choice.index, {"role": "assistant", "content": ""})
+                            opening = chunk_head if not continuous else {
+                                **chunk_head, "usage": running_usage(output, choice, before_delta=True)}
+                            yield self._chunk(opening, choice.index, {"role": "assistant", "content": ""})
                             if echo:
-                                yield self._chunk(chunk_head, choice.index, {"content": echo})
+                                yield self._chunk(opening, choice.index, {"content": echo})
                         tool_stream = tool_streams[choice.index]
                         if choice.text_delta or choice.logprobs_delta:
                             logprobs = None
@@ -176,13 +183,13 @@ class ChatCompletions:
                             for position, delta in enumerate(deltas):
                                 if delta == {"content": ""} and logprobs is None:
                                     continue
-                                yield self._chunk(chunk_head, choice.index, delta,
+                                yield self._chunk(head_of, choice.index, delta,
                                                   logprobs=logprobs if position == 0 else None)
                         if choice.finished:
                             finished.add(choice.index)
                             for delta in tool_stream.finish():
-                                yield self._chunk(chunk_head, choice.index, delta)
-                            yield self._chunk(chunk_head, choice.index, {},
+                                yield self._chunk(head_of, choice.index, delta)
+                            yield self._chunk(head_of, choice.index, {},
                                               finish=tool_stream.finish_reason(finish_text(choice.finish_reason)))
             if body.include_usage and last is not None:
                 yield sse({**chunk_head, "choices": [], "usage": usage([last])})

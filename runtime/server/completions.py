@@ -35,6 +35,7 @@ from sits.runtime.server.serving import (
     collect_unless_disconnected,
     merge_streams,
 )
+from sits.runtime.server.stream_usage import running_usage, wants_continuous_usage
 from sits.runtime.server.tenant import request_cache_salt, request_priority
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -155,7 +156,8 @@ class Completions:
                       body: CompletionRequest, echoes: list[str], num_prompts: int, request: Request
                       ) -> AsyncIterator[str]:
         chunk_head = {**head, "system_fingerprint": None}
-        if body.include_usage:
+        continuous = wants_continuous_usage(body.stream_options)
+        if body.include_usage or continuous:
             chunk_head["usage"] = None
         finished: set[tuple[int, int]] = set()
         text_offsets: dict[tuple[int, int], int] = {}
@@ -185,7 +187,12 @@ class Completions:
                         if choice.finished:
                             finished.add(key)
                         part = self._choice(prompt_index, body.n, choice, text, logprobs, finish)
-                        yield sse({**chunk_head, "choices": [part]})
+                        chunk = {**chunk_head, "choices": [part]}
+                        if continuous:  # this choice's token counts so far
+                            chunk["usage"] = counts = running_usage(output, choice)
+                            if body.echo_only:  # the one token the engine ran is dropped, as in _usage
+                                counts.update(completion_tokens=0, total_tokens=counts["prompt_tokens"])
+                        yield sse(chunk)
             if body.include_usage and len(last) == num_prompts:
                 yield sse({**chunk_head, "choices": [], "usage": self._usage((last[i] for i in range(num_prompts)),
                                                                                body)})

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from sits.runtime.tenancy.rate_windows import Limits, WindowCounts, estimated_usage, retry_after
+from sits.runtime.tenancy.rate_windows import WINDOW_S, Limits, WindowCounts, estimated_usage, retry_after
 from sits.runtime.tenancy.state_store import StateStore
 from sits.runtime.tenancy.tenants import Tenant
 
@@ -31,8 +31,12 @@ class RateLimitDecision:
 
     Attributes:
         allowed: admitted (and counted).
-        retry_after_s: when refused, seconds until it would be admitted; None if it never can
-            (it needs more tokens than the per-minute limit).
+        retry_after_s: when refused, seconds to wait before retrying: until it would be admitted,
+            but never more than the window (WINDOW_S, 60 s); None if it never can (it needs more
+            tokens than the per-minute limit). The sliding estimate can keep a small limit full for
+            up to two windows (the last window's count still weighs on the next one), while
+            everything it counts is older than one window by then: a client told to come back
+            after one window and refused again is told the (short) rest.
         limit_type: which limit refused it: "requests" or "tokens".
     """
 
@@ -104,8 +108,10 @@ class RateLimiter:
         wait_requests = retry_after(admission.counts, admission.fraction, requests_only, prompt_tokens) or 0.0
         wait = retry_after(admission.counts, admission.fraction, limits, prompt_tokens)
         limit_type = "requests" if limits.requests is not None and wait_requests >= (wait or 0.0) else "tokens"
-        # A refusal decided on counts another replica just raised can compute 0: never say "now".
-        return RateLimitDecision(False, tenant.name, max(wait or 0.0, 1.0), limit_type, limits, admission.counts,
+        # A refusal decided on counts another replica just raised can compute 0: never say "now";
+        # and never ask for more than a window (OpenAI's client ignores a Retry-After over 60 s)
+        wait_s = min(max(wait or 0.0, 1.0), WINDOW_S)
+        return RateLimitDecision(False, tenant.name, wait_s, limit_type, limits, admission.counts,
                                  admission.fraction, prompt_tokens)
 
     def record_tokens(self, tenant: Tenant, num_tokens: int) -> None:

@@ -16,6 +16,7 @@ from sits.operator.config import OperatorConfig
 from sits.operator.handlers import register
 from sits.operator.kube import KubeClient
 from tests.operator.deployment_controller import DeploymentController
+from tests.operator.helpers import WEBHOOK_TOKEN
 from tests.operator.kmock_cluster import KMockCluster, kmock_cluster
 from tests.support.services import free_port
 
@@ -46,8 +47,8 @@ def deployments(kube: KubeClient) -> Iterator[DeploymentController]:
 
 @pytest.fixture
 def operator_config() -> OperatorConfig:
-    return OperatorConfig(listen_host="127.0.0.1", webhook_port=free_port(), resync_interval_s=RESYNC_S,
-                          tenancy_interval_s=0.5, health_port=0)
+    return OperatorConfig(listen_host="127.0.0.1", webhook_port=free_port(), webhook_token=WEBHOOK_TOKEN,
+                          resync_interval_s=RESYNC_S, tenancy_interval_s=0.5, health_port=0)
 
 
 @pytest.fixture

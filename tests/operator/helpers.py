@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import time
@@ -85,6 +86,18 @@ def scrape(port: int) -> Samples:
         return parse_metrics(response.read().decode())
 
 
+def scrape_when(port: int, ready: Callable[[Samples], Any], what: str) -> Samples:
+    """Scrape until `ready(samples)` holds: the operator records its metrics after it writes the status."""
+    found: list[Samples] = []
+
+    def check() -> bool:
+        found[:] = [scrape(port)]
+        return bool(ready(found[0]))
+
+    wait_for(check, what=what)
+    return found[0]
+
+
 def sample(samples: Samples, name: str, **labels: str) -> float | None:
     """The value of the sample with exactly these labels (None when there is none)."""
     return samples.get((name, frozenset(labels.items())))
@@ -94,9 +107,18 @@ def set_image(kube, name: str, image: str) -> None:
     kube.patch(API_VERSION, KIND, "llm", name, {"spec": {"image": image}})
 
 
-def post_alerts(port: int, payload) -> tuple[int, dict]:
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/alertmanager", method="POST",
-                                     data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
+WEBHOOK_TOKEN = "test-webhook-token-0123456789abcdef"  # the operator_config fixture's bearer token
+
+
+def post_alerts(port: int, payload, token: str | None = WEBHOOK_TOKEN,
+                authorization: str | None = None) -> tuple[int, dict]:
+    """POST a payload to the webhook as Alertmanager would (`Authorization: Bearer <token>`)."""
+    headers = {"Content-Type": "application/json"}
+    if authorization is not None or token is not None:
+        headers["Authorization"] = authorization if authorization is not None else f"Bearer {token}"
+    body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/alertmanager", method="POST", data=body,
+                                     headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=10) as response:
             return response.status, json.loads(response.read())
@@ -109,3 +131,21 @@ def firing(namespace: str, name: str, status: str = "firing") -> dict:
                                          "sitsdeployment": name},
             "annotations": {"summary": "canary P95 exceeds stable by more than 50 ms"},
             "startsAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 1))}
+
+
+def runtime_has_metrics_port() -> bool:
+    """Whether this checkout's `sits serve` takes `--metrics-port` (the flag the operator gives its pods)."""
+    from sits.runtime.cli import build_parser
+
+    subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return "--metrics-port" in subparsers.choices["serve"]._option_string_actions
+
+
+def serve_args(container_args: list[str]) -> list[str]:
+    """A runtime container's args as this checkout's `sits serve` takes them: a runtime without
+    `--metrics-port` serves /metrics on its API port, so the flag is dropped for it."""
+    args = list(container_args)
+    if "--metrics-port" in args and not runtime_has_metrics_port():
+        index = args.index("--metrics-port")
+        del args[index:index + 2]
+    return args

@@ -23,16 +23,21 @@ from typing import Any
 
 from sits.operator.kube import ApiError, KubeClient
 from tests.operator.deployment_controller import DeploymentController
+from tests.operator.helpers import runtime_has_metrics_port, serve_args
 from tests.support.services import RunningService, free_port
 
 PROMPT = " ".join(["The lighthouse keeper walked along the northern coast at dawn."] * 6)
 
 
-def local_argv(container_args: list[str], port: int) -> list[str]:
-    """The container's `sits` arguments, listening on 127.0.0.1:port instead of 0.0.0.0:8000."""
-    args = list(container_args)
+def local_argv(container_args: list[str], port: int, metrics_port: int) -> list[str]:
+    """The container's `sits` arguments, listening on 127.0.0.1:port instead of 0.0.0.0:8000, and
+    serving /metrics on 127.0.0.1:metrics_port instead of 9400 (on `port` for a runtime without
+    --metrics-port)."""
+    args = serve_args(container_args)
     args[args.index("--host") + 1] = "127.0.0.1"
     args[args.index("--port") + 1] = str(port)
+    if "--metrics-port" in args:
+        args[args.index("--metrics-port") + 1] = str(metrics_port)
     return [sys.executable, "-m", "sits.runtime", *args]
 
 
@@ -40,6 +45,7 @@ class LocalKubelet:
     def __init__(self, kube: KubeClient, controller: DeploymentController, namespace: str, name: str) -> None:
         self.kube, self.controller, self.namespace, self.name = kube, controller, namespace, name
         self.ports = {track: free_port() for track in ("stable", "canary")}
+        self.metrics_ports = {track: free_port() for track in ("stable", "canary")}
         self.processes: dict[str, RunningService] = {}
         self._args: dict[str, list[str]] = {}
         self._workdir = Path(tempfile.mkdtemp(prefix="sits-kubelet-"))
@@ -53,6 +59,11 @@ class LocalKubelet:
 
     def target(self, track: str) -> str:
         return f"127.0.0.1:{self.ports[track]}"
+
+    def metrics_target(self, track: str) -> str:
+        """Where Prometheus scrapes this track's /metrics (the pod's `metrics` port)."""
+        port = self.metrics_ports[track] if runtime_has_metrics_port() else self.ports[track]
+        return f"127.0.0.1:{port}"
 
     def _run(self) -> None:
         while not self._stop.wait(0.2):
@@ -77,7 +88,8 @@ class LocalKubelet:
         if track in self.processes:
             self.processes.pop(track).stop()
         log = open(self._workdir / f"{track}.log", "ab")  # noqa: SIM115 - closed when the process ends
-        process = subprocess.Popen(local_argv(args, self.ports[track]), stdout=log, stderr=subprocess.STDOUT,
+        argv = local_argv(args, self.ports[track], self.metrics_ports[track])
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
                                    env={**os.environ, "OMP_NUM_THREADS": "1"})
         log.close()
         self.processes[track] = RunningService(process=process, port=self.ports[track], workdir=self._workdir)

@@ -18,6 +18,7 @@ from sits.operator.revisions import revision_of
 from sits.operator.spec import parse_spec, parse_workload
 from sits.operator.tenants import resolve_tenants
 from sits.runtime.cli import build_parser
+from tests.operator.helpers import serve_args
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = yaml.safe_load((ROOT / "examples" / "sitsdeployment.yaml").read_text())
@@ -80,8 +81,10 @@ def test_deployment_of_a_track(track):
     assert main["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     for probe in ("livenessProbe", "startupProbe"):
         assert main[probe]["httpGet"] == {"path": "/health/live", "port": "http"}
-    assert main["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    assert main["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"},
+                             {"name": "metrics", "containerPort": 9400, "protocol": "TCP"}]
     assert pod["metadata"]["annotations"]["prometheus.io/path"] == "/metrics"
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == "9400"
 
 
 def test_runtime_flags_follow_the_spec():
@@ -93,6 +96,7 @@ def test_runtime_flags_follow_the_spec():
     assert (flags["--dtype"], flags["--max-model-len"], flags["--max-num-seqs"]) == ("bfloat16", "8192", "256")
     assert (flags["--max-num-batched-tokens"], flags["--block-size"]) == ("8192", "16")
     assert flags["--gpu-memory-utilization"] == "0.9" and flags["--port"] == "8000"
+    assert flags["--metrics-port"] == "9400"  # /metrics off the API port
     assert "--enforce-eager" not in args  # cudaGraphs: true
     assert flags["--tenants"] == "/etc/sits/tenants.yaml"  # the ConfigMap's file
     assert (flags["--state-store"], flags["--deployment"]) == ("redis://sits-redis:6379/0", "llm.llama3-8b")
@@ -111,7 +115,7 @@ def test_tracing_passes_the_otlp_endpoint_to_the_runtime():
     traced = parse_spec({**EXAMPLE["spec"], "tracing": {"otlpEndpoint": endpoint}}, "llama3-8b")
     args = stable_container(traced)["args"]
     assert args[args.index("--otlp-endpoint") + 1] == endpoint
-    assert build_parser().parse_args(args).otlp_endpoint == endpoint  # a flag `sits serve` takes
+    assert build_parser().parse_args(serve_args(args)).otlp_endpoint == endpoint  # a flag `sits serve` takes
     for untraced in (SPEC, parse_spec({**EXAMPLE["spec"], "tracing": {}}, "llama3-8b")):
         assert "--otlp-endpoint" not in stable_container(untraced)["args"]
     assert revision_of(OWNER, traced.workload) != REVISION  # turning tracing on rolls out as a canary
@@ -125,7 +129,7 @@ def test_an_hf_model_reaches_the_runtime_as_its_uri_with_a_cache_that_outlives_r
     deployment = objects(spec, plan)[("Deployment", "llama3-8b-stable")]
     main, pod = container(deployment), deployment["spec"]["template"]["spec"]
     args = main["args"]
-    assert args[args.index("--model") + 1] == uri and build_parser().parse_args(args).model == uri
+    assert args[args.index("--model") + 1] == uri and build_parser().parse_args(serve_args(args)).model == uri
     assert {"name": "HF_HOME", "value": "/var/cache/huggingface"} in main["env"]
     assert {"name": "hf-cache", "emptyDir": {}} in pod["volumes"]
     assert {"name": "hf-cache", "mountPath": "/var/cache/huggingface"} in main["volumeMounts"]
@@ -149,6 +153,12 @@ def test_services_select_each_track_and_both():
     assert selectors == {"llama3-8b": {"sits.ai/deployment": "llama3-8b"},
                          "llama3-8b-stable": {"sits.ai/deployment": "llama3-8b", "track": "stable"},
                          "llama3-8b-canary": {"sits.ai/deployment": "llama3-8b", "track": "canary"}}
+    ports = {name: [(p["name"], p["port"], p["targetPort"]) for p in obj["spec"]["ports"]]
+             for (kind, name), obj in built.items() if kind == "Service"}
+    # the metrics port only on the per-track Services the ServiceMonitor scrapes; routes use port 80
+    assert ports == {"llama3-8b": [("http", 80, "http")],
+                     "llama3-8b-stable": [("http", 80, "http"), ("metrics", 9400, "metrics")],
+                     "llama3-8b-canary": [("http", 80, "http"), ("metrics", 9400, "metrics")]}
 
 
 def test_http_route_weights_and_tenant_scoped_canary():
@@ -169,6 +179,7 @@ def test_monitoring_objects_follow_the_spec():
     assert monitor["selector"]["matchExpressions"] == [{"key": "sits.ai/service", "operator": "In",
                                                         "values": ["stable", "canary"]}]
     assert monitor["endpoints"][0]["relabelings"][0]["targetLabel"] == "sitsdeployment"
+    assert (monitor["endpoints"][0]["port"], monitor["endpoints"][0]["path"]) == ("metrics", "/metrics")
     (rule,) = built[("PrometheusRule", "llama3-8b")]["spec"]["groups"][0]["rules"]
     assert rule["alert"] == ALERT_NAME and rule["for"] == "1m"
     assert rule["labels"] == {"severity": "warning", "namespace": "llm", "sitsdeployment": "llama3-8b"}

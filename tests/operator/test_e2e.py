@@ -18,6 +18,7 @@ import json
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 import yaml
@@ -41,7 +42,7 @@ RULE_ANALYSIS = AnalysisSpec(prometheus_url="", max_delta_ms=MAX_DELTA_MS, inter
 
 
 def prometheus_config(kubelet: LocalKubelet, alertmanager_port: int) -> str:
-    targets = [kubelet.target("stable"), kubelet.target("canary")]
+    targets = [kubelet.metrics_target("stable"), kubelet.metrics_target("canary")]
     return yaml.safe_dump({
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "rule_files": ["rules.yml"],
@@ -51,12 +52,14 @@ def prometheus_config(kubelet: LocalKubelet, alertmanager_port: int) -> str:
     })
 
 
-def alertmanager_config(webhook_port: int) -> str:
+def alertmanager_config(webhook_port: int, token_file: Path) -> str:
+    """Route every alert to the operator's webhook, with its bearer token read from a file (as the chart's NOTES show)."""
     return yaml.safe_dump({
         "route": {"receiver": "sits-operator", "group_by": ["alertname", "namespace", "sitsdeployment"],
                   "group_wait": "1s", "group_interval": "1s", "repeat_interval": "1h"},
-        "receivers": [{"name": "sits-operator",
-                       "webhook_configs": [{"url": f"http://127.0.0.1:{webhook_port}/alertmanager"}]}],
+        "receivers": [{"name": "sits-operator", "webhook_configs": [{
+            "url": f"http://127.0.0.1:{webhook_port}/alertmanager",
+            "http_config": {"authorization": {"type": "Bearer", "credentials_file": str(token_file)}}}]}],
     })
 
 
@@ -92,9 +95,11 @@ class BreachWatch:
 
 
 def test_a_slow_canary_is_rolled_back_by_analysis_and_by_the_alert(
-        kube, deployments, run_operator, operator_config, tiny_llama_dir):
+        kube, deployments, run_operator, operator_config, tiny_llama_dir, tmp_path):
     kubelet = LocalKubelet(kube, deployments, NAMESPACE, NAME)
-    with kubelet, alertmanager_server(alertmanager_config(operator_config.webhook_port)) as alertmanager, \
+    token_file = tmp_path / "webhook-token"
+    token_file.write_text(operator_config.webhook_token)
+    with kubelet, alertmanager_server(alertmanager_config(operator_config.webhook_port, token_file)) as alertmanager, \
             prometheus_server(prometheus_config(kubelet, alertmanager.port), "groups: []\n") as prometheus, \
             run_operator():
         analysis = {"prometheus": {"url": prometheus.url}, "maxDeltaMs": MAX_DELTA_MS, "interval": f"{INTERVAL_S:g}s",

@@ -20,6 +20,7 @@ from sits.operator.workloads import HF_CACHE_DIR, build_pod_template
 from sits.runtime.cli import build_parser
 from sits.runtime.commands.engine_args import lora_config_from_args
 from sits.runtime.lora.config import LoraModule
+from tests.operator.helpers import serve_args
 from tests.operator.test_autoscaling import crd_violations
 from tests.operator.test_crd import api_server_defaults
 
@@ -61,11 +62,11 @@ def test_every_kind_of_uri_becomes_a_lora_module_the_runtime_reads():
         "--enable-lora", "--lora-modules", "sql=/mnt/lora/sql", "poet=/mnt/lora/poet", "whole=/mnt/lora/whole",
         "support=hf://org/support-lora@v1", "baked=/opt/adapters/baked", "--max-loras", "5", "--max-lora-rank", "64"]
     # The runtime's own parser reads the pod's arguments back into its LoRA config
-    config = lora_config_from_args(build_parser().parse_args(container["args"]))
+    config = lora_config_from_args(build_parser().parse_args(serve_args(container["args"])))
     assert config.enable_lora and (config.max_loras, config.max_lora_rank) == (5, 64)
     assert config.modules[0] == LoraModule("sql", "/mnt/lora/sql")
     assert [m.name for m in config.modules] == ["sql", "poet", "whole", "support", "baked"]
-    assert build_parser().parse_args(container["args"]).track == "stable"
+    assert build_parser().parse_args(serve_args(container["args"])).track == "stable"
 
 
 def test_pvc_adapters_are_read_only_subpath_mounts_and_hub_adapters_get_the_hf_cache():

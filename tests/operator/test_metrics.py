@@ -136,7 +136,7 @@ def test_the_metrics_follow_a_rollout_on_the_operators_health_port(kube, deploym
         set_image(kube, "watched", "registry.example.com/sits:3")
         wait_for(lambda: metrics_show("Paused", weight=50, promotions=1), what="the next canary paused")
         code, answer = post_alerts(config.webhook_port, {"status": "firing", "alerts": [firing("llm", "watched")]})
-        assert code == 200 and answer["results"][0]["outcome"].startswith("aborted canary"), answer
+        assert (code, answer) == (200, {"status": "received"})
         wait_for(lambda: metrics_show("RolledBack", weight=0, promotions=1, alert_aborts=1), what="one abort by an alert")
         samples = scrape(config.health_port)
         assert sample(samples, "sits_rollout_analysis_delta_ms", **resource) is None  # no analysis configured

@@ -9,20 +9,24 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 
 from sits.operator.analysis import PrometheusProvider, run_analysis
 from sits.operator.meta import API_VERSION, KIND, Owner
 from sits.operator.spec_rollout import AnalysisSpec
+from sits.operator.webhook import MESSAGE_LIMIT
 from tests.operator.helpers import (
+    WEBHOOK_TOKEN,
     condition,
     deployment,
     events,
     firing,
     post_alerts,
     sample,
-    scrape,
+    scrape_when,
     set_image,
     sitsdeployment,
     status_of,
@@ -121,7 +125,8 @@ def test_template_change_runs_a_canary_and_promotes(kube, deployments, run_opera
         assert image_of(kube, "promote", "stable").endswith(":2")
         assert deployment(kube, "promote", "canary")["spec"]["replicas"] == 0
         assert route_weights(kube) == [("promote-stable", 100), ("promote-canary", 0)]
-        assert {"CanaryStarted", "Promoted"} <= set(reasons(kube, "promote"))
+        # Events and metrics follow the status write: wait for them
+        wait_for(lambda: {"CanaryStarted", "Promoted"} <= set(reasons(kube, "promote")), what="the rollout's Events")
 
 
 def test_failing_analysis_rolls_back(kube, deployments, run_operator, operator_config, prometheus):
@@ -138,16 +143,19 @@ def test_failing_analysis_rolls_back(kube, deployments, run_operator, operator_c
         rolled_back = condition(status, "RolledBack")
         assert rolled_back["reason"] == "AnalysisFailed" and "ms > maxDeltaMs 50 ms" in rolled_back["message"]
         assert status["analysis"]["lastDeltaMs"] > 150
-        # the operator's metrics say the same: the measured delta, and one abort by the analysis
-        metrics = scrape(config.health_port)
+        # the operator's metrics say the same: the measured delta, and one abort by the analysis (they are
+        # recorded after the status is written: wait for the abort to show)
         resource = {"namespace": "llm", "sitsdeployment": "slow"}
+        metrics = scrape_when(config.health_port, lambda m: sample(m, "sits_rollout_aborts_total", **resource,
+                                                                   reason="analysis"), what="the abort in the metrics")
         assert sample(metrics, "sits_rollout_analysis_delta_ms", **resource) == status["analysis"]["lastDeltaMs"]
         assert sample(metrics, "sits_rollout_aborts_total", **resource, reason="analysis") == 1
         assert sample(metrics, "sits_rollout_aborts_total", **resource, reason="alert") == 0
         assert deployment(kube, "slow", "canary")["spec"]["replicas"] == 0
         assert route_weights(kube) == [("slow-stable", 100), ("slow-canary", 0)]
-        warning = [e for e in events(kube, "slow") if e["reason"] == "RolledBack"]
-        assert warning and warning[0]["type"] == "Warning" and "maxDeltaMs" in warning[0]["message"]
+        warning = wait_for(lambda: [e for e in events(kube, "slow") if e["reason"] == "RolledBack"],
+                           what="the RolledBack Event")
+        assert warning[0]["type"] == "Warning" and "maxDeltaMs" in warning[0]["message"]
         time.sleep(1)
         assert status_of(kube, "slow")["phase"] == "RolledBack", "the same template does not start again"
         set_image(kube, "slow", "registry.example.com/sits:slow-2")
@@ -176,27 +184,73 @@ def test_inconclusive_analysis_pauses_and_never_rolls_back(kube, deployments, ru
 
 def test_an_alert_through_the_webhook_rolls_back(kube, deployments, run_operator, operator_config, prometheus):
     port = operator_config.webhook_port
+    received = (200, {"status": "received"})
     with run_operator():
         kube.create(sitsdeployment("alerted", rollout=rollout(prometheus.url, [{"setWeight": 25}, {"pause": {}}])))
         wait_for_status(kube, "alerted", lambda s: s.get("phase") == "Healthy", what="Healthy")
-        code, answer = post_alerts(port, {"status": "firing", "alerts": [firing("llm", "alerted")]})
-        assert code == 200 and answer["results"][0]["outcome"] == "ignored: no canary is running"
+        assert post_alerts(port, {"status": "firing", "alerts": [firing("llm", "alerted")]}) == received  # no canary
         set_image(kube, "alerted", "registry.example.com/sits:2")
         canary = wait_for_status(kube, "alerted", lambda s: s.get("canaryRevision"), what="a canary")["canaryRevision"]
         assert post_alerts(port, {"alerts": "nope"})[0] == 400
-        code, answer = post_alerts(port, {"status": "resolved", "alerts": [
-            firing("llm", "alerted", "resolved"), {"status": "firing", "labels": {"alertname": "Other"}},
-            firing("other-namespace", "missing")]})
-        assert code == 200 and [r["outcome"] for r in answer["results"]] == [
-            "ignored: not firing", "ignored: no namespace and sitsdeployment labels", "ignored: no such SitsDeployment"]
+        # Ignored alerts get the same answer as acted-on ones: the answer says nothing about the cluster
+        assert post_alerts(port, {"status": "resolved", "alerts": [
+            firing("llm", "alerted", "resolved"), {"status": "firing", "labels": {"alertname": "Other"},
+                                                   "startsAt": "2026-01-01T00:00:00Z"},
+            firing("other-namespace", "missing"), firing("llm", "missing"),
+            firing("llm", "../../api/v1/secrets"), firing("Not A Namespace", "alerted")]}) == received
         assert status_of(kube, "alerted")["phase"] != "RolledBack"
-        code, answer = post_alerts(port, {"status": "firing", "alerts": [firing("llm", "alerted")]})
-        assert code == 200 and answer["results"][0]["outcome"] == f"aborted canary {canary}"
+        old = {**firing("llm", "alerted"), "startsAt": "2020-01-01T00:00:00Z"}  # fired before this canary began
+        assert post_alerts(port, {"status": "firing", "alerts": [old]}) == received
+        assert status_of(kube, "alerted")["phase"] != "RolledBack"
+        assert post_alerts(port, {"status": "firing", "alerts": [firing("llm", "alerted")]}) == received
         status = status_of(kube, "alerted")  # aborted before the webhook answered
         assert status["phase"] == "RolledBack" and status["abortedRevision"] == canary
         assert condition(status, "RolledBack")["reason"] == "AlertFiring"
         assert "SitsCanaryP95Delta" in condition(status, "RolledBack")["message"]
         assert deployment(kube, "alerted", "canary")["spec"]["replicas"] == 0
+        assert post_alerts(port, {"status": "firing", "alerts": [firing("llm", "alerted")]}) == received  # rolled back
+
+
+def test_the_webhook_needs_the_bearer_token_and_startsat(kube, deployments, run_operator, operator_config):
+    port = operator_config.webhook_port
+    unauthorized = (401, {"error": "a valid bearer token is required"})
+    with run_operator():
+        kube.create(sitsdeployment("guarded", rollout={"canary": {"steps": [{"setWeight": 25}, {"pause": {}}]}}))
+        wait_for_status(kube, "guarded", lambda s: s.get("phase") == "Healthy", what="Healthy")
+        set_image(kube, "guarded", "registry.example.com/sits:2")
+        wait_for_status(kube, "guarded", lambda s: s.get("phase") == "Paused", what="the canary paused")
+        alerts = {"status": "firing", "alerts": [firing("llm", "guarded")]}
+        assert post_alerts(port, alerts, token=None) == unauthorized
+        assert post_alerts(port, alerts, token=WEBHOOK_TOKEN[:-1] + "X") == unauthorized
+        assert post_alerts(port, alerts, token=WEBHOOK_TOKEN + "X") == unauthorized
+        assert post_alerts(port, alerts, authorization=f"Basic {WEBHOOK_TOKEN}") == unauthorized
+        assert post_alerts(port, alerts, authorization=WEBHOOK_TOKEN) == unauthorized
+        assert post_alerts(port, b"not json", token=None) == unauthorized  # the token is checked first
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/alertmanager", method="POST", data=b"{}")
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=10)
+        assert refused.value.headers["WWW-Authenticate"] == 'Bearer realm="sits-operator"'
+        # Without startsAt nothing is acted on, not even the valid alert before it
+        no_start = {key: value for key, value in firing("llm", "guarded").items() if key != "startsAt"}
+        code, answer = post_alerts(port, {"status": "firing", "alerts": [firing("llm", "guarded"), no_start]})
+        assert (code, answer) == (400, {"error": "alerts[1].startsAt is required: an RFC 3339 timestamp"})
+        bad_start = {**firing("llm", "guarded"), "startsAt": "yesterday"}
+        assert post_alerts(port, {"status": "firing", "alerts": [bad_start]})[0] == 400
+        assert status_of(kube, "guarded")["phase"] == "Paused"
+        # The caller's text reaches the condition and the Event bounded, printable and on one line
+        hostile = firing("llm", "guarded")
+        hostile["labels"]["alertname"] = "Evil\x1b[31mAlert\u202e"
+        hostile["annotations"]["summary"] = "line one\r\nline two\x00\x07" + "\u200b".join("x" * 5000)
+        assert post_alerts(port, {"status": "firing", "alerts": [hostile]}) == (200, {"status": "received"})
+        message = condition(wait_for_status(kube, "guarded", lambda s: s.get("phase") == "RolledBack",
+                                            what="RolledBack"), "RolledBack")["message"]
+        assert message.isprintable()
+        alert_text = message.partition(" rolled back: ")[2]  # "canary <revision> rolled back: <alert text>"
+        assert alert_text.startswith("alert Evil [31mAlert firing: line one line two x x x")
+        assert len(alert_text) == MESSAGE_LIMIT and alert_text.endswith("…")
+        rolled_back = wait_for(lambda: [e for e in events(kube, "guarded") if e["reason"] == "RolledBack"],
+                               what="the RolledBack Event")
+        assert all(len(e["message"]) <= 1024 and e["message"].isprintable() for e in rolled_back)
 
 
 def test_an_operator_restarted_mid_rollout_resumes_where_it_stopped(kube, deployments, run_operator, prometheus):

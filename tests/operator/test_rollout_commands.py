@@ -219,8 +219,10 @@ def test_abort_mid_canary_then_retry_and_promote(kube, deployments, run_operator
         wait_for(lambda: deployment(kube, "manual", "canary")["spec"]["replicas"] == 0, what="canary at 0")
         assert route_weights(kube) == [("manual-stable", 100), ("manual-canary", 0)]
         assert image_of(kube, "manual", "stable").endswith(":1")
-        aborted = [e for e in events(kube, "manual") if e["reason"] == "RolloutAborted"]
-        assert aborted and aborted[0]["type"] == "Warning"
+        # the operator posts Events after it writes the status: wait for them, never read them at once
+        aborted = wait_for(lambda: [e for e in events(kube, "manual") if e["reason"] == "RolloutAborted"],
+                           what="the RolloutAborted Event")
+        assert aborted[0]["type"] == "Warning"
         time.sleep(1.5)  # several more reconciles: still aborted, no new canary
         assert status_of(kube, "manual")["phase"] == "Degraded" and reasons(kube, "manual").count("CanaryStarted") == 1
         assert deployment(kube, "manual", "canary")["spec"]["replicas"] == 0
@@ -230,7 +232,8 @@ def test_abort_mid_canary_then_retry_and_promote(kube, deployments, run_operator
         assert status["currentStep"] == 0 and status["phase"] == "Progressing" and "abortedRevision" not in status
         assert status["canaryStartedAt"] > paused["canaryStartedAt"]
         assert "sits.ai/retry" not in annotations_of(kube, "manual")
-        assert reasons(kube, "manual").count("CanaryStarted") == 2 and "RolloutRetried" in reasons(kube, "manual")
+        wait_for(lambda: reasons(kube, "manual").count("CanaryStarted") == 2 and "RolloutRetried" in reasons(kube, "manual"),
+                 what="the CanaryStarted and RolloutRetried Events of the retry")
         deployments.release("manual-canary")
         wait_for_status(kube, "manual", lambda s: s.get("phase") == "Paused" and s.get("currentStep") == 1,
                         what="the retried canary at its pause")
@@ -257,7 +260,7 @@ def test_promote_full_from_the_first_step(kube, deployments, run_operator):
         assert image_of(kube, "rush", "stable").endswith(":2")
         assert deployment(kube, "rush", "canary")["spec"]["replicas"] == 0
         assert "sits.ai/promote" not in annotations_of(kube, "rush")
-        assert {"PromotedFull", "Promoted"} <= set(reasons(kube, "rush"))
+        wait_for(lambda: {"PromotedFull", "Promoted"} <= set(reasons(kube, "rush")), what="the promotion Events")
 
 
 def test_an_abort_when_healthy_is_removed_with_a_warning(kube, deployments, run_operator):

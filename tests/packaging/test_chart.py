@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import base64
 
 import helm_python
 import kubernetes_validate
 import pytest
 
 from sits.operator.__main__ import add_arguments, config_from_args
+from sits.operator.meta import Owner
+from sits.operator.networking import build_services
+from sits.operator.webhook_auth import BearerToken
 from tests.packaging.chart import (
     CHART_DIR,
     FULL_VALUES,
@@ -56,8 +60,8 @@ def test_every_rendered_built_in_object_is_valid_for_kubernetes_1_30(name):
 
 def test_defaults_render_only_the_operator_and_what_it_needs():
     kinds = sorted(o["kind"] for o in objects())
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "ConfigMap", "Deployment", "Service", "Service",
-                     "ServiceAccount"]
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "ConfigMap", "Deployment", "NetworkPolicy", "Secret",
+                     "Service", "Service", "ServiceAccount"]
 
 
 def test_full_values_render_every_optional_part():
@@ -147,6 +151,10 @@ def test_the_operator_service_monitor_scrapes_the_metrics_service_keeping_the_re
     # rename it exported_namespace and put the operator pod's namespace there, emptying the dashboard
     assert endpoint["honorLabels"] is True
     assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    (runtime_endpoint,) = monitors["sits-sits-operator-runtime"]["spec"]["endpoints"]
+    # the runtime's --metrics-port, as the per-track Services the operator builds name it
+    assert (runtime_endpoint["port"], runtime_endpoint["path"]) == ("metrics", "/metrics")
+    assert "metrics" in {p["name"] for s in build_services(Owner("x", "llm", "uid"))[1:] for p in s["spec"]["ports"]}
     only_operator = objects({**values_of("full"), "serviceMonitor": {"enabled": True, "runtime": False}})
     assert [o["metadata"]["name"] for o in only_operator if o["kind"] == "ServiceMonitor"] == ["sits-sits-operator"]
     assert not [o for o in objects() if o["kind"] == "ServiceMonitor"]
@@ -170,6 +178,9 @@ def test_the_dashboard_config_map_carries_the_sidecar_label_and_the_json():
     ({"serviceMonitor": {"runtime": "yes"}}, "runtime"),
     ({"operator": {"resources": {"requests": {"cpu": "lots"}}}}, "cpu"),
     ({"unknownKey": True}, "unknownKey"),
+    ({"networkPolicy": {"enabled": "yes"}}, "enabled"),
+    ({"networkPolicy": {"prometheus": {"podSelector": {"matchLabel": {}}}}}, "matchLabel"),
+    ({"webhook": {"token": {"existingSecret": "Not_A_Name"}}}, "existingSecret"),
 ])
 def test_the_values_schema_rejects_bad_values(values, message):
     with pytest.raises(helm_python.HelmValuesError, match=message):
@@ -184,3 +195,77 @@ def test_the_values_schema_rejects_bad_values(values, message):
 def test_values_that_cannot_work_fail_the_render_with_a_reason(values, message):
     with pytest.raises(helm_python.HelmError, match=message):
         render(values)
+
+
+def operator_container(objs: list[dict]) -> tuple[dict, dict]:
+    pod = one(objs, "Deployment")["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    return container, pod
+
+
+def token_file_of(container: dict, pod: dict) -> tuple[str, dict]:
+    """The --webhook-token-file path and the Secret volume that puts a file there."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    path = config_from_args(parser.parse_args(container["args"])).webhook_token_file
+    (mount,) = [m for m in container["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
+    assert mount["readOnly"] is True
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    (item,) = volume["secret"]["items"]
+    assert item["path"] == path[len(mount["mountPath"]) + 1:]
+    return path, volume["secret"]
+
+
+def test_the_chart_creates_the_webhook_token_and_mounts_it_where_the_operator_reads_it():
+    objs = objects()
+    container, pod = operator_container(objs)
+    path, secret_volume = token_file_of(container, pod)
+    assert path == "/etc/sits-operator/webhook/token"
+    assert not [arg for arg in container["args"] if "unauthenticated" in arg]  # the webhook always needs it
+    secret = one(objs, "Secret", "-webhook-token")
+    assert secret_volume["secretName"] == secret["metadata"]["name"] == "sits-sits-operator-webhook-token"
+    assert secret_volume["items"][0]["key"] == "token" and secret_volume["defaultMode"] == 0o440
+    token = base64.b64decode(secret["data"]["token"]).decode()
+    assert len(token) == 48 and token.isalnum()
+    assert BearerToken(token=token).accepts(f"Bearer {token}")  # a token the operator takes
+    assert base64.b64decode(one(objects(), "Secret", "-webhook-token")["data"]["token"]).decode() != token  # random
+    notes = render()["sits-operator/templates/NOTES.txt"]
+    assert "authorization:\n                 type: Bearer\n" in notes
+    assert "credentials_file: /etc/alertmanager/secrets/sits-sits-operator-webhook-token/token" in notes
+    assert "get secret sits-sits-operator-webhook-token -o jsonpath='{.data.token}'" in notes
+
+
+def test_an_existing_secret_replaces_the_charts_token():
+    objs = objects({"webhook": {"token": {"existingSecret": "alertmanager-webhook", "key": "bearer"}}})
+    assert not [o for o in objs if o["kind"] == "Secret"]
+    path, secret_volume = token_file_of(*operator_container(objs))
+    assert secret_volume["secretName"] == "alertmanager-webhook"
+    assert secret_volume["items"] == [{"key": "bearer", "path": "token"}] and path.endswith("/token")
+    notes = render({"webhook": {"token": {"existingSecret": "alertmanager-webhook", "key": "bearer"}}})[
+        "sits-operator/templates/NOTES.txt"]
+    assert "credentials_file: /etc/alertmanager/secrets/alertmanager-webhook/bearer" in notes
+
+
+@pytest.mark.parametrize("name", ["default", "full"])
+def test_the_network_policy_admits_alertmanager_to_the_webhook_and_prometheus_to_the_metrics(name):
+    values = chart().merge_values(values_of(name))
+    objs = objects(values_of(name))
+    policy = one(objs, "NetworkPolicy")
+    container, _pod = operator_container(objs)
+    pod_labels = one(objs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]  # egress (API server, Prometheus, Redis) stays open
+    container_ports = {p["name"] for p in container["ports"]}
+    admitted = {}
+    for rule in policy["spec"]["ingress"]:
+        ((port,), (peer,)) = (rule["ports"], rule["from"])
+        assert port["port"] in container_ports and port["protocol"] == "TCP"
+        admitted[port["port"]] = peer
+    network = values["networkPolicy"]
+    assert admitted == {"webhook": network["alertmanager"], "metrics": network["prometheus"]}
+    if name == "default":  # kube-prometheus-stack in `monitoring`
+        assert admitted["webhook"]["podSelector"] == {"matchLabels": {"app.kubernetes.io/name": "alertmanager"}}
+        assert admitted["webhook"]["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}
+    notes = render(values_of(name))["sits-operator/templates/NOTES.txt"]
+    assert "admits only Alertmanager's pods to the webhook port" in notes
+    assert not [o for o in objects({"networkPolicy": {"enabled": False}}) if o["kind"] == "NetworkPolicy"]

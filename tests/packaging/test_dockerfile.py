@@ -20,6 +20,7 @@ from sits.operator.meta import Owner
 from sits.operator.spec import parse_spec
 from sits.operator.workloads import build_pod_template
 from sits.runtime.cli import build_parser
+from tests.operator.helpers import serve_args
 from tests.support.services import python_tool
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -121,7 +122,7 @@ def test_the_operator_pods_arguments_are_a_sits_command_line():
     spec = parse_spec(body["spec"], body["metadata"]["name"])
     template = build_pod_template(Owner("llama3-8b", "llm", "uid"), spec.workload, "canary", "rev")
     args = template["spec"]["containers"][0]["args"]
-    parsed = build_parser().parse_args(args)
+    parsed = build_parser().parse_args(serve_args(args))
     assert parsed.command == "serve" and parsed.track == "canary" and parsed.port == 8000
 
 

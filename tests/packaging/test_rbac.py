@@ -28,7 +28,7 @@ from sits.operator.handlers import register
 from sits.operator.kube import KubeClient
 from sits.operator.meta import API_VERSION, KIND
 from tests.operator.deployment_controller import DeploymentController
-from tests.operator.helpers import sitsdeployment, wait_for, wait_for_status
+from tests.operator.helpers import WEBHOOK_TOKEN, sitsdeployment, wait_for, wait_for_status
 from tests.packaging.api_recorder import ApiCall, RecordingCluster
 from tests.packaging.chart import objects, rbac_rules
 from tests.support.services import free_port
@@ -72,7 +72,8 @@ def post_alert(port: int) -> None:
              "startsAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 1))}
     request = urllib.request.Request(f"http://127.0.0.1:{port}/alertmanager", method="POST",
                                      data=json.dumps({"status": "firing", "alerts": [alert]}).encode(),
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json",
+                                              "Authorization": f"Bearer {WEBHOOK_TOKEN}"})
     with urllib.request.urlopen(request, timeout=10) as response:
         assert response.status == 200
 
@@ -125,6 +126,7 @@ def record_operator(cluster: RecordingCluster, watch_namespace: str | None, peer
         kube.request("POST", "/apis/kopf.dev/v1/clusterkopfpeerings",
                      {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": peering}})
     config = OperatorConfig(namespace=watch_namespace, listen_host="127.0.0.1", webhook_port=free_port(),
+                            webhook_token=WEBHOOK_TOKEN,
                             resync_interval_s=0.3, tenancy_interval_s=0.5, health_port=0, peering=peering)
     registry = kopf.OperatorRegistry()
     register(registry, config)

@@ -47,6 +47,11 @@ app.kubernetes.io/part-of: sits
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
 
+{{/* The Secret holding the webhook's bearer token: the user's existingSecret, or the chart's own. */}}
+{{- define "sits-operator.webhookTokenSecret" -}}
+{{- .Values.webhook.token.existingSecret | default (printf "%s-webhook-token" (include "sits-operator.fullname" .)) -}}
+{{- end -}}
+
 {{/* The Redis URL SitsDeployments should name in spec.tenancy.redis.url ("" when there is none). */}}
 {{- define "sits-operator.redisUrl" -}}
 {{- if .Values.redis.enabled -}}
