@@ -4,20 +4,23 @@
   field of a SitsDeployment with its type, default, validation and description, and the CRD's CEL rules.
 - `docs/reference/helm-values.md` from the chart's `values.schema.json`, with the defaults of its
   `values.yaml` and the comments written there.
+- `docs/reference/cli.md` from the `sits` command line's argparse parsers (`sits.runtime.cli`; building
+  them imports no torch).
 
-Usage (from the repository root; needs only PyYAML, no torch):
+Usage (from the repository root, with the project installed, as in `.venv`):
 
     python docs/gen_reference.py                 # rewrite docs/reference/*.md
     python docs/gen_reference.py --out DIR       # write them into DIR instead
     python docs/gen_reference.py --check         # exit 1, naming the stale pages, when they are not current
 
-`tests/packaging/test_docs.py` runs the check, so a CRD or schema change without its pages fails `make test`.
+`tests/packaging/test_docs.py` runs the check, so a CRD, schema or flag change without its pages fails `make test`.
 """
 
 from __future__ import annotations
 
 import argparse
 import html
+import importlib
 import json
 import re
 import sys
@@ -300,12 +303,73 @@ def _is_leaf_map(path: str, schema: dict[str, Any]) -> bool:
     return "properties" not in node
 
 
+CLI_MODULE = "sits.runtime.cli"
+SHARED_BY = ("serve", "generate", "bench")  # the subcommands that take the engine's flags
+
+
+def cli_reference(parser: argparse.ArgumentParser) -> str:
+    """The command-line reference page (Markdown) of the `sits` parser: each subcommand's flags."""
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    shared = _shared_flags([commands[name] for name in SHARED_BY if name in commands])
+    parts = [HEADER.format(source="the argparse parsers of sits.runtime.commands"),
+             "# Command line\n\n",
+             "`sits COMMAND --help` prints the same. Run `sits` from the project's virtualenv "
+             "(`. .venv/bin/activate`, or `.venv/bin/sits`).\n"]
+    for name, command in commands.items():
+        parts.append(f"\n## sits {name}\n\n{cell(command.description or '')}\n\n")
+        own = [a for a in _documented(command) if _key(a) not in shared]
+        if shared and name in SHARED_BY:
+            parts.append(f"Also takes every [engine flag](#engine-flags-{'-'.join(SHARED_BY)}).\n\n")
+        parts.append(_flag_table(command, own))
+    if shared:
+        first = commands[SHARED_BY[0]]
+        parts.append(f"\n## Engine flags ({', '.join(SHARED_BY)})\n\n"
+                     f"The engine's settings, the same for `sits {'`, `sits '.join(SHARED_BY)}`.\n\n")
+        parts.append(_flag_table(first, [a for a in _documented(first) if _key(a) in shared]))
+    return "".join(parts)
+
+
+def _documented(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    return [a for a in parser._actions if not isinstance(a, argparse._HelpAction) and a.help != argparse.SUPPRESS]
+
+
+def _key(action: argparse.Action) -> tuple[str, str, str]:
+    """What makes a flag the same in two commands: its names, default and help."""
+    return (" ".join(action.option_strings) or action.dest, repr(action.default), action.help or "")
+
+
+def _shared_flags(parsers: list[argparse.ArgumentParser]) -> set[tuple[str, str, str]]:
+    if len(parsers) < 2:
+        return set()
+    keys = [{_key(a) for a in _documented(p)} for p in parsers]
+    return set.intersection(*keys)
+
+
+def _flag_table(parser: argparse.ArgumentParser, actions: list[argparse.Action]) -> str:
+    formatter = parser._get_formatter()
+    lines = ["| flag | default | values | what |", "|---|---|---|---|"]
+    for action in actions:
+        names = ", ".join(action.option_strings) if action.option_strings else action.dest.upper()
+        metavar = action.metavar if isinstance(action.metavar, str) else None
+        takes_value = action.nargs != 0 and not isinstance(action, argparse.BooleanOptionalAction)
+        if action.option_strings and takes_value and not action.choices:
+            names += f" {metavar or action.dest.upper()}"
+        default = "" if action.default in (None, False) or action.default == argparse.SUPPRESS else code(
+            str(action.default))
+        values = ", ".join(code(str(c)) for c in action.choices) if action.choices else ""
+        text = formatter._expand_help(action) if action.help else ""
+        lines.append(f"| {code(names)} | {default} | {values} | {cell(text)} |")
+    return "\n".join(lines) + "\n"
+
+
 def render(crd_path: Path = CRD, schema_path: Path = VALUES_SCHEMA, values_path: Path = VALUES) -> dict[str, str]:
-    """The generated pages by file name: {"sitsdeployment.md": ..., "helm-values.md": ...}."""
+    """The generated pages by file name: {"sitsdeployment.md": ..., "helm-values.md": ..., "cli.md": ...}."""
     crd = yaml.safe_load(crd_path.read_text(encoding="utf-8"))
     schema = json.loads(schema_path.read_text(encoding="utf-8"))
+    build_parser = importlib.import_module(CLI_MODULE).build_parser
     return {"sitsdeployment.md": crd_reference(crd),
-            "helm-values.md": values_reference(schema, values_path.read_text(encoding="utf-8"))}
+            "helm-values.md": values_reference(schema, values_path.read_text(encoding="utf-8")),
+            "cli.md": cli_reference(build_parser())}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -60,7 +60,7 @@ def schema_paths(schema: dict[str, Any], prefix: str = "") -> list[str]:
 def test_the_generated_references_are_current(tmp_path: Path) -> None:
     result = generate("--out", tmp_path)
     assert result.returncode == 0, result.stderr
-    for page in ("sitsdeployment.md", "helm-values.md"):
+    for page in ("sitsdeployment.md", "helm-values.md", "cli.md"):
         fresh = (tmp_path / page).read_text(encoding="utf-8")
         committed = (DOCS / "reference" / page).read_text(encoding="utf-8")
         assert committed == fresh, f"docs/reference/{page} is stale: run python docs/gen_reference.py"
@@ -131,12 +131,25 @@ def test_every_helm_value_has_a_row_with_its_default() -> None:
         assert f"<code>{shown.removesuffix(chr(10) + '...').strip()}</code>" in row, row
 
 
+def test_every_flag_of_every_command_has_a_row() -> None:
+    from sits.runtime.cli import build_parser
+
+    page = html.unescape((DOCS / "reference" / "cli.md").read_text(encoding="utf-8"))
+    commands = next(a for a in build_parser()._actions if hasattr(a, "choices") and isinstance(a.choices, dict))
+    for name, command in commands.choices.items():
+        assert f"## sits {name}" in page
+        for action in command._actions:
+            for flag in action.option_strings:
+                if flag not in ("-h", "--help"):
+                    assert re.search(rf"^\| <code>(\S+, )*{re.escape(flag)}[ ,<]", page, flags=re.M), f"{name} {flag}"
+
+
 def test_the_site_builds_strictly(tmp_path: Path) -> None:
     result = mkdocs_build(ROOT / "mkdocs.yml", tmp_path / "site")
     assert result.returncode == 0, result.stderr
     site = tmp_path / "site"
     for page in ("serving", "parameters", "tenancy", "operator", "canary", "helm", "reliability", "troubleshooting",
-                 "reference/sitsdeployment", "reference/helm-values"):
+                 "reference/sitsdeployment", "reference/helm-values", "reference/cli"):
         assert (site / page / "index.html").is_file(), page
     # the benchmarks page is benchmarks/RESULTS.md, included when the site is built
     first_heading = next(line for line in (ROOT / "benchmarks" / "RESULTS.md").read_text().splitlines()
