@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import io
 import logging
+import os
+import pty
+import struct
+import subprocess
+import sys
+import termios
 
 import pytest
 
@@ -74,3 +82,25 @@ def test_loading_a_model_with_stderr_in_a_file_writes_plain_lines(tiny_llama_dir
     lines = progress_lines(caplog)
     assert len(lines) == 3 and all(line.startswith("Loading ") and " tensors (" in line for line in lines)
     assert "\r" not in capfd.readouterr().err
+
+
+def test_sits_generate_shows_load_progress_on_a_terminal_and_keeps_stdout_clean(tiny_llama_dir):
+    """stderr on a pseudo-terminal, stdout a pipe: the bar goes to the terminal, only the answer to stdout."""
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a terminal's size: tqdm draws to it
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "sits.runtime", "generate", "Hello", "--model", str(tiny_llama_dir),
+             "--device", "cpu", "--max-tokens", "2", "--max-model-len", "64", "--kv-cache-gb", "0.01"],
+            stdout=subprocess.PIPE, stderr=follower, stdin=subprocess.DEVNULL)
+        os.close(follower)
+        terminal = b""
+        with contextlib.suppress(OSError):  # EIO once the child closed its end
+            while chunk := os.read(leader, 4096):
+                terminal += chunk
+        stdout, _ = process.communicate(timeout=120)
+    finally:
+        os.close(leader)
+    assert process.returncode == 0, terminal.decode(errors="replace")
+    assert b"Loading " in terminal and b"tensor" in terminal
+    assert b"Loading" not in stdout and stdout.strip()
