@@ -308,29 +308,50 @@ SHARED_BY = ("serve", "generate", "bench")  # the subcommands that take the engi
 
 
 def cli_reference(parser: argparse.ArgumentParser) -> str:
-    """The command-line reference page (Markdown) of the `sits` parser: each subcommand's flags."""
-    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
-    shared = _shared_flags([commands[name] for name in SHARED_BY if name in commands])
+    """The command-line reference page (Markdown) of the `sits` parser: each (sub)command's flags."""
+    commands = dict(_commands(parser, parser.prog))
+    shared = _shared_flags([commands[f"{parser.prog} {name}"] for name in SHARED_BY
+                            if f"{parser.prog} {name}" in commands])
+    anchor = "engine-flags-" + "-".join(SHARED_BY)
     parts = [HEADER.format(source="the argparse parsers of sits.runtime.commands"),
              "# Command line\n\n",
-             "`sits COMMAND --help` prints the same. Run `sits` from the project's virtualenv "
-             "(`. .venv/bin/activate`, or `.venv/bin/sits`).\n"]
+             f"`{parser.prog} COMMAND --help` prints the same. Run `{parser.prog}` from the project's virtualenv "
+             f"(`. .venv/bin/activate`, or `.venv/bin/{parser.prog}`).\n"]
     for name, command in commands.items():
-        parts.append(f"\n## sits {name}\n\n{cell(command.description or '')}\n\n")
+        parts.append(f"\n## {name}\n\n{cell(command.description or '')}\n\n")
+        nested = [f"`{name} {sub}`" for sub in _subcommands(command)]
+        if nested:
+            parts.append(f"Subcommands: {', '.join(nested)}.\n\n")
         own = [a for a in _documented(command) if _key(a) not in shared]
-        if shared and name in SHARED_BY:
-            parts.append(f"Also takes every [engine flag](#engine-flags-{'-'.join(SHARED_BY)}).\n\n")
-        parts.append(_flag_table(command, own))
+        if shared and any(_key(a) in shared for a in _documented(command)):
+            parts.append(f"Also takes every [engine flag](#{anchor}).\n\n")
+        if own:
+            parts.append(_flag_table(command, own))
     if shared:
-        first = commands[SHARED_BY[0]]
+        first = commands[f"{parser.prog} {SHARED_BY[0]}"]
         parts.append(f"\n## Engine flags ({', '.join(SHARED_BY)})\n\n"
                      f"The engine's settings, the same for `sits {'`, `sits '.join(SHARED_BY)}`.\n\n")
         parts.append(_flag_table(first, [a for a in _documented(first) if _key(a) in shared]))
     return "".join(parts)
 
 
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    found = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+    return dict(found.choices) if found is not None else {}
+
+
+def _commands(parser: argparse.ArgumentParser, prefix: str) -> list[tuple[str, argparse.ArgumentParser]]:
+    """Every (sub)command under parser, depth first, by its full name ("sits bench serve")."""
+    found: list[tuple[str, argparse.ArgumentParser]] = []
+    for name, command in _subcommands(parser).items():
+        found.append((f"{prefix} {name}", command))
+        found += _commands(command, f"{prefix} {name}")
+    return found
+
+
 def _documented(parser: argparse.ArgumentParser) -> list[argparse.Action]:
-    return [a for a in parser._actions if not isinstance(a, argparse._HelpAction) and a.help != argparse.SUPPRESS]
+    return [a for a in parser._actions if a.help != argparse.SUPPRESS
+            and not isinstance(a, argparse._HelpAction | argparse._SubParsersAction)]
 
 
 def _key(action: argparse.Action) -> tuple[str, str, str]:

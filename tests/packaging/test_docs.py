@@ -3,7 +3,9 @@ without the pages written elsewhere, and the README's links lead somewhere."""
 
 from __future__ import annotations
 
+import argparse
 import html
+import importlib.util
 import json
 import os
 import re
@@ -135,13 +137,42 @@ def test_every_flag_of_every_command_has_a_row() -> None:
     from sits.runtime.cli import build_parser
 
     page = html.unescape((DOCS / "reference" / "cli.md").read_text(encoding="utf-8"))
-    commands = next(a for a in build_parser()._actions if hasattr(a, "choices") and isinstance(a.choices, dict))
-    for name, command in commands.choices.items():
-        assert f"## sits {name}" in page
-        for action in command._actions:
+
+    def check(parser: argparse.ArgumentParser, name: str) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub, command in action.choices.items():
+                    assert f"## {name} {sub}" in page
+                    check(command, f"{name} {sub}")
             for flag in action.option_strings:
                 if flag not in ("-h", "--help"):
                     assert re.search(rf"^\| <code>(\S+, )*{re.escape(flag)}[ ,<]", page, flags=re.M), f"{name} {flag}"
+
+    check(build_parser(), "sits")
+
+
+def test_nested_subcommands_get_their_own_section_and_engine_flags_are_listed_once() -> None:
+    spec = importlib.util.spec_from_file_location("gen_reference", GENERATOR)
+    assert spec is not None and spec.loader is not None
+    generator = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = generator  # dataclasses look their module up
+    try:
+        spec.loader.exec_module(generator)
+    finally:
+        del sys.modules[spec.name]
+    parser = argparse.ArgumentParser(prog="sits")
+    commands = parser.add_subparsers()
+    for name in ("serve", "generate", "bench"):
+        command = commands.add_parser(name, description=f"{name} things")
+        command.add_argument("--max-num-seqs", type=int, default=None, help="sequences running at once")
+    online = commands.choices["bench"].add_subparsers(dest="mode").add_parser("serve", description="Online.")
+    online.add_argument("--request-rate", type=float, default=float("inf"), help="requests per second")
+
+    page = html.unescape(generator.cli_reference(parser))
+    assert "## sits bench serve\n\nOnline." in page and "Subcommands: `sits bench serve`." in page
+    assert "| <code>--request-rate REQUEST_RATE</code> | <code>inf</code> |  | requests per second |" in page
+    assert page.count("| <code>--max-num-seqs MAX_NUM_SEQS</code> |") == 1
+    assert page.count("Also takes every [engine flag](#engine-flags-serve-generate-bench)") == 3
 
 
 def test_the_site_builds_strictly(tmp_path: Path) -> None:
