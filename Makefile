@@ -15,7 +15,7 @@ SERVE_ARGS  ?=
 # PYTHONSAFEPATH (Python 3.11+) keeps the current directory off sys.path.
 export PYTHONSAFEPATH := 1
 
-.PHONY: setup serve test lint services clean
+.PHONY: setup serve test lint services docs clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,10 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	@mkdir -p .cache/mypy/sits && for part in runtime operator kernels; do ln -sfn ../../../$$part .cache/mypy/sits/$$part; done
 	$(VENV)/bin/mypy
+
+# The documentation site (mkdocs.yml, docs/) into .cache/site; `make test` builds it too (tests/packaging/test_docs.py)
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
 test: setup services lint
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest $(PYTEST_ARGS)

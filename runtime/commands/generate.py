@@ -87,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
         return fail(PROG, str(error))
     from sits.runtime.commands.loading import load_engine
 
-    engine = load_engine(config, PROG, progress=False)
+    # a bar on a terminal while the model loads; in a pipe the progress lines are INFO, below the default level
+    engine = load_engine(config, PROG, progress=True)
     if isinstance(engine, int):
         return engine
     try:

@@ -21,12 +21,12 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from tqdm.auto import tqdm
 
 from sits.runtime.models.errors import ModelLoadError
 from sits.runtime.models.gguf_checkpoint import GGUFCheckpoint, GGUFError
 from sits.runtime.models.gguf_quants import UnsupportedQuantizationError
 from sits.runtime.models.gguf_tokenizer import GGUFTokenizerError, build_tokenizer
+from sits.runtime.models.progress import LoadProgress
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +74,7 @@ def cached_checkpoint_dir(gguf_path: str | Path, *, progress: bool = True) -> Pa
     target.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{stem}-", dir=target.parent))
     try:
+        logger.info("converting %s once into %s (later starts read it from there)", gguf_path.name, target)
         convert_gguf(gguf_path, scratch, progress=progress)
         os.chmod(scratch, 0o755)  # mkdtemp makes it private; the cache is shared like ~/.cache/huggingface
         try:
@@ -126,7 +127,7 @@ def _write_weights(checkpoint: GGUFCheckpoint, out_dir: Path, label: str, progre
         weight_map.update(dict.fromkeys(shard, file_name))
 
     total = len(checkpoint.reader.tensors)
-    with tqdm(total=total, desc=f"Converting {label}", unit="tensor", disable=not progress, leave=False) as bar:
+    with LoadProgress(total, f"Converting {label}", "tensor", enabled=progress) as bar:
         for name, tensor in checkpoint.iter_hf_tensors():
             size = tensor.numel() * tensor.element_size()
             if shard and shard_bytes + size > SHARD_BYTES:

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from sits.runtime.attention.backend import AttentionBackend
 from sits.runtime.config import ModelConfig, read_chat_template
@@ -31,6 +30,7 @@ from sits.runtime.models.hf_checkpoint import (
     safetensors_files,
 )
 from sits.runtime.models.llama import LlamaForCausalLM
+from sits.runtime.models.progress import LoadProgress
 from sits.runtime.models.tokenizer import Tokenizer
 
 __all__ = ["LoadedModel", "ModelLoadError", "build_random_model", "load_model", "read_model_config",
@@ -130,7 +130,7 @@ def load_model(model_config: ModelConfig, backend: AttentionBackend, *, progress
                            max_positions, config.max_position_embeddings)
         model = _empty_model(config, backend, device, dtype, max_positions)
         total = count_tensors(files)
-        with tqdm(total=total, desc=f"Loading {name}", unit="tensor", disable=not progress, leave=False) as bar:
+        with LoadProgress(total, f"Loading {name}", "tensor", enabled=progress) as bar:
             model.load_weights(_counted(iter_safetensors(files), bar))
     except (CheckpointError, UnsupportedModelError) as exc:
         raise ModelLoadError(f"cannot load {source}: {exc}") from exc
