@@ -18,6 +18,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 QUANTIZATIONS = ("none", "fp8", "int8")
+LOAD_FORMATS = ("auto", "dummy")
 
 
 class ConfigError(ValueError):
@@ -39,6 +40,10 @@ class ModelConfig:
         seed: seed for random weights and for requests that give none.
         chat_template: `--chat-template`: a jinja2 file, or the template text itself, that replaces
             the model's own chat template (read with `read_chat_template`); None keeps the model's.
+        load_format: "auto" reads the checkpoint `model` names; "dummy" (vLLM's name) builds seeded
+            random weights of the named shape `config_name` with the token-id tokenizer, no checkpoint.
+        config_name: `--config`: a shape of `sits.runtime.models.presets` (e.g. "llama-3-8b"); only
+            with load_format "dummy".
     """
 
     model: str | None = None
@@ -49,10 +54,13 @@ class ModelConfig:
     quantization: str = "none"
     seed: int = 0
     chat_template: str | None = None
+    load_format: str = "auto"
+    config_name: str | None = None
 
     def validate(self) -> None:
         if self.chat_template is not None:
             read_chat_template(self.chat_template)
+        self._validate_load_format()
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.device not in DEVICES:
@@ -61,6 +69,22 @@ class ModelConfig:
             raise ConfigError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"--max-model-len must be positive, got {self.max_model_len}")
+
+    def _validate_load_format(self) -> None:
+        if self.load_format not in LOAD_FORMATS:
+            raise ConfigError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
+        if self.load_format == "dummy":
+            if self.config_name is None:
+                raise ConfigError("--load-format dummy needs --config NAME (the model shape of the random weights)")
+            if self.model is not None:
+                raise ConfigError("--model and --load-format dummy cannot be used together: dummy weights have "
+                                  "the shape --config names, no checkpoint")
+            from sits.runtime.models.presets import PRESETS
+
+            if self.config_name not in PRESETS:
+                raise ConfigError(f"--config: unknown model config {self.config_name!r}; known: {', '.join(PRESETS)}")
+        elif self.config_name is not None:
+            raise ConfigError("--config NAME needs --load-format dummy (random weights of that shape)")
 
 
 # A value with none of these characters is meant as a file name (vLLM's rule for --chat-template).

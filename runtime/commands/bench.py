@@ -39,8 +39,6 @@ logger = logging.getLogger("sits.bench")
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     bench = parser.add_argument_group("benchmark")
-    bench.add_argument("--config", default=None, metavar="NAME",
-                       help="a named model shape with seeded random weights (e.g. llama-3-8b) instead of --model")
     bench.add_argument("--batch", type=int, default=32, help="prompts submitted at once")
     bench.add_argument("--input-len", type=int, default=2048, help="tokens per prompt")
     bench.add_argument("--output-len", type=int, default=512, help="tokens generated per prompt")
@@ -77,6 +75,8 @@ def _check_args(args: argparse.Namespace) -> None:
 def build_config(args: argparse.Namespace):
     """The EngineConfig of the run: the batch's context as max_model_len, max_num_seqs = batch by default."""
     _check_args(args)
+    if args.config is not None and args.load_format is None:
+        args.load_format = "dummy"  # offline, a named shape always means random weights
     if args.max_model_len is None:
         args.max_model_len = args.input_len + args.output_len
     if args.max_num_seqs is None:

@@ -15,6 +15,7 @@ import sys
 from sits.runtime.config import (
     ATTENTION_BACKENDS,
     DTYPES,
+    LOAD_FORMATS,
     QUANTIZATIONS,
     CacheConfig,
     ConfigError,
@@ -34,6 +35,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--model", default=None, metavar="PATH|URI",
                        help="HF directory, .gguf file or hf://org/name[@revision] "
                             "(default: the embedded SmolLM2-135M-Instruct)")
+    model.add_argument("--load-format", default=None, choices=LOAD_FORMATS,
+                       help="auto: read the checkpoint --model names; dummy: seeded random weights of the shape "
+                            "--config names, served with the token-id tokenizer (prompts and outputs are token "
+                            "ids written as text, '17 42 9'); no checkpoint is read (default: auto)")
+    model.add_argument("--config", default=None, metavar="NAME", dest="config",
+                       help="a named model shape for --load-format dummy (llama-3-8b, llama-3.1-8b, llama-2-7b, "
+                            "smollm2-135m, tiny)")
     model.add_argument("--served-model-name", default=None, help="the OpenAI model id (default: the model's name)")
     model.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: float32 on CPU, bfloat16 on CUDA")
     model.add_argument("--device", default="auto", help="auto, cpu or cuda (auto: cuda when available)")
@@ -135,7 +143,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     config = EngineConfig(
         model=ModelConfig(model=args.model, served_model_name=args.served_model_name, dtype=args.dtype,
                           device=args.device, max_model_len=args.max_model_len, quantization=args.quantization,
-                          seed=args.seed),
+                          seed=args.seed, load_format=getattr(args, "load_format", None) or "auto",
+                          config_name=getattr(args, "config", None)),
         cache=CacheConfig(block_size=args.block_size, kv_cache_gb=args.kv_cache_gb,
                           gpu_memory_utilization=args.gpu_memory_utilization, num_blocks=args.num_blocks,
                           enable_prefix_caching=args.enable_prefix_caching),
