@@ -2,6 +2,7 @@
 
     sits bench --config llama-3-8b --batch 32 --input-len 2048 --output-len 512
     sits bench --model /models/llama-3-8b --quantization fp8 --peer none
+    sits bench serve --launch "--load-format dummy --config tiny"   (online: see bench_serve.py)
 
 The batch is `batch` prompts of random token ids (seeded), submitted at once; every sequence
 generates exactly output_len tokens (greedy, EOS ignored). A named config gets seeded random weights;
@@ -57,6 +58,13 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                                    description="Offline throughput of one batch, beside HF transformers.")
     add_bench_arguments(parser)
     parser.set_defaults(handler=run)
+    from sits.runtime.cli import OneLineErrorParser
+    from sits.runtime.commands import bench_serve
+
+    modes = parser.add_subparsers(dest="bench_mode", metavar="MODE", parser_class=OneLineErrorParser,
+                                  help="serve: online benchmark of an OpenAI-compatible server (without MODE: "
+                                       "offline, as above)")
+    bench_serve.register(modes)
     return parser
 
 
