@@ -165,17 +165,33 @@ class SchedulerConfig:
         max_num_seqs: sequences running at once.
         max_num_batched_tokens: new tokens per step (prefill chunks + decodes).
         enable_chunked_prefill: split long prompts across steps, mixed with decodes.
+        max_prefill_tokens_with_decodes: the decodes' latency budget: in a step that runs decodes,
+            prompt tokens (prefill chunks of running and newly admitted sequences together) are
+            capped at this many, so a long prompt is chunked instead of stalling every decode of
+            the step; a step without decodes still takes max_num_batched_tokens. 0: no cap. Needs
+            chunked prefill (without it a prompt is never split, so the cap does not apply).
     """
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    max_prefill_tokens_with_decodes: int = 0
 
     def validate(self) -> None:
         if self.max_num_seqs < 1:
             raise ConfigError(f"--max-num-seqs must be positive, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ConfigError(f"--max-num-batched-tokens must be positive, got {self.max_num_batched_tokens}")
+        if self.max_prefill_tokens_with_decodes < 0:
+            raise ConfigError("--max-prefill-tokens-with-decodes must be >= 0 (0: no cap), got "
+                              f"{self.max_prefill_tokens_with_decodes}")
+
+    @property
+    def prefill_cap_with_decodes(self) -> int | None:
+        """Prompt tokens a step with decodes may schedule, None when uncapped."""
+        if not self.enable_chunked_prefill or self.max_prefill_tokens_with_decodes == 0:
+            return None
+        return self.max_prefill_tokens_with_decodes
 
 
 SPECULATIVE_METHODS = ("ngram",)

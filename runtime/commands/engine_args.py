@@ -28,6 +28,7 @@ from sits.runtime.lora.config import RUNTIME_UPDATING_ENV, LoraConfig, LoraConfi
 from sits.runtime.parallel.cli_args import add_parallel_arguments, parallel_config_from_args
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+logger = logging.getLogger("sits.engine_args")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,6 +63,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--num-blocks", type=int, default=None, help="exact KV block count (overrides budgets)")
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse KV blocks of earlier prompts")
+    engine.add_argument("--max-prefill-tokens-with-decodes", type=int, default=None, metavar="N",
+                        help="latency budget of running decodes: a step that runs decodes adds at most N prompt "
+                             "tokens (longer prompts are chunked across steps); 0: no cap (default: from the GPU, "
+                             "1024 on H200/H100, 512 on other GPUs; 0 on CPU)")
     engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                         help="split long prompts across steps")
     engine.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
@@ -152,7 +157,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_num_seqs=args.max_num_seqs if args.max_num_seqs is not None else defaults["max_num_seqs"],
             max_num_batched_tokens=(args.max_num_batched_tokens if args.max_num_batched_tokens is not None
                                     else defaults["max_num_batched_tokens"]),
-            enable_chunked_prefill=args.enable_chunked_prefill),
+            enable_chunked_prefill=args.enable_chunked_prefill,
+            max_prefill_tokens_with_decodes=_prefill_cap(args, chosen)),
         parallel=parallel_config_from_args(args),
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
@@ -163,7 +169,26 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         speculative=_speculative_config(getattr(args, "speculative_config", None)),
     )
     config.validate()
+    _log_prefill_cap(args, config.scheduler, chosen.reason)
     return config
+
+
+def _prefill_cap(args: argparse.Namespace, chosen) -> int:
+    """--max-prefill-tokens-with-decodes, else the device's default (the decodes' latency budget)."""
+    flagged = getattr(args, "max_prefill_tokens_with_decodes", None)
+    return flagged if flagged is not None else chosen.max_prefill_tokens_with_decodes
+
+
+def _log_prefill_cap(args: argparse.Namespace, config: SchedulerConfig, reason: str) -> None:
+    """One line at startup: the decodes' latency budget and where it came from."""
+    flagged = getattr(args, "max_prefill_tokens_with_decodes", None) is not None
+    origin = "--max-prefill-tokens-with-decodes" if flagged else f"default for {reason}"
+    cap = config.max_prefill_tokens_with_decodes
+    if config.prefill_cap_with_decodes is None and cap:
+        logger.info("decode latency budget: off (needs chunked prefill; %s %d ignored)", origin, cap)
+    else:
+        logger.info("decode latency budget: %s (%s)", f"at most {cap} prompt tokens per step beside decodes"
+                    if cap else "off, prompts may fill the step's max_num_batched_tokens", origin)
 
 
 def _speculative_config(value: str | None) -> SpeculativeConfig | None:
