@@ -54,7 +54,7 @@ class TokenIdTokenizer:
         try:
             ids = [int(part) for part in text.split()]
         except ValueError:
-            raise InvalidRequestError("this server has dummy weights and no vocabulary: a text prompt must be token "
+            raise InvalidRequestError("the model has dummy weights and no vocabulary: a text prompt must be token "
                                       f"ids separated by spaces, such as '17 42 9'; got {text[:40]!r}") from None
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
         if bad:
@@ -102,7 +102,7 @@ class TokenIdTokenizer:
                 content = " ".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
             text = content if isinstance(content, str) else ""
             if not all(part.isdigit() for part in text.split()):
-                raise ChatTemplateError(f"this server has dummy weights and no vocabulary: message {index}'s "
+                raise ChatTemplateError(f"the model has dummy weights and no vocabulary: message {index}'s "
                                         "content must be token ids separated by spaces, such as '17 42 9'")
             texts.append(text.strip())
         return " ".join(text for text in texts if text)
