@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import signal
+import subprocess
 import sys
 import time
 import uuid
@@ -158,14 +160,6 @@ def test_prefix_repetition_hits_each_tenants_prefix_at_a_poisson_rate(dummy_serv
     assert figures["prefix_cache_hit_rate"] > 0.5  # 10 of 12 prompts find their tenant's 64 tokens cached
 
 
-def test_launch_starts_a_server_and_leaves_no_process(tmp_path):
-    marker = f"launched-{uuid.uuid4().hex[:8]}"
-    result = bench(tmp_path, "--launch", f"--load-format dummy --config tiny --served-model-name {marker}",
-                   "--num-prompts", "4", "--random-input-len", "8", "--random-output-len", "3")
-    assert result["setup"]["model"] == marker and result["results"]["completed"] == 4
-    assert not [p for p in Path("/proc").glob("[0-9]*") if marker in _cmdline(p)]
-
-
 def test_a_launched_server_that_cannot_start_is_a_one_line_error_and_leaves_no_process(capsys):
     marker = f"broken-{uuid.uuid4().hex[:8]}"
     assert cli.main(["bench", "serve", "--launch", f"--load-format dummy --served-model-name {marker}",
@@ -206,11 +200,34 @@ def test_percentiles_and_goodput_parsing_follow_vllm():
     assert record.tpot_s == pytest.approx(0.2) and record.itl_s == pytest.approx([0.4, 0.4])
 
 
-def test_text_prompts_against_the_embedded_model_count_the_servers_tokens(tmp_path):
-    result = bench(tmp_path, "--launch", "--max-model-len 256 --num-blocks 64 --max-num-seqs 4", "--prompt-format",
-                   "text", "--num-prompts", "3", "--random-input-len", "16", "--random-output-len", "4")
+def test_launch_serves_text_prompts_on_the_embedded_model_and_leaves_no_process(tmp_path):
+    marker = f"launched-{uuid.uuid4().hex[:8]}"
+    result = bench(tmp_path, "--launch", f"--max-model-len 256 --num-blocks 64 --max-num-seqs 4 --served-model-name "
+                   f"{marker}", "--prompt-format", "text", "--num-prompts", "3", "--random-input-len", "16",
+                   "--random-output-len", "4")
     figures = result["results"]
-    assert result["setup"]["model"] == "SmolLM2-135M-Instruct" and figures["completed"] == 3
+    assert result["setup"]["model"] == marker and figures["completed"] == 3
     assert all(r["output_tokens"] == 4 for r in result["requests"])
     # words of the list are mostly one token each; the figure is the server's own count (usage)
     assert all(12 <= r["prompt_tokens"] <= 40 for r in result["requests"])
+    assert not [p for p in Path("/proc").glob("[0-9]*") if marker in _cmdline(p)]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_interrupting_a_launched_run_stops_its_server(signum):
+    marker = f"interrupted-{uuid.uuid4().hex[:8]}"
+    argv = [sys.executable, "-m", "sits.runtime.cli", "bench", "serve", "--launch",
+            f"--load-format dummy --config tiny --served-model-name {marker}", "--num-prompts", "100",
+            "--max-concurrency", "2", "--random-input-len", "8", "--random-output-len", "32", "--no-progress"]
+    bench_process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        first = bench_process.stderr.readline()  # the first progress line: the load is running
+        assert "requests done" in first, first
+        assert [p for p in Path("/proc").glob("[0-9]*") if marker in _cmdline(p)]
+        bench_process.send_signal(signum)
+        assert bench_process.wait(timeout=120) in (130, 128 + signum)
+    finally:
+        if bench_process.poll() is None:
+            bench_process.kill()
+            bench_process.wait()
+    assert not [p for p in Path("/proc").glob("[0-9]*") if marker in _cmdline(p)]
