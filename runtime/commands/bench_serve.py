@@ -172,8 +172,9 @@ class Progress:
             self._bar.close()
 
 
-async def benchmark(args: argparse.Namespace, base_url: str, slos: dict[str, float]) -> dict[str, Any]:
-    """Run the load against base_url; print the table, write --json; the report."""
+async def benchmark(args: argparse.Namespace, base_url: str, slos: dict[str, float], requests: list[BenchRequest],
+                    tenants: list[Tenant]) -> dict[str, Any]:
+    """Send `requests` to base_url as the flags say; print the table, write --json; the report."""
     from sits.runtime.commands import bench_serve_client as client
     from sits.runtime.commands.bench_serve_metrics import (
         compute_report,
@@ -182,7 +183,6 @@ async def benchmark(args: argparse.Namespace, base_url: str, slos: dict[str, flo
         to_json,
     )
 
-    requests, tenants = build_requests(args)
     key = args.api_key or (tenants[0].api_key if tenants else "")
     model = args.model or await client.served_model(base_url, key)
     target = Target(base_url=base_url, endpoint=args.endpoint, model=model, api_key=args.api_key,
@@ -221,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         slos = check_args(args)
-        build_requests(args)  # a bad --tenants-file fails before a server starts
+        requests, tenants = build_requests(args)  # a bad --tenants-file fails before a server starts
     except (BenchArgsError, ValueError) as error:
         return fail(PROG, str(error))
     previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
@@ -229,12 +229,12 @@ def run(args: argparse.Namespace) -> int:
         extra = {}
         if args.launch is not None and args.dataset_name == "prefix-repetition" and args.tenants_file is None \
                 and "--tenants" not in args.launch:
-            from sits.runtime.commands.bench_serve_dataset import generated_tenants, tenants_yaml
+            from sits.runtime.commands.bench_serve_dataset import tenants_yaml
 
-            extra["--tenants"] = tenants_yaml(generated_tenants(args.num_tenants))
+            extra["--tenants"] = tenants_yaml(tenants)
         server = launched(args.launch, extra) if args.launch is not None else nullcontext(args.base_url or DEFAULT_URL)
         with server as base_url:
-            asyncio.run(benchmark(args, base_url.rstrip("/"), slos))
+            asyncio.run(benchmark(args, base_url.rstrip("/"), slos, requests, tenants))
     except (LaunchError, RuntimeError) as error:
         return fail(PROG, str(error))
     except KeyboardInterrupt:

@@ -231,3 +231,20 @@ def test_interrupting_a_launched_run_stops_its_server(signum):
             bench_process.kill()
             bench_process.wait()
     assert not [p for p in Path("/proc").glob("[0-9]*") if marker in _cmdline(p)]
+
+
+def test_tenants_from_a_file_send_their_own_keys_to_a_server_that_checks_them(tmp_path):
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text("tenants:\n  - {name: alpha, apiKey: sk-alpha, kvCacheShare: 0.4}\n"
+                       "  - {name: beta, apiKey: sk-beta, kvCacheShare: 0.4}\n")
+    result = bench(tmp_path, "--launch", f"--load-format dummy --config tiny --tenants {tenants}",
+                   "--dataset-name", "prefix-repetition", "--tenants-file", str(tenants), "--prefix-len", "32",
+                   "--num-prompts", "6", "--random-input-len", "8", "--random-output-len", "3")
+    assert result["results"]["completed"] == 6  # every key was accepted: each request carried its tenant's
+    assert [r["tenant"] for r in result["requests"]] == ["alpha", "beta"] * 3
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text("tenants:\n  - {name: alpha, apiKey: sk-not-alpha}\n")
+    result = bench(tmp_path, "--launch", f"--load-format dummy --config tiny --tenants {tenants}",
+                   "--dataset-name", "prefix-repetition", "--tenants-file", str(wrong), "--model", "tiny",
+                   "--num-prompts", "3", "--random-input-len", "8", "--random-output-len", "3")
+    assert result["results"]["failed_by_status"] == {"401": 3}
