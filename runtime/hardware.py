@@ -122,6 +122,7 @@ def engine_defaults(profile: GpuProfile | None) -> EngineDefaults:
 def log_defaults(defaults: EngineDefaults, overridden: dict[str, object]) -> None:
     """One info line: the chosen limits, which flags overrode them, and why."""
     chosen = (f"max_num_batched_tokens {defaults.max_num_batched_tokens}, max_num_seqs {defaults.max_num_seqs}, "
-              f"CUDA graphs up to batch {defaults.cuda_graph_max_batch_size}")
+              f"CUDA graphs up to batch {defaults.cuda_graph_max_batch_size}, max_prefill_tokens_with_decodes "
+              f"{defaults.max_prefill_tokens_with_decodes}")
     flags = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in overridden.items() if v is not None)
     logger.info("hardware defaults for %s: %s%s", defaults.reason, chosen, f" (overridden: {flags})" if flags else "")

@@ -28,7 +28,6 @@ from sits.runtime.lora.config import RUNTIME_UPDATING_ENV, LoraConfig, LoraConfi
 from sits.runtime.parallel.cli_args import add_parallel_arguments, parallel_config_from_args
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
-logger = logging.getLogger("sits.engine_args")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -144,7 +143,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     graph_max = getattr(args, "cuda_graph_max_batch_size", None)
     if chosen is not CPU_DEFAULTS:
         log_defaults(chosen, {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-                              "cuda_graph_max_batch_size": graph_max})
+                              "cuda_graph_max_batch_size": graph_max,
+                              "max_prefill_tokens_with_decodes": getattr(args, "max_prefill_tokens_with_decodes",
+                                                                         None)})
     config = EngineConfig(
         model=ModelConfig(model=args.model, served_model_name=args.served_model_name, dtype=args.dtype,
                           device=args.device, max_model_len=args.max_model_len, quantization=args.quantization,
@@ -169,7 +170,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         speculative=_speculative_config(getattr(args, "speculative_config", None)),
     )
     config.validate()
-    _log_prefill_cap(args, config.scheduler, chosen.reason)
     return config
 
 
@@ -177,18 +177,6 @@ def _prefill_cap(args: argparse.Namespace, chosen) -> int:
     """--max-prefill-tokens-with-decodes, else the device's default (the decodes' latency budget)."""
     flagged = getattr(args, "max_prefill_tokens_with_decodes", None)
     return flagged if flagged is not None else chosen.max_prefill_tokens_with_decodes
-
-
-def _log_prefill_cap(args: argparse.Namespace, config: SchedulerConfig, reason: str) -> None:
-    """One line at startup: the decodes' latency budget and where it came from."""
-    flagged = getattr(args, "max_prefill_tokens_with_decodes", None) is not None
-    origin = "--max-prefill-tokens-with-decodes" if flagged else f"default for {reason}"
-    cap = config.max_prefill_tokens_with_decodes
-    if config.prefill_cap_with_decodes is None and cap:
-        logger.info("decode latency budget: off (needs chunked prefill; %s %d ignored)", origin, cap)
-    else:
-        logger.info("decode latency budget: %s (%s)", f"at most {cap} prompt tokens per step beside decodes"
-                    if cap else "off, prompts may fill the step's max_num_batched_tokens", origin)
 
 
 def _speculative_config(value: str | None) -> SpeculativeConfig | None:

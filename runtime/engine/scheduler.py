@@ -27,6 +27,7 @@ output (EOS, a stop token or string) costs that one scheduled token's compute, n
 from __future__ import annotations
 
 import bisect
+import logging
 from collections import Counter
 from collections.abc import Iterable
 
@@ -49,6 +50,8 @@ from sits.runtime.engine.scheduling_policy import (
 from sits.runtime.engine.sequence import PENDING_TOKEN_ID, Sequence, SequenceStatus
 from sits.runtime.engine.speculative import Speculator
 from sits.runtime.engine.stats import SchedulerStats
+
+logger = logging.getLogger(__name__)
 
 
 class Scheduler(SchedulerInterface):
@@ -90,6 +93,9 @@ class Scheduler(SchedulerInterface):
         self.num_preemptions = 0
         self.preemptions_by_tenant: Counter[str] = Counter()
         self.speculator = Speculator(speculative, max_model_len) if speculative is not None else None
+        cap = config.prefill_cap_with_decodes
+        logger.info("decode latency budget: %s", f"at most {cap} prompt tokens per step beside decodes" if cap else
+                    "off (prompts may fill a step's max_num_batched_tokens; --max-prefill-tokens-with-decodes sets one)")
 
     # -- requests in and out ---------------------------------------------------------------
     def add_request(self, seq: Sequence) -> None:
