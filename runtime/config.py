@@ -18,6 +18,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 QUANTIZATIONS = ("none", "fp8", "int8")
+LOAD_FORMATS = ("auto", "dummy")
 
 
 class ConfigError(ValueError):
@@ -39,6 +40,10 @@ class ModelConfig:
         seed: seed for random weights and for requests that give none.
         chat_template: `--chat-template`: a jinja2 file, or the template text itself, that replaces
             the model's own chat template (read with `read_chat_template`); None keeps the model's.
+        load_format: "auto" reads the checkpoint `model` names; "dummy" (vLLM's name) builds seeded
+            random weights of the named shape `config_name` with the token-id tokenizer, no checkpoint.
+        config_name: `--config`: a shape of `sits.runtime.models.presets` (e.g. "llama-3-8b"); only
+            with load_format "dummy".
     """
 
     model: str | None = None
@@ -49,10 +54,13 @@ class ModelConfig:
     quantization: str = "none"
     seed: int = 0
     chat_template: str | None = None
+    load_format: str = "auto"
+    config_name: str | None = None
 
     def validate(self) -> None:
         if self.chat_template is not None:
             read_chat_template(self.chat_template)
+        self._validate_load_format()
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.device not in DEVICES:
@@ -61,6 +69,22 @@ class ModelConfig:
             raise ConfigError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"--max-model-len must be positive, got {self.max_model_len}")
+
+    def _validate_load_format(self) -> None:
+        if self.load_format not in LOAD_FORMATS:
+            raise ConfigError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
+        if self.load_format == "dummy":
+            if self.config_name is None:
+                raise ConfigError("--load-format dummy needs --config NAME (the model shape of the random weights)")
+            if self.model is not None:
+                raise ConfigError("--model and --load-format dummy cannot be used together: dummy weights have "
+                                  "the shape --config names, no checkpoint")
+            from sits.runtime.models.presets import PRESETS
+
+            if self.config_name not in PRESETS:
+                raise ConfigError(f"--config: unknown model config {self.config_name!r}; known: {', '.join(PRESETS)}")
+        elif self.config_name is not None:
+            raise ConfigError("--config NAME needs --load-format dummy (random weights of that shape)")
 
 
 # A value with none of these characters is meant as a file name (vLLM's rule for --chat-template).
@@ -141,17 +165,33 @@ class SchedulerConfig:
         max_num_seqs: sequences running at once.
         max_num_batched_tokens: new tokens per step (prefill chunks + decodes).
         enable_chunked_prefill: split long prompts across steps, mixed with decodes.
+        max_prefill_tokens_with_decodes: the decodes' latency budget: in a step that runs decodes,
+            prompt tokens (prefill chunks of running and newly admitted sequences together) are
+            capped at this many, so a long prompt is chunked instead of stalling every decode of
+            the step; a step without decodes still takes max_num_batched_tokens. 0: no cap. Needs
+            chunked prefill (without it a prompt is never split, so the cap does not apply).
     """
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    max_prefill_tokens_with_decodes: int = 0
 
     def validate(self) -> None:
         if self.max_num_seqs < 1:
             raise ConfigError(f"--max-num-seqs must be positive, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ConfigError(f"--max-num-batched-tokens must be positive, got {self.max_num_batched_tokens}")
+        if self.max_prefill_tokens_with_decodes < 0:
+            raise ConfigError("--max-prefill-tokens-with-decodes must be >= 0 (0: no cap), got "
+                              f"{self.max_prefill_tokens_with_decodes}")
+
+    @property
+    def prefill_cap_with_decodes(self) -> int | None:
+        """Prompt tokens a step with decodes may schedule, None when uncapped."""
+        if not self.enable_chunked_prefill or self.max_prefill_tokens_with_decodes == 0:
+            return None
+        return self.max_prefill_tokens_with_decodes
 
 
 SPECULATIVE_METHODS = ("ngram",)

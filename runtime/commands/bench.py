@@ -2,6 +2,7 @@
 
     sits bench --config llama-3-8b --batch 32 --input-len 2048 --output-len 512
     sits bench --model /models/llama-3-8b --quantization fp8 --peer none
+    sits bench serve --launch "--load-format dummy --config tiny"   (online: see bench_serve.py)
 
 The batch is `batch` prompts of random token ids (seeded), submitted at once; every sequence
 generates exactly output_len tokens (greedy, EOS ignored). A named config gets seeded random weights;
@@ -39,8 +40,6 @@ logger = logging.getLogger("sits.bench")
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     bench = parser.add_argument_group("benchmark")
-    bench.add_argument("--config", default=None, metavar="NAME",
-                       help="a named model shape with seeded random weights (e.g. llama-3-8b) instead of --model")
     bench.add_argument("--batch", type=int, default=32, help="prompts submitted at once")
     bench.add_argument("--input-len", type=int, default=2048, help="tokens per prompt")
     bench.add_argument("--output-len", type=int, default=512, help="tokens generated per prompt")
@@ -59,6 +58,13 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                                    description="Offline throughput of one batch, beside HF transformers.")
     add_bench_arguments(parser)
     parser.set_defaults(handler=run)
+    from sits.runtime.cli import OneLineErrorParser
+    from sits.runtime.commands import bench_serve
+
+    modes = parser.add_subparsers(dest="bench_mode", metavar="MODE", parser_class=OneLineErrorParser,
+                                  help="serve: online benchmark of an OpenAI-compatible server (without MODE: "
+                                       "offline, as above)")
+    bench_serve.register(modes)
     return parser
 
 
@@ -77,6 +83,8 @@ def _check_args(args: argparse.Namespace) -> None:
 def build_config(args: argparse.Namespace):
     """The EngineConfig of the run: the batch's context as max_model_len, max_num_seqs = batch by default."""
     _check_args(args)
+    if args.config is not None and args.load_format is None:
+        args.load_format = "dummy"  # offline, a named shape always means random weights
     if args.max_model_len is None:
         args.max_model_len = args.input_len + args.output_len
     if args.max_num_seqs is None:

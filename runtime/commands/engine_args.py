@@ -15,6 +15,7 @@ import sys
 from sits.runtime.config import (
     ATTENTION_BACKENDS,
     DTYPES,
+    LOAD_FORMATS,
     QUANTIZATIONS,
     CacheConfig,
     ConfigError,
@@ -34,6 +35,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--model", default=None, metavar="PATH|URI",
                        help="HF directory, .gguf file or hf://org/name[@revision] "
                             "(default: the embedded SmolLM2-135M-Instruct)")
+    model.add_argument("--load-format", default=None, choices=LOAD_FORMATS,
+                       help="auto: read the checkpoint --model names; dummy: seeded random weights of the shape "
+                            "--config names, served with the token-id tokenizer (prompts and outputs are token "
+                            "ids written as text, '17 42 9'); no checkpoint is read (default: auto)")
+    model.add_argument("--config", default=None, metavar="NAME", dest="config",
+                       help="a named model shape for --load-format dummy (llama-3-8b, llama-3.1-8b, llama-2-7b, "
+                            "smollm2-135m, tiny)")
     model.add_argument("--served-model-name", default=None, help="the OpenAI model id (default: the model's name)")
     model.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: float32 on CPU, bfloat16 on CUDA")
     model.add_argument("--device", default="auto", help="auto, cpu or cuda (auto: cuda when available)")
@@ -54,6 +62,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--num-blocks", type=int, default=None, help="exact KV block count (overrides budgets)")
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse KV blocks of earlier prompts")
+    engine.add_argument("--max-prefill-tokens-with-decodes", type=int, default=None, metavar="N",
+                        help="latency budget of running decodes: a step that runs decodes adds at most N prompt "
+                             "tokens (longer prompts are chunked across steps); 0: no cap (default: from the GPU, "
+                             "1024 on H200/H100, 512 on other GPUs; 0 on CPU)")
     engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                         help="split long prompts across steps")
     engine.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
@@ -131,11 +143,14 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     graph_max = getattr(args, "cuda_graph_max_batch_size", None)
     if chosen is not CPU_DEFAULTS:
         log_defaults(chosen, {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-                              "cuda_graph_max_batch_size": graph_max})
+                              "cuda_graph_max_batch_size": graph_max,
+                              "max_prefill_tokens_with_decodes": getattr(args, "max_prefill_tokens_with_decodes",
+                                                                         None)})
     config = EngineConfig(
         model=ModelConfig(model=args.model, served_model_name=args.served_model_name, dtype=args.dtype,
                           device=args.device, max_model_len=args.max_model_len, quantization=args.quantization,
-                          seed=args.seed),
+                          seed=args.seed, load_format=getattr(args, "load_format", None) or "auto",
+                          config_name=getattr(args, "config", None)),
         cache=CacheConfig(block_size=args.block_size, kv_cache_gb=args.kv_cache_gb,
                           gpu_memory_utilization=args.gpu_memory_utilization, num_blocks=args.num_blocks,
                           enable_prefix_caching=args.enable_prefix_caching),
@@ -143,7 +158,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_num_seqs=args.max_num_seqs if args.max_num_seqs is not None else defaults["max_num_seqs"],
             max_num_batched_tokens=(args.max_num_batched_tokens if args.max_num_batched_tokens is not None
                                     else defaults["max_num_batched_tokens"]),
-            enable_chunked_prefill=args.enable_chunked_prefill),
+            enable_chunked_prefill=args.enable_chunked_prefill,
+            max_prefill_tokens_with_decodes=_prefill_cap(args, chosen)),
         parallel=parallel_config_from_args(args),
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
@@ -155,6 +171,12 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     )
     config.validate()
     return config
+
+
+def _prefill_cap(args: argparse.Namespace, chosen) -> int:
+    """--max-prefill-tokens-with-decodes, else the device's default (the decodes' latency budget)."""
+    flagged = getattr(args, "max_prefill_tokens_with_decodes", None)
+    return flagged if flagged is not None else chosen.max_prefill_tokens_with_decodes
 
 
 def _speculative_config(value: str | None) -> SpeculativeConfig | None:

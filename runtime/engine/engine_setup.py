@@ -60,8 +60,5 @@ def prepare_execution(runner: ModelRunner, loaded: LoadedModel, config: EngineCo
 def checkpoint_head_dim(config: EngineConfig, progress: bool) -> int:
     """The checkpoint's head size, read before loading so the attention back end can be chosen."""
     from sits.runtime.models import loading
-    from sits.runtime.models.config import LlamaConfig
-    from sits.runtime.models.hf_checkpoint import read_hf_config
 
-    directory, _, _ = loading._resolve_source(config.model.model, progress)
-    return LlamaConfig.from_hf_dict(read_hf_config(directory)).head_dim
+    return loading.read_model_config(config.model, progress=progress).head_dim

@@ -4,6 +4,10 @@ Each step fills a budget of `max_num_batched_tokens` new tokens and `max_num_seq
   1. running sequences that decode (one token each), in policy order;
   2. running sequences still prefilling (the next chunk of their prompt);
   3. waiting sequences, in admission order, each starting after its cached prefix.
+The decodes' latency budget (`max_prefill_tokens_with_decodes`, as SGLang's chunked-prefill size
+and vLLM's long-prefill threshold bound it): in a step that runs decodes, 2 and 3 together get at
+most that many tokens, so a long prompt goes in chunks instead of stalling the decodes that share
+its step; the oldest prefill goes first, so every prompt still finishes.
 A running sequence that cannot get a block preempts the lowest-ranked running sequence (lowest
 priority, latest arrival) among those whose blocks it may take (a shard-aware eviction policy
 rules out tenants within their guarantee), possibly itself: the victim's blocks are freed and it
@@ -23,6 +27,7 @@ output (EOS, a stop token or string) costs that one scheduled token's compute, n
 from __future__ import annotations
 
 import bisect
+import logging
 from collections import Counter
 from collections.abc import Iterable
 
@@ -45,6 +50,8 @@ from sits.runtime.engine.scheduling_policy import (
 from sits.runtime.engine.sequence import PENDING_TOKEN_ID, Sequence, SequenceStatus
 from sits.runtime.engine.speculative import Speculator
 from sits.runtime.engine.stats import SchedulerStats
+
+logger = logging.getLogger(__name__)
 
 
 class Scheduler(SchedulerInterface):
@@ -86,6 +93,9 @@ class Scheduler(SchedulerInterface):
         self.num_preemptions = 0
         self.preemptions_by_tenant: Counter[str] = Counter()
         self.speculator = Speculator(speculative, max_model_len) if speculative is not None else None
+        cap = config.prefill_cap_with_decodes
+        logger.info("decode latency budget: %s", f"at most {cap} prompt tokens per step beside decodes" if cap else
+                    "off (prompts may fill a step's max_num_batched_tokens; --max-prefill-tokens-with-decodes sets one)")
 
     # -- requests in and out ---------------------------------------------------------------
     def add_request(self, seq: Sequence) -> None:
@@ -131,8 +141,16 @@ class Scheduler(SchedulerInterface):
         for seq in self.running:
             uncomputed = len(seq.all_token_ids) + seq.num_pending_tokens - seq.num_computed_tokens
             (prefills if uncomputed > 1 else decodes).append(seq)
-        for seq in decodes + prefills:
+        for seq in decodes:
             if step.budget == 0:
+                break
+            if seq.status is SequenceStatus.RUNNING and seq.seq_id not in step.scheduled:
+                self._schedule_running(seq, step)
+        cap = self.config.prefill_cap_with_decodes
+        if cap is not None and step.scheduled:  # decodes run this step: bound what they wait for
+            step.prefill_budget = cap
+        for seq in prefills:
+            if step.prefill_room == 0:
                 break
             if seq.status is SequenceStatus.RUNNING and seq.seq_id not in step.scheduled:
                 self._schedule_running(seq, step)
@@ -147,7 +165,7 @@ class Scheduler(SchedulerInterface):
         )
 
     def _schedule_running(self, seq: Sequence, step: _StepPlan) -> None:
-        num_new = min(seq.num_uncomputed_tokens, step.budget)
+        num_new = min(seq.num_uncomputed_tokens, step.prefill_room)  # a decode's room is the whole budget
         if num_new <= 0 or (seq.num_pending_tokens and self._pending_token_is_last(seq)):
             return
         drafts = self.speculator.drafts_for(seq, step.budget) if self.speculator is not None else []
@@ -166,19 +184,19 @@ class Scheduler(SchedulerInterface):
 
     def _admit_waiting(self, step: _StepPlan) -> None:
         full_budget = self.config.max_num_batched_tokens
-        while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and step.prefill_room > 0 and len(self.running) < self.config.max_num_seqs:
             for seq in self.waiting.heads():
                 if seq.num_pending_tokens:  # preempted while its last step ran: wait for its token
                     continue
                 # a sequence scoring its prompt needs every position's hidden state: no cache hits
                 prefix = PrefixHit() if collects_prompt_logprobs(seq) else self.kv_cache.find_prefix(seq)
                 num_new = seq.num_tokens - prefix.num_tokens
-                if num_new > step.budget:
+                if num_new > step.prefill_room:
                     # Without chunked prefill a prompt waits for a step with room for all of it,
                     # unless it could never fit: then it is chunked anyway rather than starved.
                     if not self.config.enable_chunked_prefill and step.budget < full_budget:
                         return
-                    num_new = step.budget
+                    num_new = step.prefill_room
                 if self.kv_cache.allocate(seq, num_new, prefix) is not None:
                     break
                 # This head waits for blocks (admitting later ones of its queue would starve it);
@@ -378,15 +396,28 @@ class _StepPlan:
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
+        self.prefill_budget: int | None = None  # prompt tokens left under the decodes' latency budget
+        self._capped: set[str] = set()  # scheduled after the latency budget was set: counted against it
         self.scheduled: dict[str, ScheduledSequence] = {}
         self.preempted: list[str] = []
+
+    @property
+    def prefill_room(self) -> int:
+        """Prompt tokens this step may still take: the token budget, or less under the latency budget."""
+        return self.budget if self.prefill_budget is None else min(self.budget, self.prefill_budget)
 
     def add(self, scheduled: ScheduledSequence) -> None:
         self.scheduled[scheduled.seq_id] = scheduled
         self.budget -= scheduled.num_new_tokens
+        if self.prefill_budget is not None:
+            self.prefill_budget -= scheduled.num_new_tokens
+            self._capped.add(scheduled.seq_id)
 
     def remove(self, seq_id: str) -> ScheduledSequence | None:
         scheduled = self.scheduled.pop(seq_id, None)
         if scheduled is not None:
             self.budget += scheduled.num_new_tokens
+            if seq_id in self._capped:
+                self._capped.discard(seq_id)
+                self.prefill_budget = (self.prefill_budget or 0) + scheduled.num_new_tokens
         return scheduled

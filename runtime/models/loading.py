@@ -100,6 +100,8 @@ def read_model_config(model_config: ModelConfig, *, progress: bool = True) -> Ll
     Raises:
         ModelLoadError: as load_model.
     """
+    if model_config.load_format == "dummy":
+        return _dummy_shape(model_config)
     directory, _, source = _resolve_source(model_config.model, progress)
     try:
         return LlamaConfig.from_hf_dict(read_hf_config(directory))
@@ -116,6 +118,8 @@ def load_model(model_config: ModelConfig, backend: AttentionBackend, *, progress
         ConfigError: `model_config.chat_template` names no readable file or does not compile.
     """
     device, dtype = resolve_device_dtype(model_config)
+    if model_config.load_format == "dummy":
+        return _dummy_model(model_config, backend, device, dtype)
     # read before the weights, so a broken --chat-template fails at once (and not as a ModelLoadError)
     override = read_chat_template(model_config.chat_template) if model_config.chat_template is not None else None
     directory, name, source = _resolve_source(model_config.model, progress)
@@ -140,6 +144,34 @@ def load_model(model_config: ModelConfig, backend: AttentionBackend, *, progress
     logger.info("loaded %s from %s: %d layers, hidden %d, %s on %s",
                 name, source, config.num_hidden_layers, config.hidden_size, dtype, device)
     return LoadedModel(model, tokenizer, config, model_config.served_model_name or name, source, device, dtype)
+
+
+def _dummy_shape(model_config: ModelConfig) -> LlamaConfig:
+    from sits.runtime.models.presets import preset_config
+
+    try:
+        return preset_config(model_config.config_name or "")
+    except ValueError as exc:
+        raise ModelLoadError(f"--config: {exc}") from exc
+
+
+def _dummy_model(model_config: ModelConfig, backend: AttentionBackend, device: torch.device,
+                 dtype: torch.dtype) -> LoadedModel:
+    """`--load-format dummy`: seeded random weights of the `--config` shape with the token-id tokenizer."""
+    from sits.runtime.models.random_model import random_loaded_model
+
+    if model_config.chat_template is not None:
+        raise ModelLoadError("--chat-template does not apply to --load-format dummy: its chats render as token "
+                             "ids (see docs/bench-serve.md)")
+    shape = _dummy_shape(model_config)
+    name = model_config.config_name or "dummy"
+    loaded = random_loaded_model(shape, backend, device, dtype, model_config.seed,
+                                 max(shape.max_position_embeddings, model_config.max_model_len or 0), name)
+    loaded.name = model_config.served_model_name or name
+    logger.info("dummy weights: %s shape (%d layers, hidden %d, vocabulary %d), seed %d, %s on %s; prompts and "
+                "outputs are token ids as text", name, shape.num_hidden_layers, shape.hidden_size, shape.vocab_size,
+                model_config.seed, dtype, device)
+    return loaded
 
 
 def build_random_model(

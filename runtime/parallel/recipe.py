@@ -62,10 +62,8 @@ class ModelRecipe:
         if self.random_config is not None:
             return self.random_config
         from sits.runtime.models import loading
-        from sits.runtime.models.hf_checkpoint import read_hf_config
 
-        directory, _, _ = loading._resolve_source(self.model.model, progress)
-        return LlamaConfig.from_hf_dict(read_hf_config(directory))
+        return loading.read_model_config(self.model, progress=progress)
 
     def load(self, device: torch.device, progress: bool = False) -> LoadedModel:
         """The full (unsharded) model on `device` (a CUDA device must be the current one).
