@@ -1,0 +1,98 @@
+"""Reading the replicas' KV state (`StateStore.publish_kv_state`) from Redis into a KVIndex.
+
+Keys (under `sits:{deployment}:`, written by `RedisStateStore`): `kv:{replica}`, a set of hex
+prefix hashes, and `load:{replica}`, a hash {waiting, kv_usage, blocks, published_at}; both expire a
+few seconds after the replica's last write, so a dead replica's entries vanish by themselves.
+The reader polls: each round lists the live `load:*` keys and reads their sets in one pipeline.
+While Redis is down the index is emptied (routing falls back to load and the router's history) and
+rebuilt from the first read after it returns; replicas rewrite their whole state on reconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from sits.runtime.router.index import KVIndex, ReplicaKV
+from sits.runtime.tenancy.redis_link import UNREACHABLE
+from sits.runtime.tenancy.state_store import redact_url
+
+log = logging.getLogger(__name__)
+
+
+class KVStateReader:
+    """Polls the store every `interval_s` seconds and replaces `index` with what it read.
+
+    Args:
+        url: the replicas' --state-store (redis://...).
+        deployment: the replicas' --deployment.
+        index: the KVIndex to fill.
+        interval_s: seconds between reads.
+        op_timeout_s: connect and read timeout of each Redis call.
+    """
+
+    def __init__(self, url: str, deployment: str, index: KVIndex, *, interval_s: float = 0.5,
+                 op_timeout_s: float = 0.5) -> None:
+        self.url = redact_url(url)
+        self.index = index
+        self.interval_s = interval_s
+        self._prefix = f"sits:{deployment}:"
+        self._redis = aioredis.Redis.from_url(url, socket_timeout=op_timeout_s,
+                                              socket_connect_timeout=op_timeout_s, decode_responses=True)
+        self.up = False
+        self.reads = 0  # successful reads (tests wait on it)
+        self._task: asyncio.Task | None = None
+        self._down_logged = False
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="sits-router-kv-reader")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self._redis.aclose()
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                self.index.replace(await self.read())
+                if not self.up:
+                    log.info("router: reading replicas' KV state from %s", self.url)
+                self.up = True
+                self.reads += 1
+            except (*UNREACHABLE, RedisError) as error:
+                if self.up or not self._down_logged:
+                    log.warning("router: state store %s unreachable (%s); routing by load until it returns",
+                                self.url, error)
+                    self._down_logged = True
+                self.up = False
+                self.index.clear()
+            await asyncio.sleep(self.interval_s)
+
+    async def read(self) -> dict[str, ReplicaKV]:
+        """{replica id: its KV state} for every replica whose state has not expired."""
+        load_prefix = self._prefix + "load:"
+        names = [key[len(load_prefix):] async for key in self._redis.scan_iter(match=load_prefix + "*", count=500)]
+        if not names:
+            return {}
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.hgetall(load_prefix + name)
+                pipe.smembers(self._prefix + "kv:" + name)
+            results = await pipe.execute()
+        states = {}
+        for name, load, members in zip(names, results[0::2], results[1::2], strict=True):
+            if not load:
+                continue  # expired between the scan and the read
+            try:
+                states[name] = ReplicaKV(frozenset(bytes.fromhex(h) for h in members), int(load.get("waiting", 0)),
+                                         float(load.get("kv_usage", 0.0)), float(load.get("published_at", 0.0)))
+            except ValueError:
+                log.warning("router: replica %s published a malformed KV state; ignored", name)
+        return states
