@@ -116,6 +116,9 @@ def build_app(state: RouterState) -> Starlette:
         for replica in state.pool.replicas if state.pool else []:
             state.metrics.replica_up.labels(replica.url).set(1.0 if replica.up else 0.0)
             state.metrics.in_flight.labels(replica.url).set(replica.in_flight)
+            published = state.index.get(replica.replica_id)
+            state.metrics.index_blocks.labels(replica.url).set(len(published.block_hashes) if published else 0)
+        state.metrics.store_up.set(1.0 if state.kv_reader is not None and state.kv_reader.up else 0.0)
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     routes = [Route(path, generation, methods=["POST"]) for path in GENERATION_PATHS] + [

@@ -66,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
     from sits.runtime.router.prompt import PromptHasher, load_tokenizer
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per proxied request otherwise
     try:
         config = config_from_args(args)
         config.validate()

@@ -15,6 +15,8 @@ class RouterMetrics:
     prefix_match_ratio{tenant}: matched fraction of the prompt's full blocks on the chosen replica.
     upstream_errors_total{replica, kind}: connect | disconnect (no answer) | status_503 | stream.
     replica_up{replica}, replica_in_flight{replica}: the pool.
+    kv_index_blocks{replica}: block hashes the replica has published, as the router last read them.
+    state_store_up: 1 while the router reads the replicas' KV state.
     """
 
     def __init__(self) -> None:
@@ -30,3 +32,7 @@ class RouterMetrics:
                                 registry=self.registry)
         self.in_flight = Gauge("sits_router_replica_in_flight", "Requests the router has in flight on the replica.",
                                ("replica",), registry=self.registry)
+        self.index_blocks = Gauge("sits_router_kv_index_blocks", "Prefix blocks the replica has published as cached.",
+                                  ("replica",), registry=self.registry)
+        self.store_up = Gauge("sits_router_state_store_up", "1 while the router reads the replicas' KV state.",
+                              registry=self.registry)
