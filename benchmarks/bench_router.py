@@ -227,11 +227,12 @@ def run_policy(policy: str, args: Args, workdir: Path, tenants_file: Path, keys:
         urls = []
         for index in range(args.replicas):
             port = free_port()
-            processes.append(start([sys.executable, "-m", "sits.runtime", "serve", "--device", "cpu", "--port",
-                                    str(port), "--num-blocks", str(args.num_blocks), "--max-num-seqs",
-                                    str(args.max_num_seqs), "--max-model-len", "4096", "--tenants", str(tenants_file),
-                                    "--state-store", f"redis://127.0.0.1:{redis_port}/0", "--deployment", deployment,
-                                    "--log-level", "warning"], workdir / f"{policy}-replica{index}.log"))
+            argv = [sys.executable, "-m", "sits.runtime", "serve", "--device", "cpu", "--port", str(port),
+                    "--num-blocks", str(args.num_blocks), "--max-num-seqs", str(args.max_num_seqs),
+                    "--max-model-len", str(min(4096, 16 * args.num_blocks)), "--tenants", str(tenants_file),
+                    "--state-store", f"redis://127.0.0.1:{redis_port}/0", "--deployment", deployment,
+                    "--log-level", "warning"]
+            processes.append(start(argv, workdir / f"{policy}-replica{index}.log"))
             urls.append(f"http://127.0.0.1:{port}")
         for url, process in zip(urls, processes, strict=True):
             wait_ready(url, process)

@@ -3,7 +3,9 @@
 Keys (under `sits:{deployment}:`, written by `RedisStateStore`): `kv:{replica}`, a set of hex
 prefix hashes, and `load:{replica}`, a hash {waiting, kv_usage, blocks, published_at}; both expire a
 few seconds after the replica's last write, so a dead replica's entries vanish by themselves.
-The reader polls: each round lists the live `load:*` keys and reads their sets in one pipeline.
+The reader polls: each round reads the `load` hash of every replica with a heartbeat (`replicas`),
+and a replica's `kv` set only when its `version` changed since the last read (sets are large, loads
+small).
 While Redis is down the index is emptied (routing falls back to load and the router's history) and
 rebuilt from the first read after it returns; replicas rewrite their whole state on reconnect.
 """
@@ -47,6 +49,7 @@ class KVStateReader:
         self.reads = 0  # successful reads (tests wait on it)
         self._task: asyncio.Task | None = None
         self._down_logged = False
+        self._sets: dict[str, tuple[str, frozenset[bytes]]] = {}  # replica -> (version, its hash set)
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="sits-router-kv-reader")
@@ -77,22 +80,31 @@ class KVStateReader:
 
     async def read(self) -> dict[str, ReplicaKV]:
         """{replica id: its KV state} for every replica whose state has not expired."""
-        load_prefix = self._prefix + "load:"
-        names = [key[len(load_prefix):] async for key in self._redis.scan_iter(match=load_prefix + "*", count=500)]
-        if not names:
-            return {}
+        names = list(await self._redis.hkeys(self._prefix + "replicas"))
         async with self._redis.pipeline(transaction=False) as pipe:
             for name in names:
-                pipe.hgetall(load_prefix + name)
-                pipe.smembers(self._prefix + "kv:" + name)
-            results = await pipe.execute()
+                pipe.hgetall(self._prefix + "load:" + name)
+            loads = await pipe.execute()
+        live = {name: load for name, load in zip(names, loads, strict=True) if load}
+        stale = [name for name, load in live.items()
+                 if name not in self._sets or self._sets[name][0] != load.get("version")]
+        if stale:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for name in stale:
+                    pipe.smembers(self._prefix + "kv:" + name)
+                members = await pipe.execute()
+            for name, hashes in zip(stale, members, strict=True):
+                try:
+                    self._sets[name] = (live[name].get("version", ""), frozenset(bytes.fromhex(h) for h in hashes))
+                except ValueError:
+                    log.warning("router: replica %s published a malformed KV state; ignored", name)
+                    live.pop(name)
+        self._sets = {name: entry for name, entry in self._sets.items() if name in live}
         states = {}
-        for name, load, members in zip(names, results[0::2], results[1::2], strict=True):
-            if not load:
-                continue  # expired between the scan and the read
+        for name, load in live.items():
             try:
-                states[name] = ReplicaKV(frozenset(bytes.fromhex(h) for h in members), int(load.get("waiting", 0)),
+                states[name] = ReplicaKV(self._sets[name][1], int(load.get("waiting", 0)),
                                          float(load.get("kv_usage", 0.0)), float(load.get("published_at", 0.0)))
-            except ValueError:
-                log.warning("router: replica %s published a malformed KV state; ignored", name)
+            except (KeyError, ValueError):
+                log.warning("router: replica %s published a malformed load; ignored", name)
         return states

@@ -26,8 +26,9 @@ MAX_ATTEMPTS = 2  # the chosen replica and one failover
 # Hop-by-hop headers, and what the router recomputes, never copied between the hops.
 DROPPED_REQUEST_HEADERS = frozenset({"host", "content-length", "connection", "keep-alive", "transfer-encoding",
                                      "upgrade", "te", "trailer", "proxy-authorization", "proxy-connection"})
-DROPPED_RESPONSE_HEADERS = frozenset({"content-length", "connection", "keep-alive", "transfer-encoding",
-                                      "content-encoding", "date", "server"})
+# Bodies are relayed as raw bytes, so content-encoding stays; the length is re-framed by the router.
+DROPPED_RESPONSE_HEADERS = frozenset({"content-length", "connection", "keep-alive", "transfer-encoding", "date",
+                                      "server"})
 
 
 class Forwarder:
@@ -63,6 +64,10 @@ class Forwarder:
             except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError, httpx.TimeoutException) as error:
                 self._failed(replica, "disconnect", error, take_out=False)
                 continue
+            except BaseException:  # the client went away while the replica was being asked
+                replica.in_flight -= 1
+                self._gauge(replica)
+                raise
             if upstream.status_code == 503 and attempt + 1 < min(len(order), MAX_ATTEMPTS):
                 await upstream.aread()
                 await upstream.aclose()

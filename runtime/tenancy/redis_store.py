@@ -7,7 +7,8 @@ Keys (all under `sits:{deployment}:`):
     usage:retired        hash "{tenant}|{field}" -> totals of replicas that shut down cleanly
     eviction:{replica}   hash tenant -> JSON EvictionIndexEntry
     kv:{replica}         set of hex prefix hashes the replica's cache holds (for `sits router`)
-    load:{replica}       hash {waiting, kv_usage, published_at}: the replica's load (for the router)
+    load:{replica}       hash {waiting, kv_usage, blocks, version, published_at}: the replica's load, and
+                         a version that changes whenever its kv set does (for the router)
                          (both expire `kv_ttl_s` after the replica's last write: a dead replica's
                          entries vanish; a live one sends only what changed, all after a restart)
     rl:{tenant}:{window} hash "r:{replica}" / "t:{replica}" -> requests / tokens in that window
@@ -107,6 +108,7 @@ class RedisStateStore(StateStore):
         self._eviction_dirty = False
         self._kv_state: ReplicaKVState | None = None
         self._kv_sent: frozenset[bytes] | None = None  # the hashes Redis holds (None: rewrite them all)
+        self._kv_version = 0  # bumped with every change of the published hash set
         self._windows = WindowBook()
 
     def __repr__(self) -> str:
@@ -225,10 +227,13 @@ class RedisStateStore(StateStore):
             pipe.srem(key, *(h.hex() for h in removed))
         if added:
             pipe.sadd(key, *(h.hex() for h in added))
+        if sent is None or added or removed:
+            self._kv_version += 1
         pipe.pexpire(key, ttl_ms)
         load_key = self._key("load", self.replica_id)
         pipe.hset(load_key, mapping={"waiting": state.waiting, "kv_usage": f"{state.kv_usage:.4f}",
-                                     "blocks": len(state.block_hashes), "published_at": f"{time.time():.3f}"})
+                                     "blocks": len(state.block_hashes), "version": f"{self.replica_id}/{self._kv_version}",
+                                     "published_at": f"{time.time():.3f}"})
         pipe.pexpire(load_key, ttl_ms)
         return state.block_hashes
 
