@@ -67,3 +67,25 @@ async def test_published_kv_state_reaches_the_router_and_expires(redis_service):
     assert await reader.read() == {}
     await crashed._link.aclose()
     await reader.close()
+
+
+def test_the_tenant_policy_names_the_hashes_a_prompt_can_hit():
+    from sits.runtime.engine.block_pool import BlockPool
+    from sits.runtime.engine.eviction import BlockOwner
+    from sits.runtime.tenancy.kv_policy import TenantEvictionPolicy
+    from sits.runtime.tenancy.tenants import TenantTable
+
+    policy = TenantEvictionPolicy(4, TenantTable.open_access())
+    pool = BlockPool(4, eviction_policy=policy)
+    owner = BlockOwner("req-1", "default")
+    first = pool.allocate(2, owner)
+    assert first is not None
+    for block, seed in zip(first, (1, 2), strict=True):
+        pool.cache(block, bytes([seed]) * 32)
+    assert policy.kv_usage() == 0.5
+    pool.release(reversed(first))  # finished: both blocks stay findable
+    assert policy.cached_block_hashes() == hashes(1, 2) and policy.kv_usage() == 0.0
+    pool.touch([pool.lookup(bytes([1]) * 32)], BlockOwner("req-2", "default"))  # a hit keeps it
+    assert policy.cached_block_hashes() == hashes(1, 2)
+    taken = pool.allocate(3, BlockOwner("req-3", "default"))  # 2 empty + 1 evicted: block 2's hash goes
+    assert taken is not None and policy.cached_block_hashes() == hashes(1)
