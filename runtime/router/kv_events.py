@@ -80,7 +80,7 @@ class KVStateReader:
 
     async def read(self) -> dict[str, ReplicaKV]:
         """{replica id: its KV state} for every replica whose state has not expired."""
-        names = list(await self._redis.hkeys(self._prefix + "replicas"))
+        names = [str(name) for name in await self._redis.hkeys(self._prefix + "replicas")]
         async with self._redis.pipeline(transaction=False) as pipe:
             for name in names:
                 pipe.hgetall(self._prefix + "load:" + name)

@@ -218,6 +218,7 @@ class RedisStateStore(StateStore):
             return None
         key, ttl_ms = self._key("kv", self.replica_id), max(1, int(self.kv_ttl_s * 1000))
         sent = None if full else self._kv_sent
+        removed: frozenset[bytes]
         if sent is None:
             pipe.delete(key)
             added, removed = state.block_hashes, frozenset()
