@@ -9,6 +9,7 @@ Imports no torch (it runs in the operator's slim image).
     kv_events.py   KVStateReader: reads the replicas' KV state from the state store
     replicas.py    ReplicaPool: health, in-flight counts, identity (replica id from /metrics)
     policy.py      the four policies and the precise score with its load guard
+    canary.py      CanarySplit: the canary weight and canary tenants, per replica track
     proxy.py       forwarding with failover before the first byte, streaming passthrough
     metrics.py     RouterMetrics (Prometheus)
     app.py         the Starlette app: auth (401 before routing), routes

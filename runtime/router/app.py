@@ -22,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from sits.runtime.router.canary import CanarySplit
 from sits.runtime.router.config import RouterConfig
 from sits.runtime.router.index import KVIndex, RoutingHistory
 from sits.runtime.router.kv_events import KVStateReader
@@ -52,6 +53,7 @@ class RouterState:
     history: RoutingHistory
     router: Router
     metrics: RouterMetrics
+    canary: CanarySplit
     pool: ReplicaPool | None = None
     forwarder: Forwarder | None = None
     kv_reader: KVStateReader | None = None
@@ -65,7 +67,8 @@ def build_router_state(config: RouterConfig, hasher: PromptHasher) -> RouterStat
                                                 deployment=config.deployment))
     index, history = KVIndex(), RoutingHistory(config.history_blocks)
     router = Router(config.policy, config.weights, index, history, recent_s=config.recent_s)
-    return RouterState(config, tenancy, hasher, index, history, router, RouterMetrics())
+    canary = CanarySplit(config.canary_weight, config.canary_tenants)
+    return RouterState(config, tenancy, hasher, index, history, router, RouterMetrics(), canary)
 
 
 def build_app(state: RouterState) -> Starlette:
@@ -114,7 +117,7 @@ def build_app(state: RouterState) -> Starlette:
 
     async def metrics(request: Request) -> Response:
         for replica in state.pool.replicas if state.pool else []:
-            state.metrics.replica_up.labels(replica.url).set(1.0 if replica.up else 0.0)
+            state.metrics.replica_up.labels(replica.url, replica.track).set(1.0 if replica.up else 0.0)
             state.metrics.in_flight.labels(replica.url).set(replica.in_flight)
             published = state.index.get(replica.replica_id)
             state.metrics.index_blocks.labels(replica.url).set(len(published.block_hashes) if published else 0)
@@ -164,7 +167,9 @@ async def _route(state: RouterState, request: Request, body: bytes, key: PromptK
     replicas = state.pool.up()
     if not replicas:
         return unavailable()
-    decision: Decision = state.router.choose(replicas, key)
+    track, others = state.canary.split(replicas, tenant.name)
+    decision: Decision = state.router.choose(track, key)
+    decision = Decision([*decision.order, *others], decision.reason, decision.matched_blocks)
     if key.block_hashes:
         state.history.record(decision.order[0].url, key.block_hashes)
         state.metrics.prefix_match.labels(tenant.name).observe(decision.matched_blocks / len(key.block_hashes))

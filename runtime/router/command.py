@@ -3,7 +3,8 @@
     sits router --replica http://10.0.0.1:8000 --replica http://10.0.0.2:8000 \\
         --state-store redis://sits-redis:6379/0 --deployment llama3-8b --tenants tenants.yaml \\
         [--policy precise|approximate|least-loaded|round-robin] [--weights prefix=1,running=0.08,...] \\
-        [--model PATH --chat-template T --served-model-name NAME --block-size N] [--host H --port P]
+        [--model PATH --chat-template T --served-model-name NAME --block-size N] \\
+        [--canary-weight PERCENT --canary-tenants NAME,...] [--host H --port P]
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None,
                         help="the replicas' base model id (other model ids are adapters)")
     parser.add_argument("--block-size", type=int, default=CacheConfig.block_size, help="the replicas' --block-size")
+    parser.add_argument("--canary-weight", type=int, default=0, metavar="PERCENT",
+                        help="percent of requests for replicas of track canary (without a Gateway API)")
+    parser.add_argument("--canary-tenants", default="", metavar="NAME,...",
+                        help="tenants whose requests all go to the canary while one is up")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -56,7 +61,9 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
                         tenants_file=args.tenants, policy=Policy(args.policy),
                         weights=ScoringWeights.parse(args.weights), model=args.model,
                         chat_template=args.chat_template, served_model_name=args.served_model_name,
-                        block_size=args.block_size, host=args.host, port=args.port)
+                        block_size=args.block_size, host=args.host, port=args.port,
+                        canary_weight=args.canary_weight,
+                        canary_tenants=tuple(t.strip() for t in args.canary_tenants.split(",") if t.strip()))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -79,6 +79,8 @@ class RouterConfig:
         history_blocks: bound of the routing history (block hashes remembered, all replicas).
         recent_s: in `precise`, the router's own choices of the last seconds count as cached (the
             replica publishes its blocks only once a request has finished with them).
+        canary_weight: percent of requests for canary-track replicas while one is up (`canary.py`).
+        canary_tenants: tenants whose requests all go to the canary while one is up.
     """
 
     replicas: list[str]
@@ -97,6 +99,8 @@ class RouterConfig:
     kv_poll_interval_s: float = 0.5
     history_blocks: int = 200_000
     recent_s: float = 30.0
+    canary_weight: int = 0
+    canary_tenants: tuple[str, ...] = ()
 
     def validate(self) -> None:
         if not self.replicas:
@@ -111,5 +115,7 @@ class RouterConfig:
             raise ConfigError(f"--block-size must be >= 1, got {self.block_size}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be 0..65535, got {self.port}")
+        if not 0 <= self.canary_weight <= 100:
+            raise ConfigError(f"--canary-weight must be 0..100 percent, got {self.canary_weight}")
         if self.health_interval_s <= 0 or self.kv_poll_interval_s <= 0:
             raise ConfigError("health and KV poll intervals must be positive")

@@ -14,7 +14,7 @@ class RouterMetrics:
     requests_total{replica, policy_decision}: requests sent, by where and why (failover included).
     prefix_match_ratio{tenant}: matched fraction of the prompt's full blocks on the chosen replica.
     upstream_errors_total{replica, kind}: connect | disconnect (no answer) | status_503 | stream.
-    replica_up{replica}, replica_in_flight{replica}: the pool.
+    replica_up{replica, track}, replica_in_flight{replica}: the pool.
     kv_index_blocks{replica}: block hashes the replica has published, as the router last read them.
     state_store_up: 1 while the router reads the replicas' KV state.
     """
@@ -28,7 +28,7 @@ class RouterMetrics:
                                       "to hold.", ("tenant",), buckets=RATIO_BUCKETS, registry=self.registry)
         self.upstream_errors = Counter("sits_router_upstream_errors", "Failed attempts to reach a replica.",
                                        ("replica", "kind"), registry=self.registry)
-        self.replica_up = Gauge("sits_router_replica_up", "1 while the replica takes requests.", ("replica",),
+        self.replica_up = Gauge("sits_router_replica_up", "1 while the replica takes requests.", ("replica", "track"),
                                 registry=self.registry)
         self.in_flight = Gauge("sits_router_replica_in_flight", "Requests the router has in flight on the replica.",
                                ("replica",), registry=self.registry)

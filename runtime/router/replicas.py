@@ -18,7 +18,8 @@ import httpx
 
 log = logging.getLogger(__name__)
 
-REPLICA_ID = re.compile(r'^sits_state_store_replica\{[^}]*replica_id="([^"]+)"', re.MULTILINE)
+REPLICA_LINE = re.compile(r'^sits_state_store_replica\{([^}]*)\}', re.MULTILINE)
+LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
 @dataclass
@@ -30,12 +31,14 @@ class Replica:
         up: whether it takes requests now.
         in_flight: requests the router has sent it that have not finished (streams included).
         replica_id: its name in the state store, once read from its /metrics.
+        track: "stable" or "canary" (its `sits serve --track`), read with the replica id.
     """
 
     url: str
     up: bool = True
     in_flight: int = 0
     replica_id: str | None = None
+    track: str = "stable"
 
 
 class ReplicaPool:
@@ -98,13 +101,17 @@ class ReplicaPool:
             log.info("router: replica %s is up", replica.url)
             replica.up, replica.replica_id = True, None  # a restarted replica publishes under a new name
         if replica.replica_id is None:
-            replica.replica_id = await self._replica_id(replica)
+            await self._identify(replica)
 
-    async def _replica_id(self, replica: Replica) -> str | None:
-        """The replica's name in the state store, from its /metrics (None when it has none yet)."""
+    async def _identify(self, replica: Replica) -> None:
+        """The replica's name in the state store and its track, from its /metrics (left unknown
+        when it has none yet: the next probe asks again)."""
         try:
             response = await self._client.get(f"{replica.url}/metrics", timeout=self.interval_s)
         except httpx.HTTPError:
-            return None
-        match = REPLICA_ID.search(response.text) if response.status_code == 200 else None
-        return match.group(1) if match else None
+            return
+        match = REPLICA_LINE.search(response.text) if response.status_code == 200 else None
+        if match is not None:
+            labels = dict(LABEL.findall(match.group(1)))
+            replica.track = labels.get("track", "stable")
+            replica.replica_id = labels.get("replica_id")

@@ -1,5 +1,7 @@
 """`sits router` in front of two real `sits serve` replicas (a small random Llama with SmolLM2's
-tokenizer) sharing a real Redis, driven with the official `openai` client.
+tokenizer) sharing a real Redis, driven with the official `openai` client. Replica 0 serves the
+canary track and the router sends tenant bob there (`--canary-tenants bob`), everyone else to the
+stable replica 1.
 
 The tests share one cluster and run in file order: the last ones restart Redis and kill a replica.
 """
@@ -70,8 +72,8 @@ def samples(url: str, name: str, **labels: str) -> float:
     return total
 
 
-def serve_argv(model_dir: Path, port: int, cluster: Cluster) -> list[str]:
-    return [sys.executable, "-m", "sits.runtime", "serve", "--model", str(model_dir), "--served-model-name", "tiny",
+def serve_argv(model_dir: Path, port: int, cluster: Cluster, track: str) -> list[str]:
+    return [sys.executable, "-m", "sits.runtime", "serve", "--track", track, "--model", str(model_dir), "--served-model-name", "tiny",
             "--device", "cpu", "--port", str(port), "--num-blocks", "96", "--max-model-len", "512",
             "--max-num-seqs", "8", "--tenants", str(cluster.tenants_file), "--state-store",
             f"redis://127.0.0.1:{cluster.redis_port}/0", "--deployment", DEPLOYMENT]
@@ -88,7 +90,8 @@ def cluster(tiny_llama_dir, tmp_path_factory) -> Iterator[Cluster]:
                                                     log_name="redis.log"))
         for index in range(2):
             port = free_port()
-            replica = stack.enter_context(started(serve_argv(tiny_llama_dir, port, cluster), port, timeout_s=120,
+            argv = serve_argv(tiny_llama_dir, port, cluster, "canary" if index == 0 else "stable")
+            replica = stack.enter_context(started(argv, port, timeout_s=120,
                                                   workdir=workdir, log_name=f"serve{index}.log"))
             wait_until(lambda r=replica: httpx.get(f"{r.url}/health").status_code == 200, 120, "a ready replica")
             cluster.replicas.append(replica)
@@ -96,6 +99,7 @@ def cluster(tiny_llama_dir, tmp_path_factory) -> Iterator[Cluster]:
         argv = [sys.executable, "-m", "sits.runtime.router", "--port", str(port), "--state-store",
                 f"redis://127.0.0.1:{cluster.redis_port}/0", "--deployment", DEPLOYMENT, "--tenants",
                 str(tenants_file), "--model", str(tiny_llama_dir), "--served-model-name", "tiny", "--policy", "precise",
+                "--canary-tenants", "bob",
                 *[arg for r in cluster.replicas for arg in ("--replica", r.url)]]
         cluster.router = stack.enter_context(started(argv, port, timeout_s=60, workdir=workdir,
                                                      log_name="router.log"))
@@ -156,6 +160,18 @@ def test_requests_go_to_the_replica_that_holds_the_tenants_prefix(cluster):
     assert samples(cluster.url, "sits_router_prefix_match_ratio_count", tenant="bob") == 1
     assert samples(cluster.url, "sits_router_prefix_match_ratio_bucket", tenant="bob", le="0.0") == 1
     assert all(samples(r.url, "sits_prefix_cache_cross_tenant_hits_total") == 0 for r in cluster.replicas)
+
+
+def test_the_canary_tenant_goes_to_the_canary_track_only(cluster):
+    canary, stable = cluster.replicas
+    assert samples(cluster.url, "sits_router_replica_up", replica=canary.url, track="canary") == 1
+    assert samples(cluster.url, "sits_router_replica_up", replica=stable.url, track="stable") == 1
+    for question in ("Is shipping free?", "Can I change my address?"):
+        chat(cluster, question, key=BOB)
+        chat(cluster, question, key=ALICE)
+    assert samples(stable.url, "sits_prefix_cache_queries_total", tenant="bob") == 0
+    assert samples(canary.url, "sits_prefix_cache_queries_total", tenant="bob") > 0
+    assert samples(canary.url, "sits_prefix_cache_queries_total", tenant="alice") == 0
 
 
 def test_streams_pass_through(cluster):

@@ -101,3 +101,16 @@ def test_the_routing_history_is_bounded():
     history = RoutingHistory(max_blocks=3)
     history.record("http://a", [bytes([i]) * 32 for i in range(5)])
     assert len(history) == 3
+
+
+def test_the_canary_split_takes_its_weight_exactly_and_its_tenants_whole():
+    from sits.runtime.router.canary import CanarySplit
+
+    stable, canary = Replica("http://s", track="stable"), Replica("http://c", track="canary")
+    split = CanarySplit(weight=25, tenants=("beta",))
+    chosen = [split.split([stable, canary], "acme")[0][0].url for _ in range(100)]
+    assert chosen.count("http://c") == 25 and "http://c" in chosen[:4]
+    assert all(split.split([stable, canary], "beta") == ([canary], [stable]) for _ in range(5))
+    assert split.split([stable], "beta") == ([stable], [])  # no canary up: everyone on stable
+    with pytest.raises(ValueError):
+        CanarySplit(weight=101)
