@@ -114,3 +114,14 @@ def test_the_canary_split_takes_its_weight_exactly_and_its_tenants_whole():
     assert split.split([stable], "beta") == ([stable], [])  # no canary up: everyone on stable
     with pytest.raises(ValueError):
         CanarySplit(weight=101)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--replica", "localhost:8000"], "--replica must be an http(s)://host:port URL"),
+    (["--replica", "http://127.0.0.1:1", "--weights", "speed=2"], "--weights takes name=value pairs"),
+    (["--replica", "http://127.0.0.1:1", "--canary-weight", "150"], "--canary-weight must be 0..100"),
+])
+def test_bad_flags_are_one_line_errors(flags, message):
+    result = subprocess.run([sys.executable, "-m", "sits.runtime.router", *flags], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
