@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -40,6 +41,7 @@ from sits.runtime.tenancy.tenants import Tenant
 log = logging.getLogger(__name__)
 
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+INLINE_HASH_BYTES = 32_768  # larger bodies are tokenized and hashed off the event loop
 
 
 @dataclass
@@ -101,7 +103,10 @@ def build_app(state: RouterState) -> Starlette:
         if isinstance(tenant, Response):
             return tenant
         body = await request.body()
-        key = _prompt_key(state, request.url.path, body, tenant)
+        if len(body) > INLINE_HASH_BYTES:
+            key = await asyncio.to_thread(_prompt_key, state, request.url.path, body, tenant)
+        else:
+            key = _prompt_key(state, request.url.path, body, tenant)
         return await _route(state, request, body, key, tenant)
 
     async def passthrough(request: Request) -> Response:

@@ -140,6 +140,10 @@ def test_a_replicas_4xx_passes_through_unchanged(cluster):
     bad = httpx.post(f"{cluster.url}/v1/chat/completions", json={"model": "tiny", "messages": []},
                      headers=headers, timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
+    # A large body (hashed off the router's event loop) that the replica refuses as too long.
+    long_body = {"model": "tiny", "prompt": "refund " * 6000, "max_tokens": 2}
+    too_long = httpx.post(f"{cluster.url}/v1/completions", json=long_body, headers=headers, timeout=60)
+    assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
 
 
 def test_requests_go_to_the_replica_that_holds_the_tenants_prefix(cluster):
