@@ -14,7 +14,7 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -25,6 +25,7 @@ from starlette.routing import Route
 
 from sits.runtime.router.canary import CanarySplit
 from sits.runtime.router.config import RouterConfig
+from sits.runtime.router.discovery import EndpointSliceDiscovery, ServiceRef
 from sits.runtime.router.index import KVIndex, RoutingHistory
 from sits.runtime.router.kv_events import KVStateReader
 from sits.runtime.router.metrics import RouterMetrics
@@ -56,21 +57,24 @@ class RouterState:
     router: Router
     metrics: RouterMetrics
     canary: CanarySplit
+    services: list[ServiceRef] = field(default_factory=list)
     pool: ReplicaPool | None = None
     forwarder: Forwarder | None = None
     kv_reader: KVStateReader | None = None
+    discovery: EndpointSliceDiscovery | None = None
 
 
 def build_router_state(config: RouterConfig, hasher: PromptHasher) -> RouterState:
     """Everything but the network parts (started in the app's lifespan). Raises ConfigError /
     TenantConfigError for bad options."""
     config.validate()
+    services = [ServiceRef.parse(text) for text in config.discover]  # ConfigError before any I/O
     tenancy = Tenancy.from_config(TenancyConfig(tenants_file=config.tenants_file, state_store=config.state_store,
                                                 deployment=config.deployment))
     index, history = KVIndex(), RoutingHistory(config.history_blocks)
     router = Router(config.policy, config.weights, index, history, recent_s=config.recent_s)
     canary = CanarySplit(config.canary_weight, config.canary_tenants)
-    return RouterState(config, tenancy, hasher, index, history, router, RouterMetrics(), canary)
+    return RouterState(config, tenancy, hasher, index, history, router, RouterMetrics(), canary, services)
 
 
 def build_app(state: RouterState) -> Starlette:
@@ -90,9 +94,14 @@ def build_app(state: RouterState) -> Starlette:
                                                 interval_s=config.kv_poll_interval_s)
                 await state.kv_reader.start()
             await state.pool.start()
+            if state.services:
+                state.discovery = EndpointSliceDiscovery(state.services, state.pool, config.kube_api)
+                await state.discovery.start()
             try:
                 yield
             finally:
+                if state.discovery is not None:
+                    await state.discovery.close()
                 await state.pool.close()
                 if state.kv_reader is not None:
                     await state.kv_reader.close()

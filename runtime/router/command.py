@@ -33,8 +33,13 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--replica", action="append", required=True, metavar="URL",
+    parser.add_argument("--replica", action="append", default=[], metavar="URL",
                         help="a replica's base URL (repeat for each replica)")
+    parser.add_argument("--discover", action="append", default=[], metavar="NAMESPACE/SERVICE",
+                        help="a Service whose ready endpoints are replicas (its EndpointSlices; repeat for "
+                             "stable and canary)")
+    parser.add_argument("--kube-api", default=None, metavar="URL",
+                        help="the Kubernetes API for --discover (default: in-cluster)")
     parser.add_argument("--state-store", default="memory://", metavar="URL",
                         help="the replicas' --state-store (redis://host:port/db): their KV state and tenant table")
     parser.add_argument("--deployment", default="default", metavar="NAME", help="the replicas' --deployment")
@@ -63,7 +68,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
                         chat_template=args.chat_template, served_model_name=args.served_model_name,
                         block_size=args.block_size, host=args.host, port=args.port,
                         canary_weight=args.canary_weight,
-                        canary_tenants=tuple(t.strip() for t in args.canary_tenants.split(",") if t.strip()))
+                        canary_tenants=tuple(t.strip() for t in args.canary_tenants.split(",") if t.strip()),
+                        discover=tuple(args.discover), kube_api=args.kube_api)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import os
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -81,6 +82,8 @@ class RouterConfig:
             replica publishes its blocks only once a request has finished with them).
         canary_weight: percent of requests for canary-track replicas while one is up (`canary.py`).
         canary_tenants: tenants whose requests all go to the canary while one is up.
+        discover: NAMESPACE/SERVICE of Services whose ready endpoints are the replicas (in addition
+            to `replicas`); kube_api: the Kubernetes API for it (None: in-cluster).
     """
 
     replicas: list[str]
@@ -101,10 +104,12 @@ class RouterConfig:
     recent_s: float = 30.0
     canary_weight: int = 0
     canary_tenants: tuple[str, ...] = ()
+    discover: tuple[str, ...] = ()
+    kube_api: str | None = None
 
     def validate(self) -> None:
-        if not self.replicas:
-            raise ConfigError("give at least one --replica URL")
+        if not self.replicas and not self.discover:
+            raise ConfigError("give at least one --replica URL or --discover NAMESPACE/SERVICE")
         for url in self.replicas:
             parts = urlsplit(url)
             if parts.scheme not in ("http", "https") or not parts.netloc:
@@ -115,6 +120,8 @@ class RouterConfig:
             raise ConfigError(f"--block-size must be >= 1, got {self.block_size}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be 0..65535, got {self.port}")
+        if self.discover and self.kube_api is None and "KUBERNETES_SERVICE_HOST" not in os.environ:
+            raise ConfigError("--discover outside a pod needs --kube-api URL")
         if not 0 <= self.canary_weight <= 100:
             raise ConfigError(f"--canary-weight must be 0..100 percent, got {self.canary_weight}")
         if self.health_interval_s <= 0 or self.kv_poll_interval_s <= 0:

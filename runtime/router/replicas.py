@@ -84,11 +84,21 @@ class ReplicaPool:
             await asyncio.sleep(self.interval_s)
             await self.probe_all()
 
+    def set_urls(self, urls: list[str]) -> tuple[list[Replica], list[str]]:
+        """Make the pool these URLs (service discovery): returns (replicas added, not yet probed
+        and so not up; URLs removed). Kept replicas keep their state."""
+        wanted = list(dict.fromkeys(url.rstrip("/") for url in urls))
+        removed = [r.url for r in self.replicas if r.url not in wanted]
+        added = [Replica(url, up=False) for url in wanted if self.by_url(url) is None]
+        self.replicas = [r for r in self.replicas if r.url in wanted] + added
+        return added, removed
+
     async def probe_all(self) -> None:
-        await asyncio.gather(*(self._probe(replica) for replica in self.replicas))
+        await asyncio.gather(*(self.probe(replica) for replica in list(self.replicas)))
         self.probes += 1
 
-    async def _probe(self, replica: Replica) -> None:
+    async def probe(self, replica: Replica) -> None:
+        """Ask the replica's /health (and, once up, who it is); up or down accordingly."""
         try:
             response = await self._client.get(f"{replica.url}/health", timeout=self.interval_s)
             healthy, reason = response.status_code == 200, f"/health answered {response.status_code}"
