@@ -18,6 +18,7 @@ COMMANDS: dict[str, str] = {
     "generate": "sits.runtime.commands.generate",
     "bench": "sits.runtime.commands.bench",
     "operator": "sits.operator.__main__",
+    "router": "sits.runtime.router.command",
 }
 
 

@@ -12,12 +12,12 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gguf
-import torch
 
-from sits.runtime.models.gguf_quants import dequantize
+if TYPE_CHECKING:  # torch is only needed to read tensors: metadata and the tokenizer stay torch-free
+    import torch
 
 # general.architecture → HF architecture; Mistral 7B files use "llama".
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -117,6 +117,8 @@ class GGUFCheckpoint:
     def _rope_scaling(self, names: set[str]) -> dict[str, Any]:
         if "rope_freqs.weight" in names:  # Llama 3.1: the scaled frequencies' divisors, precomputed
             tensor = next(t for t in self.reader.tensors if t.name == "rope_freqs.weight")
+            from sits.runtime.models.gguf_quants import dequantize
+
             factors = dequantize(tensor.data, int(tensor.tensor_type), (int(tensor.shape[0]),)).float()
             return {"rope_scaling": {"rope_type": "freq_factors", "factors": factors.tolist()}}
         kind = self._meta("rope.scaling.type")
@@ -128,6 +130,8 @@ class GGUFCheckpoint:
 
     def iter_hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, tensor) for every weight, dequantized (float32) or as stored (F32/F16/BF16)."""
+        from sits.runtime.models.gguf_quants import dequantize
+
         heads = int(self._meta("attention.head_count"))
         kv_heads = int(self._meta("attention.head_count_kv") or heads)
         for tensor in self.reader.tensors:

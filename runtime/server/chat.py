@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from sits.runtime.engine.request import RequestOutput, SamplingParams
 from sits.runtime.engine.structured_output import StructuredOutputError
+from sits.runtime.server.chat_render import template_message
 from sits.runtime.server.errors import as_openai_error, invalid_request
 from sits.runtime.server.logprobs import LogprobFormatter
 from sits.runtime.server.protocol import ChatCompletionRequest, ChatMessage, ToolDefinition
@@ -213,27 +214,3 @@ def echo_text(body: ChatCompletionRequest) -> str:
     continues its role (an assistant message, e.g. with continue_final_message), else nothing."""
     last = body.messages[-1]
     return last.text() if body.echo and last.role == "assistant" else ""
-
-
-def template_message(message: ChatMessage) -> dict[str, Any]:
-    """One message as HF chat templates read it: OpenAI's "developer" is the system prompt for
-    models trained without it, and a call's arguments are an object (templates `tojson` them)."""
-    entry: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role,
-                             "content": message.text()}
-    if message.name:
-        entry["name"] = message.name
-    if message.tool_call_id is not None:
-        entry["tool_call_id"] = message.tool_call_id
-    if message.tool_calls:
-        entry["tool_calls"] = [{"id": call.id, "type": call.type,
-                                "function": {"name": call.function.name,
-                                             "arguments": _arguments_object(call.function.arguments)}}
-                               for call in message.tool_calls]
-    return entry
-
-
-def _arguments_object(arguments: str) -> Any:
-    try:
-        return json.loads(arguments)
-    except ValueError:
-        return arguments  # not JSON: the template gets the text the client sent

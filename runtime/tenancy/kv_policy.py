@@ -15,6 +15,8 @@ Plugs into `sits.runtime.engine.block_pool.BlockPool` through its `EvictionPolic
 - `may_take_empty(owner)`, asked before each empty block, says no once the owner's headroom is
   spent: the free blocks left are other tenants' unfilled guarantees, so the pool evicts for it
   (its own cached blocks, or an over-share tenant's) or refuses.
+- `cached_block_hashes()` names the prefix hashes this replica can serve from its cache (blocks
+  seen with a hash when released or hit, until they are emptied), for the router's KV index.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class TenantEvictionPolicy(EvictionPolicy):
                                           engine_start=engine_start, clock=clock)
         self._holder: dict[int, str] = {}  # block id -> tenant holding it (mirrors the pool)
         self._evictable: dict[int, KVBlock] = {}
+        self._hash_of: dict[int, bytes] = {}  # block id -> prefix hash, while the block is findable
         self._pending_table: TenantTable | None = None
 
     def apply_table(self, table: TenantTable) -> None:
@@ -68,6 +71,7 @@ class TenantEvictionPolicy(EvictionPolicy):
         owner = block.last_owner
         tenant = self._holder.get(block.block_id) or (owner.tenant if owner else "default")
         self._evictable[block.block_id] = block
+        self._note_hash(block)
         self.scores.block_cached(block.block_id, tenant, owner.request_id if owner else "")
 
     def remove(self, block: KVBlock) -> None:
@@ -101,12 +105,20 @@ class TenantEvictionPolicy(EvictionPolicy):
         self._holder[block.block_id] = owner.tenant
         self.shards.charge(owner.tenant)
 
+    def on_touch(self, block: KVBlock, owner: BlockOwner) -> None:
+        self._note_hash(block)
+
     def on_empty(self, block: KVBlock, holder: str) -> None:
+        self._hash_of.pop(block.block_id, None)
         self._uncharge(block.block_id)
 
     def on_release(self, block: KVBlock) -> None:
         if block.ref_count == 0 and block.block_hash is None:  # about to become empty
             self._uncharge(block.block_id)
+
+    def _note_hash(self, block: KVBlock) -> None:
+        if block.block_hash is not None:
+            self._hash_of[block.block_id] = block.block_hash
 
     def _uncharge(self, block_id: int) -> None:
         holder = self._holder.pop(block_id, None)
@@ -127,6 +139,18 @@ class TenantEvictionPolicy(EvictionPolicy):
     @property
     def evictions_total(self) -> dict[str, int]:
         return dict(self.scores.evictions_total)
+
+    def cached_block_hashes(self) -> frozenset[bytes]:
+        """Prefix hashes of the blocks a prompt can hit now (released or hit since they were
+        cached, not yet emptied); at most `num_blocks` of them. Call it on the engine's thread."""
+        return frozenset(self._hash_of.values())
+
+    def kv_usage(self) -> float:
+        """Fraction of the cache's blocks referenced by running requests (cached-but-idle blocks
+        are free to take), 0..1."""
+        total = self.shards.total_blocks
+        in_use = sum(u.held for u in self.usage().values()) - len(self._evictable)
+        return min(max(in_use / total, 0.0), 1.0) if total else 0.0
 
     def eviction_index(self) -> dict[str, EvictionIndexEntry]:
         """This replica's entry for `StateStore.publish_eviction_index` (call it on the engine's

@@ -33,6 +33,7 @@ class TenancySnapshot:
     rate_limited_total: Mapping[str, int] = field(default_factory=dict)
     state_store_up: bool = True
     tenants: tuple[str, ...] = ()  # every configured tenant gets a series, zero when idle
+    replica_id: str | None = None  # this replica's name in the state store (the router maps URLs to it)
 
 
 class TenancyCollector:
@@ -73,6 +74,12 @@ class TenancyCollector:
                                labels=("model", "track"))
         up.add_metric([self._model, self._track], 1.0 if snap.state_store_up else 0.0)
         yield up
+        if snap.replica_id is not None:
+            info = GaugeMetricFamily("sits_state_store_replica", "1, labelled with this replica's name in the "
+                                     "state store (its KV state for routers is published under it).",
+                                     labels=("model", "track", "replica_id"))
+            info.add_metric([self._model, self._track, snap.replica_id], 1.0)
+            yield info
 
     def _family(self, kind: type, name: str, doc: str, values: Mapping[str, float]) -> Metric:
         family = kind(name, doc, labels=LABELS)

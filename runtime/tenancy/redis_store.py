@@ -6,6 +6,11 @@ Keys (all under `sits:{deployment}:`):
     usage:{replica}      hash "{tenant}|{field}" -> this replica's total since it started
     usage:retired        hash "{tenant}|{field}" -> totals of replicas that shut down cleanly
     eviction:{replica}   hash tenant -> JSON EvictionIndexEntry
+    kv:{replica}         set of hex prefix hashes the replica's cache holds (for `sits router`)
+    load:{replica}       hash {waiting, kv_usage, blocks, version, published_at}: the replica's load, and
+                         a version that changes whenever its kv set does (for the router)
+                         (both expire `kv_ttl_s` after the replica's last write: a dead replica's
+                         entries vanish; a live one sends only what changed, all after a restart)
     rl:{tenant}:{window} hash "r:{replica}" / "t:{replica}" -> requests / tokens in that window
 
 Every value a replica writes is its own absolute count (usage totals, window counts raised with a
@@ -47,6 +52,7 @@ from sits.runtime.tenancy.state_store import (
     USAGE_FIELDS,
     Admission,
     EvictionIndexEntry,
+    ReplicaKVState,
     StateStore,
     TenantTableRecord,
 )
@@ -69,12 +75,13 @@ class RedisStateStore(StateStore):
         window_s: rate-limit window length.
         max_pending: pending keys that trigger a flush before the interval ends.
         replica_stale_s: replicas silent longer than this are left out of the eviction index.
+        kv_ttl_s: the KV state's keys expire this long after the replica's last write.
     """
 
     def __init__(self, url: str, deployment: str = "default", replica_id: str | None = None, *,
                  flush_interval_s: float = 0.5, op_timeout_s: float = 0.5, backoff_initial_s: float = 0.1,
                  backoff_max_s: float = 5.0, window_s: float = WINDOW_S, max_pending: int = 1024,
-                 replica_stale_s: float = 60.0) -> None:
+                 replica_stale_s: float = 60.0, kv_ttl_s: float = 5.0) -> None:
         super().__init__(deployment, replica_id)
         self._link = RedisLink(url, self._flush_once, self._write_back, flush_interval_s=flush_interval_s,
                                op_timeout_s=op_timeout_s, backoff_initial_s=backoff_initial_s,
@@ -85,6 +92,7 @@ class RedisStateStore(StateStore):
         self.window_s = window_s
         self.max_pending = max_pending
         self.replica_stale_s = replica_stale_s
+        self.kv_ttl_s = kv_ttl_s
         self._admit = self._redis.register_script(redis_scripts.ADMIT)
         self._raise_fields = self._redis.register_script(redis_scripts.RAISE_FIELDS)
         self._put_tenants = self._redis.register_script(redis_scripts.PUT_TENANTS)
@@ -98,6 +106,9 @@ class RedisStateStore(StateStore):
         self._usage_dirty: set[str] = set()
         self._eviction_index: dict[str, EvictionIndexEntry] = {}
         self._eviction_dirty = False
+        self._kv_state: ReplicaKVState | None = None
+        self._kv_sent: frozenset[bytes] | None = None  # the hashes Redis holds (None: rewrite them all)
+        self._kv_version = 0  # bumped with every change of the published hash set
         self._windows = WindowBook()
 
     def __repr__(self) -> str:
@@ -138,6 +149,7 @@ class RedisStateStore(StateStore):
         """Rewrite all local state (after a reconnect, or Redis lost it): idempotent."""
         self._usage_dirty.update(self._usage)
         self._eviction_dirty = True
+        self._kv_sent = None
         index = window_index(time.time(), self.window_s)
         self._windows.dirty.update((t, i) for t, i, _, _ in self._windows.recent(index))
         if self._table is not None:
@@ -182,16 +194,49 @@ class RedisStateStore(StateStore):
                 pipe.delete(key)
                 if self._eviction_index:
                     pipe.hset(key, mapping={t: json.dumps(asdict(e)) for t, e in self._eviction_index.items()})
+            kv_sending = self._queue_kv_state(pipe, full)
             pipe.hset(self._key("replicas"), self.replica_id, f"{time.time():.3f}")
             results = await pipe.execute()
+        if kv_sending is not None:
+            self._kv_sent = kv_sending
         if not results[0] and self._heartbeat_written and not full:
             # Our heartbeat vanished: Redis restarted (or was flushed) behind a live connection.
             log.warning("state store %s lost this replica's state; writing it back", self.url)
             self._usage_dirty.update(self._usage)
             self._eviction_dirty = True
+            self._kv_sent = None
             self._windows.dirty.update((t, i) for t, i, _, _ in self._windows.recent(current))
             self._link.wake()
         self._heartbeat_written = True
+
+    def _queue_kv_state(self, pipe: Any, full: bool) -> frozenset[bytes] | None:
+        """Queue this replica's KV state on `pipe`: the hashes that changed since the last write
+        (all of them after a reconnect), its load, and fresh expiry times. Returns the hash set
+        Redis will hold once the pipeline ran (None: nothing published yet)."""
+        state = self._kv_state
+        if state is None:
+            return None
+        key, ttl_ms = self._key("kv", self.replica_id), max(1, int(self.kv_ttl_s * 1000))
+        sent = None if full else self._kv_sent
+        removed: frozenset[bytes]
+        if sent is None:
+            pipe.delete(key)
+            added, removed = state.block_hashes, frozenset()
+        else:
+            added, removed = state.block_hashes - sent, sent - state.block_hashes
+        if removed:
+            pipe.srem(key, *(h.hex() for h in removed))
+        if added:
+            pipe.sadd(key, *(h.hex() for h in added))
+        if sent is None or added or removed:
+            self._kv_version += 1
+        pipe.pexpire(key, ttl_ms)
+        load_key = self._key("load", self.replica_id)
+        pipe.hset(load_key, mapping={"waiting": state.waiting, "kv_usage": f"{state.kv_usage:.4f}",
+                                     "blocks": len(state.block_hashes), "version": f"{self.replica_id}/{self._kv_version}",
+                                     "published_at": f"{time.time():.3f}"})
+        pipe.pexpire(load_key, ttl_ms)
+        return state.block_hashes
 
     async def _retire(self) -> None:
         """Fold this replica's usage into usage:retired and remove its keys, atomically."""
@@ -200,7 +245,8 @@ class RedisStateStore(StateStore):
                 for name, value in usage.items():
                     if value:
                         pipe.hincrby(self._key("usage", "retired"), f"{tenant}|{name}", value)
-            pipe.delete(self._key("usage", self.replica_id), self._key("eviction", self.replica_id))
+            pipe.delete(self._key("usage", self.replica_id), self._key("eviction", self.replica_id),
+                        self._key("kv", self.replica_id), self._key("load", self.replica_id))
             pipe.hdel(self._key("replicas"), self.replica_id)
             await pipe.execute()
 
@@ -286,6 +332,9 @@ class RedisStateStore(StateStore):
     def publish_eviction_index(self, entries: Mapping[str, EvictionIndexEntry]) -> None:
         self._eviction_index = dict(entries)
         self._eviction_dirty = True
+
+    def publish_kv_state(self, state: ReplicaKVState) -> None:
+        self._kv_state = state
 
     async def get_eviction_index(self) -> dict[str, dict[str, EvictionIndexEntry]]:
         result = {self.replica_id: dict(self._eviction_index)} if self._eviction_index else {}

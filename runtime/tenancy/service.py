@@ -29,7 +29,7 @@ from sits.runtime.tenancy.auth import Authenticator, AuthMode
 from sits.runtime.tenancy.config import TenancyConfig
 from sits.runtime.tenancy.limits import RateLimiter
 from sits.runtime.tenancy.metrics import TenancyCollector, TenancySnapshot
-from sits.runtime.tenancy.state_store import StateStore, open_state_store
+from sits.runtime.tenancy.state_store import ReplicaKVState, StateStore, open_state_store
 from sits.runtime.tenancy.tenant_sync import TenantRegistry, TenantSync
 from sits.runtime.tenancy.tenants import SHARED_PREFIX_SALT, Tenant, TenantTable, load_tenants_file
 
@@ -54,6 +54,7 @@ class Tenancy:
                                require_keys=gateway is None) if seed.requires_auth else None
         self.engine_start = time.time()
         self._policies: list = []
+        self._queues: list = []
 
     @classmethod
     def from_config(cls, config: TenancyConfig) -> Tenancy:
@@ -146,9 +147,13 @@ class Tenancy:
         """Hand this replica's eviction index to the store (written in its next batch; no I/O).
         Call it on the engine's thread (`AsyncEngine.add_periodic`): it reads the index."""
         entries: dict = {}
+        hashes: set[bytes] = set()
         for policy in self._policies:
             entries.update(policy.eviction_index())
+            hashes.update(policy.cached_block_hashes())
         self.store.publish_eviction_index(entries)
+        kv_usage = max((policy.kv_usage() for policy in self._policies), default=0.0)
+        self.store.publish_kv_state(ReplicaKVState(frozenset(hashes), sum(len(q) for q in self._queues), kv_usage))
 
     def fair_queue(self):
         """The scheduler's WaitingQueue, weighted by the tenants' `weight`, following live updates."""
@@ -161,6 +166,7 @@ class Tenancy:
                 queue.set_weight(name, weight)
 
         self.registry.subscribe(reweigh)
+        self._queues.append(queue)
         return queue
 
     def snapshot(self) -> TenancySnapshot:
@@ -171,7 +177,8 @@ class Tenancy:
             evictions.update(policy.evictions_total)
         return TenancySnapshot(blocks=blocks, evictions_total=evictions,
                                rate_limited_total=dict(self.limiter.rate_limited_total),
-                               state_store_up=self.store.up, tenants=tuple(self.table.names))
+                               state_store_up=self.store.up, tenants=tuple(self.table.names),
+                               replica_id=self.store.replica_id)
 
     def collector(self, model: str, track: str) -> TenancyCollector:
         return TenancyCollector(self.snapshot, model, track)

@@ -7,6 +7,8 @@ What a store holds, per deployment:
 - the tenant table (digests, never keys), versioned so replicas pick up live edits;
 - per-tenant usage counters (requests, prompt and completion tokens);
 - the eviction index (each replica's cached blocks and lowest score per tenant);
+- each replica's KV state for the router: the prefix hashes it holds and its load, expiring
+  when the replica stops publishing (`ReplicaKVState`);
 - rate-limit windows, shared by all replicas.
 
 Calls on the serving path never wait for the network: `add_usage`, `add_window_tokens` and
@@ -63,6 +65,22 @@ class EvictionIndexEntry:
     guaranteed_blocks: int
     lowest_score: float
     evictions_total: int
+
+
+@dataclass(frozen=True)
+class ReplicaKVState:
+    """What a replica tells the router about its KV cache (`sits router --policy precise`).
+
+    Attributes:
+        block_hashes: prefix hashes (`sits.runtime.engine.prefix_hash`, 32 bytes each) a prompt
+            can hit on this replica now; at most the cache's block count.
+        waiting: requests queued for admission.
+        kv_usage: fraction of KV blocks referenced by running requests, 0..1.
+    """
+
+    block_hashes: frozenset[bytes]
+    waiting: int
+    kv_usage: float
 
 
 class StateStore(ABC):
@@ -128,6 +146,10 @@ class StateStore(ABC):
     @abstractmethod
     async def get_eviction_index(self) -> dict[str, dict[str, EvictionIndexEntry]]:
         """{replica_id: {tenant: entry}} for every replica that published one."""
+
+    def publish_kv_state(self, state: ReplicaKVState) -> None:  # noqa: B027 - only shared stores publish
+        """Replace this replica's KV state for routers; returns at once (a local store ignores it:
+        no router can read it)."""
 
     # -- rate-limit windows ---------------------------------------------------------------------
 
