@@ -84,7 +84,7 @@ def check_spec_limits(spec: StructuredOutputSpec, limits: GrammarLimits) -> None
     if size > limits.max_bytes:
         raise StructuredOutputError(f"{spec.source} is {size} bytes; at most {limits.max_bytes} are accepted",
                                     spec.param)
-    depth = nesting_depth(text, json_text=spec.kind == "json_schema")
+    depth = nesting_depth(text, spec.kind)
     if depth > limits.max_depth:
         raise StructuredOutputError(f"{spec.source} nests {depth} levels deep; at most {limits.max_depth} "
                                     "are accepted", spec.param)
@@ -93,13 +93,15 @@ def check_spec_limits(spec: StructuredOutputSpec, limits: GrammarLimits) -> None
 _OPEN, _CLOSE = frozenset("{[("), frozenset("}])")
 
 
-def nesting_depth(text: str, *, json_text: bool) -> int:
-    """The deepest nesting of brackets in `text`, outside string literals.
+def nesting_depth(text: str, kind: str) -> int:
+    """The deepest nesting of brackets in `text` (a spec's kind: json_schema, regex, grammar, choice).
 
-    JSON (`json_text`): objects and arrays, strings in double quotes. Otherwise (regex, EBNF):
-    parentheses, brackets and braces, skipping backslash escapes and double-quoted literals.
-    Linear in the text, no recursion (the text may nest far deeper than Python's stack).
+    JSON: objects and arrays, outside double-quoted strings. Grammar (EBNF) and choice: (), [] and {}
+    outside double-quoted literals. Regex: (), [] and {} wherever they are (a quote is an ordinary
+    character there), except backslash-escaped ones. Linear, no recursion (the text may nest far
+    deeper than Python's stack).
     """
+    quotes = kind != "regex"
     depth = deepest = 0
     in_string = escaped = False
     for char in text:
@@ -109,12 +111,12 @@ def nesting_depth(text: str, *, json_text: bool) -> int:
             escaped = True
         elif in_string:
             in_string = char != '"'
-        elif char == '"':
+        elif char == '"' and quotes:
             in_string = True
-        elif char in _OPEN and (not json_text or char != "("):
+        elif char in _OPEN and (kind != "json_schema" or char != "("):
             depth += 1
             deepest = max(deepest, depth)
-        elif char in _CLOSE and (not json_text or char != ")"):
+        elif char in _CLOSE and (kind != "json_schema" or char != ")"):
             depth = max(depth - 1, 0)
     return deepest
 
