@@ -120,6 +120,9 @@ def serving_metrics(listener: MetricsListener | None, app: Any) -> Iterator[None
     if listener is None:
         yield
         return
-    with listener.start(app.state.metrics.exposition):
-        logger.info("metrics at http://%s:%d/metrics (not on the API port)", listener.host, listener.port)
+    listener.start(app.state.metrics.exposition)
+    logger.info("metrics at http://%s:%d/metrics (not on the API port)", listener.host, listener.port)
+    try:
         yield
+    finally:
+        listener.stop()
