@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
-from typing import Any
+from typing import Any, TypedDict
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
@@ -54,12 +54,20 @@ async def _admin_tenant(request: Request, _tenant: str = Depends(request_tenant)
                                "`admin: true` (or scrape the --metrics-port listener).", code="permission_denied")
 
 
-def api_docs_urls(enabled: bool | None, tenants_mode: bool) -> dict[str, str | None]:
+class ApiDocUrls(TypedDict):
+    """FastAPI's arguments that serve (a path) or hide (None) the API docs."""
+
+    docs_url: str | None
+    redoc_url: str | None
+    openapi_url: str | None
+
+
+def api_docs_urls(enabled: bool | None, tenants_mode: bool) -> ApiDocUrls:
     """FastAPI's docs_url / redoc_url / openapi_url: off in tenants mode unless enabled (None: the default)."""
     on = (not tenants_mode) if enabled is None else enabled
     if on:
-        return {"docs_url": "/docs", "redoc_url": "/redoc", "openapi_url": "/openapi.json"}
-    return {"docs_url": None, "redoc_url": None, "openapi_url": None}
+        return ApiDocUrls(docs_url="/docs", redoc_url="/redoc", openapi_url="/openapi.json")
+    return ApiDocUrls(docs_url=None, redoc_url=None, openapi_url=None)
 
 
 def public_model_root(source: str | None, model_name: str) -> str:
