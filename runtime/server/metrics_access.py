@@ -16,6 +16,7 @@ moves it. In tenants mode /docs, /redoc and /openapi.json are off unless `--enab
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -76,15 +77,28 @@ def public_model_root(source: str | None, model_name: str) -> str:
     return source if source and source.startswith(HF_SCHEME) else model_name
 
 
+class _MetricsServer(ThreadingHTTPServer):
+    daemon_threads = True
+    exposition: Callable[[], bytes] | None = None  # set before serving
+
+
+class _MetricsServerV6(_MetricsServer):
+    address_family = socket.AF_INET6
+
+
 class _MetricsHandler(BaseHTTPRequestHandler):
-    exposition: Callable[[], bytes]
+    server: _MetricsServer
     timeout = LISTENER_SOCKET_TIMEOUT_S
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
         if self.path.split("?", 1)[0] != METRICS_PATH:
             self.send_error(404)
             return
-        body = self.exposition()
+        exposition = self.server.exposition
+        if exposition is None:
+            self.send_error(503)
+            return
+        body = exposition()
         self.send_response(200)
         self.send_header("Content-Type", CONTENT_TYPE)
         self.send_header("Content-Length", str(len(body)))
@@ -99,30 +113,25 @@ class MetricsListener:
     """A second HTTP listener that serves GET /metrics only, in a daemon thread.
 
     Args:
+        host, port: where to listen (port 0: a free one; `port` tells which).
         exposition: returns the Prometheus text (e.g. `ServerMetrics.exposition`); may be given
             later to `start` (bind first, so a taken port fails before the model loads).
-        host, port: where to listen (port 0: a free one; `port` tells which).
     Binds at construction (OSError when the port is taken). Use as a context manager, or
     `start()` / `stop()`.
     """
 
     def __init__(self, host: str, port: int, exposition: Callable[[], bytes] | None = None) -> None:
-        self._handler = handler = type("MetricsHandler", (_MetricsHandler,), {})
-        if exposition is not None:
-            handler.exposition = staticmethod(exposition)  # type: ignore[assignment]
-        server_class = ThreadingHTTPServer
-        if ":" in host:
-            server_class = type("ThreadingHTTPServerV6", (ThreadingHTTPServer,), {"address_family": 10})
-        self._server = server_class((host, port), handler)
-        self._server.daemon_threads = True
+        server_class = _MetricsServerV6 if ":" in host else _MetricsServer
+        self._server = server_class((host, port), _MetricsHandler)
+        self._server.exposition = exposition
         self.host = host
-        self.port = self._server.server_address[1]
+        self.port = int(self._server.server_address[1])
         self._thread = threading.Thread(target=self._server.serve_forever, name=f"sits-metrics-{self.port}",
                                         daemon=True)
 
     def start(self, exposition: Callable[[], bytes] | None = None) -> MetricsListener:
         if exposition is not None:
-            self._handler.exposition = staticmethod(exposition)  # type: ignore[assignment]
+            self._server.exposition = exposition
         self._thread.start()
         return self
 
