@@ -9,8 +9,9 @@ takes any admission slot (`GenerationGate`, `AdmissionControl`), its constraint 
    of a schema; parentheses, brackets and braces of a regex or grammar). Beyond: a 400 naming the
    param the client sent (`response_format`, `tools`, `structured_outputs`, `guided_*`).
 2. **The cache**: a constraint compiled lately is served from the engine's `GrammarCache` at once.
-3. **A per-tenant bound**: a tenant has at most `per_tenant` compiles in flight; one more is a 429
-   (Retry-After), so a tenant cannot fill the workers that other tenants need.
+3. **A per-tenant bound**: a tenant runs at most `per_tenant` compiles at once, and at most
+   `queue_per_tenant` more wait for their turn (holding no admission slot, only their connection);
+   one more is a 429 (Retry-After). A tenant cannot fill the workers that other tenants need.
 4. **A worker process with a timeout** (`grammar_worker.py`, `workers` of them, started on first
    use): the compile runs there first. Past `compile_timeout_s` the worker is killed and the
    request gets a 400 naming its param; when the client leaves meanwhile, the worker is killed too.
@@ -59,7 +60,8 @@ class GrammarLimits:
         max_bytes: UTF-8 bytes of a constraint's text (schema JSON, regex, grammar, choices).
         compile_timeout_s: seconds a compile may run in a worker before it is killed (a 400).
         workers: worker processes (and grammar threads) at most.
-        per_tenant: compiles one tenant may have in flight; one more is a 429.
+        per_tenant: compiles one tenant may run at once (the others wait their turn).
+        queue_per_tenant: compiles of one tenant that may wait for their turn; one more is a 429.
     """
 
     max_depth: int = 64
@@ -67,12 +69,15 @@ class GrammarLimits:
     compile_timeout_s: float = 10.0
     workers: int = 2
     per_tenant: int = 1
+    queue_per_tenant: int = 8
 
     def validate(self) -> None:
         """Raises ValueError naming the bound that is out of range."""
         for name in ("max_depth", "max_bytes", "workers", "per_tenant"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.queue_per_tenant < 0:
+            raise ValueError(f"queue_per_tenant must be >= 0, got {self.queue_per_tenant}")
         if not self.compile_timeout_s > 0:
             raise ValueError(f"compile_timeout_s must be positive, got {self.compile_timeout_s}")
 
@@ -186,6 +191,7 @@ class GrammarCompiler:
         self._idle: list[_Worker] = []
         self._busy: set[_Worker] = set()
         self._in_flight: dict[str, int] = {}  # tenant -> compiles waiting or running
+        self._tenant_turns: dict[str, asyncio.Semaphore] = {}  # tenant -> its `per_tenant` running compiles
         self._tokenizer_info: str | None = None
         self.killed = 0  # workers killed (timeout or client gone), cumulative
 
@@ -214,7 +220,7 @@ class GrammarCompiler:
                 worker killed) and ClientLeft raised.
         Raises:
             StructuredOutputError: over a limit, refused by xgrammar, or past the timeout (400).
-            OpenAIError: 429 when the tenant already has `per_tenant` compiles in flight.
+            OpenAIError: 429 when `per_tenant` + `queue_per_tenant` compiles of the tenant are in flight.
             ClientLeft: the client disconnected first.
         """
         if spec is None:
@@ -226,17 +232,25 @@ class GrammarCompiler:
         check_spec_limits(spec, self.limits)
         if self.cache.contains(spec):
             return
-        if self.in_flight(tenant) >= self.limits.per_tenant:
+        if self.in_flight(tenant) >= self.limits.per_tenant + self.limits.queue_per_tenant:
             raise OpenAIError(429, f"Too many output grammars compiling for this tenant (at most "
-                                   f"{self.limits.per_tenant} at once); retry shortly.",
+                                   f"{self.limits.per_tenant + self.limits.queue_per_tenant} at once, "
+                                   "running or waiting); retry shortly.",
                               param=spec.param, code="too_many_grammar_compiles", headers={"Retry-After": "1"})
         self._in_flight[tenant] = self.in_flight(tenant) + 1
+        turns = self._tenant_turns.setdefault(tenant, asyncio.Semaphore(self.limits.per_tenant))
         try:
-            await self._unless_disconnected(self._checked_then_cached(spec), disconnected)
+            await self._unless_disconnected(self._in_turn(turns, spec), disconnected)
         finally:
             self._in_flight[tenant] -= 1
             if not self._in_flight[tenant]:
                 del self._in_flight[tenant]
+                del self._tenant_turns[tenant]
+
+    async def _in_turn(self, turns: asyncio.Semaphore, spec: StructuredOutputSpec) -> None:
+        async with turns:
+            if not self.cache.contains(spec):  # the same schema may have compiled while this one waited
+                await self._checked_then_cached(spec)
 
     async def _unless_disconnected(self, work: Awaitable[T], disconnected: Callable[[], Awaitable[Any]] | None) -> T:
         task = asyncio.ensure_future(work)

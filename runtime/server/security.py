@@ -70,7 +70,9 @@ def add_security_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--grammar-compile-workers", type=int, default=grammar.workers, metavar="N",
                        help="grammar-compile worker processes")
     group.add_argument("--grammar-compiles-per-tenant", type=int, default=grammar.per_tenant, metavar="N",
-                       help="grammar compiles one tenant may have in flight; beyond: 429")
+                       help="grammar compiles one tenant may run at once (its others wait their turn)")
+    group.add_argument("--grammar-compile-queue-per-tenant", type=int, default=grammar.queue_per_tenant,
+                       metavar="N", help="grammar compiles of one tenant that may wait for their turn; beyond: 429")
     group.add_argument("--http-header-timeout", type=float, default=http.header_timeout_s, metavar="SECONDS",
                        help="a connection must send a request's complete headers within this long")
     group.add_argument("--http-body-min-rate", type=float, default=http.body_min_rate, metavar="BYTES_PER_S",
@@ -84,7 +86,8 @@ def security_from_args(args: argparse.Namespace) -> ServerSecurity:
     """The ServerSecurity of parsed flags; SecurityConfigError naming the flag that is out of range."""
     grammar = GrammarLimits(max_depth=args.grammar_max_depth, max_bytes=args.grammar_max_bytes,
                             compile_timeout_s=args.grammar_compile_timeout, workers=args.grammar_compile_workers,
-                            per_tenant=args.grammar_compiles_per_tenant)
+                            per_tenant=args.grammar_compiles_per_tenant,
+                            queue_per_tenant=args.grammar_compile_queue_per_tenant)
     http = HttpLimits(header_timeout_s=args.http_header_timeout, body_min_rate=args.http_body_min_rate,
                       max_connections=args.http_max_connections)
     try:

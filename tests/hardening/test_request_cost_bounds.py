@@ -1,7 +1,8 @@
 """One request must not stall a shared server (issue 19, items 1, 2, 5 and 7).
 
 A real `sits serve` process (tiny random Llama) with two tenants, a queue of exactly two sequences
-(`--max-num-seqs 2 --max-waiting-requests 0`) and a grammar-compile timeout of 1 s; a thread polls
+(`--max-num-seqs 2 --max-waiting-requests 0`), a grammar-compile timeout of 1 s and one compile per
+tenant with none waiting (a second is a 429 at once, which shows the first in flight); a thread polls
 /health throughout each test and every answer must come within 1 s.
 
 - A schema (or regex, grammar, choice list) nested deeper than the limit is a 400 naming the param
@@ -48,7 +49,7 @@ def server(tiny_llama_dir, tmp_path_factory):
     tenants.write_text("tenants:\n" + "".join(f'  - {{name: {name}, apiKey: "{key}"}}\n' for name, key in KEYS.items()))
     with tiny_server(tiny_llama_dir, "--tenants", str(tenants), "--max-num-seqs", "2", "--max-waiting-requests", "0",
                      "--grammar-max-depth", "600", "--grammar-compile-timeout", "1",
-                     "--grammar-compiles-per-tenant", "1") as service:
+                     "--grammar-compiles-per-tenant", "1", "--grammar-compile-queue-per-tenant", "0") as service:
         yield service
 
 

@@ -91,21 +91,29 @@ def test_compiles_land_in_the_cache_slow_ones_time_out_and_a_leaving_client_kill
             assert compiler.killed == 1 and time.monotonic() - started < 30  # boot + 1 s, not the compile
 
             # the client leaves while its compile runs: the worker is killed at once, long before the timeout
-            compiler.limits = GrammarLimits(max_depth=1000, compile_timeout_s=600, workers=2, per_tenant=1)
+            compiler.limits = GrammarLimits(max_depth=1000, compile_timeout_s=600, workers=2, per_tenant=1,
+                                            queue_per_tenant=1)
             left = asyncio.Event()
             task = asyncio.ensure_future(compiler.compile(slow, "t1", left.wait))
             while not compiler._busy:  # the compile reached a worker
                 await asyncio.sleep(0.01)
             [worker] = compiler._busy
-            with pytest.raises(OpenAIError) as busy:  # one compile per tenant at a time
-                await compiler.compile(json_schema_spec({"type": "string"}), "t1")
+            waiting_spec = json_schema_spec({"type": "string"})
+            waiting = asyncio.ensure_future(compiler.compile(waiting_spec, "t1"))  # waits for t1's turn
+            while compiler.in_flight("t1") < 2:
+                await asyncio.sleep(0.01)
+            with pytest.raises(OpenAIError) as busy:  # one running and one waiting: no more for t1
+                await compiler.compile(json_schema_spec({"type": "number"}), "t1")
             assert busy.value.status == 429 and busy.value.code == "too_many_grammar_compiles"
             await compiler.compile(json_schema_spec({"type": "boolean"}), "t2")  # another tenant is served
+            assert not waiting.done() and len(compiler._busy) == 1
             left.set()
             leaving = time.monotonic()
             with pytest.raises(ClientLeft):
                 await task
             assert worker.process.returncode is not None and time.monotonic() - leaving < 5
+            await waiting  # t1's next compile had its turn
+            assert cache.contains(waiting_spec)
             assert compiler.killed == 2 and compiler.in_flight("t1") == 0
         finally:
             await compiler.close()
