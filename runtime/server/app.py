@@ -20,7 +20,7 @@ from sits.runtime.server.admission import AdmissionCollector, AdmissionControl, 
 from sits.runtime.server.chat import ChatCompletions
 from sits.runtime.server.completions import Completions
 from sits.runtime.server.errors import install_error_handlers
-from sits.runtime.server.grammar_compiler import GrammarCompiler
+from sits.runtime.server.grammar_compiler import GrammarCompileCollector, GrammarCompiler
 from sits.runtime.server.lifecycle import Lifecycle
 from sits.runtime.server.lora_routes import install_lora_routes
 from sits.runtime.server.metrics import ServerMetrics
@@ -91,6 +91,7 @@ def build_app(engine: Any, server_config: ServerConfig | None = None, *, served_
     security = security or ServerSecurity()
     tenants_mode = getattr(getattr(tenancy, "config", None), "tenants_file", None) is not None
     grammar_compiler = GrammarCompiler(engine.structured_outputs.cache, security.grammar)
+    metrics.register(GrammarCompileCollector(grammar_compiler, model_name, config.track))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -194,6 +194,8 @@ class GrammarCompiler:
         self._tenant_turns: dict[str, asyncio.Semaphore] = {}  # tenant -> its `per_tenant` running compiles
         self._tokenizer_info: str | None = None
         self.killed = 0  # workers killed (timeout or client gone), cumulative
+        self.timed_out = 0  # compiles refused for the timeout, cumulative
+        self.refused = 0  # compiles refused with 429 (the tenant's bound), cumulative
 
     async def prepare(self) -> None:
         """Build xgrammar's view of the vocabulary now (at start-up, before the server is ready).
@@ -233,6 +235,7 @@ class GrammarCompiler:
         if self.cache.contains(spec):
             return
         if self.in_flight(tenant) >= self.limits.per_tenant + self.limits.queue_per_tenant:
+            self.refused += 1
             raise OpenAIError(429, f"Too many output grammars compiling for this tenant (at most "
                                    f"{self.limits.per_tenant + self.limits.queue_per_tenant} at once, "
                                    "running or waiting); retry shortly.",
@@ -283,6 +286,7 @@ class GrammarCompiler:
                 reason = await asyncio.wait_for(worker.compile(spec), self.limits.compile_timeout_s)
                 reusable = True
             except TimeoutError:
+                self.timed_out += 1
                 raise StructuredOutputError(
                     f"{spec.source} takes longer than {self.limits.compile_timeout_s:g} s to compile; "
                     "simplify it (fewer nesting levels or alternatives)", spec.param) from None
@@ -312,3 +316,33 @@ class GrammarCompiler:
         self._busy.clear()
         await asyncio.gather(*(worker.kill() for worker in workers), return_exceptions=True)
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+class GrammarCompileCollector:
+    """Prometheus view of a GrammarCompiler, read at scrape time (`sits_grammar_*`)."""
+
+    def __init__(self, compiler: GrammarCompiler, model: str, track: str) -> None:
+        self._compiler = compiler
+        self._labels = (model, track)
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        compiler, labels = self._compiler, ("model", "track")
+        in_flight = GaugeMetricFamily("sits_grammar_compiles_in_flight", "Output grammars compiling or waiting for "
+                                      "their turn (requests that hold no admission slot yet).", labels=labels)
+        in_flight.add_metric(self._labels, float(sum(compiler._in_flight.values())))
+        yield in_flight
+        for name, doc, value in (
+                ("sits_grammar_compile_timeouts", "Grammar compiles stopped at --grammar-compile-timeout (400).",
+                 compiler.timed_out),
+                ("sits_grammar_compile_workers_killed", "Compile worker processes killed (timeout or client gone).",
+                 compiler.killed),
+                ("sits_grammar_compiles_refused", "Grammar compiles refused with 429 (a tenant's bound).",
+                 compiler.refused)):
+            counter = CounterMetricFamily(name, doc, labels=labels)
+            counter.add_metric(self._labels, float(value))
+            yield counter

@@ -23,6 +23,7 @@ from sits.runtime.models.tokenizer import Tokenizer
 from sits.runtime.server.errors import OpenAIError
 from sits.runtime.server.grammar_compiler import (
     ClientLeft,
+    GrammarCompileCollector,
     GrammarCompiler,
     GrammarLimits,
     check_spec_limits,
@@ -115,6 +116,10 @@ def test_compiles_land_in_the_cache_slow_ones_time_out_and_a_leaving_client_kill
             await waiting  # t1's next compile had its turn
             assert cache.contains(waiting_spec)
             assert compiler.killed == 2 and compiler.in_flight("t1") == 0
+            scraped = {sample.name: sample.value for family in GrammarCompileCollector(compiler, "m", "stable").collect()
+                       for sample in family.samples}
+            assert scraped == {"sits_grammar_compiles_in_flight": 0.0, "sits_grammar_compile_timeouts_total": 1.0,
+                               "sits_grammar_compile_workers_killed_total": 2.0, "sits_grammar_compiles_refused_total": 1.0}
         finally:
             await compiler.close()
 
