@@ -169,7 +169,11 @@ def run(args: argparse.Namespace) -> int:
             return worker_exit_code
         tenancy = Tenancy.from_config(tenancy_config_from_args(args))  # reads --tenants; no I/O yet
         sock = bind(server_config.host, server_config.port)
-        metrics_listener = bind_metrics_listener(server_config.host, security.metrics_port)
+        try:
+            metrics_listener = bind_metrics_listener(server_config.host, security.metrics_port)
+        except SecurityConfigError:
+            sock.close()
+            raise
     except (ConfigError, TenantConfigError, SecurityConfigError) as error:
         return fail(PROG, str(error))
     from sits.runtime.commands.loading import load_engine
