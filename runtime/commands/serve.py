@@ -16,6 +16,13 @@ from sits.runtime.commands.engine_args import (
     fail,
 )
 from sits.runtime.config import TOOL_CALL_PARSERS, EngineConfig, ServerConfig
+from sits.runtime.server.security import (
+    SecurityConfigError,
+    add_security_arguments,
+    bind_metrics_listener,
+    security_from_args,
+    serving_metrics,
+)
 from sits.runtime.tenancy.config import TenancyConfig
 from sits.runtime.tenancy.service import Tenancy
 from sits.runtime.tenancy.state_store import redact_url
@@ -53,6 +60,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         help="the model's tool-call format, for tool_choice auto: hermes = "
                              "<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> (Hermes, Qwen2.5)")
     add_tenancy_arguments(parser)
+    add_security_arguments(parser)
     parser.set_defaults(handler=run)
     return parser
 
@@ -153,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
         server_config = server_config_from_args(args)
         api_keys = api_keys_from_args(args)
         tracer = build_tracer(args.otlp_endpoint)
+        security = security_from_args(args)
         from sits.runtime.parallel.cli_args import run_if_torchrun_worker
 
         worker_exit_code = run_if_torchrun_worker(engine_config, engine_config.parallel)
@@ -160,7 +169,12 @@ def run(args: argparse.Namespace) -> int:
             return worker_exit_code
         tenancy = Tenancy.from_config(tenancy_config_from_args(args))  # reads --tenants; no I/O yet
         sock = bind(server_config.host, server_config.port)
-    except (ConfigError, TenantConfigError) as error:
+        try:
+            metrics_listener = bind_metrics_listener(server_config.host, security.metrics_port)
+        except SecurityConfigError:
+            sock.close()
+            raise
+    except (ConfigError, TenantConfigError, SecurityConfigError) as error:
         return fail(PROG, str(error))
     from sits.runtime.commands.loading import load_engine
     from sits.runtime.server.app import build_app
@@ -170,11 +184,13 @@ def run(args: argparse.Namespace) -> int:
     engine = load_engine(engine_config, PROG, **tenancy.engine_hooks())
     if isinstance(engine, int):
         sock.close()
+        if metrics_listener is not None:
+            metrics_listener.stop()
         return engine
     engine.add_periodic(tenancy.publish_eviction_index, EVICTION_INDEX_INTERVAL_S)
     app = build_app(engine, server_config, served_model_name=engine_config.model.served_model_name,
                     tenancy=tenancy, max_waiting_requests=args.max_waiting_requests,
-                    tenant_resolver=ApiKeyResolver(api_keys) if api_keys else None)
+                    tenant_resolver=ApiKeyResolver(api_keys) if api_keys else None, security=security)
     app.state.ctx.tracer = tracer
     host, port = sock.getsockname()[:2]
     url_host = f"[{host}]" if ":" in host else host
@@ -187,6 +203,7 @@ def run(args: argparse.Namespace) -> int:
     logger.info("tenancy: %s, %d tenant(s), state store %s (deployment %s)", mode, len(tenancy.table),
                 redact_url(tenancy.config.state_store), tenancy.config.deployment)
     try:
-        return run_server(app, engine, sock, server_config.drain_timeout_s, args.log_level)
+        with serving_metrics(metrics_listener, app):
+            return run_server(app, engine, sock, server_config.drain_timeout_s, args.log_level)
     finally:
         tracer.shutdown()  # exports the spans still batched: the last requests' traces are not lost

@@ -83,13 +83,25 @@ class IncrementalDetokenizer:
 
 
 def held_back_length(text: str, stop: Sequence[str]) -> int:
-    """Characters at the end of `text` that could be the start of a stop string."""
+    """Characters at the end of `text` that could be the start of a stop string.
+
+    Only the last len(stop string) - 1 characters can be, so only that window is scanned, and only
+    from where it holds the stop string's first character (str.find / str.startswith, in C): the
+    cost per step is bounded by the stop strings' lengths (the server caps them,
+    `sits.runtime.server.input_limits`), never by the length of the text generated so far.
+    """
     longest = 0
     for stop_string in stop:
-        for length in range(min(len(stop_string) - 1, len(text)), longest, -1):
-            if text.endswith(stop_string[:length]):
-                longest = length
+        window = min(len(stop_string) - 1, len(text))
+        if window <= longest:
+            continue
+        tail = text[len(text) - window:]
+        start = tail.find(stop_string[0])
+        while start != -1 and window - start > longest:
+            if stop_string.startswith(tail[start:]):
+                longest = window - start
                 break
+            start = tail.find(stop_string[0], start + 1)
     return longest
 
 

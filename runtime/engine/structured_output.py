@@ -13,8 +13,10 @@ character escaped as needed, so quotes, backslashes and regex metacharacters sta
 Costs, and where they are paid:
   - `GrammarCache` builds xgrammar's view of the tokenizer on the first structured request only,
     and compiles each distinct constraint once (an LRU keyed by the spec's kind and text). The
-    server compiles a request's grammar in a worker thread before the request reaches the engine
-    (a schema, regex or grammar xgrammar refuses is a 400 naming the field it came from), so the
+    server checks a request's grammar first in a killable worker process with a timeout, then
+    compiles it on its own grammar threads, before the request reaches the engine
+    (`sits.runtime.server.grammar_compiler`: a schema, regex or grammar xgrammar refuses, or one
+    too deep, too large or too slow to compile, is a 400 naming the field it came from), so the
     engine finds it cached.
   - `StructuredOutputs` keeps one matcher per constrained sequence (n > 1: one per completion);
     a step without constrained sequences does no work for them at all.
@@ -126,6 +128,20 @@ class GrammarCache:
         self._lock = threading.Lock()  # guards the LRU and the lazily built compiler
         self._compiled: OrderedDict[StructuredOutputSpec, Any] = OrderedDict()
         self._compiler: Any = None
+        self._info: Any = None  # the xgrammar.TokenizerInfo the compiler was built on
+
+    def contains(self, spec: StructuredOutputSpec) -> bool:
+        """Whether `spec` is compiled already (then `compile` returns at once)."""
+        with self._lock:
+            return spec in self._compiled
+
+    def tokenizer_info_json(self) -> str:
+        """xgrammar's view of the vocabulary, serialized (`TokenizerInfo.serialize_json`): what a
+        compile worker in another process needs to compile exactly as this cache does."""
+        with self._lock:
+            self._compiler = self._compiler or self._new_compiler()
+            info = self._info
+        return info.serialize_json()
 
     def compile(self, spec: StructuredOutputSpec) -> Any:
         """The `xgrammar.CompiledGrammar` of `spec`, compiled on the first call for it.
@@ -139,7 +155,7 @@ class GrammarCache:
                 self._compiled.move_to_end(spec)
                 return compiled
             compiler = self._compiler = self._compiler or self._new_compiler()
-        compiled = _compile(compiler, spec)  # outside the lock: another thread may hit the cache meanwhile
+        compiled = compile_spec(compiler, spec)  # outside the lock: another thread may hit the cache meanwhile
         with self._lock:
             self._compiled[spec] = compiled
             while len(self._compiled) > self.capacity:
@@ -158,13 +174,21 @@ class GrammarCache:
         special = frozenset(getattr(tokenizer, "all_special_ids", ()))
         vocab = [b"" if i in special else tokenizer.token_to_bytes(i) for i in range(tokenizer.vocab_size)]
         stop_ids = sorted(i for i in tokenizer.eos_token_ids if i < self.vocab_size)
-        info = xgrammar.TokenizerInfo(vocab, xgrammar.VocabType.RAW, vocab_size=self.vocab_size,
-                                      stop_token_ids=stop_ids)
-        # Our LRU bounds what is kept; xgrammar's own cache would grow without limit.
-        return xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        info = self._info = xgrammar.TokenizerInfo(vocab, xgrammar.VocabType.RAW, vocab_size=self.vocab_size,
+                                                   stop_token_ids=stop_ids)
+        return grammar_compiler_for(info)
 
 
-def _compile(compiler: Any, spec: StructuredOutputSpec) -> Any:
+def grammar_compiler_for(tokenizer_info: Any) -> Any:
+    """An `xgrammar.GrammarCompiler` over `tokenizer_info`, one thread, without xgrammar's own cache
+    (`GrammarCache`'s LRU bounds what is kept; xgrammar's cache would grow without limit)."""
+    import xgrammar
+
+    return xgrammar.GrammarCompiler(tokenizer_info, max_threads=1, cache_enabled=False)
+
+
+def compile_spec(compiler: Any, spec: StructuredOutputSpec) -> Any:
+    """`spec` compiled by an `xgrammar.GrammarCompiler` (raises StructuredOutputError naming its param)."""
     if spec.kind != "json_object" and spec.text is None:
         raise StructuredOutputError(f"{spec.source} is missing", spec.param)
     try:

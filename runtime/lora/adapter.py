@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from sits.runtime.lora.config import HF_SCHEME, LoraConfigError, LoraModule
+from sits.runtime.lora.config import HF_SCHEME, LoraConfigError, LoraFileError, LoraModule
 from sits.runtime.models.config import LlamaConfig
 from sits.runtime.models.errors import ModelLoadError
 
@@ -89,7 +89,7 @@ def load_adapter(module: LoraModule, config: LlamaConfig, max_rank: int, where: 
     where = where or f"--lora-modules {module.name}={module.path}"
     directory = adapter_directory(module, where)
     if not directory.is_dir():
-        raise LoraConfigError(f"{where}: no such adapter directory")
+        raise LoraFileError(f"{where}: no such adapter directory")
     settings = _read_config(directory, where)
     rank, alpha = settings.get("r"), settings.get("lora_alpha", settings.get("r"))
     if not isinstance(rank, int) or rank < 1 or not isinstance(alpha, int | float):
@@ -149,11 +149,11 @@ def _read_config(directory: Path, where: str) -> dict:
     try:
         settings = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise LoraConfigError(f"{where}: the directory has no adapter_config.json") from None
+        raise LoraFileError(f"{where}: the directory has no adapter_config.json") from None
     except (OSError, ValueError) as error:
-        raise LoraConfigError(f"{where}: adapter_config.json cannot be read: {error}") from None
+        raise LoraFileError(f"{where}: adapter_config.json cannot be read: {error}") from None
     if not isinstance(settings, dict):
-        raise LoraConfigError(f"{where}: adapter_config.json is not a JSON object")
+        raise LoraFileError(f"{where}: adapter_config.json is not a JSON object")
     if settings.get("peft_type", "LORA") != "LORA":
         raise LoraConfigError(f"{where}: a {settings['peft_type']} adapter, only LORA is supported")
     return settings
@@ -187,8 +187,8 @@ def _read_tensors(directory: Path, where: str) -> dict[str, torch.Tensor]:
     if not path.is_file():
         other = " (adapter_model.bin is not read: save it with safetensors)" if (
             directory / "adapter_model.bin").exists() else ""
-        raise LoraConfigError(f"{where}: the directory has no adapter_model.safetensors{other}")
+        raise LoraFileError(f"{where}: the directory has no adapter_model.safetensors{other}")
     try:
         return load_file(str(path), device="cpu")
     except (SafetensorError, OSError) as error:
-        raise LoraConfigError(f"{where}: adapter_model.safetensors cannot be read: {error}") from None
+        raise LoraFileError(f"{where}: adapter_model.safetensors cannot be read: {error}") from None

@@ -19,6 +19,11 @@ class LoraConfigError(ValueError):
     """A LoRA option or adapter is unusable; the message names the flag (a `ConfigError` at the CLI)."""
 
 
+class LoraFileError(LoraConfigError):
+    """An adapter's files are missing or cannot be read or parsed (its message tells what exists on
+    disk: the runtime load endpoint answers these with one generic message, `lora.roots`)."""
+
+
 @dataclass(frozen=True)
 class LoraModule:
     """One adapter served under `name` (the OpenAI model id a request sends).

@@ -20,11 +20,14 @@ from sits.runtime.server.admission import AdmissionCollector, AdmissionControl, 
 from sits.runtime.server.chat import ChatCompletions
 from sits.runtime.server.completions import Completions
 from sits.runtime.server.errors import install_error_handlers
+from sits.runtime.server.grammar_compiler import GrammarCompileCollector, GrammarCompiler
 from sits.runtime.server.lifecycle import Lifecycle
 from sits.runtime.server.lora_routes import install_lora_routes
-from sits.runtime.server.metrics import CONTENT_TYPE, ServerMetrics
+from sits.runtime.server.metrics import ServerMetrics
+from sits.runtime.server.metrics_access import api_docs_urls, install_metrics_route, public_model_root
 from sits.runtime.server.middleware import BodySizeLimit, GenerationGate
 from sits.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
+from sits.runtime.server.security import ServerSecurity
 from sits.runtime.server.serving import ServingContext
 from sits.runtime.server.tenant import (
     SingleTenantResolver,
@@ -47,7 +50,7 @@ def build_app(engine: Any, server_config: ServerConfig | None = None, *, served_
               tenant_resolver: TenantResolver | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               manage_engine: bool = True, usage_observer: Callable[[str, int, int], None] | None = None,
               tenancy: Any = None, max_waiting_requests: int | None = None,
-              retry_after_s: float = 1.0) -> FastAPI:
+              retry_after_s: float = 1.0, security: ServerSecurity | None = None) -> FastAPI:
     """The server app around an AsyncEngine.
 
     Args:
@@ -64,6 +67,8 @@ def build_app(engine: Any, server_config: ServerConfig | None = None, *, served_
             503 + Retry-After (`sits.runtime.server.admission`). None: the engine's max_num_seqs, at least 32.
             Needs an engine that tells its max_num_seqs; otherwise nothing is bounded.
         retry_after_s: the Retry-After of those 503s.
+        security: grammar-compile bounds, HTTP limits, the metrics port, LoRA roots, API docs
+            (`sits.runtime.server.security`; docs/security.md). None: the defaults.
     """
     config = server_config or ServerConfig()
     model_name = served_model_name or engine.model_name
@@ -84,6 +89,10 @@ def build_app(engine: Any, server_config: ServerConfig | None = None, *, served_
     if tenancy is not None:
         tenancy.warn_unserved_models(ctx.served_models)  # tenants' allow-lists naming models not served here
     created = int(time.time())
+    security = security or ServerSecurity()
+    tenants_mode = getattr(getattr(tenancy, "config", None), "tenants_file", None) is not None
+    grammar_compiler = GrammarCompiler(engine.structured_outputs.cache, security.grammar)
+    metrics.register(GrammarCompileCollector(grammar_compiler, model_name, config.track))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -92,16 +101,21 @@ def build_app(engine: Any, server_config: ServerConfig | None = None, *, served_
         try:
             if manage_engine:
                 await engine.start()
+            await grammar_compiler.prepare()  # xgrammar's vocabulary view: once, before serving
             try:
                 yield
             finally:
                 if manage_engine:
                     await engine.shutdown(0.0)
         finally:
+            await grammar_compiler.close()
             if tenancy is not None:
                 await tenancy.close()  # writes the last usage and retires this replica's state
 
-    app = FastAPI(title="SITS", summary="OpenAI-compatible LLM serving", lifespan=lifespan)
+    app = FastAPI(title="SITS", summary="OpenAI-compatible LLM serving", lifespan=lifespan,
+                  **api_docs_urls(security.api_docs, tenants_mode))
+    app.state.security = security
+    app.state.grammar_compiler = grammar_compiler
     app.state.ctx = ctx
     app.state.lifecycle = lifecycle
     app.state.metrics = metrics
@@ -135,11 +149,12 @@ def build_app(engine: Any, server_config: ServerConfig | None = None, *, served_
     def model_card(model_id: str) -> dict[str, Any]:
         """As vLLM lists models: `root` is where the weights came from; a LoRA adapter's `parent` is its base."""
         card = {"id": model_id, "object": "model", "created": created, "owned_by": "sits",
-                "root": getattr(getattr(engine, "loaded_model", None), "source", model_name), "parent": None,
+                "root": public_model_root(getattr(getattr(engine, "loaded_model", None), "source", None),
+                                          model_name), "parent": None,
                 "max_model_len": engine.max_model_len}
         adapter = ctx.lora_modules.get(model_id) if model_id != model_name else None
         if adapter is not None:
-            card.update(root=adapter.path, parent=adapter.base_model_name or model_name)
+            card.update(root=public_model_root(adapter.path, model_id), parent=adapter.base_model_name or model_name)
         return card
 
     # Listing models needs a key too (TenantGate covers every /v1/* path), as OpenAI's API does.
@@ -201,9 +216,7 @@ def build_app(engine: Any, server_config: ServerConfig | None = None, *, served_
             return JSONResponse({"status": "unhealthy"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
-    async def prometheus_metrics() -> Response:
-        return Response(metrics.exposition(), media_type=CONTENT_TYPE)
+    install_metrics_route(app, metrics.exposition, tenants_mode=tenants_mode, metrics_port=security.metrics_port)
 
     return app
 

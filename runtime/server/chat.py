@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from sits.runtime.engine.request import RequestOutput, SamplingParams
+from sits.runtime.engine.request import RequestOutput, StructuredOutputSpec
 from sits.runtime.engine.structured_output import StructuredOutputError
 from sits.runtime.server.chat_render import template_message
 from sits.runtime.server.errors import as_openai_error, invalid_request
@@ -21,7 +21,13 @@ from sits.runtime.server.protocol import ChatCompletionRequest, ChatMessage, Too
 from sits.runtime.server.protocol_chat import ChatTemplateOptions
 from sits.runtime.server.request_ids import new_request_id
 from sits.runtime.server.responses import DONE, SSE_HEADERS, finish_text, sse, usage
-from sits.runtime.server.sampling import compile_response_format, output_budget, sampling_params
+from sits.runtime.server.sampling import (
+    compile_output_constraint,
+    output_budget,
+    resolve_bad_words_off_loop,
+    sampling_params,
+    structured_output,
+)
 from sits.runtime.server.serving import (
     ClientGone,
     ServingContext,
@@ -89,6 +95,10 @@ class ChatCompletions:
         body.check_combination()
         salt = request_cache_salt(request, body.shared_prefix)  # 400 before the work of tokenizing
         tool_plan = plan_tool_calls(body, self.tool_call_parser)
+        try:  # before any admission slot: a slow compile must not hold capacity others need
+            grammar = await self._compile_output_grammar(body, tool_plan, tenant, request)
+        except ClientGone:
+            return Response(status_code=499)
         self.ctx.admit(request, body.n)  # 503 when the server is full, before any work for it
         prompt_ids = await self.prompt_token_ids(body.messages, body, add_special_tokens=body.add_special_tokens,
                                                  tools=body.tools)
@@ -99,7 +109,8 @@ class ChatCompletions:
                                    param=limit_param, prompt_name="messages")
         params = sampling_params(body, max_tokens=max_tokens, logprobs=body.num_logprobs,
                                  vocab_size=self.ctx.vocab_size, prompt_logprobs=body.prompt_logprobs)
-        await self._compile_output_grammar(params, tool_plan)
+        params.structured_output = grammar
+        await resolve_bad_words_off_loop([params], self.ctx.tokenizer, self.ctx.vocab_size)
         response_id = new_request_id("chatcmpl")
         stream = merge_streams([self.ctx.generate(prompt_ids, params, response_id, tenant, arrival,
                                                   request_priority(request), salt, lora)])
@@ -114,19 +125,22 @@ class ChatCompletions:
             return Response(status_code=499)
         return JSONResponse(self._completion(final, head, body, tool_plan, echo_text(body)), headers=headers)
 
-    async def _compile_output_grammar(self, params: SamplingParams, tool_plan: ToolPlan) -> None:
-        """response_format's grammar, or a forced tool call's (a schema xgrammar refuses: a 400 naming tools)."""
+    async def _compile_output_grammar(self, body: ChatCompletionRequest, tool_plan: ToolPlan, tenant: str,
+                                      request: Request) -> StructuredOutputSpec | None:
+        """The output grammar (response_format's, structured_outputs', or a forced tool call's: a
+        schema xgrammar refuses is then a 400 naming tools), compiled into the engine's cache."""
+        grammar = structured_output(body)  # 400s for a constraint combined with a forced call
         tool_grammar = tool_plan.structured_output()
         if tool_grammar is None:
-            await compile_response_format(self.ctx.engine, params)
-            return
-        params.structured_output = tool_grammar
+            await compile_output_constraint(request, grammar, tenant)
+            return grammar
         try:
-            await compile_response_format(self.ctx.engine, params)
+            await compile_output_constraint(request, tool_grammar, tenant)
         except StructuredOutputError as error:
             message = str(error).replace("response_format.json_schema.schema", "the function's parameters")
             raise invalid_request(f"the parameters schema of the tools cannot be enforced: {message}",
                                   "tools") from None
+        return tool_grammar
 
     def _completion(self, final: RequestOutput, head: dict[str, Any], body: ChatCompletionRequest,
                     tool_plan: ToolPlan, echo: str) -> dict:

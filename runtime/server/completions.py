@@ -28,7 +28,13 @@ from sits.runtime.server.logprobs import LogprobFormatter
 from sits.runtime.server.protocol import CompletionRequest
 from sits.runtime.server.request_ids import new_request_id
 from sits.runtime.server.responses import DONE, SSE_HEADERS, finish_text, sse, usage
-from sits.runtime.server.sampling import compile_response_format, output_budget, sampling_params
+from sits.runtime.server.sampling import (
+    compile_output_constraint,
+    output_budget,
+    resolve_bad_words_off_loop,
+    sampling_params,
+    structured_output,
+)
 from sits.runtime.server.serving import (
     ClientGone,
     ServingContext,
@@ -73,6 +79,10 @@ class Completions:
         self.ctx.check_ready()
         body.check_combination()
         salt = request_cache_salt(request, body.shared_prefix)  # 400 before the work of tokenizing
+        try:  # before any admission slot: a slow compile must not hold capacity others need
+            await compile_output_constraint(request, structured_output(body), tenant)
+        except ClientGone:
+            return Response(status_code=499)
         # n choices of each prompt: 503 when the server is full, 400 when it could never fit
         self.ctx.admit(request, body.n * len(body.prompts()), param="n" if body.n > 1 else "prompt")
         limit = self.ctx.context_limit(tenant)
@@ -85,7 +95,7 @@ class Completions:
                   for budget in budgets]
         echoes = [self._prompt_text(prompt, ids, body.truncate_prompt_tokens is not None)
                   for prompt, ids in zip(body.prompts(), prompts, strict=True)] if body.echo else []
-        await compile_response_format(self.ctx.engine, params[0])  # one response_format for every prompt
+        await resolve_bad_words_off_loop(params, self.ctx.tokenizer, self.ctx.vocab_size)
         response_id = new_request_id("cmpl")
         engine_ids = [response_id] if len(prompts) == 1 else [f"{response_id}-{i}" for i in range(len(prompts))]
         stream = merge_streams([self.ctx.generate(ids, p, rid, tenant, arrival, request_priority(request), salt,

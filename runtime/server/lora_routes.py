@@ -24,14 +24,16 @@ Who may call them: with `--tenants`, a key of a tenant marked `admin: true` (oth
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel
 
-from sits.runtime.lora.config import LoraConfigError, LoraModule
+from sits.runtime.lora.config import LoraConfigError, LoraFileError, LoraModule
+from sits.runtime.lora.roots import AdapterPathRefused, checked_adapter_path, is_hub_id
 from sits.runtime.server.errors import OpenAIError, invalid_request
 from sits.runtime.server.tenant import request_tenant
 
@@ -63,8 +65,9 @@ class LoraUpdater:
         base_model: the served base model's id (no adapter may take it).
     """
 
-    def __init__(self, engine: Any, base_model: str) -> None:
+    def __init__(self, engine: Any, base_model: str, roots: Sequence[Path] = ()) -> None:
         self.engine = engine
+        self.roots = tuple(roots)  # --lora-root: where local adapters may come from (`sits.runtime.lora.roots`)
         self.manager = engine.engine.lora
         self.base_model = base_model
         self._loading: set[str] = set()  # names being read; event-loop only
@@ -82,13 +85,31 @@ class LoraUpdater:
                                   "adapters; unload one first or raise --max-loras.", code="no_free_lora_slot")
         self._loading.add(name)
         try:
-            adapter = await asyncio.to_thread(self.manager.read, LoraModule(name, path))
+            adapter = await asyncio.to_thread(self._read, name, checked_adapter_path(path, self.roots))
             await self.engine.call_between_steps(lambda: self.manager.add(adapter))
+        except AdapterPathRefused as refused:
+            raise invalid_request(str(refused), param="lora_path", code="lora_path_refused") from None
         except LoraConfigError as error:
             raise invalid_request(str(error), param="lora_path") from None
         finally:
             self._loading.discard(name)
         return f"Success: LoRA adapter '{name}' added successfully."
+
+    def _read(self, name: str, path: str) -> Any:
+        """The adapter's weights (in a worker thread). A local adapter whose files are missing or
+        cannot be read gets one answer whatever the reason: those errors (no such directory, a
+        parser's message) would tell a caller what exists on the server. One that reads but does
+        not fit the model (rank, targets, shapes) is told why."""
+        if is_hub_id(path):
+            return self.manager.read(LoraModule(name, path))
+        try:
+            return self.manager.read(LoraModule(name, path))
+        except LoraFileError:
+            raise AdapterPathRefused from None
+        except LoraConfigError:
+            raise
+        except Exception:  # whatever else reading a file raised
+            raise AdapterPathRefused from None
 
     async def unload(self, name: str) -> str:
         if name not in self.manager.slots:
@@ -148,7 +169,8 @@ def install_lora_routes(app: FastAPI, engine: Any, base_model: str, tenancy: Any
     """Add the two endpoints and the adapter gauges when the engine allows runtime updates; else nothing."""
     if not runtime_updates_enabled(engine):
         return
-    updater = LoraUpdater(engine, base_model)
+    security = getattr(app.state, "security", None)
+    updater = LoraUpdater(engine, base_model, getattr(security, "lora_roots", ()))
     tenants_configured = getattr(getattr(tenancy, "config", None), "tenants_file", None) is not None
     metrics.register(LoraAdaptersCollector(updater.manager, base_model, track))
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from sits.runtime.server import protocol_structured as structured
 from sits.runtime.server.errors import invalid_request
+from sits.runtime.server.input_limits import check_bad_words, check_stop_strings
 from sits.runtime.server.protocol_base import StrictModel as _Strict
 from sits.runtime.server.protocol_base import collapsed
 from sits.runtime.server.protocol_chat import ChatTemplateOptions, PromptTruncation
@@ -100,8 +101,10 @@ class _SamplingFields(_Strict):
     @classmethod
     def _stop_strings(cls, value: Any) -> Any:
         if value is None or isinstance(value, str):
+            check_stop_strings(value)
             return value
         if isinstance(value, list) and all(isinstance(item, str) for item in value):
+            check_stop_strings(value)
             return value
         raise ValueError("stop must be a string or a list of strings")
 
@@ -116,13 +119,16 @@ class _SamplingFields(_Strict):
 
     @field_validator("allowed_token_ids", "bad_words", mode="wrap")
     @classmethod
-    def _token_lists(cls, value: Any, handler: Any) -> Any:
+    def _token_lists(cls, value: Any, handler: Any, info: ValidationInfo) -> Any:
         """A wrong item is a 400 naming the list itself (emptiness, ranges and the vocabulary are
         SamplingParams' and the engine's checks)."""
         try:
-            return handler(value)
+            value = handler(value)
         except ValidationError as error:
             raise collapsed(error) from None
+        if info.field_name == "bad_words":
+            check_bad_words(value)
+        return value
 
     @field_validator("max_tokens")
     @classmethod

@@ -42,6 +42,8 @@ def _schema_object(value: Any) -> Any:
             value = json.loads(value)
         except ValueError as error:
             raise ValueError(f"must be a JSON schema, as an object or a string of JSON: {error}") from None
+        except RecursionError:  # the parser's stack, not ours: a 400, never a 500 with a traceback
+            raise ValueError("nests too deeply to be a JSON schema (see the server's grammar nesting limit)") from None
     if value is not None and not isinstance(value, dict):
         raise ValueError(f"must be a JSON schema object, got {type(value).__name__}")
     return value

@@ -22,6 +22,8 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
+from sits.runtime.server.http_limits import uvicorn_options
+
 logger = logging.getLogger("sits.server")
 
 GRACEFUL_CLOSE_S = 5.0  # after the drain, how long uvicorn waits for connections to close
@@ -70,8 +72,10 @@ class DrainingServer(uvicorn.Server):
 
 
 def uvicorn_config(app: FastAPI, host: str, port: int, log_level: str = "info") -> uvicorn.Config:
+    security = getattr(app.state, "security", None)  # header/body timeouts and the connection cap
     return uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), access_log=False,
-                          timeout_graceful_shutdown=GRACEFUL_CLOSE_S, lifespan="on")
+                          timeout_graceful_shutdown=GRACEFUL_CLOSE_S, lifespan="on",
+                          **uvicorn_options(None if security is None else security.http))
 
 
 def run_server(app: FastAPI, engine: Any, sock: socket.socket, drain_timeout_s: float,

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from sits.runtime.engine.async_engine import AsyncEngine
+from fastapi import Request
+
 from sits.runtime.engine.request import SamplingParams, StructuredOutputSpec
 from sits.runtime.engine.structured_output import (
     JSON_OBJECT,
@@ -15,9 +16,12 @@ from sits.runtime.engine.structured_output import (
     json_schema_spec,
     regex_spec,
 )
+from sits.runtime.engine.token_masks import resolve_bad_words
 from sits.runtime.server.errors import invalid_request
+from sits.runtime.server.grammar_compiler import ClientLeft, GrammarCompiler
 from sits.runtime.server.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from sits.runtime.server.protocol_structured import GUIDED_CONSTRAINTS
+from sits.runtime.server.serving import ClientGone, until_disconnected
 
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what a torch.Generator accepts
 
@@ -122,11 +126,28 @@ def _forces_tool_call(request: ChatCompletionRequest) -> bool:
     return choice == "required" or isinstance(choice, NamedToolChoice)
 
 
-async def compile_response_format(engine: AsyncEngine, params: SamplingParams) -> None:
-    """Compile the request's grammar in a worker thread, before the request reaches the engine: a
-    schema, regex or grammar the grammar engine refuses is a 400 naming the field it came from
-    (never a stream that fails), and the engine then finds the grammar in its cache instead of
-    compiling on its own thread."""
-    if params.structured_output is None:
+async def compile_output_constraint(request: Request, spec: StructuredOutputSpec | None, tenant: str) -> None:
+    """Make the request's output grammar ready in the engine's cache before the request takes any
+    admission slot (`sits.runtime.server.grammar_compiler`): over a limit, refused by xgrammar or
+    too slow to compile is a 400 naming the field it came from; a tenant compiling too many at
+    once gets a 429; a client that leaves meanwhile stops the compile (raises ClientGone)."""
+    if spec is None:
         return
-    await asyncio.to_thread(engine.structured_outputs.cache.compile, params.structured_output)
+    compiler: GrammarCompiler = request.app.state.grammar_compiler
+    try:
+        await compiler.compile(spec, tenant, lambda: until_disconnected(request))
+    except ClientLeft:
+        request.state.client_gone = True
+        raise ClientGone from None
+
+
+async def resolve_bad_words_off_loop(params: Sequence[SamplingParams], tokenizer: Any, vocab_size: int) -> None:
+    """Tokenize the requests' `bad_words` in a worker thread (never on the event loop) and give every
+    params the result; the engine then finds them resolved. SamplingParamsError (a 400) for a word
+    without tokens."""
+    if not params or not params[0].bad_words:
+        return
+    first = params[0]
+    await asyncio.to_thread(resolve_bad_words, first, tokenizer, vocab_size)
+    for other in params[1:]:
+        other.bad_words_token_ids = first.bad_words_token_ids

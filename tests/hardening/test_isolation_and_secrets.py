@@ -29,6 +29,7 @@ import pytest
 from sits.runtime.tenancy import tenants as tenants_module
 from sits.runtime.tenancy.tenants import parse_tenants
 from tests.hardening.conftest import tiny_server
+from tests.support.services import free_port
 
 KEYS = {name: f"sk-{name}-{secrets.token_hex(16)}" for name in ("finance", "lab", "metered")}
 # The last prompt is sent by finance and lab (twice each) before metered sends it once, privately.
@@ -114,8 +115,9 @@ def test_a_mixed_workload_never_crosses_tenants_and_no_key_leaks(tiny_llama_dir,
     tenants_file = tmp_path / "tenants.yaml"
     tenants_file.write_text(tenants_yaml())
     _Collector.bodies.clear()
+    metrics_port = free_port()  # with tenants, /metrics is served on its own port only
     extra = ("--tenants", str(tenants_file), "--otlp-endpoint", otlp_receiver, "--max-num-seqs", "8",
-             "--num-blocks", "96", "--log-level", "debug")
+             "--num-blocks", "96", "--log-level", "debug", "--metrics-port", str(metrics_port))
     with tiny_server(tiny_llama_dir, *extra) as server:
         # Every tenant, every prompt, streamed or not, private or shared: in a shuffled order, 6 at a time.
         plan = [(t, p, stream, shared) for t, p, stream, shared in itertools.product(
@@ -126,7 +128,7 @@ def test_a_mixed_workload_never_crosses_tenants_and_no_key_leaks(tiny_llama_dir,
             answers = hostile_auth(server.url)
         known = [send(server.url, tenant, LAST, stream=False, shared=False) for tenant in ("finance", "lab") * 2]
         lonely = send(server.url, "metered", LAST, stream=False, shared=False)
-        metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+        metrics = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
         log_before_exit = (server.workdir / "serve.log").read_text()
         server.stop()  # SIGTERM: drain, and the tracer exports what it still holds
         log = (server.workdir / "serve.log").read_text()

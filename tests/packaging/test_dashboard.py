@@ -63,10 +63,11 @@ def exported_by_the_operator(metric: str) -> bool:
 
 @pytest.fixture(scope="module")
 def runtime_metrics(tiny_llama_dir: Path) -> set[str]:
-    port = free_port()
+    port, metrics_port = free_port(), free_port()  # with tenants, /metrics is on its own port
     argv = [sys.executable, "-m", "sits.runtime", "serve", "--model", str(tiny_llama_dir), "--device", "cpu",
             "--port", str(port), "--num-blocks", "64", "--max-model-len", "256", "--max-num-seqs", "4",
-            "--tenants", str(ROOT / "examples" / "tenants.yaml"), "--log-level", "warning"]
+            "--tenants", str(ROOT / "examples" / "tenants.yaml"), "--log-level", "warning",
+            "--metrics-port", str(metrics_port)]
     with started(argv, port, timeout_s=120, log_name="serve.log") as service:
         deadline = time.monotonic() + 60
         while httpx.get(f"{service.url}/health", timeout=10).status_code != 200:
@@ -76,7 +77,7 @@ def runtime_metrics(tiny_llama_dir: Path) -> set[str]:
                      {"prompt": "Hello there", "max_tokens": 4, "ignore_eos": True, "stream": True}):
             answer = httpx.post(f"{service.url}/v1/completions", json=body, headers=API_KEY, timeout=60)
             assert answer.status_code == 200, answer.text
-        return sample_names(httpx.get(f"{service.url}/metrics", timeout=10).text)
+        return sample_names(httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text)
 
 
 @pytest.fixture(scope="module")

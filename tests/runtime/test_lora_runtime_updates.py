@@ -25,6 +25,7 @@ from sits.runtime.lora.config import RUNTIME_UPDATING_ENV, LoraConfig
 from sits.runtime.models.loading import load_model
 from sits.runtime.server.app import build_app
 from sits.runtime.server.runner import BackgroundServer
+from sits.runtime.server.security import ServerSecurity
 from sits.runtime.server.tenant import ApiKeyResolver
 from sits.runtime.tenancy.config import TenancyConfig
 from sits.runtime.tenancy.service import Tenancy
@@ -57,11 +58,17 @@ def references(tiny, tiny_llama_dir, paths) -> dict[str, list[int]]:
     return found
 
 
+def adapter_roots(paths: dict[str, Path]) -> ServerSecurity:
+    """The server may load the adapters of `paths` (--lora-root on their directory)."""
+    return ServerSecurity(lora_roots=(paths["a"].parent.resolve(),))
+
+
 @pytest.fixture(scope="module")
-def served(tiny) -> Iterator[tuple[BackgroundServer, AsyncEngine]]:
+def served(tiny, paths) -> Iterator[tuple[BackgroundServer, AsyncEngine]]:
     """No adapter at start, two slots, rank up to 8."""
     lora = LoraConfig(enable_lora=True, max_loras=2, max_lora_rank=8, allow_runtime_updating=True)
-    with serve_loaded(tiny, num_blocks=96, max_num_seqs=8, max_num_batched_tokens=256, lora=lora) as served:
+    with serve_loaded(tiny, num_blocks=96, max_num_seqs=8, max_num_batched_tokens=256, lora=lora,
+                      security=adapter_roots(paths)) as served:
         yield served
 
 
@@ -94,7 +101,7 @@ def test_a_loaded_adapter_serves_at_once_and_unloads(served, paths, references, 
     answer = load(server, "sql", paths["a"])
     assert answer.status_code == 200 and answer.text == "Success: LoRA adapter 'sql' added successfully."
     assert model_ids(client) == [engine.model_name, "sql"]
-    assert client.models.retrieve("sql").root == str(paths["a"])
+    assert client.models.retrieve("sql").root == "sql"  # its name: /v1/models shows no server path
     assert complete(client, "sql") == tiny.tokenizer.decode(references["a"])
     metrics = httpx.get(f"{server.url}/metrics").text
     assert 'sits_lora_adapters_loaded{model="' in metrics and "sits_lora_slots{" in metrics
@@ -126,7 +133,7 @@ def test_a_new_adapter_under_a_reused_name_never_hits_the_old_ones_cache(served,
 
 def test_slots_run_out_and_bad_adapters_are_400s(served, paths):
     server, engine = served
-    cases = [("missing", "/no/such/adapter", "no such adapter directory"),
+    cases = [("missing", "/no/such/adapter", "--lora-root"),
              ("wide", str(paths["wide"]), "--max-lora-rank"),
              (engine.model_name, str(paths["a"]), "base model")]
     for name, path, needle in cases:
@@ -223,7 +230,7 @@ def test_without_the_flag_the_endpoints_do_not_exist(own_tiny, paths):
 
 
 @pytest.fixture
-def tenant_server(own_tiny, tmp_path) -> Iterator[tuple[BackgroundServer, str]]:
+def tenant_server(own_tiny, tmp_path, paths) -> Iterator[tuple[BackgroundServer, str]]:
     path = tmp_path / "tenants.yaml"
     path.write_text('tenants:\n  - {name: ops, apiKey: "sk-ops", admin: true}\n'
                     '  - {name: app, apiKey: "sk-app", models: [tiny-base]}\n'
@@ -235,7 +242,7 @@ def tenant_server(own_tiny, tmp_path) -> Iterator[tuple[BackgroundServer, str]]:
     engine = AsyncEngine.from_engine(LLMEngine.from_loaded(own_tiny, config, **tenancy.engine_hooks()))
     try:
         with BackgroundServer(build_app(engine, ServerConfig(), served_model_name="tiny-base",
-                                        tenancy=tenancy)) as server:
+                                        tenancy=tenancy, security=adapter_roots(paths))) as server:
             yield server, "tiny-base"
     finally:
         engine.engine.lora.detach()
@@ -265,7 +272,8 @@ def test_with_an_api_key_the_key_is_required(own_tiny, paths):
                           lora=LoraConfig(enable_lora=True, max_loras=1, allow_runtime_updating=True))
     engine = AsyncEngine.from_engine(LLMEngine.from_loaded(own_tiny, config))
     try:
-        with BackgroundServer(build_app(engine, ServerConfig(), tenant_resolver=ApiKeyResolver(["sk-key"]))) as server:
+        with BackgroundServer(build_app(engine, ServerConfig(), tenant_resolver=ApiKeyResolver(["sk-key"]),
+                                        security=adapter_roots(paths))) as server:
             refused = load(server, "k", paths["a"])
             assert refused.status_code == 401 and refused.json()["error"]["type"] == "invalid_request_error"
             assert load(server, "k", paths["a"], "wrong").status_code == 401

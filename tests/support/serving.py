@@ -17,6 +17,7 @@ from sits.runtime.engine.engine import LLMEngine
 from sits.runtime.lora.config import LoraConfig
 from sits.runtime.server.app import build_app
 from sits.runtime.server.runner import BackgroundServer
+from sits.runtime.server.security import ServerSecurity
 
 T = TypeVar("T")
 
@@ -25,16 +26,18 @@ T = TypeVar("T")
 def serve_loaded(loaded: Any, *, num_blocks: int, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int | None = None, async_scheduling: bool | None = None,
                  server_config: ServerConfig | None = None,
-                 lora: LoraConfig | None = None) -> Iterator[tuple[BackgroundServer, AsyncEngine]]:
+                 lora: LoraConfig | None = None,
+                 security: ServerSecurity | None = None) -> Iterator[tuple[BackgroundServer, AsyncEngine]]:
     """`loaded` (a LoadedModel) served on CPU; yields the running server and its engine (serving the
-    LoRA adapters of `lora` too when given; their hooks come off the model when the block ends)."""
+    LoRA adapters of `lora` too when given; their hooks come off the model when the block ends;
+    `security`: the server's security settings, e.g. its --lora-root directories)."""
     model = ModelConfig(device="cpu") if max_model_len is None else ModelConfig(device="cpu", max_model_len=max_model_len)
     config = EngineConfig(model=model, cache=CacheConfig(num_blocks=num_blocks),
                           scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
                           async_scheduling=async_scheduling, lora=lora or LoraConfig())
     engine = AsyncEngine.from_engine(LLMEngine.from_loaded(loaded, config))
     try:
-        with BackgroundServer(build_app(engine, server_config or ServerConfig())) as server:
+        with BackgroundServer(build_app(engine, server_config or ServerConfig(), security=security)) as server:
             yield server, engine
     finally:
         if engine.engine.lora is not None:

@@ -52,7 +52,8 @@ def serve_argv(model_dir, port: int, tenants_file, redis_port: int) -> list[str]
     return [sys.executable, "-m", "sits.runtime", "serve", "--model", str(model_dir), "--served-model-name", "tiny",
             "--device", "cpu", "--port", str(port), "--num-blocks", "64", "--max-model-len", "256",
             "--max-num-seqs", "8", "--tenants", str(tenants_file), "--state-store",
-            f"redis://127.0.0.1:{redis_port}/0", "--deployment", DEPLOYMENT, "--log-level", "info"]
+            f"redis://127.0.0.1:{redis_port}/0", "--deployment", DEPLOYMENT, "--log-level", "info",
+            "--metrics-port", str(free_port())]  # with tenants, /metrics is not on the API port
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +80,9 @@ def complete(url: str, key: str, client: httpx.Client | None = None) -> httpx.Re
 
 def metric(replica: RunningService, name: str, **labels: str) -> float:
     total = 0.0
-    for family in text_string_to_metric_families(httpx.get(f"{replica.url}/metrics").text):
+    argv = list(replica.process.args)
+    metrics_url = f"http://127.0.0.1:{argv[argv.index('--metrics-port') + 1]}/metrics"
+    for family in text_string_to_metric_families(httpx.get(metrics_url).text):
         for sample in family.samples:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                 total += sample.value

@@ -78,7 +78,8 @@ def client_for(server: BackgroundServer, key: str) -> openai.OpenAI:
 def metrics(server: BackgroundServer) -> dict[tuple[str, str], float]:
     """(sample name, tenant label) -> value from /metrics, summed over other labels (e.g. status)."""
     values: dict[tuple[str, str], float] = {}
-    for family in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text):
+    # with tenants /metrics on the API port needs an admin's key: read the same exposition in process
+    for family in text_string_to_metric_families(server.app.state.metrics.exposition().decode()):
         for sample in family.samples:
             key = (sample.name, sample.labels.get("tenant", ""))
             values[key] = values.get(key, 0.0) + sample.value
