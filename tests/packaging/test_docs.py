@@ -119,7 +119,7 @@ def test_every_helm_value_has_a_row_with_its_default() -> None:
     def leaves(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         found: dict[str, Any] = {}
         for key, value in tree.items():
-            if isinstance(value, dict) and value and not key.endswith(("requests", "limits", "labels")):
+            if isinstance(value, dict) and value and not key.endswith(("requests", "limits", "labels", "Labels")):
                 found.update(leaves(value, f"{prefix}{key}."))
             else:
                 found[prefix + key] = value
