@@ -54,6 +54,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--num-blocks", type=int, default=None, help="exact KV block count (overrides budgets)")
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse KV blocks of earlier prompts")
+    engine.add_argument("--host-kv-cache-gb", type=float, default=CacheConfig.host_kv_cache_gb,
+                        help="host-memory tier for evicted prefix-cache blocks, GiB (0: off)")
     engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                         help="split long prompts across steps")
     engine.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
@@ -138,7 +140,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                           seed=args.seed),
         cache=CacheConfig(block_size=args.block_size, kv_cache_gb=args.kv_cache_gb,
                           gpu_memory_utilization=args.gpu_memory_utilization, num_blocks=args.num_blocks,
-                          enable_prefix_caching=args.enable_prefix_caching),
+                          enable_prefix_caching=args.enable_prefix_caching,
+                          host_kv_cache_gb=args.host_kv_cache_gb),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs if args.max_num_seqs is not None else defaults["max_num_seqs"],
             max_num_batched_tokens=(args.max_num_batched_tokens if args.max_num_batched_tokens is not None

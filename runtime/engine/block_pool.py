@@ -49,6 +49,9 @@ class BlockPool:
         self._in_use_by: list[str | None] = [None] * num_blocks  # tenant charged while referenced
         self._holder: list[str | None] = [None] * num_blocks  # tenant holding it until it is empty
         self.num_evictions = 0
+        # Told of each cached block evicted for reuse, before its hash is dropped (a lower tier
+        # keeps a copy: `host_tier.HostKVTier.offload`): (block, tenant holding it).
+        self.on_evict: Callable[[KVBlock, str | None], None] | None = None
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -73,6 +76,10 @@ class BlockPool:
     def used_blocks_by_tenant(self) -> dict[str, int]:
         """Referenced blocks per tenant (a shared block counts for the tenant that referenced it first)."""
         return {tenant: count for tenant, count in self._used_by_tenant.items() if count > 0}
+
+    def held_blocks_by_tenant(self) -> dict[str, int]:
+        """Non-empty blocks (in use or cached) per holding tenant; O(num_blocks)."""
+        return dict(Counter(holder for holder in self._holder if holder is not None))
 
     def holder_of(self, block: KVBlock) -> str | None:
         """The tenant holding a non-empty block: the one it was allocated to (who computed it)."""
@@ -100,6 +107,8 @@ class BlockPool:
                 if block is None:  # the policy protects what is left: undo, report failure
                     self.release(reversed(taken))
                     return None
+                if self.on_evict is not None and block.block_hash is not None:
+                    self.on_evict(block, self._holder[block.block_id])
                 self._make_empty(block)
                 self.num_evictions += 1
             self._holder[block.block_id] = owner.tenant
