@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -146,8 +147,10 @@ def _node_cpus(node: int) -> set[int]:
 
 
 def _allocate_host_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The tier's memory: pinned (and first-touched on the GPU's NUMA node, when the platform
-    names one and this process may run there) for a CUDA device, ordinary memory otherwise."""
+    """The tier's memory: ordinary memory for a CPU engine; for a CUDA device, page-locked with
+    cudaHostRegister (exactly its size: torch's pinned allocator would round 72 GiB up to 128) and
+    first touched on the GPU's NUMA node when the platform names one and this process may run there.
+    The caller unregisters it (`_unregister`) before the memory is freed."""
     if device.type != "cuda":
         return torch.zeros(shape, dtype=dtype)
     node = gpu_numa_node(device)
@@ -155,14 +158,24 @@ def _allocate_host_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: to
     previous = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
     bind = cpus & previous
     if bind:
-        os.sched_setaffinity(0, bind)  # pages are placed where they are first touched
+        os.sched_setaffinity(0, bind)  # pages are placed where they are first touched (pinning touches them)
     try:
-        buffer = torch.zeros(shape, dtype=dtype, pin_memory=True)
+        buffer = torch.empty(shape, dtype=dtype)
+        nbytes = buffer.numel() * buffer.element_size()
+        error = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0)
+        if int(error) != 0:
+            raise RuntimeError(f"cannot pin {nbytes / GIB:.1f} GiB of host memory for the host KV tier "
+                               f"(cudaHostRegister error {int(error)}); lower --host-kv-cache-gb")
     finally:
         if bind:
             os.sched_setaffinity(0, previous)
-    logger.info("host KV tier: pinned memory on NUMA node %s", node if bind else "unknown (not bound)")
+    logger.info("host KV tier: %.1f GiB pinned on NUMA node %s", nbytes / GIB,
+                node if bind else "unknown (the platform names none, or this process may not run there)")
     return buffer
+
+
+def _unregister(pointer: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(pointer)
 
 
 class HostKVTier:
@@ -191,6 +204,8 @@ class HostKVTier:
             (num_blocks, shape.num_layers, 2, block_size, shape.num_kv_heads, shape.head_dim), shape.dtype,
             self.device)
         self._cuda = self.device.type == "cuda"
+        if self._cuda:  # unpin before the tensor's memory goes back (weakref callbacks run first)
+            weakref.finalize(self, _unregister, self.buffer.data_ptr())
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._offloads: list[tuple[int, KVBlock, BlockHash]] = []  # (gpu block id, host block, hash)
         self._onloads: list[tuple[KVBlock, int]] = []  # (host block, gpu block id)
@@ -289,7 +304,7 @@ class HostKVTier:
         self.poll()
 
     def _run_offload(self, kv_caches: KVCaches, offloads: list[tuple[int, KVBlock, BlockHash]]) -> None:
-        gpu_ids = torch.tensor([gpu for gpu, _, _ in offloads], dtype=torch.long, device=self.device)
+        gpu_ids = self._device_ids([gpu for gpu, _, _ in offloads])
         host_blocks = [block for _, block, _ in offloads]
         transfer = _Transfer(True, host_blocks, [h for _, _, h in offloads], len(offloads) * self.bytes_per_block)
         started = time.perf_counter()
@@ -314,7 +329,7 @@ class HostKVTier:
 
     def _run_onload(self, kv_caches: KVCaches, onloads: list[tuple[KVBlock, int]]) -> None:
         host_blocks = [block for block, _ in onloads]
-        gpu_ids = torch.tensor([gpu for _, gpu in onloads], dtype=torch.long, device=self.device)
+        gpu_ids = self._device_ids([gpu for _, gpu in onloads])
         transfer = _Transfer(False, host_blocks, [None] * len(host_blocks), len(onloads) * self.bytes_per_block)
         started = time.perf_counter()
         if self._stream is None:
@@ -336,6 +351,12 @@ class HostKVTier:
         if self._stream is None:
             transfer.seconds = time.perf_counter() - started
         self._in_flight.append(transfer)
+
+    def _device_ids(self, ids: list[int]) -> torch.Tensor:
+        """Block ids as an int64 tensor on the cache's device, without a host sync (a pinned
+        staging copy: a pageable one would wait for the step in flight)."""
+        host = torch.tensor(ids, dtype=torch.long)
+        return host.pin_memory().to(self.device, non_blocking=True) if self._cuda else host
 
     # -- observation -----------------------------------------------------------------------------
 
