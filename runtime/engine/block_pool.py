@@ -48,6 +48,7 @@ class BlockPool:
         self._used_by_tenant: Counter[str] = Counter()  # referenced blocks per tenant (usage)
         self._in_use_by: list[str | None] = [None] * num_blocks  # tenant charged while referenced
         self._holder: list[str | None] = [None] * num_blocks  # tenant holding it until it is empty
+        self._held_by_tenant: Counter[str] = Counter()  # non-empty blocks per holder (the same, counted)
         self.num_evictions = 0
         # Told of each cached block evicted for reuse, before its hash is dropped (a lower tier
         # keeps a copy: `host_tier.HostKVTier.offload`): (block, tenant holding it).
@@ -78,8 +79,8 @@ class BlockPool:
         return {tenant: count for tenant, count in self._used_by_tenant.items() if count > 0}
 
     def held_blocks_by_tenant(self) -> dict[str, int]:
-        """Non-empty blocks (in use or cached) per holding tenant; O(num_blocks)."""
-        return dict(Counter(holder for holder in self._holder if holder is not None))
+        """Non-empty blocks (in use or cached) per holding tenant."""
+        return {tenant: count for tenant, count in self._held_by_tenant.items() if count > 0}
 
     def holder_of(self, block: KVBlock) -> str | None:
         """The tenant holding a non-empty block: the one it was allocated to (who computed it)."""
@@ -112,6 +113,7 @@ class BlockPool:
                 self._make_empty(block)
                 self.num_evictions += 1
             self._holder[block.block_id] = owner.tenant
+            self._held_by_tenant[owner.tenant] += 1
             self.eviction_policy.on_allocate(block, owner)
             self._reference(block, owner)
             taken.append(block)
@@ -190,4 +192,5 @@ class BlockPool:
         holder = self._holder[block.block_id]
         if holder is not None:
             self._holder[block.block_id] = None
+            self._held_by_tenant[holder] -= 1
             self.eviction_policy.on_empty(block, holder)
