@@ -12,19 +12,22 @@ Life of a block:
   2. At the start of the next step (`run_transfers`, called by the runner before the forward, so
      before any step can overwrite the GPU block) the step's evictions are copied out in one batch:
      on CUDA gathered on the compute stream into a staging tensor, then copied to pinned memory on
-     the tier's own stream; a CUDA event marks completion. The step loop never waits on it: `poll`
+     the tier's offload stream; a CUDA event marks completion. The step loop never waits on it: `poll`
      finds fired events and only then makes the host block findable under its hash.
   3. `KVCacheManager.find_prefix` continues the GPU hit run with host hits. `allocate` references
      the host blocks (so the evictions its own allocation causes cannot take them), takes fresh GPU
      blocks for those positions and queues the copy back (`onload`). `run_transfers` copies host
-     to a device staging tensor on the tier's stream, the compute stream waits on an event (no host
-     sync) and scatters it into the cache before the forward. The sequence's
+     to a device staging tensor on the tier's onload stream, which does not wait for the step in
+     flight (the copy overlaps it); the compute stream waits on an event (no host sync) and
+     scatters it into the cache before the forward. The sequence's
      `num_computed_tokens` covers the onloaded tokens; the GPU blocks are hashed again once the
      step has run, like any computed block.
 
-Within a step offloads run before onloads: a GPU block evicted for an onload is read before it
-is overwritten. All host-memory reads and writes run on the one tier stream, in queue order, so a
-host block evicted and reused is never written while an earlier copy still reads it.
+Within a step offloads run before onloads: a GPU block evicted for an onload is read (gathered,
+on the compute stream) before it is overwritten (scattered, later on the same stream). Host
+blocks are only handed over once a copy's event fired: an offloaded block becomes findable, an
+onloaded one is released (and may be evicted and written again) only after `poll` saw its copy
+complete, so the two streams never touch the same host block at once.
 On CPU the same code runs with ordinary memory and synchronous copies, so tests cover the logic.
 
 Hashes are the GPU cache's (tenant salt and LoRA name included), so a host block is only ever
@@ -206,7 +209,10 @@ class HostKVTier:
         self._cuda = self.device.type == "cuda"
         if self._cuda:  # unpin before the tensor's memory goes back (weakref callbacks run first)
             weakref.finalize(self, _unregister, self.buffer.data_ptr())
-        self._stream = torch.cuda.Stream(self.device) if self._cuda else None
+        # One stream per direction: an onload never waits behind the compute stream's step in
+        # flight (an offload must: it copies what the compute stream gathered).
+        self._offload_stream = torch.cuda.Stream(self.device) if self._cuda else None
+        self._onload_stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._offloads: list[tuple[int, KVBlock, BlockHash]] = []  # (gpu block id, host block, hash)
         self._onloads: list[tuple[KVBlock, int]] = []  # (host block, gpu block id)
         self._in_flight: list[_Transfer] = []
@@ -285,8 +291,11 @@ class HostKVTier:
     def poll(self) -> None:
         """Finish the batches whose copies completed: offloaded blocks become findable, onloaded
         host blocks are released. Never blocks."""
-        while self._in_flight and (self._in_flight[0].done is None or self._in_flight[0].done.query()):
-            transfer = self._in_flight.pop(0)
+        finished, waiting = [], []
+        for transfer in self._in_flight:  # one query each; two streams: batches complete out of order
+            (finished if transfer.done is None or transfer.done.query() else waiting).append(transfer)
+        self._in_flight = waiting
+        for transfer in finished:
             kind = "offload" if transfer.offload else "onload"
             seconds = transfer.seconds if transfer.done is None else transfer.start.elapsed_time(transfer.done) / 1e3
             self._seconds[kind] += seconds
@@ -299,8 +308,9 @@ class HostKVTier:
 
     def synchronize(self) -> None:
         """Wait for every queued copy and finish it (tests, shutdown)."""
-        if self._stream is not None:
-            self._stream.synchronize()
+        for stream in (self._offload_stream, self._onload_stream):
+            if stream is not None:
+                stream.synchronize()
         self.poll()
 
     def _run_offload(self, kv_caches: KVCaches, offloads: list[tuple[int, KVBlock, BlockHash]]) -> None:
@@ -311,19 +321,19 @@ class HostKVTier:
         # [n, layers, 2, block_size, heads, dim]: gathered on the compute stream, in order with the steps
         staging = torch.stack([torch.stack((k.index_select(0, gpu_ids), v.index_select(0, gpu_ids)), 1)
                                for k, v in kv_caches], 1)
-        if self._stream is None:
+        if self._offload_stream is None:
             host_ids = torch.tensor([b.block_id for b in host_blocks], dtype=torch.long)
             self.buffer.index_copy_(0, host_ids, staging)
             transfer.seconds = time.perf_counter() - started
         else:
             transfer.start, transfer.done = _timed_events()
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._stream):
+            self._offload_stream.wait_stream(torch.cuda.current_stream(self.device))  # after the gather
+            with torch.cuda.stream(self._offload_stream):
                 transfer.start.record()
                 for first, index, count in _runs([b.block_id for b in host_blocks]):
                     self.buffer[first:first + count].copy_(staging[index:index + count], non_blocking=True)
                 transfer.done.record()
-            staging.record_stream(self._stream)
+            staging.record_stream(self._offload_stream)
             transfer.keep_alive.append(staging)
         self._in_flight.append(transfer)
 
@@ -332,23 +342,26 @@ class HostKVTier:
         gpu_ids = self._device_ids([gpu for _, gpu in onloads])
         transfer = _Transfer(False, host_blocks, [None] * len(host_blocks), len(onloads) * self.bytes_per_block)
         started = time.perf_counter()
-        if self._stream is None:
+        if self._onload_stream is None:
             staging = self.buffer.index_select(0, torch.tensor([b.block_id for b in host_blocks], dtype=torch.long))
         else:
-            staging = torch.empty((len(onloads), *self.buffer.shape[1:]), dtype=self.buffer.dtype, device=self.device)
             transfer.start, transfer.done = _timed_events()
             compute = torch.cuda.current_stream(self.device)
-            self._stream.wait_stream(compute)  # the staging memory may have been in use there
-            with torch.cuda.stream(self._stream):
+            # Allocated on the onload stream, so the copy need not wait for the compute stream's
+            # step in flight (it overlaps it); the compute stream then reads it (record_stream).
+            with torch.cuda.stream(self._onload_stream):
+                staging = torch.empty((len(onloads), *self.buffer.shape[1:]), dtype=self.buffer.dtype,
+                                      device=self.device)
                 transfer.start.record()
                 for first, index, count in _runs([b.block_id for b in host_blocks]):
                     staging[index:index + count].copy_(self.buffer[first:first + count], non_blocking=True)
                 transfer.done.record()
             compute.wait_event(transfer.done)  # a device-side wait: the host goes on
+            staging.record_stream(compute)
         for layer, (k, v) in enumerate(kv_caches):
             k.index_copy_(0, gpu_ids, staging[:, layer, 0])
             v.index_copy_(0, gpu_ids, staging[:, layer, 1])
-        if self._stream is None:
+        if self._onload_stream is None:
             transfer.seconds = time.perf_counter() - started
         self._in_flight.append(transfer)
 
