@@ -22,6 +22,7 @@ from sits.runtime.engine.kv_cache import KVCacheManager
 from sits.runtime.engine.prefix_hash import hash_block
 from sits.runtime.engine.request import SamplingParams
 from sits.runtime.engine.sequence import Sequence
+from sits.runtime.parallel.config import ParallelConfig
 from sits.runtime.server.metrics import EngineStatsCollector
 from sits.runtime.tenancy.host_kv_policy import host_tenant_eviction_policy
 from sits.runtime.tenancy.tenants import Tenant, TenantConfigError, TenantTable, parse_tenants
@@ -194,6 +195,8 @@ def test_the_flag_reaches_the_config_and_bad_values_are_config_errors():
         CacheConfig(host_kv_cache_gb=-1).validate()
     with pytest.raises(ConfigError, match="needs prefix caching"):
         CacheConfig(host_kv_cache_gb=1, enable_prefix_caching=False).validate()
+    with pytest.raises(ConfigError, match="--host-kv-cache-gb does not run with --tensor-parallel-size > 1"):
+        EngineConfig(cache=CacheConfig(host_kv_cache_gb=1), parallel=ParallelConfig(tensor_parallel_size=2)).validate()
 
 
 # -- the engine, end to end --------------------------------------------------------------------------
