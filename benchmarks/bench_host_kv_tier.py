@@ -175,7 +175,7 @@ def print_table(results: list[ModeResult]) -> None:
           "| onload GiB (s) | offload GiB (s) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r.mode} | {r.host_kv_cache_gb:g} | {r.requests} | {r.ttft_p50_s * 1e3:,.1f} | "
+        print(f"| {r.mode} | {r.host_kv_cache_gb:.3g} | {r.requests} | {r.ttft_p50_s * 1e3:,.1f} | "
               f"{r.ttft_p99_s * 1e3:,.1f} | {r.output_tok_s:,.1f} | {r.gpu_hit_rate:.1%} | {r.host_hit_rate:.1%} | "
               f"{r.onload_gib:.2f} ({r.onload_s:.2f}) | {r.offload_gib:.2f} ({r.offload_s:.2f}) |")
     off = next((r for r in results if r.host_kv_cache_gb == 0), None)
