@@ -170,20 +170,20 @@ class KVCacheManager:
         if needed > self.pool.num_free_blocks - reclaimed:
             return None
         owner = owner_of(seq)
-        host_blocks = prefix.host_blocks if prefix is not None and self.host_tier is not None else []
-        if host_blocks:  # first: the evictions this allocation causes must not take them from the host
-            self.host_tier.hold(host_blocks, owner)  # type: ignore[union-attr]
+        tier = self.host_tier
+        host_blocks = prefix.host_blocks if prefix is not None and tier is not None else []
+        if tier is not None and host_blocks:  # first: this allocation's evictions must not take them
+            tier.hold(host_blocks, owner)
         if hit_blocks:
             self.pool.touch(hit_blocks, owner)
         new_blocks = self.pool.allocate(max(needed, 0), owner)
         if new_blocks is None:  # an eviction policy refused to evict; undo the hits
             self.pool.release(reversed(hit_blocks))
-            if host_blocks:
-                self.host_tier.unhold(host_blocks)  # type: ignore[union-attr]
+            if tier is not None and host_blocks:
+                tier.unhold(host_blocks)
             return None
-        if host_blocks:  # the host hits' positions come first among the new blocks
-            self.host_tier.onload(host_blocks,  # type: ignore[union-attr]
-                                  [block.block_id for block in new_blocks[:len(host_blocks)]])
+        if tier is not None and host_blocks:  # the host hits' positions come first among the new blocks
+            tier.onload(host_blocks, [block.block_id for block in new_blocks[:len(host_blocks)]])
         if seq.seq_id not in self._tables:
             self._tables[seq.seq_id] = table
             self._table_ids[seq.seq_id] = []
