@@ -188,9 +188,9 @@ class HostKVTier:
         num_blocks: host blocks (`host_blocks_for_gb`).
         shape: the GPU cache's geometry (layers, KV heads, head dim, dtype).
         block_size: tokens per block.
-        device: the GPU cache's device; CUDA gets pinned memory and a side stream.
+        device: the GPU cache's device; CUDA gets pinned memory and a copy stream per direction.
         eviction_policy: orders the host tier's evictable blocks (LRU by default; the tenancy
-            layer's `HostTenantEvictionPolicy` for scores and `hostKvCacheShare`).
+            layer's `host_tenant_eviction_policy` for scores and `hostKvCacheShare` shards).
         clock: seconds, stamped on blocks for the eviction policy.
     """
 
@@ -216,6 +216,7 @@ class HostKVTier:
         self._offloads: list[tuple[int, KVBlock, BlockHash]] = []  # (gpu block id, host block, hash)
         self._onloads: list[tuple[KVBlock, int]] = []  # (host block, gpu block id)
         self._in_flight: list[_Transfer] = []
+        self._pending: set[BlockHash] = set()  # hashes being offloaded (not findable yet)
         self._counts: Counter[str] = Counter()
         self._seconds = {"offload": 0.0, "onload": 0.0}
         logger.info("host KV tier: %d blocks x %d tokens (%.2f GiB, %s)", num_blocks, block_size,
@@ -239,15 +240,14 @@ class HostKVTier:
         step runs): keep a copy under its hash, unless the host tier already has it or the
         holder's host share refuses a block."""
         block_hash = gpu_block.block_hash
-        if block_hash is None or self.pool.lookup(block_hash) is not None:
+        if block_hash is None or block_hash in self._pending or self.pool.lookup(block_hash) is not None:
             return
-        last = gpu_block.last_owner
-        owner = BlockOwner(request_id=last.request_id if last else "", tenant=holder or (last.tenant if last else
-                           "default"), priority=last.priority if last else 0)
-        taken = self.pool.allocate(1, owner)
+        last = gpu_block.last_owner or BlockOwner(request_id="")
+        taken = self.pool.allocate(1, BlockOwner(last.request_id, holder or last.tenant, last.priority))
         if taken is None:
             self._counts["dropped"] += 1
             return
+        self._pending.add(block_hash)
         self._offloads.append((gpu_block.block_id, taken[0], block_hash))
 
     def hold(self, host_blocks: Sequence[KVBlock], owner: BlockOwner) -> None:
@@ -303,6 +303,7 @@ class HostKVTier:
             self._counts[f"{kind}_bytes"] += transfer.nbytes
             for block, block_hash in zip(transfer.host_blocks, transfer.hashes, strict=True):
                 if block_hash is not None:
+                    self._pending.discard(block_hash)
                     self.pool.cache(block, block_hash)  # a duplicate of a hash already here stays private
             self.pool.release(reversed(transfer.host_blocks))
 

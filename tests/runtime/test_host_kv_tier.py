@@ -117,6 +117,16 @@ def test_host_hits_continue_a_gpu_hit_run_and_are_held_against_the_evictions_of_
     assert all(block.ref_count == 0 and block.block_hash is not None for block in hit.host_blocks)
 
 
+def test_a_hash_evicted_again_while_its_copy_is_in_flight_is_copied_once():
+    tier = HostKVTier(4, SHAPE, BLOCK, torch.device("cpu"))
+    block_hash = hash_block(None, [1, 2, 3, 4])
+    for block_id in (0, 1):  # the same prefix, computed again into another GPU block and evicted again
+        tier.offload(KVBlock(block_id=block_id, block_hash=block_hash, last_owner=BlockOwner("r")), "default")
+    assert tier.pool.num_used_blocks == 1
+    tier.run_transfers(random_caches(4, seed=5))
+    assert tier.lookup(block_hash) is not None and tier.stats().offload_blocks == 1
+
+
 def test_a_tenant_never_hits_another_tenants_or_another_adapters_host_blocks():
     tier = HostKVTier(8, SHAPE, BLOCK, torch.device("cpu"))
     kv = KVCacheManager(4, BLOCK, host_tier=tier)
