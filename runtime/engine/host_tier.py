@@ -137,13 +137,17 @@ def gpu_numa_node(device: torch.device) -> int | None:
 
 
 def _node_cpus(node: int) -> set[int]:
-    """CPUs of a NUMA node from sysfs (`0-7,16-23`), empty when unknown."""
+    """CPUs of a NUMA node from sysfs, empty when unknown."""
     try:
-        text = Path(f"/sys/devices/system/node/node{node}/cpulist").read_text().strip()
-    except OSError:
+        return parse_cpulist(Path(f"/sys/devices/system/node/node{node}/cpulist").read_text())
+    except (OSError, ValueError):
         return set()
+
+
+def parse_cpulist(text: str) -> set[int]:
+    """A kernel CPU list (`0-7,16-23`, `3`, empty) as a set of CPU numbers."""
     cpus: set[int] = set()
-    for part in filter(None, text.split(",")):
+    for part in filter(None, text.strip().split(",")):
         low, _, high = part.partition("-")
         cpus.update(range(int(low), int(high or low) + 1))
     return cpus

@@ -17,7 +17,7 @@ from sits.runtime.config import CacheConfig, ConfigError, EngineConfig, ModelCon
 from sits.runtime.engine.cache_sizing import KVShape
 from sits.runtime.engine.engine import LLMEngine
 from sits.runtime.engine.eviction import BlockOwner, KVBlock
-from sits.runtime.engine.host_tier import HostKVTier
+from sits.runtime.engine.host_tier import HostKVTier, gpu_numa_node, parse_cpulist
 from sits.runtime.engine.kv_cache import KVCacheManager
 from sits.runtime.engine.prefix_hash import hash_block
 from sits.runtime.engine.request import SamplingParams
@@ -207,6 +207,12 @@ def test_the_flag_reaches_the_config_and_bad_values_are_config_errors():
         CacheConfig(host_kv_cache_gb=1, enable_prefix_caching=False).validate()
     with pytest.raises(ConfigError, match="--host-kv-cache-gb does not run with --tensor-parallel-size > 1"):
         EngineConfig(cache=CacheConfig(host_kv_cache_gb=1), parallel=ParallelConfig(tensor_parallel_size=2)).validate()
+
+
+def test_numa_placement_reads_the_kernels_cpu_lists_and_needs_a_gpu():
+    assert parse_cpulist("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
+    assert parse_cpulist("") == set()
+    assert gpu_numa_node(torch.device("cpu")) is None
 
 
 # -- the engine, end to end --------------------------------------------------------------------------
