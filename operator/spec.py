@@ -53,6 +53,7 @@ class EngineSpec:
     gpu_memory_utilization: float = 0.9
     kv_block_size: int = 16
     cuda_graphs: bool = True
+    host_kv_cache_gb: float = 0.0  # host-memory tier for evicted prefix-cache blocks, GiB (0: off)
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,9 @@ class WorkloadSpec:
                        "maxNumBatchedTokens": self.engine.max_num_batched_tokens,
                        "gpuMemoryUtilization": self.engine.gpu_memory_utilization,
                        "kvBlockSize": self.engine.kv_block_size, "cudaGraphs": self.engine.cuda_graphs,
-                       **self.lora.engine_dict()},
+                       **self.lora.engine_dict(),
+                       # only when set: a spec without the tier keeps its stored form (and revision)
+                       **({"hostKvCacheGb": self.engine.host_kv_cache_gb} if self.engine.host_kv_cache_gb else {})},
             "nccl": {"socketNThreads": self.nccl.socket_nthreads, "minChannels": self.nccl.min_channels,
                      "env": dict(self.nccl.env)},
             "tenantsFile": self.tenants_file,
@@ -127,6 +130,7 @@ class TenantSpec:
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
     models: tuple[str, ...] | None = None  # model ids (base name, adapter names) it may use; None: all
+    host_kv_cache_share: float = 0.0  # guaranteed fraction of the host KV tier
 
 
 @dataclass(frozen=True)
@@ -192,7 +196,7 @@ def parse_workload(data: Any, path: str, *, default_model_name: str | None = Non
         max_model_len=model_fields.integer("maxModelLen", None, minimum=1),
     )
     engine_fields = fields.child("engine", {"maxNumSeqs", "maxNumBatchedTokens", "gpuMemoryUtilization",
-                                            "kvBlockSize", "cudaGraphs", *LORA_ENGINE_FIELDS}) or Fields({}, fields.at("engine"))
+                                            "kvBlockSize", "cudaGraphs", "hostKvCacheGb", *LORA_ENGINE_FIELDS}) or Fields({}, fields.at("engine"))
     block_size = engine_fields.integer("kvBlockSize", 16)
     if block_size not in BLOCK_SIZES:
         raise SpecError(engine_fields.at("kvBlockSize"), f"must be a power of two up to 256, got {block_size}")
@@ -203,6 +207,7 @@ def parse_workload(data: Any, path: str, *, default_model_name: str | None = Non
                                                     exclusive_minimum=True),
         kv_block_size=block_size,
         cuda_graphs=engine_fields.boolean("cudaGraphs", True),
+        host_kv_cache_gb=engine_fields.number("hostKvCacheGb", 0.0, minimum=0.0, maximum=65536.0),
     )
     nccl_fields = fields.child("nccl", {"socketNThreads", "minChannels", "env"}) or Fields({}, fields.at("nccl"))
     nccl = NcclSpec(
@@ -258,7 +263,8 @@ def _parse_tenancy(fields: Fields | None) -> TenancySpec:
     redis = fields.child("redis", {"url"})
     tenants = []
     for path, item in fields.items("tenants"):
-        tenant = Fields(item, path, {"name", "priority", "kvCacheShare", "apiKeySecretRef", "limits", "models"})
+        tenant = Fields(item, path, {"name", "priority", "kvCacheShare", "hostKvCacheShare", "apiKeySecretRef",
+                                     "limits", "models"})
         ref = tenant.child("apiKeySecretRef", {"name", "key"}, required=True)
         assert ref is not None
         limits = tenant.child("limits", {"requestsPerMinute", "tokensPerMinute"}) or Fields({}, tenant.at("limits"))
@@ -273,6 +279,7 @@ def _parse_tenancy(fields: Fields | None) -> TenancySpec:
             requests_per_minute=limits.integer("requestsPerMinute", None, minimum=1),
             tokens_per_minute=limits.integer("tokensPerMinute", None, minimum=1),
             models=_model_ids(tenant),
+            host_kv_cache_share=tenant.number("hostKvCacheShare", 0.0, minimum=0.0, maximum=1.0),
         ))
     seen: set[str] = set()
     for index, parsed in enumerate(tenants):
@@ -282,6 +289,9 @@ def _parse_tenancy(fields: Fields | None) -> TenancySpec:
     total = sum(t.kv_cache_share for t in tenants)
     if total > 1.0 + 1e-9:
         raise SpecError("spec.tenancy.tenants", f"kvCacheShare values sum to {total:g}, more than 1")
+    host_total = sum(t.host_kv_cache_share for t in tenants)
+    if host_total > 1.0 + 1e-9:
+        raise SpecError("spec.tenancy.tenants", f"hostKvCacheShare values sum to {host_total:g}, more than 1")
     return TenancySpec(
         redis_url=redis.string("url", None, pattern=REDIS_URL, what="redis://host:port/db") if redis else None,
         tenants=tuple(tenants),

@@ -31,6 +31,7 @@ class TenantRecord:
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
     models: tuple[str, ...] | None = None  # the model ids the tenant may use; None: every served model
+    host_kv_cache_share: float = 0.0  # guaranteed fraction of the host KV tier
 
     def to_document(self) -> dict[str, Any]:
         entry: dict[str, Any] = {"name": self.name, "apiKeySha256": self.api_key_sha256,
@@ -41,6 +42,8 @@ class TenantRecord:
             entry["tokensPerMinute"] = self.tokens_per_minute
         if self.models is not None:
             entry["models"] = list(self.models)
+        if self.host_kv_cache_share:
+            entry["hostKvCacheShare"] = self.host_kv_cache_share
         return entry
 
 
@@ -86,6 +89,6 @@ def resolve_tenants(tenancy: TenancySpec, read_secret: SecretReader) -> TenantRe
             name=tenant.name, api_key_sha256=hashlib.sha256(api_key.encode("utf-8")).hexdigest(),
             priority=tenant.priority, kv_cache_share=tenant.kv_cache_share,
             requests_per_minute=tenant.requests_per_minute, tokens_per_minute=tenant.tokens_per_minute,
-            models=tenant.models))
+            models=tenant.models, host_kv_cache_share=tenant.host_kv_cache_share))
         del api_key
     return TenantResolution(records=records, problems=problems)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import re
 from typing import Any
 
 import yaml
@@ -64,6 +66,8 @@ def engine_args(workload: WorkloadSpec, deployment: str) -> list[str]:
         args += ["--tensor-parallel-size", str(workload.gpus_per_replica)]
     if not engine.cuda_graphs:
         args.append("--enforce-eager")
+    if engine.host_kv_cache_gb > 0:
+        args += ["--host-kv-cache-gb", f"{engine.host_kv_cache_gb:g}"]
     if workload.tenants_file:
         args += ["--tenants", TENANTS_FILE]
     if workload.redis_url:
@@ -102,7 +106,29 @@ def _resources(workload: WorkloadSpec) -> dict[str, Any]:
     resources: dict[str, dict[str, str]] = {kind: dict(values) for kind, values in workload.resources}
     if workload.gpus_per_replica > 0:
         resources.setdefault("limits", {})[GPU_RESOURCE] = str(workload.gpus_per_replica)
+    host_tier = int(math.ceil(workload.engine.host_kv_cache_gb * 1024))  # MiB of the host KV tier
+    if host_tier > 0:  # pinned host memory counts against the pod's memory: request (and limit) it too
+        for kind in ("requests", "limits"):
+            current = resources.get(kind, {}).get("memory")
+            if kind == "requests" or current is not None:
+                try:
+                    base = memory_mib(current) if current is not None else 0
+                except ValueError:
+                    continue  # not a quantity: left as written, for the API server to reject
+                resources.setdefault(kind, {})["memory"] = f"{base + host_tier}Mi"
     return resources
+
+
+_MEMORY_UNITS = {"": 1, "k": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4, "P": 1000**5, "E": 1000**6,
+                 "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50, "Ei": 1 << 60}
+
+
+def memory_mib(quantity: str) -> int:
+    """A Kubernetes memory quantity ("16Gi", "512M", "1e9", "1073741824") in MiB, rounded up."""
+    match = re.fullmatch(r"\s*([0-9.]+(?:[eE][+-]?[0-9]+)?)\s*(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E|)\s*", str(quantity))
+    if match is None:
+        raise ValueError(f"not a memory quantity: {quantity!r}")
+    return int(math.ceil(float(match.group(1)) * _MEMORY_UNITS[match.group(2)] / (1 << 20)))
 
 
 def _probe(path: str, period_s: int, timeout_s: int, failures: int) -> dict[str, Any]:

@@ -138,6 +138,8 @@ class CacheConfig:
             + KV cache) on CUDA.
         num_blocks: exact number of blocks; overrides both budgets (tests, tiny caches).
         enable_prefix_caching: reuse full blocks of earlier prompts.
+        host_kv_cache_gb: host-memory tier under the prefix cache, in GiB (0: off). Evicted
+            cached blocks are copied there and copied back on a prefix hit (pinned memory on CUDA).
     """
 
     block_size: int = 16
@@ -145,6 +147,7 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
+    host_kv_cache_gb: float = 0.0
 
     def validate(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
@@ -155,6 +158,10 @@ class CacheConfig:
             raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ConfigError(f"--num-blocks must be positive, got {self.num_blocks}")
+        if not 0.0 <= self.host_kv_cache_gb <= 65536:
+            raise ConfigError(f"--host-kv-cache-gb must be >= 0 (0 turns the host tier off), got {self.host_kv_cache_gb}")
+        if self.host_kv_cache_gb > 0 and not self.enable_prefix_caching:
+            raise ConfigError("--host-kv-cache-gb needs prefix caching (drop --no-enable-prefix-caching)")
 
 
 @dataclass
@@ -287,6 +294,8 @@ class EngineConfig:
         self.parallel.validate()
         if self.parallel.tensor_parallel_size > 1 and self.compile:
             raise ConfigError("--compile does not run with --tensor-parallel-size > 1 yet (every rank would compile)")
+        if self.parallel.tensor_parallel_size > 1 and self.cache.host_kv_cache_gb > 0:
+            raise ConfigError("--host-kv-cache-gb does not run with --tensor-parallel-size > 1 yet")
         if self.parallel.tensor_parallel_size > 1 and self.async_scheduling:
             raise ConfigError("--async-scheduling does not run with --tensor-parallel-size > 1 yet")
         if self.cuda_graph_max_batch_size is not None and self.cuda_graph_max_batch_size < 1:

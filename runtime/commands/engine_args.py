@@ -66,6 +66,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="latency budget of running decodes: a step that runs decodes adds at most N prompt "
                              "tokens (longer prompts are chunked across steps); 0: no cap (default: from the GPU, "
                              "1024 on H200/H100, 512 on other GPUs; 0 on CPU)")
+    engine.add_argument("--host-kv-cache-gb", type=float, default=CacheConfig.host_kv_cache_gb,
+                        help="host-memory tier for evicted prefix-cache blocks, GiB (0: off)")
     engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                         help="split long prompts across steps")
     engine.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
@@ -153,7 +155,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                           config_name=getattr(args, "config", None)),
         cache=CacheConfig(block_size=args.block_size, kv_cache_gb=args.kv_cache_gb,
                           gpu_memory_utilization=args.gpu_memory_utilization, num_blocks=args.num_blocks,
-                          enable_prefix_caching=args.enable_prefix_caching),
+                          enable_prefix_caching=args.enable_prefix_caching,
+                          host_kv_cache_gb=args.host_kv_cache_gb),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs if args.max_num_seqs is not None else defaults["max_num_seqs"],
             max_num_batched_tokens=(args.max_num_batched_tokens if args.max_num_batched_tokens is not None

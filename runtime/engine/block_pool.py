@@ -48,7 +48,11 @@ class BlockPool:
         self._used_by_tenant: Counter[str] = Counter()  # referenced blocks per tenant (usage)
         self._in_use_by: list[str | None] = [None] * num_blocks  # tenant charged while referenced
         self._holder: list[str | None] = [None] * num_blocks  # tenant holding it until it is empty
+        self._held_by_tenant: Counter[str] = Counter()  # non-empty blocks per holder (the same, counted)
         self.num_evictions = 0
+        # Told of each cached block evicted for reuse, before its hash is dropped (a lower tier
+        # keeps a copy: `host_tier.HostKVTier.offload`): (block, tenant holding it).
+        self.on_evict: Callable[[KVBlock, str | None], None] | None = None
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -73,6 +77,10 @@ class BlockPool:
     def used_blocks_by_tenant(self) -> dict[str, int]:
         """Referenced blocks per tenant (a shared block counts for the tenant that referenced it first)."""
         return {tenant: count for tenant, count in self._used_by_tenant.items() if count > 0}
+
+    def held_blocks_by_tenant(self) -> dict[str, int]:
+        """Non-empty blocks (in use or cached) per holding tenant."""
+        return {tenant: count for tenant, count in self._held_by_tenant.items() if count > 0}
 
     def holder_of(self, block: KVBlock) -> str | None:
         """The tenant holding a non-empty block: the one it was allocated to (who computed it)."""
@@ -100,9 +108,12 @@ class BlockPool:
                 if block is None:  # the policy protects what is left: undo, report failure
                     self.release(reversed(taken))
                     return None
+                if self.on_evict is not None and block.block_hash is not None:
+                    self.on_evict(block, self._holder[block.block_id])
                 self._make_empty(block)
                 self.num_evictions += 1
             self._holder[block.block_id] = owner.tenant
+            self._held_by_tenant[owner.tenant] += 1
             self.eviction_policy.on_allocate(block, owner)
             self._reference(block, owner)
             taken.append(block)
@@ -181,4 +192,5 @@ class BlockPool:
         holder = self._holder[block.block_id]
         if holder is not None:
             self._holder[block.block_id] = None
+            self._held_by_tenant[holder] -= 1
             self.eviction_policy.on_empty(block, holder)

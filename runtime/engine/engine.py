@@ -29,6 +29,7 @@ from sits.runtime.engine.cache_sizing import check_fits_one_sequence, num_blocks
 from sits.runtime.engine.engine_setup import checkpoint_head_dim, prepare_execution, quantize
 from sits.runtime.engine.errors import DuplicateRequestError, InvalidRequestError, PromptTooLongError
 from sits.runtime.engine.eviction import EvictionPolicy
+from sits.runtime.engine.host_tier import build_host_tier
 from sits.runtime.engine.kv_cache import KVCacheManager
 from sits.runtime.engine.nvtx import nvtx_range
 from sits.runtime.engine.output_processor import OutputProcessor
@@ -73,6 +74,7 @@ class LLMEngine:
         waiting_queue: WaitingQueue | None = None,
         runner_factory: Callable[..., ModelRunner] = ModelRunner,
         shared_cache_salt: str | None = None,
+        host_eviction_policy: EvictionPolicy | Callable[[int], EvictionPolicy] | None = None,
     ) -> None:
         config.validate()
         self.config = config
@@ -107,8 +109,10 @@ class LLMEngine:
         prepare_execution(self.runner, loaded, config, self.max_model_len)
         if eviction_policy is not None and not isinstance(eviction_policy, EvictionPolicy):
             eviction_policy = eviction_policy(num_blocks)
+        self.runner.host_tier = build_host_tier(config.cache, self.runner.kv_shape, loaded.device,
+                                                host_eviction_policy)
         self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, eviction_policy,
-                                       shared_cache_salt=shared_cache_salt)
+                                       shared_cache_salt=shared_cache_salt, host_tier=self.runner.host_tier)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len, self.eos_token_ids,
                                    scheduling_policy, waiting_queue, speculative=config.speculative)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -369,6 +373,8 @@ class LLMEngine:
             kv_cache_usage=s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0,
             prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits,
+            prefix_cache_host_hits=s.prefix_cache_host_hits,
+            host_kv=s.host_kv,
             num_preemptions=s.num_preemptions,
             num_evictions=s.num_evictions,
             num_finished=c["finished"],

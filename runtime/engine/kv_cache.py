@@ -25,6 +25,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from sits.runtime.engine.block_pool import BlockPool
 from sits.runtime.engine.eviction import BlockOwner, EvictionPolicy, KVBlock
@@ -32,18 +33,24 @@ from sits.runtime.engine.prefix_hash import extend_block_hashes
 from sits.runtime.engine.sequence import Sequence
 from sits.runtime.engine.stats import PrefixCacheCounts
 
+if TYPE_CHECKING:
+    from sits.runtime.engine.host_tier import HostKVTier
+
 
 @dataclass
 class PrefixHit:
     """Cached blocks that cover the start of a sequence.
 
     Attributes:
-        blocks: the hit blocks, in order (not yet referenced: `allocate` takes them).
-        num_tokens: tokens they cover (len(blocks) * block_size).
+        blocks: the GPU hit blocks, in order (not yet referenced: `allocate` takes them).
+        num_tokens: tokens the hit covers ((len(blocks) + len(host_blocks)) * block_size).
+        host_blocks: host-tier blocks continuing the run after `blocks` (`allocate` copies them
+            back into fresh GPU blocks before the step runs).
     """
 
     blocks: list[KVBlock] = field(default_factory=list)
     num_tokens: int = 0
+    host_blocks: list[KVBlock] = field(default_factory=list)
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
@@ -65,6 +72,8 @@ class KVCacheManager:
         clock: seconds, stamped on blocks for eviction policies.
         shared_cache_salt: the salt of prompts marked for the shared-prefix pool; hits under it
             on another tenant's blocks are expected and counted as shared, not cross-tenant.
+        host_tier: a host-memory tier below the GPU cache (`--host-kv-cache-gb`): evicted cached
+            blocks are kept there and prefix hits on them are copied back.
     """
 
     def __init__(
@@ -75,6 +84,7 @@ class KVCacheManager:
         eviction_policy: EvictionPolicy | None = None,
         clock: Callable[[], float] = time.monotonic,
         shared_cache_salt: str | None = None,
+        host_tier: HostKVTier | None = None,
     ) -> None:
         self.block_size = block_size
         self.shared_cache_salt = shared_cache_salt
@@ -86,6 +96,10 @@ class KVCacheManager:
         self.prefix_cache_queries = 0  # prompt tokens looked up, in tokens
         self.prefix_cache_hits = 0  # of those, tokens served from the cache
         self.prefix_counts: dict[str, PrefixCacheCounts] = {}  # the same per tenant, and more
+        self.prefix_cache_host_hits = 0  # of the hits, tokens copied back from the host tier
+        self.host_tier = host_tier if enable_prefix_caching else None
+        if self.host_tier is not None:
+            self.pool.on_evict = self.host_tier.offload
 
     @property
     def num_blocks(self) -> int:
@@ -122,7 +136,14 @@ class KVCacheManager:
             if block is None:
                 break
             hit.append(block)
-        return PrefixHit(blocks=hit, num_tokens=len(hit) * self.block_size)
+        host_hit: list[KVBlock] = []
+        if self.host_tier is not None:
+            for block_hash in seq.block_hashes[len(hit):max_blocks]:
+                host_block = self.host_tier.lookup(block_hash)
+                if host_block is None:
+                    break
+                host_hit.append(host_block)
+        return PrefixHit(blocks=hit, num_tokens=(len(hit) + len(host_hit)) * self.block_size, host_blocks=host_hit)
 
     def allocate(self, seq: Sequence, num_new_tokens: int, prefix: PrefixHit | None = None) -> list[int] | None:
         """Reserve slots for `num_new_tokens` more tokens of `seq`; return the new block ids.
@@ -149,12 +170,20 @@ class KVCacheManager:
         if needed > self.pool.num_free_blocks - reclaimed:
             return None
         owner = owner_of(seq)
+        tier = self.host_tier
+        host_blocks = prefix.host_blocks if prefix is not None and tier is not None else []
+        if tier is not None and host_blocks:  # first: this allocation's evictions must not take them
+            tier.hold(host_blocks, owner)
         if hit_blocks:
             self.pool.touch(hit_blocks, owner)
         new_blocks = self.pool.allocate(max(needed, 0), owner)
         if new_blocks is None:  # an eviction policy refused to evict; undo the hits
             self.pool.release(reversed(hit_blocks))
+            if tier is not None and host_blocks:
+                tier.unhold(host_blocks)
             return None
+        if tier is not None and host_blocks:  # the host hits' positions come first among the new blocks
+            tier.onload(host_blocks, [block.block_id for block in new_blocks[:len(host_blocks)]])
         if seq.seq_id not in self._tables:
             self._tables[seq.seq_id] = table
             self._table_ids[seq.seq_id] = []
@@ -181,7 +210,12 @@ class KVCacheManager:
             counts = self.prefix_counts[seq.tenant] = PrefixCacheCounts()
         counts.queries += seq.num_tokens
         counts.hits += prefix.num_tokens
+        host_tokens = len(prefix.host_blocks) * self.block_size
+        self.prefix_cache_host_hits += host_tokens
+        counts.host_hits += host_tokens
         foreign = sum(1 for block in prefix.blocks if self.pool.holder_of(block) != seq.tenant)
+        if self.host_tier is not None:
+            foreign += sum(1 for block in prefix.host_blocks if self.host_tier.holder_of(block) != seq.tenant)
         if foreign:
             if seq.cache_salt is not None and seq.cache_salt == self.shared_cache_salt:
                 counts.shared_hits += foreign * self.block_size
@@ -228,4 +262,5 @@ class KVCacheManager:
         return seq_id in self._tables
 
     def reset_prefix_cache(self) -> int:
-        return self.pool.reset_prefix_cache()
+        """Forget every evictable cached block, in the host tier too; returns how many."""
+        return self.pool.reset_prefix_cache() + (self.host_tier.reset() if self.host_tier is not None else 0)

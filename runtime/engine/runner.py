@@ -28,6 +28,7 @@ from sits.runtime.engine.sequence import Sequence
 from sits.runtime.engine.spec_verify import verify_drafts
 
 if TYPE_CHECKING:
+    from sits.runtime.engine.host_tier import HostKVTier
     from sits.runtime.lora.layers import LoraStepState
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         self.input_batch = InputBatch(block_size, self.device)
         self.lora: LoraStepState | None = None  # the adapters' per-step row index, with --enable-lora
+        self.host_tier: HostKVTier | None = None  # --host-kv-cache-gb: its copies run before each forward
 
     def enable_lora(self, step: LoraStepState) -> None:
         """Serve LoRA adapters: each step's batch carries its sequences' adapter slots, and `step`
@@ -119,6 +121,8 @@ class ModelRunner:
         self.sampler.forget(scheduler_output.finished_seq_ids)
         self.input_batch.release(scheduler_output.finished_seq_ids)
         self.input_batch.release(scheduler_output.preempted_seq_ids)
+        if self.host_tier is not None:  # this step's evictions out, its host hits in, before the forward
+            self.host_tier.run_transfers(self.kv_caches)
         if scheduler_output.is_empty:
             return PendingOutput.nothing()
         model_input = self.prepare_input(scheduler_output)

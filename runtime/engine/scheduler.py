@@ -375,6 +375,8 @@ class Scheduler(SchedulerInterface):
             kv_block_size=self.kv_cache.block_size,
             prefix_cache_queries=self.kv_cache.prefix_cache_queries,
             prefix_cache_hits=self.kv_cache.prefix_cache_hits,
+            prefix_cache_host_hits=self.kv_cache.prefix_cache_host_hits,
+            host_kv=self.kv_cache.host_tier.stats() if self.kv_cache.host_tier is not None else None,
             num_preemptions=self.num_preemptions,
             num_evictions=pool.num_evictions,
             running_by_tenant=dict(Counter(s.tenant for s in self.running)),

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sits.runtime.engine.host_tier import HostTierStats
 
 
 @dataclass
@@ -20,12 +24,14 @@ class PrefixCacheCounts:
         cross_tenant_hits: hits on blocks another tenant computed, outside the shared-prefix pool
             (0 when salts isolate tenants).
         shared_hits: hits on blocks another tenant computed through the shared-prefix pool.
+        host_hits: of the hits, tokens copied back from the host tier (the rest were on the GPU).
     """
 
     queries: int = 0
     hits: int = 0
     cross_tenant_hits: int = 0
     shared_hits: int = 0
+    host_hits: int = 0
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,8 @@ class SchedulerStats:
     preemptions_by_tenant: dict[str, int] = field(default_factory=dict)
     prefix_cache_by_tenant: dict[str, PrefixCacheCounts] = field(default_factory=dict)
     spec_decode: SpecDecodeCounts | None = None  # speculative decoding's figures; None when off
+    prefix_cache_host_hits: int = 0  # of prefix_cache_hits, tokens copied back from the host tier
+    host_kv: HostTierStats | None = None  # the host tier (--host-kv-cache-gb); None when off
 
 
 @dataclass(frozen=True)
@@ -119,6 +127,8 @@ class EngineStats:
     preemptions_by_tenant: dict[str, int] = field(default_factory=dict)
     prefix_cache_by_tenant: dict[str, PrefixCacheCounts] = field(default_factory=dict)
     spec_decode: SpecDecodeCounts | None = None  # speculative decoding's figures; None when off
+    prefix_cache_host_hits: int = 0  # of prefix_cache_hits, tokens copied back from the host tier
+    host_kv: HostTierStats | None = None  # the host tier (--host-kv-cache-gb); None when off
 
     @property
     def prefix_cache_hit_rate(self) -> float:

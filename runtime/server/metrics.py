@@ -26,6 +26,15 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 
                    7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0)
 LABELS = ("model", "tenant", "track")
 SPEC_LABELS = ("model", "track")
+TIER_LABELS = ("model", "tenant", "track", "tier")
+HOST_TIER_COUNTERS = (  # (series, HostTierStats field, help)
+    ("sits_kv_host_offload_bytes", "offload_bytes", "Bytes of KV blocks copied from the GPU cache to the host tier."),
+    ("sits_kv_host_offload_seconds", "offload_seconds", "Device seconds spent copying KV blocks to the host tier."),
+    ("sits_kv_host_onload_bytes", "onload_bytes", "Bytes of KV blocks copied back from the host tier to the GPU."),
+    ("sits_kv_host_onload_seconds", "onload_seconds", "Device seconds spent copying KV blocks back from the host tier."),
+    ("sits_kv_host_dropped_blocks", "dropped_blocks",
+     "Evicted GPU blocks the host tier did not keep (the tenant's hostKvCacheShare was spent)."),
+)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
@@ -50,7 +59,11 @@ class EngineStatsCollector:
             ("sits_prefix_cache_queries", "sits_prefix_cache_hits", "sits_prefix_cache_cross_tenant_hits",
              "sits_prefix_cache_shared_hits", "sits_preemptions")] + [
             CounterMetricFamily(name, "", labels=SPEC_LABELS) for name in
-            ("sits_spec_decode_draft_tokens", "sits_spec_decode_accepted_tokens")]
+            ("sits_spec_decode_draft_tokens", "sits_spec_decode_accepted_tokens")] + [
+            CounterMetricFamily("sits_prefix_cache_tier_hits", "", labels=TIER_LABELS),
+            GaugeMetricFamily("sits_kv_host_blocks_used", "", labels=LABELS),
+            GaugeMetricFamily("sits_kv_host_blocks_total", "", labels=SPEC_LABELS)] + [
+            CounterMetricFamily(name, "", labels=SPEC_LABELS) for name, _, _ in HOST_TIER_COUNTERS]
 
     def collect(self) -> Iterator[Metric]:
         stats = self._stats_source()
@@ -81,6 +94,7 @@ class EngineStatsCollector:
         yield self._family(CounterMetricFamily, "sits_prefix_cache_shared_hits",
                            "Prompt tokens served from another tenant's blocks through the shared-prefix pool.",
                            per_tenant("shared_hits", 0))
+        yield from self._tier_families(stats)
         yield self._family(CounterMetricFamily, "sits_preemptions",
                            "Times a running sequence lost its KV blocks to make room.",
                            _by_tenant(stats.preemptions_by_tenant, stats.num_preemptions))
@@ -93,6 +107,35 @@ class EngineStatsCollector:
                 family = CounterMetricFamily(name, doc, labels=SPEC_LABELS)
                 family.add_metric([self._model, self._track], float(value))
                 yield family
+
+    def _tier_families(self, stats: Any) -> Iterator[Metric]:
+        """Prefix-cache hits by tier (`gpu`, `host`; their sum is sits_prefix_cache_hits_total, which
+        keeps its meaning) and, with --host-kv-cache-gb, the host tier's blocks and copies."""
+        hits = CounterMetricFamily("sits_prefix_cache_tier_hits",
+                                   "Prompt tokens served from the prefix cache, by the tier that held them.",
+                                   labels=TIER_LABELS)
+        prefix = stats.prefix_cache_by_tenant
+        host_hits = getattr(stats, "prefix_cache_host_hits", 0)
+        per_tenant = ({tenant: (counts.hits - counts.host_hits, counts.host_hits) for tenant, counts in prefix.items()}
+                      if prefix else {DEFAULT_TENANT: (stats.prefix_cache_hits - host_hits, host_hits)})
+        per_tenant.setdefault(DEFAULT_TENANT, (0, 0))
+        for tenant, (gpu, host) in sorted(per_tenant.items()):
+            hits.add_metric([self._model, tenant, self._track, "gpu"], float(gpu))
+            hits.add_metric([self._model, tenant, self._track, "host"], float(host))
+        yield hits
+        host = getattr(stats, "host_kv", None)
+        if host is None:
+            return
+        yield self._family(GaugeMetricFamily, "sits_kv_host_blocks_used",
+                           "Host KV tier blocks a tenant holds (cached, or being written).",
+                           _by_tenant(host.blocks_by_tenant, 0))
+        total = GaugeMetricFamily("sits_kv_host_blocks_total", "Blocks in the host KV tier.", labels=SPEC_LABELS)
+        total.add_metric([self._model, self._track], float(host.blocks_total))
+        yield total
+        for name, field, doc in HOST_TIER_COUNTERS:
+            family = CounterMetricFamily(name, doc, labels=SPEC_LABELS)
+            family.add_metric([self._model, self._track], float(getattr(host, field)))
+            yield family
 
     def _family(self, kind: type, name: str, doc: str, values: dict[str, float]) -> Metric:
         family = kind(name, doc, labels=LABELS)

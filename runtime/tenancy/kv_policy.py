@@ -22,7 +22,7 @@ Plugs into `sits.runtime.engine.block_pool.BlockPool` through its `EvictionPolic
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from sits.runtime.engine.eviction import BlockOwner, EvictionPolicy, KVBlock
 from sits.runtime.tenancy.eviction import DEFAULT_ALPHA, ScoreEvictionPolicy
@@ -38,12 +38,16 @@ class TenantEvictionPolicy(EvictionPolicy):
         num_blocks: blocks in the KV cache (the shards' total).
         table: tenants, for their shares and priorities; `apply_table` takes a live update.
         alpha, ttl_s, engine_start, clock: see ScoreEvictionPolicy.
+        shares_of: each tenant's guaranteed fraction from a table (`TenantTable.shares`, the
+            kvCacheShare; the host tier passes `TenantTable.host_shares`).
     """
 
     def __init__(self, num_blocks: int, table: TenantTable, *, alpha: float = DEFAULT_ALPHA,
                  ttl_s: float | None = None, engine_start: float | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.shards = ShardAccountant(num_blocks, table.shares())
+                 clock: Callable[[], float] = time.monotonic,
+                 shares_of: Callable[[TenantTable], Mapping[str, float]] = TenantTable.shares) -> None:
+        self._shares_of = shares_of
+        self.shards = ShardAccountant(num_blocks, shares_of(table))
         self.scores = ScoreEvictionPolicy(self.shards, table.priorities(), alpha=alpha, ttl_s=ttl_s,
                                           engine_start=engine_start, clock=clock)
         self._holder: dict[int, str] = {}  # block id -> tenant holding it (mirrors the pool)
@@ -62,7 +66,7 @@ class TenantEvictionPolicy(EvictionPolicy):
     def _apply_pending_table(self) -> None:
         table, self._pending_table = self._pending_table, None
         if table is not None:
-            self.shards.set_shares(table.shares())
+            self.shards.set_shares(self._shares_of(table))
             self.scores.set_priorities(table.priorities())
 
     # -- the engine's EvictionPolicy ------------------------------------------------------------

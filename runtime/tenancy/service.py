@@ -137,11 +137,22 @@ class Tenancy:
                             "shares take the whole cache; its requests will be refused", name)
         return policy
 
+    def host_eviction_policy(self, num_blocks: int):
+        """The host KV tier's policy over `num_blocks` host blocks (hostKvCacheShare, same score),
+        following live table updates."""
+        from sits.runtime.tenancy.host_kv_policy import host_tenant_eviction_policy  # imports the engine
+
+        ttl = self.config.eviction_ttl_s or None
+        policy = host_tenant_eviction_policy(num_blocks, self.table, alpha=self.config.eviction_alpha, ttl_s=ttl,
+                                             engine_start=self.engine_start)
+        self.registry.subscribe(policy.apply_table)
+        return policy
+
     def engine_hooks(self) -> dict:
         """Keyword arguments for `LLMEngine` / `AsyncEngine.from_config`: the shard-aware eviction
         policy (built once the cache is sized), the fair waiting queue, the shared-pool salt."""
         return {"eviction_policy": self.eviction_policy, "waiting_queue": self.fair_queue(),
-                "shared_cache_salt": SHARED_PREFIX_SALT}
+                "shared_cache_salt": SHARED_PREFIX_SALT, "host_eviction_policy": self.host_eviction_policy}
 
     def publish_eviction_index(self) -> None:
         """Hand this replica's eviction index to the store (written in its next batch; no I/O).

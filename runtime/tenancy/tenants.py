@@ -4,7 +4,7 @@ A tenants file (`sits serve --tenants tenants.yaml`) looks like:
 
     sharedPrefixPool: false          # optional: prompts marked shared hit one pool across tenants
     tenants:
-      - {name: finance, apiKey: "sk-...", priority: 3, kvCacheShare: 0.4,
+      - {name: finance, apiKey: "sk-...", priority: 3, kvCacheShare: 0.4, hostKvCacheShare: 0.5,
          requestsPerMinute: 600, tokensPerMinute: 200000}
       - {name: research, apiKeySha256: "9f86d0...", priority: 1, kvCacheShare: 0.2,
          models: [llama-3-8b-instruct, research-sql]}   # optional allow-list, see below
@@ -42,8 +42,8 @@ TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")  # safe as a metr
 SHA256_HEX = re.compile(r"^[0-9a-fA-F]{64}$")
 DEFAULT_TENANT = "default"
 
-_TENANT_FIELDS = {"name", "apiKey", "apiKeySha256", "priority", "kvCacheShare", "requestsPerMinute",
-                  "tokensPerMinute", "weight", "models", "admin"}
+_TENANT_FIELDS = {"name", "apiKey", "apiKeySha256", "priority", "kvCacheShare", "hostKvCacheShare",
+                  "requestsPerMinute", "tokensPerMinute", "weight", "models", "admin"}
 _TABLE_FIELDS = {"tenants", "sharedPrefixPool"}
 _SALT_DOMAIN = b"sits/prefix-salt/v1\x00"
 SHARED_PREFIX_SALT = hashlib.sha256(_SALT_DOMAIN + b"\x00shared-prefix-pool").hexdigest()[:32]
@@ -67,6 +67,8 @@ class Tenant:
         priority: 0 (lowest) to 3; higher tiers are scheduled first and their cached blocks
             score higher (are evicted later).
         kv_cache_share: guaranteed fraction of the KV-cache blocks, 0 to 1.
+        host_kv_cache_share: guaranteed fraction of the host KV tier's blocks (--host-kv-cache-gb),
+            0 to 1; beyond it a tenant borrows blocks nobody is guaranteed, as on the GPU.
         requests_per_minute, tokens_per_minute: limits across all replicas; None is unlimited.
         weight: share of scheduling inside the priority tier, relative to the tier's other tenants.
         api_key_sha256: digest of the API key (None in trusted-gateway mode); never shown.
@@ -78,6 +80,7 @@ class Tenant:
     name: str
     priority: int = 0
     kv_cache_share: float = 0.0
+    host_kv_cache_share: float = 0.0
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
     weight: float = 1.0
@@ -117,7 +120,7 @@ class TenantTable:
     @classmethod
     def open_access(cls) -> TenantTable:
         """The table of a server started without --tenants: one tenant, no key, the whole cache."""
-        return cls([Tenant(DEFAULT_TENANT, kv_cache_share=1.0)], requires_auth=False)
+        return cls([Tenant(DEFAULT_TENANT, kv_cache_share=1.0, host_kv_cache_share=1.0)], requires_auth=False)
 
     def __repr__(self) -> str:
         return f"TenantTable({sorted(self._tenants)}, shared_prefix_pool={self.shared_prefix_pool})"
@@ -138,6 +141,10 @@ class TenantTable:
     def shares(self) -> dict[str, float]:
         """kvCacheShare by tenant (for ShardAccountant)."""
         return {t.name: t.kv_cache_share for t in self._tenants.values()}
+
+    def host_shares(self) -> dict[str, float]:
+        """hostKvCacheShare by tenant (for the host tier's ShardAccountant)."""
+        return {t.name: t.host_kv_cache_share for t in self._tenants.values()}
 
     def priorities(self) -> dict[str, int]:
         """priority by tenant (for the eviction score and preemption)."""
@@ -179,6 +186,8 @@ class TenantTable:
         for t in self._tenants.values():
             entry: dict[str, Any] = {"name": t.name, "priority": t.priority, "kvCacheShare": t.kv_cache_share,
                                      "weight": t.weight}
+            if t.host_kv_cache_share:
+                entry["hostKvCacheShare"] = t.host_kv_cache_share
             if t.api_key_sha256 is not None:
                 entry["apiKeySha256"] = t.api_key_sha256.hex()
             if t.requests_per_minute is not None:
@@ -232,6 +241,10 @@ def parse_tenants(data: Any, *, source: str = "tenants", require_keys: bool = Tr
     if total_share > 1.0 + SHARE_TOLERANCE:
         listed = ", ".join(f"{t.name}={t.kv_cache_share:g}" for t in tenants if t.kv_cache_share)
         raise TenantConfigError(f"{source}: kvCacheShare values sum to {total_share:g} (> 1): {listed}")
+    host_total = sum(t.host_kv_cache_share for t in tenants)
+    if host_total > 1.0 + SHARE_TOLERANCE:
+        listed = ", ".join(f"{t.name}={t.host_kv_cache_share:g}" for t in tenants if t.host_kv_cache_share)
+        raise TenantConfigError(f"{source}: hostKvCacheShare values sum to {host_total:g} (> 1): {listed}")
     return TenantTable(tenants, shared_prefix_pool=shared)
 
 
@@ -250,6 +263,7 @@ def _parse_tenant(entry: Any, index: int, source: str, require_keys: bool) -> Te
         name=name,
         priority=_integer(entry, "priority", where, default=0, low=0, high=MAX_PRIORITY),
         kv_cache_share=_number(entry, "kvCacheShare", where, default=0.0, low=0.0, high=1.0),
+        host_kv_cache_share=_number(entry, "hostKvCacheShare", where, default=0.0, low=0.0, high=1.0),
         requests_per_minute=_integer(entry, "requestsPerMinute", where, default=None, low=1),
         tokens_per_minute=_integer(entry, "tokensPerMinute", where, default=None, low=1),
         weight=_number(entry, "weight", where, default=1.0, low=1e-6, high=1e6),
