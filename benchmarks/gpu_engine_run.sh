@@ -64,7 +64,7 @@ for step in $STEPS; do
     tests)
       PYTHONSAFEPATH=1 timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest tests/runtime/test_gpu_engine.py \
         tests/runtime/test_triton_backend.py tests/runtime/test_engine_async_scheduling.py \
-        tests/runtime/test_engine_input_batch.py -q -s -p no:cacheprovider --confcutdir=tests/runtime \
+        tests/runtime/test_engine_input_batch.py -q -s -p no:cacheprovider --confcutdir=tests \
         --durations=8 >"$LOG_DIR/tests.log" 2>&1 ;;
     parity)
       PYTHONSAFEPATH=1 timeout "${PARITY_TIMEOUT:-300}" python3 -m pytest tests/gpu/test_real_model_parity.py \

