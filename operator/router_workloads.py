@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from sits.operator.meta import (
+    METRICS_PORT,
     SERVICE_PORT,
     SERVICE_ROLE_LABEL,
     Owner,
@@ -70,6 +71,7 @@ def router_args(owner: Owner, spec: SitsDeploymentSpec, plan: Plan) -> list[str]
     args = ["router", "--host", "0.0.0.0", "--port", str(ROUTER_PORT),
             "--discover", f"{owner.namespace}/{service_name(owner.name, 'stable')}",
             "--discover", f"{owner.namespace}/{service_name(owner.name, 'canary')}",
+            "--replica-metrics-port", str(METRICS_PORT),  # the replicas' /metrics: state-store name, track
             "--deployment", deployment_id(owner.namespace, owner.name), "--policy", router.policy]
     if router.weights:
         args += ["--weights", router.weights_arg()]

@@ -86,7 +86,8 @@ def build_app(state: RouterState) -> Starlette:
         timeout = httpx.Timeout(connect=2.0, read=None, write=30.0, pool=None)
         async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=2048,
                                                                          max_keepalive_connections=256)) as client:
-            state.pool = ReplicaPool(config.replicas, client, interval_s=config.health_interval_s)
+            state.pool = ReplicaPool(config.replicas, client, interval_s=config.health_interval_s,
+                                     metrics_port=config.replica_metrics_port)
             state.forwarder = Forwarder(client, state.pool, state.metrics)
             await state.tenancy.start()
             if config.state_store.startswith(("redis://", "rediss://", "unix://")):

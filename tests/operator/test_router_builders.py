@@ -45,6 +45,10 @@ def objects(spec, plan=None):
     return {(o["kind"], o["metadata"]["name"]): o for o in build_all(OWNER, spec, plan or plan_of(spec), None)}
 
 
+def stable_args_of(spec):
+    return objects(spec)[("Deployment", "llama3-8b-stable")]["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
 def router_flags(args):
     """The container's args as `sits router` parses them (the real parser)."""
     assert args[0] == "router"
@@ -151,6 +155,8 @@ def test_router_deployment_runs_sits_router_small_and_without_gpu(monkeypatch):
     flags = router_flags(container["args"])
     assert flags.discover == ["llm/llama3-8b-stable", "llm/llama3-8b-canary"]
     assert flags.replica == []
+    assert flags.replica_metrics_port == 9400  # the replicas' --metrics-port
+    assert stable_args_of(spec)[stable_args_of(spec).index("--metrics-port") + 1] == "9400"
     assert (flags.state_store, flags.deployment, flags.tenants) == (
         "redis://sits-redis:6379/0", "llm.llama3-8b", "/etc/sits/tenants.yaml")  # as the replicas' flags
     assert (flags.policy, flags.weights) == ("precise", "prefix=1.5,kv=0.25")
