@@ -6,6 +6,7 @@ import argparse
 import copy
 from pathlib import Path
 
+import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
@@ -20,6 +21,8 @@ from sits.operator.spec import parse_spec
 from sits.operator.spec_router import POLICIES
 from sits.runtime.router.command import add_arguments, config_from_args
 from sits.runtime.router.config import Policy, ScoringWeights
+from tests.operator.test_autoscaling import crd_violations
+from tests.operator.test_crd import api_server_defaults
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = yaml.safe_load((ROOT / "examples" / "sitsdeployment.yaml").read_text())["spec"]
@@ -207,3 +210,47 @@ def test_router_without_redis_tenants_or_local_model():
     assert (flags.state_store, flags.tenants, flags.model, flags.weights) == ("memory://", None, None, "")
     pod = objects(spec)[("Deployment", "llama3-8b-router")]["spec"]["template"]["spec"]
     assert "model" not in {v["name"] for v in pod["volumes"]}
+
+
+# -- the CRD: its schema and CEL rules accept and refuse what the operator does -------------------
+
+CRD_SCHEMA = yaml.safe_load((ROOT / "crds" / "sitsdeployment.yaml").read_text())["spec"]["versions"][0]["schema"][
+    "openAPIV3Schema"]
+
+
+def crd_accepts(spec: dict) -> bool:
+    body = {"apiVersion": "sits.ai/v1alpha1", "kind": "SitsDeployment", "metadata": {"name": "demo"},
+            "spec": api_server_defaults(CRD_SCHEMA["properties"]["spec"], copy.deepcopy(spec))}
+    try:
+        jsonschema.Draft4Validator(CRD_SCHEMA).validate(body)
+    except jsonschema.ValidationError:
+        return False
+    return not crd_violations(CRD_SCHEMA["properties"]["spec"], body["spec"], "spec")
+
+
+def operator_accepts(spec: dict) -> bool:
+    try:
+        parse_spec(spec, "demo")
+    except SpecError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(("router", "model_uri", "accepted"), [
+    ({}, "hf://org/tiny", True),
+    ({"enabled": True}, "pvc://models/m", True),
+    ({"enabled": True}, "hf://org/tiny", False),  # precise, the default, needs the model's tokenizer
+    ({"enabled": True, "policy": "round-robin"}, "hf://org/tiny", True),
+    ({"enabled": False}, "hf://org/tiny", True),
+    ({"enabled": True, "policy": "random"}, "pvc://models/m", False),
+    ({"replicas": 0}, "pvc://models/m", False),
+    ({"weights": {"kv": -0.1}}, "pvc://models/m", False),
+    ({"weights": {"prefix": 2, "running": 0, "waiting": 1, "kv": 0.5}, "replicas": 3}, "pvc://models/m", True),
+])
+def test_the_crd_and_the_operator_agree_on_router_specs(router, model_uri, accepted):
+    spec = {"model": {"uri": model_uri}, "image": "sits:1", "router": router}
+    assert crd_accepts(spec) is accepted
+    assert operator_accepts(spec) is accepted
+    if accepted:  # the API server's defaults change nothing the operator does
+        defaulted = api_server_defaults(CRD_SCHEMA["properties"]["spec"], copy.deepcopy(spec))
+        assert parse_spec(defaulted, "demo") == parse_spec(spec, "demo")
