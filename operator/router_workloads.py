@@ -103,8 +103,8 @@ def _volumes(owner: Owner, workload: WorkloadSpec) -> tuple[list[dict[str, Any]]
     return volumes, mounts
 
 
-def _probe(period_s: int, failures: int) -> dict[str, Any]:
-    return {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": period_s, "timeoutSeconds": 2,
+def _probe(path: str, period_s: int, failures: int) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period_s, "timeoutSeconds": 2,
             "failureThreshold": failures}
 
 
@@ -119,9 +119,10 @@ def build_router_deployment(owner: Owner, spec: SitsDeploymentSpec, plan: Plan) 
         "resources": {kind: dict(values) for kind, values in RESOURCES.items()},
         "volumeMounts": mounts,
         "securityContext": dict(CONTAINER_SECURITY),
-        # /health answers once the router listens (the tokenizer is loaded before)
-        "readinessProbe": _probe(5, 3),
-        "livenessProbe": _probe(10, 6),
+        # /health is 200 while a replica is up (the tokenizer is loaded before the router listens);
+        # /health/live fails only when the router itself does: replicas loading or down never restart it
+        "readinessProbe": _probe("/health", 5, 3),
+        "livenessProbe": _probe("/health/live", 10, 6),
     }
     if workload.image_pull_policy:
         container["imagePullPolicy"] = workload.image_pull_policy

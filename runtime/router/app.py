@@ -3,7 +3,9 @@
     POST /v1/chat/completions, /v1/completions   401 before routing; hashed, scored, forwarded
     GET  /v1/models, POST /tokenize, /detokenize  authenticated, forwarded to the least loaded
     any other /v1/... route                      authenticated, forwarded (the replica answers it)
-    GET  /health                                 200 while a replica is up, else 503
+    GET  /health                                 200 while a replica is up, else 503 (readiness)
+    GET  /health/live                            200 while the router serves (liveness: no replica up
+                                                 is no reason to restart it)
     GET  /metrics                                the router's Prometheus metrics
 """
 
@@ -130,6 +132,9 @@ def build_app(state: RouterState) -> Starlette:
         status = 200 if up else 503
         return JSONResponse({"status": "ok" if up else "no replica is up", "replicas_up": len(up)}, status_code=status)
 
+    async def live(request: Request) -> Response:
+        return JSONResponse({"status": "alive"})
+
     async def metrics(request: Request) -> Response:
         for replica in state.pool.replicas if state.pool else []:
             state.metrics.replica_up.labels(replica.url, replica.track).set(1.0 if replica.up else 0.0)
@@ -141,6 +146,7 @@ def build_app(state: RouterState) -> Starlette:
 
     routes = [Route(path, generation, methods=["POST"]) for path in GENERATION_PATHS] + [
         Route("/health", health, methods=["GET"]),
+        Route("/health/live", live, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/tokenize", passthrough, methods=["POST"]),
         Route("/detokenize", passthrough, methods=["POST"]),

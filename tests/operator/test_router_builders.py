@@ -147,7 +147,7 @@ def test_router_deployment_runs_sits_router_small_and_without_gpu(monkeypatch):
     assert container["image"] == "registry.example.com/sits-runtime:0.1.0"
     assert container["command"] == ["sits"]
     assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
-    assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/health/live", "port": "http"}
     assert "nvidia.com/gpu" not in str(container["resources"]) and "tolerations" not in pod
     assert container["resources"]["requests"] == {"cpu": "500m", "memory": "512Mi"}
     assert {m["mountPath"]: m.get("readOnly", False) for m in container["volumeMounts"]} == {
