@@ -36,6 +36,7 @@ PLURALS = {
     "Deployment": "deployments", "PodDisruptionBudget": "poddisruptionbudgets", "HTTPRoute": "httproutes",
     "ServiceMonitor": "servicemonitors", "PrometheusRule": "prometheusrules", "SitsDeployment": "sitsdeployments",
     "HorizontalPodAutoscaler": "horizontalpodautoscalers",
+    "ServiceAccount": "serviceaccounts", "Role": "roles", "RoleBinding": "rolebindings",  # spec.router
 }
 
 

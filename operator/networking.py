@@ -15,13 +15,17 @@ from sits.operator.meta import (
     service_name,
 )
 from sits.operator.plan import Plan
+from sits.operator.router_workloads import ROUTER_LABEL
 from sits.operator.spec_rollout import GatewayAPISpec
 
 HTTP_ROUTE_API = "gateway.networking.k8s.io/v1"
 
 
-def build_services(owner: Owner) -> list[dict[str, Any]]:
+def build_services(owner: Owner, router: bool = False) -> list[dict[str, Any]]:
     """`x` selects both tracks; `x-stable` and `x-canary` one each (the HTTPRoute's backends).
+
+    With `router` (spec.router.enabled), `x` selects the router pods instead, which find the
+    runtime pods through `x-stable` and `x-canary`.
 
     Port `http` (80) serves the API; `x-stable` and `x-canary` also carry port `metrics` (the
     runtime's METRICS_PORT), which the ServiceMonitors scrape and no route sends traffic to.
@@ -31,6 +35,8 @@ def build_services(owner: Owner) -> list[dict[str, Any]]:
         selector = {DEPLOYMENT_LABEL: owner.name}
         if track is not None:
             selector[TRACK_LABEL] = track
+        elif router:
+            selector = {ROUTER_LABEL: owner.name}
         labels = {SERVICE_ROLE_LABEL: track or "all"}
         if track is not None:
             labels[TRACK_LABEL] = track

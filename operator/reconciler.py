@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sits.operator.analysis import ProviderRegistry, run_analysis
-from sits.operator.builders import OPTIONAL_KINDS, build_all
+from sits.operator.builders import OPTIONAL_KINDS, PRUNED_KINDS, build_all
 from sits.operator.fields import SpecError
 from sits.operator.kube import ApiError, KubeClient, digest
 from sits.operator.meta import (
@@ -37,7 +37,8 @@ from sits.operator.tenants import TenantRecord, resolve_tenants
 
 logger = logging.getLogger("sits.operator")
 
-OPTIONAL_KIND_NAMES = {kind for _, kind in OPTIONAL_KINDS}
+OPTIONAL_KIND_NAMES = {kind for _, kind in OPTIONAL_KINDS}  # a 404 on apply: the CRD is not installed
+PRUNED_KIND_NAMES = {kind for _, kind in PRUNED_KINDS}
 
 
 @dataclass
@@ -181,7 +182,7 @@ class Reconciler:
             memo.digests[name] = built
             if outcome != "unchanged":
                 logger.info("%s %s %s/%s", outcome, obj["kind"], owner.namespace, obj["metadata"]["name"])
-        optional = frozenset(n for n in wanted if n[0] in OPTIONAL_KIND_NAMES)
+        optional = frozenset(n for n in wanted if n[0] in PRUNED_KIND_NAMES)
         if full or optional != memo.optional:
             self._delete_unwanted(owner, wanted)
             memo.optional = optional
@@ -193,8 +194,8 @@ class Reconciler:
             status.remove_condition("ResourcesReady")
 
     def _delete_unwanted(self, owner: Owner, wanted: set[tuple[str, str]]) -> None:
-        """Delete optional objects this resource owns and the spec no longer asks for."""
-        for api_version, kind in OPTIONAL_KINDS:
+        """Delete optional (and router) objects this resource owns and the spec no longer asks for."""
+        for api_version, kind in PRUNED_KINDS:
             try:
                 existing = self.kube.list(api_version, kind, owner.namespace, f"{DEPLOYMENT_LABEL}={owner.name}")
             except ApiError as error:

@@ -18,6 +18,8 @@ from sits.operator.spec_autoscaling import AutoscalingSpec, parse_autoscaling
 from sits.operator.spec_lora import ENGINE_FIELDS as LORA_ENGINE_FIELDS
 from sits.operator.spec_lora import LoraSpec, parse_lora
 from sits.operator.spec_rollout import HTTP_URL, MonitoringSpec, RolloutSpec, parse_monitoring, parse_rollout
+from sits.operator.spec_router import FIELDS as ROUTER_FIELDS
+from sits.operator.spec_router import RouterSpec, check_router_model, parse_router
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATIONS = ("none", "fp8", "int8")
@@ -148,10 +150,11 @@ class SitsDeploymentSpec:
     rollout: RolloutSpec = field(default_factory=RolloutSpec)
     monitoring: MonitoringSpec = field(default_factory=MonitoringSpec)
     autoscaling: AutoscalingSpec | None = None  # a HorizontalPodAutoscaler writes `replicas`
+    router: RouterSpec = field(default_factory=RouterSpec)  # spec.router: `sits router` in front
 
 
 _SPEC_FIELDS = {"model", "image", "imagePullPolicy", "replicas", "gpusPerReplica", "gpuProduct", "resources",
-                "engine", "nccl", "tenancy", "rollout", "monitoring", "tracing", "autoscaling"}
+                "engine", "nccl", "tenancy", "rollout", "monitoring", "tracing", "autoscaling", "router"}
 _AUTOSCALING_FIELDS = {"minReplicas", "maxReplicas", "metrics", "behavior"}
 
 
@@ -161,10 +164,13 @@ def parse_spec(spec: Any, name: str) -> SitsDeploymentSpec:
     tenancy = _parse_tenancy(fields.child("tenancy", {"redis", "tenants"}))
     workload = parse_workload(spec, "spec", default_model_name=name, tenants_file=bool(tenancy.tenants))
     rollout = parse_rollout(fields.child("rollout", {"canary", "trafficRouting"}))
-    if rollout.canary.tenants and rollout.gateway_api is None:
+    router = parse_router(fields.child("router", ROUTER_FIELDS))
+    check_router_model(router, workload.model.uri)
+    if rollout.canary.tenants and rollout.gateway_api is None and not router.enabled:
         raise SpecError("spec.rollout.canary.tenants",
                         "routing tenants to the canary needs spec.rollout.trafficRouting.gatewayAPI "
-                        "(a header match); without it traffic is split by replica ratio only")
+                        "(a header match) or spec.router.enabled (the router routes them); without "
+                        "either, traffic is split by replica ratio only")
     autoscaling = parse_autoscaling(fields.child("autoscaling", _AUTOSCALING_FIELDS),
                                     cpu_requested=any(kind == "requests" and "cpu" in dict(values)
                                                       for kind, values in workload.resources))
@@ -176,7 +182,7 @@ def parse_spec(spec: Any, name: str) -> SitsDeploymentSpec:
         name=name, workload=workload, replicas=replicas,
         tenancy=tenancy, rollout=rollout,
         monitoring=parse_monitoring(fields.child("monitoring", {"serviceMonitor", "prometheusRule"})),
-        autoscaling=autoscaling,
+        autoscaling=autoscaling, router=router,
     )
 
 

@@ -3,7 +3,9 @@
     POST /v1/chat/completions, /v1/completions   401 before routing; hashed, scored, forwarded
     GET  /v1/models, POST /tokenize, /detokenize  authenticated, forwarded to the least loaded
     any other /v1/... route                      authenticated, forwarded (the replica answers it)
-    GET  /health                                 200 while a replica is up, else 503
+    GET  /health                                 200 while a replica is up, else 503 (readiness)
+    GET  /health/live                            200 while the router serves (liveness: no replica up
+                                                 is no reason to restart it)
     GET  /metrics                                the router's Prometheus metrics
 """
 
@@ -86,7 +88,8 @@ def build_app(state: RouterState) -> Starlette:
         timeout = httpx.Timeout(connect=2.0, read=None, write=30.0, pool=None)
         async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=2048,
                                                                          max_keepalive_connections=256)) as client:
-            state.pool = ReplicaPool(config.replicas, client, interval_s=config.health_interval_s)
+            state.pool = ReplicaPool(config.replicas, client, interval_s=config.health_interval_s,
+                                     metrics_port=config.replica_metrics_port)
             state.forwarder = Forwarder(client, state.pool, state.metrics)
             await state.tenancy.start()
             if config.state_store.startswith(("redis://", "rediss://", "unix://")):
@@ -129,6 +132,9 @@ def build_app(state: RouterState) -> Starlette:
         status = 200 if up else 503
         return JSONResponse({"status": "ok" if up else "no replica is up", "replicas_up": len(up)}, status_code=status)
 
+    async def live(request: Request) -> Response:
+        return JSONResponse({"status": "alive"})
+
     async def metrics(request: Request) -> Response:
         for replica in state.pool.replicas if state.pool else []:
             state.metrics.replica_up.labels(replica.url, replica.track).set(1.0 if replica.up else 0.0)
@@ -140,6 +146,7 @@ def build_app(state: RouterState) -> Starlette:
 
     routes = [Route(path, generation, methods=["POST"]) for path in GENERATION_PATHS] + [
         Route("/health", health, methods=["GET"]),
+        Route("/health/live", live, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/tokenize", passthrough, methods=["POST"]),
         Route("/detokenize", passthrough, methods=["POST"]),

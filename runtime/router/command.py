@@ -38,6 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--discover", action="append", default=[], metavar="NAMESPACE/SERVICE",
                         help="a Service whose ready endpoints are replicas (its EndpointSlices; repeat for "
                              "stable and canary)")
+    parser.add_argument("--replica-metrics-port", type=int, default=None, metavar="PORT",
+                        help="the replicas' --metrics-port: their /metrics is read there (default: their API port)")
     parser.add_argument("--kube-api", default=None, metavar="URL",
                         help="the Kubernetes API for --discover (default: in-cluster)")
     parser.add_argument("--state-store", default="memory://", metavar="URL",
@@ -69,7 +71,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
                         block_size=args.block_size, host=args.host, port=args.port,
                         canary_weight=args.canary_weight,
                         canary_tenants=tuple(t.strip() for t in args.canary_tenants.split(",") if t.strip()),
-                        discover=tuple(args.discover), kube_api=args.kube_api)
+                        discover=tuple(args.discover), kube_api=args.kube_api,
+                        replica_metrics_port=args.replica_metrics_port)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -84,6 +84,8 @@ class RouterConfig:
         canary_tenants: tenants whose requests all go to the canary while one is up.
         discover: NAMESPACE/SERVICE of Services whose ready endpoints are the replicas (in addition
             to `replicas`); kube_api: the Kubernetes API for it (None: in-cluster).
+        replica_metrics_port: the replicas' `sits serve --metrics-port`, where their /metrics (their
+            state-store name and track) is read; None: on their API port.
     """
 
     replicas: list[str]
@@ -106,6 +108,7 @@ class RouterConfig:
     canary_tenants: tuple[str, ...] = ()
     discover: tuple[str, ...] = ()
     kube_api: str | None = None
+    replica_metrics_port: int | None = None
 
     def validate(self) -> None:
         if not self.replicas and not self.discover:
@@ -120,6 +123,8 @@ class RouterConfig:
             raise ConfigError(f"--block-size must be >= 1, got {self.block_size}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be 0..65535, got {self.port}")
+        if self.replica_metrics_port is not None and not 1 <= self.replica_metrics_port <= 65535:
+            raise ConfigError(f"--replica-metrics-port must be 1..65535, got {self.replica_metrics_port}")
         if self.discover and self.kube_api is None and "KUBERNETES_SERVICE_HOST" not in os.environ:
             raise ConfigError("--discover outside a pod needs --kube-api URL")
         if not 0 <= self.canary_weight <= 100:

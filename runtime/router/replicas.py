@@ -3,7 +3,8 @@
 A replica is up while its `/health` answers 200. Each is probed every `interval_s` seconds (timeout
 the same), and a refused connection on a proxied request takes it out at once, so a dead replica
 leaves the pool within one probe interval plus its timeout. Its name in the state store (under
-which it publishes its KV state) is read from its `/metrics` (`sits_state_store_replica`).
+which it publishes its KV state) is read from its `/metrics` (`sits_state_store_replica`), on its
+API port or, with `metrics_port` (`sits serve --metrics-port`), on that port of the same host.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import contextlib
 import logging
 import re
 from dataclasses import dataclass
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
@@ -41,6 +43,16 @@ class Replica:
     track: str = "stable"
 
 
+def metrics_url(url: str, metrics_port: int | None) -> str:
+    """The /metrics URL of the replica at base `url`: on its API port, or on `metrics_port` of its host."""
+    if metrics_port is None:
+        return f"{url}/metrics"
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    host = f"[{host}]" if ":" in host else host
+    return urlunsplit((parts.scheme, f"{host}:{metrics_port}", "/metrics", "", ""))
+
+
 class ReplicaPool:
     """The replicas, their health and in-flight counts.
 
@@ -48,12 +60,15 @@ class ReplicaPool:
         urls: base URLs.
         client: the router's httpx client.
         interval_s: seconds between health probes of each replica (also their timeout).
+        metrics_port: the replicas' `--metrics-port` (None: /metrics on the API port).
     """
 
-    def __init__(self, urls: list[str], client: httpx.AsyncClient, interval_s: float = 1.0) -> None:
+    def __init__(self, urls: list[str], client: httpx.AsyncClient, interval_s: float = 1.0,
+                 metrics_port: int | None = None) -> None:
         self.replicas = [Replica(url.rstrip("/")) for url in urls]
         self._client = client
         self.interval_s = interval_s
+        self.metrics_port = metrics_port
         self.probes = 0  # completed probe rounds (tests wait on it)
         self._task: asyncio.Task | None = None
 
@@ -117,7 +132,7 @@ class ReplicaPool:
         """The replica's name in the state store and its track, from its /metrics (left unknown
         when it has none yet: the next probe asks again)."""
         try:
-            response = await self._client.get(f"{replica.url}/metrics", timeout=self.interval_s)
+            response = await self._client.get(metrics_url(replica.url, self.metrics_port), timeout=self.interval_s)
         except httpx.HTTPError:
             return
         match = REPLICA_LINE.search(response.text) if response.status_code == 200 else None

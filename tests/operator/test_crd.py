@@ -69,6 +69,9 @@ def test_the_example_validates_against_the_schema():
     ("rollout.canary.analysis.quantile", 1.0),
     ("rollout.canary.analysis.failureLimit", 0),
     ("tenancy.tenants", [{"name": "x"}]),
+    ("router", {"enabled": True, "policy": "random"}),
+    ("router", {"replicas": 0}),
+    ("router", {"weights": {"prefix": -1}}),
     ("tenancy.tenants", [{"name": "x", "priority": 9, "apiKeySecretRef": {"name": "s", "key": "k"}}]),
 ])
 def test_the_schema_rejects(path, value):
@@ -87,7 +90,7 @@ def test_the_schema_rejects(path, value):
 
 @pytest.mark.parametrize("spec", [
     {"model": {"uri": "hf://org/tiny"}, "image": "sits:1"},
-    {"model": {"uri": "hf://org/tiny"}, "image": "sits:1", "engine": {}, "nccl": {}, "monitoring": {},
+    {"model": {"uri": "hf://org/tiny"}, "image": "sits:1", "engine": {}, "nccl": {}, "monitoring": {}, "router": {},
      "rollout": {"canary": {"analysis": {"prometheus": {"url": "http://p:9090"}, "maxDeltaMs": 5}},
                  "trafficRouting": {"gatewayAPI": {"httpRoute": "r"}}},
      "tenancy": {"tenants": [{"name": "a", "apiKeySecretRef": {"name": "s", "key": "k"}}]}},
@@ -125,6 +128,8 @@ MAXIMAL = {
                                                           "port": 443}]}}},
     "monitoring": {"serviceMonitor": True, "prometheusRule": True},
     "tracing": {"otlpEndpoint": "http://otel-collector:4318"},
+    "router": {"enabled": True, "replicas": 2, "policy": "precise",
+               "weights": {"prefix": 1.0, "running": 0.1, "waiting": 0.2, "kv": 0.3}},
     "autoscaling": {"minReplicas": 2, "maxReplicas": 6,
                     "metrics": [{"type": "cpu", "targetUtilization": 70}, {"type": "waitingRequests", "targetAverage": 4}],
                     "behavior": {direction: {"stabilizationWindowSeconds": 60, "selectPolicy": "Max",
@@ -164,6 +169,7 @@ def test_every_field_the_crd_allows_the_operator_accepts():
                                                                       ["gatewayAPI"]["parentRefs"][0].items()))
     assert parsed.workload.resources == (("requests", (("cpu", "8"),)), ("limits", (("memory", "64Gi"),)))
     assert parsed.workload.otlp_endpoint == "http://otel-collector:4318"
+    assert parsed.router.weights_arg() == "prefix=1,running=0.1,waiting=0.2,kv=0.3"
 
 
 def test_every_status_field_the_operator_writes_survives_pruning():

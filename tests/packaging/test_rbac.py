@@ -5,7 +5,9 @@ emulated API server, which records every (verb, resource) the operator's token a
 with tenants, Gateway API route, ServiceMonitor, PrometheusRule and HorizontalPodAutoscaler; owned
 objects edited behind its back (drift it repairs); a canary promoted; a canary rolled back by an
 Alertmanager alert; the optional objects dropped from the spec (deleted); the resource deleted. The rendered
-ClusterRole (and Role, when the chart watches one namespace) must equal that set.
+ClusterRole (and Role, when the chart watches one namespace) must equal that set, plus what the
+operator grants without calling it: the router's Role (spec.router) reads EndpointSlices, and
+Kubernetes refuses to create a Role granting more than its creator holds.
 """
 
 from __future__ import annotations
@@ -46,6 +48,11 @@ TAMPERED = {"metadata": {"labels": {"app.kubernetes.io/name": "edited-by-hand"}}
 DRIFTED = [("v1", "Service", NAME), ("policy/v1", "PodDisruptionBudget", NAME),
            ("monitoring.coreos.com/v1", "ServiceMonitor", NAME), ("monitoring.coreos.com/v1", "PrometheusRule", NAME),
            ("autoscaling/v2", "HorizontalPodAutoscaler", NAME)]
+ROUTER_DRIFTED = [("v1", "ServiceAccount", f"{NAME}-router"), ("rbac.authorization.k8s.io/v1", "Role", f"{NAME}-router"),
+                  ("rbac.authorization.k8s.io/v1", "RoleBinding", f"{NAME}-router")]
+# Permissions the operator holds only to grant them to the router's Role (RBAC escalation check)
+GRANTED = {("discovery.k8s.io", "endpointslices", verb) for verb in ("get", "list", "watch")}
+ROUTER = {"enabled": True, "policy": "least-loaded"}  # the helper's model is hf://, which precise refuses
 AUTOSCALING = {"maxReplicas": 4, "metrics": [{"type": "waitingRequests", "targetAverage": 8}]}
 
 
@@ -88,14 +95,15 @@ def full_life(kube: KubeClient, webhook_port: int) -> None:
     kube.create(sitsdeployment(NAME, NAMESPACE, tenancy={"tenants": tenants},
                                rollout={"canary": {"steps": steps}, "trafficRouting": {"gatewayAPI": {"httpRoute": NAME}}},
                                monitoring={"serviceMonitor": True, "prometheusRule": True},
-                               autoscaling=AUTOSCALING))
+                               autoscaling=AUTOSCALING, router=ROUTER))
     first = wait_for_status(kube, NAME, lambda s: s.get("phase") == "Healthy", namespace=NAMESPACE, what="Healthy")
     # Drift: hand edits of owned objects and a deleted Deployment; the next full pass repairs them
-    for api_version, kind, name in DRIFTED:
+    for api_version, kind, name in DRIFTED + ROUTER_DRIFTED:
         kube.patch(api_version, kind, NAMESPACE, name, TAMPERED)
     kube.delete("apps/v1", "Deployment", NAMESPACE, f"{NAME}-canary")
     wait_for(lambda: all((kube.get(v, k, NAMESPACE, n) or {}).get("metadata", {}).get("labels", {})
-                         .get("app.kubernetes.io/name") == "sits" for v, k, n in DRIFTED), what="drift repaired")
+                         .get("app.kubernetes.io/name") == "sits" for v, k, n in DRIFTED + ROUTER_DRIFTED),
+             what="drift repaired")
     # A canary that promotes, then one an alert rolls back
     kube.patch(API_VERSION, KIND, NAMESPACE, NAME, {"spec": {"image": "registry.example.com/sits:2"}})
     wait_for_status(kube, NAME, lambda s: s.get("phase") == "Healthy" and s["stableRevision"] != first["stableRevision"],
@@ -108,9 +116,11 @@ def full_life(kube: KubeClient, webhook_port: int) -> None:
     wait_for_status(kube, NAME, lambda s: s.get("phase") == "RolledBack", namespace=NAMESPACE, what="RolledBack")
     # Optional objects dropped from the spec are deleted
     kube.patch(API_VERSION, KIND, NAMESPACE, NAME, {"spec": {"monitoring": None, "rollout": {"trafficRouting": None},
-                                                             "autoscaling": None}})
+                                                             "autoscaling": None, "router": None}})
     wait_for(lambda: all(kube.get(v, k, NAMESPACE, n) is None for v, k, n in DRIFTED[2:])
-             and kube.get("gateway.networking.k8s.io/v1", "HTTPRoute", NAMESPACE, NAME) is None,
+             and kube.get("gateway.networking.k8s.io/v1", "HTTPRoute", NAMESPACE, NAME) is None
+             and kube.get("apps/v1", "Deployment", NAMESPACE, f"{NAME}-router") is None
+             and kube.get("rbac.authorization.k8s.io/v1", "RoleBinding", NAMESPACE, f"{NAME}-router") is None,
              timeout_s=20, what="optional objects deleted")
     kube.delete(API_VERSION, KIND, NAMESPACE, NAME)
     time.sleep(0.5)  # the deletion handler
@@ -150,17 +160,18 @@ def test_watching_all_namespaces_the_cluster_role_is_exactly_what_the_operator_c
     calls = record_operator(recording, None, peering)
     assert {("sits.ai", "sitsdeployments", "watch"), ("apps", "deployments", "patch"),
             ("monitoring.coreos.com", "prometheusrules", "delete"),
-            ("autoscaling", "horizontalpodautoscalers", "delete")} <= as_rules(calls), "the run was not complete"
+            ("autoscaling", "horizontalpodautoscalers", "delete"),
+            ("rbac.authorization.k8s.io", "rolebindings", "delete")} <= as_rules(calls), "the run was not complete"
     objs = objects({"operator": {"peering": peering or ""}})
     assert not [o for o in objs if o["kind"] in ("Role", "RoleBinding")]
-    assert rbac_rules(objs, "ClusterRole") == as_rules(calls)
+    assert rbac_rules(objs, "ClusterRole") == as_rules(calls) | GRANTED
 
 
 @pytest.mark.parametrize("peering", [None, "sits"], ids=["standalone", "peering"])
 def test_watching_one_namespace_a_role_there_and_a_cluster_role_for_the_rest(recording, peering):
     calls = record_operator(recording, NAMESPACE, peering)
     objs = objects({"operator": {"watchNamespace": NAMESPACE, "peering": peering or ""}})
-    assert rbac_rules(objs, "Role") == as_rules({c for c in calls if not c.cluster_wide})
+    assert rbac_rules(objs, "Role") == as_rules({c for c in calls if not c.cluster_wide}) | GRANTED
     assert rbac_rules(objs, "ClusterRole") == as_rules({c for c in calls if c.cluster_wide})
     role_binding = next(o for o in objs if o["kind"] == "RoleBinding")
     assert role_binding["metadata"]["namespace"] == NAMESPACE

@@ -58,6 +58,7 @@ def replicas_up(router: RunningService) -> int:
 def test_the_pool_follows_the_services_ready_endpoints(setup):
     kube, replica, router = setup
     assert httpx.get(f"{router.url}/health").status_code == 503  # no endpoint yet
+    assert httpx.get(f"{router.url}/health/live").status_code == 200  # but alive: no restart for it
     # Another Service's slice in the same namespace is not ours (the router filters by the label).
     httpx.post(f"{kube.url}{SLICES}", json=endpoint_slice("other-x1", "other", replica.port)).raise_for_status()
     httpx.post(f"{kube.url}{SLICES}", json=endpoint_slice("shop-x1", SERVICE, replica.port)).raise_for_status()

@@ -11,11 +11,23 @@
   verbs: [patch]
 # what one SitsDeployment owns: created, then server-side applied
 - apiGroups: [""]
-  resources: [configmaps, services]
+  resources: [configmaps]
   verbs: [get, create, patch]
+# the router of spec.router (Deployment, Service, ServiceAccount, Role, RoleBinding x-router) is
+# also listed and deleted when the spec turns it off
+- apiGroups: [""]
+  resources: [services, serviceaccounts]
+  verbs: [get, list, create, patch, delete]
 - apiGroups: [apps]
   resources: [deployments]
-  verbs: [get, create, patch]
+  verbs: [get, list, create, patch, delete]
+- apiGroups: [rbac.authorization.k8s.io]
+  resources: [roles, rolebindings]
+  verbs: [get, list, create, patch, delete]
+# what the router's Role grants: Kubernetes lets the operator grant only permissions it holds
+- apiGroups: [discovery.k8s.io]
+  resources: [endpointslices]
+  verbs: [get, list, watch]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [get, create, patch]
