@@ -7,6 +7,7 @@ from typing import Any
 
 from sits.runtime.commands.engine_args import fail
 from sits.runtime.config import ConfigError, EngineConfig
+from sits.runtime.engine.client import EngineClient
 
 logger = logging.getLogger("sits.serve")
 
@@ -27,14 +28,12 @@ def load_engine(config: EngineConfig, prog: str, progress: bool = True, **hooks:
     return engine
 
 
-def log_engine_summary(engine: Any, config: EngineConfig) -> None:
+def log_engine_summary(engine: EngineClient, config: EngineConfig) -> None:
     stats = engine.stats()
     block_size = stats.kv_block_size or config.cache.block_size
-    loaded = getattr(getattr(engine, "engine", None), "loaded_model", None)  # AsyncEngine -> LLMEngine
-    device = getattr(loaded, "device", config.model.device)
-    dtype = str(getattr(loaded, "dtype", config.model.dtype)).removeprefix("torch.")
-    logger.info("model %s (%s) on %s, %s; max_model_len %d", engine.model_name,
-                getattr(loaded, "source", config.model.model or "embedded"), device, dtype, engine.max_model_len)
+    info = engine.model_info
+    logger.info("model %s (%s) on %s, %s; max_model_len %d", engine.model_name, info.source, info.device,
+                info.dtype, engine.max_model_len)
     logger.info("KV cache: %d blocks x %d tokens = %d tokens; max_num_seqs %d, max_num_batched_tokens %d",
                 stats.kv_blocks_total, block_size, stats.kv_blocks_total * block_size,
                 config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens)

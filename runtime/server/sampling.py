@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from sits.runtime.engine.async_engine import AsyncEngine
+from sits.runtime.engine.client import EngineClient
 from sits.runtime.engine.request import SamplingParams, StructuredOutputSpec
 from sits.runtime.engine.structured_output import (
     JSON_OBJECT,
@@ -122,11 +122,11 @@ def _forces_tool_call(request: ChatCompletionRequest) -> bool:
     return choice == "required" or isinstance(choice, NamedToolChoice)
 
 
-async def compile_response_format(engine: AsyncEngine, params: SamplingParams) -> None:
+async def compile_response_format(engine: EngineClient, params: SamplingParams) -> None:
     """Compile the request's grammar in a worker thread, before the request reaches the engine: a
     schema, regex or grammar the grammar engine refuses is a 400 naming the field it came from
     (never a stream that fails), and the engine then finds the grammar in its cache instead of
     compiling on its own thread."""
     if params.structured_output is None:
         return
-    await asyncio.to_thread(engine.structured_outputs.cache.compile, params.structured_output)
+    await asyncio.to_thread(engine.compile_grammar, params.structured_output)
