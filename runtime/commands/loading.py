@@ -1,4 +1,5 @@
-"""Building the AsyncEngine for a command, with load errors as one line and a startup summary."""
+"""Building the engine for a command (in this process, or in its own), with load errors as one line and a
+startup summary."""
 
 from __future__ import annotations
 
@@ -24,6 +25,22 @@ def load_engine(config: EngineConfig, prog: str, progress: bool = True, **hooks:
         engine = AsyncEngine.from_config(config, progress=progress, **hooks)
     except (ConfigError, ModelLoadError, FileNotFoundError, EngineError) as error:
         return fail(prog, str(error))
+    log_engine_summary(engine, config)
+    return engine
+
+
+def spawn_engine(config: EngineConfig, prog: str, tenancy: Any = None, log_level: str = "info") -> Any:
+    """The engine in its own process (`MultiprocessEngineClient`), or an exit code after a one-line
+    error: 2 for a bad model or option (as `load_engine`), 1 when the process crashed while loading.
+
+    `tenancy`: the server's Tenancy; the engine process builds its engine-side parts from it."""
+    from sits.runtime.engine.core_client import EngineStartError, MultiprocessEngineClient
+
+    try:
+        engine = MultiprocessEngineClient.spawn(config, tenancy=tenancy, log_level=log_level)
+    except EngineStartError as error:
+        code = fail(prog, str(error))
+        return code if error.user_error else 1
     log_engine_summary(engine, config)
     return engine
 

@@ -149,13 +149,7 @@ class AsyncEngine:
 
     @property
     def model_info(self) -> ModelInfo:
-        config, loaded, lora = self.engine.config, self.engine.loaded_model, self.engine.lora
-        return ModelInfo(source=str(loaded.source), device=str(loaded.device),
-                         dtype=str(loaded.dtype).removeprefix("torch."),
-                         max_num_seqs=config.scheduler.max_num_seqs,
-                         max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
-                         lora_runtime_updates=lora is not None and config.lora.allow_runtime_updating,
-                         lora_num_slots=lora.num_slots if lora is not None else 0)
+        return model_info_of(self.engine)
 
     def compile_grammar(self, spec: StructuredOutputSpec) -> None:
         """Compile into the engine's grammar cache (thread-safe), so its thread finds it there."""
@@ -434,6 +428,17 @@ class AsyncEngine:
             self.engine.abort_request(list(self.engine.output_processor.request_ids()))
             self._stats = self.engine.stats()
         self._idle.set()
+
+
+def model_info_of(engine: LLMEngine) -> ModelInfo:
+    """What `engine` loaded and how it runs it."""
+    config, loaded, lora = engine.config, engine.loaded_model, engine.lora
+    return ModelInfo(source=str(loaded.source), device=str(loaded.device),
+                     dtype=str(loaded.dtype).removeprefix("torch."),
+                     max_num_seqs=config.scheduler.max_num_seqs,
+                     max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+                     lora_runtime_updates=lora is not None and config.lora.allow_runtime_updating,
+                     lora_num_slots=lora.num_slots if lora is not None else 0)
 
 
 def _resolve(future: asyncio.Future) -> None:

@@ -29,6 +29,9 @@ logger = logging.getLogger("sits.server")
 
 GRACEFUL_CLOSE_S = 5.0  # after the drain, how long uvicorn waits for connections to close
 ENGINE_DIED_EXIT_CODE = 3  # the engine crashed or its process died: Kubernetes restarts the pod
+# After the engine died, how long the server still answers (health 503, the failed requests' last
+# bytes) before it stops: probes and load balancers see the failure instead of a refused connection.
+ENGINE_DEATH_LINGER_S = 2.0
 
 
 class DrainingServer(uvicorn.Server):
@@ -56,9 +59,10 @@ class DrainingServer(uvicorn.Server):
         await self._engine.wait_until_dead()
         if self.should_exit and self.exit_code == 0 and self._drain_requested:
             return  # stopped on purpose (drained, then shut down): not a failure
-        logger.error("the engine died; stopping the server (exit code %d) so it is restarted",
-                     ENGINE_DIED_EXIT_CODE)
+        logger.error("the engine died; stopping the server in %.0f s (exit code %d) so it is restarted",
+                     ENGINE_DEATH_LINGER_S, ENGINE_DIED_EXIT_CODE)
         self.exit_code = ENGINE_DIED_EXIT_CODE
+        await asyncio.sleep(ENGINE_DEATH_LINGER_S)
         self.should_exit = True
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
