@@ -13,7 +13,8 @@ that matters, pickling per-step outputs, is kept small by sending deltas (`Outpu
 directions are batched: the server sends what one event-loop turn gathered, the engine one
 `CoreBatch` per step.
 
-Threads here: the main thread owns the engine and runs the loop (commands, a step, one batch out);
+Threads here: the loop thread owns the engine (commands, a step, one batch out; the main thread
+only builds the engine and waits);
 a receiver thread reads the pipe (so a command never waits for a step to end to be read), compiles
 a request's grammar before the request reaches the loop (xgrammar's compile can take tens of ms;
 the cache is thread-safe), and reads LoRA adapters from disk off the loop.
@@ -91,13 +92,24 @@ def run_engine_core(conn: Connection, config: EngineConfig, tenancy_spec: Any, p
         return
     core = EngineCore(engine, conn, tenancy)
     conn.send_bytes(wire.encode(core.ready()))
+    # The loop runs on its own thread, as AsyncEngine's does in-process: torch's intra-op (OpenMP)
+    # pool then behaves as it does there (on a busy CPU the main thread's team of spinning OpenMP
+    # threads made steps up to 10x slower).
+    crashed = threading.Event()
+    loop = threading.Thread(target=_run_core, args=(core, crashed), name="sits-engine-loop")
+    loop.start()
+    loop.join()
+    engine.shutdown()
+    if crashed.is_set():  # the server sees the pipe close and fails what was in flight
+        os._exit(1)
+
+
+def _run_core(core: EngineCore, crashed: threading.Event) -> None:
     try:
         core.run()
-    except Exception:  # a crashed step: the server sees the pipe close and fails what was in flight
+    except Exception:
         logger.exception("engine step failed; the engine process exits")
-        engine.shutdown()
-        os._exit(1)
-    engine.shutdown()
+        crashed.set()
 
 
 @dataclass
