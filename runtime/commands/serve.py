@@ -167,6 +167,7 @@ def run(args: argparse.Namespace) -> int:
         sock = bind(server_config.host, server_config.port)
     except (ConfigError, TenantConfigError) as error:
         return fail(PROG, str(error))
+    from sits.runtime.engine.core_client import MultiprocessEngineClient
     from sits.runtime.server.app import build_app
     from sits.runtime.server.runner import run_server
     from sits.runtime.server.tenant import ApiKeyResolver
@@ -193,9 +194,8 @@ def run(args: argparse.Namespace) -> int:
         return run_server(app, engine, sock, server_config.drain_timeout_s, args.log_level)
     finally:
         tracer.shutdown()  # exports the spans still batched: the last requests' traces are not lost
-        close = getattr(engine, "close", None)
-        if close is not None:  # the engine process, also when the server never started
-            close()
+        if isinstance(engine, MultiprocessEngineClient):  # its process goes, also when the server never started
+            engine.close()
 
 
 def engine_in_process(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> bool:

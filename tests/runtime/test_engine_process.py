@@ -7,6 +7,7 @@ Both servers are real `sits serve` subprocesses over the embedded SmolLM2-135M; 
 
 from __future__ import annotations
 
+import argparse
 import re
 import sys
 import threading
@@ -17,6 +18,7 @@ import httpx
 import openai
 import pytest
 
+from sits.runtime.commands.serve import engine_in_process
 from tests.support.processes import cmdline, descendants
 from tests.support.services import RunningService, free_port, started
 
@@ -56,6 +58,7 @@ def in_process_outputs(smollm2_checkpoint_dir) -> dict[str, tuple[str, list[str]
     port = free_port()
     with started(serve_argv(port, "--engine-in-process"), port, timeout_s=180, log_name="serve.log") as service:
         wait_ready(service)
+        assert not [pid for pid in descendants(service.process.pid) if "spawn_main" in cmdline(pid)]
         return {prompt: greedy(client_of(service), prompt) for prompt in PROMPTS}
 
 
@@ -141,3 +144,10 @@ def test_a_client_that_disconnects_frees_its_kv_blocks(process_server):
     while metric(url, "sits_kv_cache_usage_ratio") > 0 or metric(url, "sits_requests_running") > 0:
         assert time.monotonic() < deadline, "the disconnected request still holds KV blocks"
         time.sleep(0.05)
+
+
+def test_the_escape_hatch_is_a_flag_or_an_environment_variable():
+    assert not engine_in_process(argparse.Namespace(engine_in_process=False), {})
+    assert engine_in_process(argparse.Namespace(engine_in_process=True), {})
+    assert engine_in_process(argparse.Namespace(engine_in_process=False), {"SITS_ENGINE_IN_PROCESS": "1"})
+    assert not engine_in_process(argparse.Namespace(engine_in_process=False), {"SITS_ENGINE_IN_PROCESS": "0"})
