@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from sits.runtime.commands.serve import engine_in_process
-from tests.support.processes import cmdline, descendants
+from tests.support.processes import children, cmdline
 from tests.support.services import RunningService, free_port, started
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
@@ -58,7 +58,7 @@ def in_process_outputs(smollm2_checkpoint_dir) -> dict[str, tuple[str, list[str]
     port = free_port()
     with started(serve_argv(port, "--engine-in-process"), port, timeout_s=180, log_name="serve.log") as service:
         wait_ready(service)
-        assert not [pid for pid in descendants(service.process.pid) if "spawn_main" in cmdline(pid)]
+        assert not [pid for pid in children(service.process.pid) if "spawn_main" in cmdline(pid)]
         return {prompt: greedy(client_of(service), prompt) for prompt in PROMPTS}
 
 
@@ -76,7 +76,7 @@ def metric(url: str, name: str) -> float:
 
 
 def test_the_engine_runs_in_a_child_process(process_server):
-    engines = [pid for pid in descendants(process_server.process.pid) if "spawn_main" in cmdline(pid)]
+    engines = [pid for pid in children(process_server.process.pid) if "spawn_main" in cmdline(pid)]
     assert len(engines) == 1
     log = (process_server.workdir / "serve.log").read_text()
     assert f"engine process {engines[0]} ready" in log

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.support.processes import alive, cmdline, descendants, wait_all_gone
+from tests.support.processes import alive, children, cmdline, descendants, wait_all_gone
 from tests.support.services import RunningService, free_port, started
 
 ENGINE_DIED_EXIT_CODE = 3
@@ -44,7 +44,7 @@ def server(smollm2_checkpoint_dir) -> Iterator[RunningService]:
 
 
 def engine_pid(server: RunningService) -> int:
-    engines = [pid for pid in descendants(server.process.pid) if "spawn_main" in cmdline(pid)]
+    engines = [pid for pid in children(server.process.pid) if "spawn_main" in cmdline(pid)]
     assert len(engines) == 1, engines
     return engines[0]
 
@@ -137,3 +137,20 @@ def test_sigkill_of_the_server_leaves_no_child(server):
     server.process.wait(30)
     assert wait_all_gone(children, 15) == []
     assert not alive(engine)
+
+
+def test_tensor_parallel_workers_start_from_the_engine_process_and_die_with_the_server(tiny_llama_dir):
+    port = free_port()
+    argv = [sys.executable, "-m", "sits.runtime", "serve", "--model", str(tiny_llama_dir), "--device", "cpu",
+            "--port", str(port), "--num-blocks", "64", "--max-model-len", "256", "--tensor-parallel-size", "2",
+            "--log-level", "info"]
+    with started(argv, port, timeout_s=180, log_name="serve.log") as service:
+        response = httpx.post(f"{service.url}/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=60)
+        assert response.status_code == 200
+        engine = engine_pid(service)
+        workers = [pid for pid in descendants(engine) if "spawn_main" in cmdline(pid)]
+        assert len(workers) == 1  # rank 1; rank 0 is the engine process itself
+        everything = descendants(service.process.pid)
+        service.process.kill()
+        service.process.wait(30)
+        assert wait_all_gone(everything, 15) == []

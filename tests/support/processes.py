@@ -34,6 +34,11 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def children(pid: int) -> list[int]:
+    """The living processes whose parent is `pid`."""
+    return [child for child in descendants(pid) if (_stat(child) or ("", -1))[1] == pid]
+
+
 def cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
