@@ -25,7 +25,6 @@ import logging
 import multiprocessing
 import os
 import threading
-import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -400,13 +399,9 @@ def _wait_ready(process: Any, conn: Connection) -> wire.Ready:
 
 
 def _stop_process(process: Any, timeout_s: float) -> None:
-    """Join the process; terminate it, then kill it, if it does not exit in time."""
-    deadline = time.monotonic() + timeout_s
-    process.join(max(deadline - time.monotonic(), 0.0))
+    """Join the process; kill it if it does not exit in time (it ignores SIGTERM)."""
+    process.join(timeout_s)
     if process.is_alive():
-        logger.warning("the engine process %s did not exit in %.0f s; terminating it", process.pid, timeout_s)
-        process.terminate()
-        process.join(5.0)
-    if process.is_alive():
+        logger.warning("the engine process %s did not exit in %.0f s; killing it", process.pid, timeout_s)
         process.kill()
         process.join(5.0)

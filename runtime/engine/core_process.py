@@ -21,8 +21,9 @@ the cache is thread-safe), and reads LoRA adapters from disk off the loop.
 
 Parent death: the process asks the kernel for SIGKILL when its parent dies (`prctl
 PR_SET_PDEATHSIG`), and the pipe's EOF ends the loop as well; tensor-parallel workers, children of
-this process, watch it the same way (`sits.runtime.parallel.worker`). SIGINT is ignored: a Ctrl-C
-in a terminal reaches the whole process group, and the server decides how the engine stops.
+this process, watch it the same way (`sits.runtime.parallel.worker`). SIGINT and SIGTERM are
+ignored: a Ctrl-C in a terminal, or a supervisor signalling the process group, reaches the engine
+too, and the server drains first and then tells the engine to stop (or SIGKILLs it).
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ def run_engine_core(conn: Connection, config: EngineConfig, tenancy_spec: Any, p
                     log_level: str) -> None:
     """The child's entry point: build the engine, say Ready (or StartFailed), then loop until told to stop."""
     die_with_parent(parent_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for name in (signal.SIGINT, signal.SIGTERM):  # sent to the whole group: the server decides how we stop
+        signal.signal(name, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     tenancy = None
