@@ -36,7 +36,9 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -45,7 +47,7 @@ from sits.runtime.engine import core_wire as wire
 from sits.runtime.engine.async_engine import model_info_of
 from sits.runtime.engine.engine import LLMEngine
 from sits.runtime.engine.errors import EngineError, EngineShuttingDownError
-from sits.runtime.lora.manager import LoraAdapter
+from sits.runtime.lora.manager import LoraAdapter, LoraManager
 
 logger = logging.getLogger("sits.engine_core")
 
@@ -191,8 +193,8 @@ class EngineCore:
                 if self.engine.last_step_num_tokens == 0:
                     self._back_off()
             self._dirty |= busy or bool(commands)
-            stopping = self._stop_deadline is not None
-            if stopping and (not self.engine.has_unfinished_requests() or time.monotonic() >= self._stop_deadline):
+            deadline = self._stop_deadline
+            if deadline is not None and (not self.engine.has_unfinished_requests() or time.monotonic() >= deadline):
                 self._deliver(self.engine.abort_request(list(self.engine.output_processor.request_ids())), batch)
                 batch.stopped = True
             self._publish_tenancy(batch, idle=not self.engine.has_unfinished_requests())
@@ -228,9 +230,9 @@ class EngineCore:
             elif isinstance(command, wire.CallResult):  # an adapter that could not be read
                 batch.results.append(command)
             elif isinstance(command, _AdapterRead):
-                batch.results.append(self._call(command.call_id, lambda a=command.adapter: self.engine.lora.add(a)))
+                batch.results.append(self._call(command.call_id, partial(LoraManager.add, adapter=command.adapter)))
             elif isinstance(command, wire.UnloadLora):
-                batch.results.append(self._call(command.call_id, lambda n=command.name: self.engine.lora.remove(n)))
+                batch.results.append(self._call(command.call_id, partial(LoraManager.remove, name=command.name)))
             elif isinstance(command, wire.NewTenantTable):
                 if self.tenancy is not None:
                     self.tenancy.apply_table(command.table)
@@ -250,11 +252,12 @@ class EngineCore:
         except ValueError as error:  # the client's fault: a 400 at the edge
             batch.errors.append((command.request_id, wire.wire_error(error)))
 
-    def _call(self, call_id: int, function: Any) -> wire.CallResult:
+    def _call(self, call_id: int, function: Callable[[LoraManager], object]) -> wire.CallResult:
+        """`function(the LoRA manager)` between steps, answered as a CallResult."""
         try:
             if self.engine.lora is None:
                 raise EngineError("LoRA is not enabled on this engine (--enable-lora)")
-            function()
+            function(self.engine.lora)
             error = None
         except Exception as exc:  # the caller's error (name taken, no free slot), not the engine's
             error = wire.wire_error(exc)

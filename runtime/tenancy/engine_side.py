@@ -13,11 +13,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sits.runtime.tenancy.config import TenancyConfig
 from sits.runtime.tenancy.tenant_sync import TenantRegistry
 from sits.runtime.tenancy.tenants import SHARED_PREFIX_SALT, TenantTable
+
+if TYPE_CHECKING:
+    from sits.runtime.tenancy.kv_policy import TenantEvictionPolicy
+    from sits.runtime.tenancy.waiting_queue import FairWaitingQueue
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +76,7 @@ class EngineTenancy:
         return {"eviction_policy": self.eviction_policy, "waiting_queue": self.fair_queue(),
                 "shared_cache_salt": SHARED_PREFIX_SALT}
 
-    def eviction_policy(self, num_blocks: int):
+    def eviction_policy(self, num_blocks: int) -> TenantEvictionPolicy:
         """The engine's tenant-aware EvictionPolicy over `num_blocks`, following live table updates."""
         from sits.runtime.tenancy.kv_policy import TenantEvictionPolicy  # imports the engine
 
@@ -87,7 +91,7 @@ class EngineTenancy:
                             "shares take the whole cache; its requests will be refused", name)
         return policy
 
-    def fair_queue(self):
+    def fair_queue(self) -> FairWaitingQueue:
         """The scheduler's WaitingQueue, weighted by the tenants' `weight`, following live updates."""
         from sits.runtime.tenancy.waiting_queue import FairWaitingQueue  # imports the engine
 
