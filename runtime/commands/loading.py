@@ -1,4 +1,5 @@
-"""Building the AsyncEngine for a command, with load errors as one line and a startup summary."""
+"""Building the engine for a command (in this process, or in its own), with load errors as one line and a
+startup summary."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 
 from sits.runtime.commands.engine_args import fail
 from sits.runtime.config import ConfigError, EngineConfig
+from sits.runtime.engine.client import EngineClient
 
 logger = logging.getLogger("sits.serve")
 
@@ -27,14 +29,28 @@ def load_engine(config: EngineConfig, prog: str, progress: bool = True, **hooks:
     return engine
 
 
-def log_engine_summary(engine: Any, config: EngineConfig) -> None:
+def spawn_engine(config: EngineConfig, prog: str, tenancy: Any = None, log_level: str = "info") -> Any:
+    """The engine in its own process (`MultiprocessEngineClient`), or an exit code after a one-line
+    error: 2 for a bad model or option (as `load_engine`), 1 when the process crashed while loading.
+
+    `tenancy`: the server's Tenancy; the engine process builds its engine-side parts from it."""
+    from sits.runtime.engine.core_client import EngineStartError, MultiprocessEngineClient
+
+    try:
+        engine = MultiprocessEngineClient.spawn(config, tenancy=tenancy, log_level=log_level)
+    except EngineStartError as error:
+        code = fail(prog, str(error))
+        return code if error.user_error else 1
+    log_engine_summary(engine, config)
+    return engine
+
+
+def log_engine_summary(engine: EngineClient, config: EngineConfig) -> None:
     stats = engine.stats()
     block_size = stats.kv_block_size or config.cache.block_size
-    loaded = getattr(getattr(engine, "engine", None), "loaded_model", None)  # AsyncEngine -> LLMEngine
-    device = getattr(loaded, "device", config.model.device)
-    dtype = str(getattr(loaded, "dtype", config.model.dtype)).removeprefix("torch.")
-    logger.info("model %s (%s) on %s, %s; max_model_len %d", engine.model_name,
-                getattr(loaded, "source", config.model.model or "embedded"), device, dtype, engine.max_model_len)
+    info = engine.model_info
+    logger.info("model %s (%s) on %s, %s; max_model_len %d", engine.model_name, info.source, info.device,
+                info.dtype, engine.max_model_len)
     logger.info("KV cache: %d blocks x %d tokens = %d tokens; max_num_seqs %d, max_num_batched_tokens %d",
                 stats.kv_blocks_total, block_size, stats.kv_blocks_total * block_size,
                 config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens)

@@ -7,6 +7,7 @@ import logging
 import os
 import socket
 from collections.abc import Mapping
+from typing import Any
 
 from sits.runtime.commands.engine_args import (
     ConfigError,
@@ -31,6 +32,7 @@ from sits.runtime.tracing import build_tracer
 
 PROG = "sits serve"
 API_KEY_ENV = "SITS_API_KEY"  # read when no --api-key is given (vLLM: VLLM_API_KEY)
+ENGINE_IN_PROCESS_ENV = "SITS_ENGINE_IN_PROCESS"  # "1": as --engine-in-process (vLLM: VLLM_ENABLE_V1_MULTIPROCESSING=0)
 EVICTION_INDEX_INTERVAL_S = 1.0  # how often the engine thread hands its eviction index to the store
 logger = logging.getLogger("sits.serve")
 
@@ -59,6 +61,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     server.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                         help="the model's tool-call format, for tool_choice auto: hermes = "
                              "<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> (Hermes, Qwen2.5)")
+    server.add_argument("--engine-in-process", action="store_true",
+                        help="run the engine's step loop on a thread of the server process instead of in its own "
+                             f"process (the default); also ${ENGINE_IN_PROCESS_ENV}=1")
     add_tenancy_arguments(parser)
     add_security_arguments(parser)
     parser.set_defaults(handler=run)
@@ -176,18 +181,17 @@ def run(args: argparse.Namespace) -> int:
             raise
     except (ConfigError, TenantConfigError, SecurityConfigError) as error:
         return fail(PROG, str(error))
-    from sits.runtime.commands.loading import load_engine
+    from sits.runtime.engine.core_client import MultiprocessEngineClient
     from sits.runtime.server.app import build_app
     from sits.runtime.server.runner import run_server
     from sits.runtime.server.tenant import ApiKeyResolver
 
-    engine = load_engine(engine_config, PROG, **tenancy.engine_hooks())
+    engine = build_engine(engine_config, tenancy, args)
     if isinstance(engine, int):
         sock.close()
         if metrics_listener is not None:
             metrics_listener.stop()
         return engine
-    engine.add_periodic(tenancy.publish_eviction_index, EVICTION_INDEX_INTERVAL_S)
     app = build_app(engine, server_config, served_model_name=engine_config.model.served_model_name,
                     tenancy=tenancy, max_waiting_requests=args.max_waiting_requests,
                     tenant_resolver=ApiKeyResolver(api_keys) if api_keys else None, security=security)
@@ -207,3 +211,24 @@ def run(args: argparse.Namespace) -> int:
             return run_server(app, engine, sock, server_config.drain_timeout_s, args.log_level)
     finally:
         tracer.shutdown()  # exports the spans still batched: the last requests' traces are not lost
+        if isinstance(engine, MultiprocessEngineClient):  # its process goes, also when the server never started
+            engine.close()
+
+
+def engine_in_process(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> bool:
+    """--engine-in-process, or $SITS_ENGINE_IN_PROCESS set to 1 / true / yes."""
+    flag = environ.get(ENGINE_IN_PROCESS_ENV, "").strip().lower() in {"1", "true", "yes"}
+    return bool(getattr(args, "engine_in_process", False)) or flag
+
+
+def build_engine(engine_config: EngineConfig, tenancy: Tenancy, args: argparse.Namespace) -> Any:
+    """The engine `sits serve` serves: in its own process by default, on a thread of this one with
+    --engine-in-process; or an exit code after a one-line error."""
+    from sits.runtime.commands.loading import load_engine, spawn_engine
+
+    if not engine_in_process(args):
+        return spawn_engine(engine_config, PROG, tenancy, args.log_level)
+    engine = load_engine(engine_config, PROG, **tenancy.engine_hooks())
+    if not isinstance(engine, int):
+        engine.add_periodic(tenancy.publish_eviction_index, EVICTION_INDEX_INTERVAL_S)
+    return engine

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sits.runtime.config import EngineConfig
+from sits.runtime.engine.client import ModelInfo
 from sits.runtime.engine.engine import LLMEngine
 from sits.runtime.engine.errors import (
     DuplicateRequestError,
@@ -36,9 +37,9 @@ from sits.runtime.engine.errors import (
 )
 from sits.runtime.engine.request import RequestOutput, SamplingParams
 from sits.runtime.engine.stats import EngineStats
-from sits.runtime.engine.structured_output import StructuredOutputs
-from sits.runtime.lora.config import LoraModule
-from sits.runtime.lora.manager import lora_slot
+from sits.runtime.engine.structured_output import GrammarCache, StructuredOutputs
+from sits.runtime.lora.config import LoraConfigError, LoraModule
+from sits.runtime.lora.manager import LoraManager, lora_slot
 from sits.runtime.lora.usage import AdapterUsage
 
 logger = logging.getLogger(__name__)
@@ -92,7 +93,7 @@ class _Periodic:
 
 
 class AsyncEngine:
-    """An `LLMEngine` served to asyncio code.
+    """An `LLMEngine` served to asyncio code, in this process (an `EngineClient`).
 
     Args:
         engine: the engine; from now on only the background thread calls it.
@@ -112,6 +113,7 @@ class AsyncEngine:
         self._idle.set()
         self._stats: EngineStats = engine.stats()
         self._periodic: list[_Periodic] = []
+        self._death_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []  # guarded by _cond
 
     @classmethod
     def from_config(cls, config: EngineConfig, *, progress: bool = True, **hooks: Any) -> AsyncEngine:
@@ -144,6 +146,15 @@ class AsyncEngine:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def model_info(self) -> ModelInfo:
+        return model_info_of(self.engine)
+
+    @property
+    def grammar_cache(self) -> GrammarCache:
+        """The engine's own grammar cache (thread-safe): what the server compiles, its thread finds."""
+        return self.engine.structured_outputs.cache
 
     @property
     def structured_outputs(self) -> StructuredOutputs:
@@ -180,6 +191,16 @@ class AsyncEngine:
         if interval_s <= 0:
             raise ValueError(f"interval_s must be positive, got {interval_s}")
         self._periodic.append(_Periodic(callback, interval_s))
+
+    async def wait_until_dead(self) -> None:
+        """Return once a step crashed (never after an orderly shutdown)."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._cond:
+            if not self._healthy:
+                return
+            self._death_waiters.append((loop, future))
+        await future
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -288,6 +309,20 @@ class AsyncEngine:
             self._cond.notify()
         return await asyncio.wrap_future(call.future)
 
+    async def load_lora(self, module: LoraModule) -> None:
+        manager = self._lora_manager()
+        adapter = await asyncio.to_thread(manager.read, module)
+        await self.call_between_steps(lambda: manager.add(adapter))
+
+    async def unload_lora(self, name: str) -> None:
+        manager = self._lora_manager()
+        await self.call_between_steps(lambda: manager.remove(name))
+
+    def _lora_manager(self) -> LoraManager:
+        if self.engine.lora is None:
+            raise LoraConfigError("LoRA is not enabled on this engine (--enable-lora)")
+        return self.engine.lora
+
     # -- the background thread -------------------------------------------------------------
     def _run(self) -> None:
         try:
@@ -384,12 +419,32 @@ class AsyncEngine:
             self._accepting = False
             streams = list(self._streams.values())
             _drop_commands(self._commands)
+            waiters, self._death_waiters = self._death_waiters, []
         for stream in streams:
             stream.put(error)
+        for loop, future in waiters:
+            with contextlib.suppress(RuntimeError):  # that loop is already closed
+                loop.call_soon_threadsafe(_resolve, future)
         with contextlib.suppress(Exception):  # free what can be freed; the engine may be broken
             self.engine.abort_request(list(self.engine.output_processor.request_ids()))
             self._stats = self.engine.stats()
         self._idle.set()
+
+
+def model_info_of(engine: LLMEngine) -> ModelInfo:
+    """What `engine` loaded and how it runs it."""
+    config, loaded, lora = engine.config, engine.loaded_model, engine.lora
+    return ModelInfo(source=str(loaded.source), device=str(loaded.device),
+                     dtype=str(loaded.dtype).removeprefix("torch."),
+                     max_num_seqs=config.scheduler.max_num_seqs,
+                     max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+                     lora_runtime_updates=lora is not None and config.lora.allow_runtime_updating,
+                     lora_num_slots=lora.num_slots if lora is not None else 0)
+
+
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def _drop_commands(commands: list[_Add | _Abort | _Call]) -> None:

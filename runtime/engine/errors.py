@@ -15,6 +15,10 @@ class EngineDeadError(EngineError):
     """The step loop crashed earlier; the engine accepts no more requests (health check fails)."""
 
 
+class EngineDiedError(EngineError):
+    """The engine's process died while serving the request (a 500; the server then exits)."""
+
+
 class EngineShuttingDownError(EngineError):
     """The engine is draining or stopped and accepts no new requests (503)."""
 

@@ -1,6 +1,6 @@
 """The FastAPI app: OpenAI-compatible routes, health, metrics, and the engine's start and stop.
 
-`build_app(engine, server_config)` wires the parts; nothing here is module-global, so several apps
+`build_app(engine, server_config)` wires the parts around an `EngineClient`; nothing here is module-global, so several apps
 (with their own engines and metric registries) can live in one process.
 """
 
@@ -16,6 +16,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from sits.runtime.config import ServerConfig
+from sits.runtime.engine.client import EngineClient
 from sits.runtime.server.admission import AdmissionCollector, AdmissionControl, default_max_waiting
 from sits.runtime.server.chat import ChatCompletions
 from sits.runtime.server.completions import Completions
@@ -39,6 +40,7 @@ from sits.runtime.server.tenant import (
 from sits.runtime.server.tokenize import DetokenizeRequest, Tokenization, TokenizeRequest, installed_version
 from sits.runtime.server.tokenizer_info import install_tokenizer_info_route
 from sits.runtime.tenancy.server_auth import TenancyResolver
+from sits.runtime.tenancy.service import Tenancy
 
 logger = logging.getLogger("sits.server")
 
@@ -46,15 +48,16 @@ DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # far above any prompt that fits a co
 GENERATION_PATHS = {"/v1/chat/completions", "/v1/completions"}
 
 
-def build_app(engine: Any, server_config: ServerConfig | None = None, *, served_model_name: str | None = None,
-              tenant_resolver: TenantResolver | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              manage_engine: bool = True, usage_observer: Callable[[str, int, int], None] | None = None,
-              tenancy: Any = None, max_waiting_requests: int | None = None,
-              retry_after_s: float = 1.0, security: ServerSecurity | None = None) -> FastAPI:
-    """The server app around an AsyncEngine.
+def build_app(engine: EngineClient, server_config: ServerConfig | None = None, *,
+              served_model_name: str | None = None, tenant_resolver: TenantResolver | None = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, manage_engine: bool = True,
+              usage_observer: Callable[[str, int, int], None] | None = None, tenancy: Tenancy | None = None,
+              max_waiting_requests: int | None = None, retry_after_s: float = 1.0,
+              security: ServerSecurity | None = None) -> FastAPI:
+    """The server app around an engine (in this process or in its own: any `EngineClient`).
 
     Args:
-        engine: an AsyncEngine (started and shut down with the app when manage_engine).
+        engine: the engine (started and shut down with the app when manage_engine).
         server_config: track label and drain timeout; host/port are the runner's business.
         served_model_name: the OpenAI model id; defaults to the engine's model name.
         tenant_resolver: decides each request's tenant (default: everyone is "default").
@@ -62,10 +65,9 @@ def build_app(engine: Any, server_config: ServerConfig | None = None, *, served_
         usage_observer: called as (tenant, prompt_tokens, output_tokens) after each engine request.
         tenancy: a `sits.runtime.tenancy.service.Tenancy` (API keys, limits, salts, usage, its
             metrics), started and closed with the app; it provides the resolver and usage observer
-            unless those are given. The engine should have been built with `tenancy.engine_hooks()`.
+            unless those are given. The engine should have been built with its engine-side hooks.
         max_waiting_requests: sequences that may wait behind the engine's running batch; more get
             503 + Retry-After (`sits.runtime.server.admission`). None: the engine's max_num_seqs, at least 32.
-            Needs an engine that tells its max_num_seqs; otherwise nothing is bounded.
         retry_after_s: the Retry-After of those 503s.
         security: grammar-compile bounds, HTTP limits, the metrics port, LoRA roots, API docs
             (`sits.runtime.server.security`; docs/security.md). None: the defaults.
@@ -81,19 +83,48 @@ def build_app(engine: Any, server_config: ServerConfig | None = None, *, served_
         prompt_observer = tenancy.observe_prompt
         metrics.register(tenancy.collector(model_name, config.track))
     admission = _admission(engine, max_waiting_requests, retry_after_s)
-    if admission is not None:
-        metrics.register(AdmissionCollector(admission, model_name, config.track))
+    metrics.register(AdmissionCollector(admission, model_name, config.track))
     ctx = ServingContext(engine=engine, model_name=model_name, metrics=metrics, lifecycle=lifecycle,
                          usage_observer=usage_observer, prompt_observer=prompt_observer, admission=admission)
     ctx.max_prompt_chars  # noqa: B018 - read once from the vocabulary now, not on the first request
     if tenancy is not None:
         tenancy.warn_unserved_models(ctx.served_models)  # tenants' allow-lists naming models not served here
-    created = int(time.time())
     security = security or ServerSecurity()
-    tenants_mode = getattr(getattr(tenancy, "config", None), "tenants_file", None) is not None
-    grammar_compiler = GrammarCompiler(engine.structured_outputs.cache, security.grammar)
+    tenants_mode = tenancy is not None and tenancy.config.tenants_file is not None
+    grammar_compiler = GrammarCompiler(engine.grammar_cache, security.grammar)
     metrics.register(GrammarCompileCollector(grammar_compiler, model_name, config.track))
 
+    app = FastAPI(title="SITS", summary="OpenAI-compatible LLM serving",
+                  lifespan=_lifespan(engine, tenancy, grammar_compiler, manage_engine),
+                  **api_docs_urls(security.api_docs, tenants_mode))
+    app.state.security = security
+    app.state.grammar_compiler = grammar_compiler
+    app.state.ctx = ctx
+    app.state.lifecycle = lifecycle
+    app.state.metrics = metrics
+    app.state.server_config = config
+    app.state.tenant_resolver = tenant_resolver or SingleTenantResolver()
+    app.state.admission = admission
+    install_error_handlers(app)
+    # Innermost first: the tenant gate answers 401 / 503 (queue full) / 429 before the body is read,
+    # inside the generation gate, which counts those answers under the request's tenant.
+    app.add_middleware(TenantGate, generation_paths=GENERATION_PATHS, admission=admission)
+    app.add_middleware(GenerationGate, lifecycle=lifecycle, metrics=metrics, paths=GENERATION_PATHS,
+                       admission=admission)
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    chat = ChatCompletions(ctx, tool_call_parser=config.auto_tool_call_parser)
+    _install_generation_routes(app, ctx, chat)
+    _install_model_routes(app, ctx, engine)
+    # --allow-runtime-lora-updating: /v1/load_lora_adapter and /v1/unload_lora_adapter (else no such routes)
+    install_lora_routes(app, engine, model_name, tenancy, metrics, config.track)
+    _install_utility_routes(app, ctx, chat)
+    _install_health_routes(app, engine, lifecycle)
+    install_metrics_route(app, metrics.exposition, tenants_mode=tenants_mode, metrics_port=security.metrics_port)
+    return app
+
+
+def _lifespan(engine: EngineClient, tenancy: Tenancy | None, grammar_compiler: GrammarCompiler,
+              manage_engine: bool) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if tenancy is not None:
@@ -112,24 +143,10 @@ def build_app(engine: Any, server_config: ServerConfig | None = None, *, served_
             if tenancy is not None:
                 await tenancy.close()  # writes the last usage and retires this replica's state
 
-    app = FastAPI(title="SITS", summary="OpenAI-compatible LLM serving", lifespan=lifespan,
-                  **api_docs_urls(security.api_docs, tenants_mode))
-    app.state.security = security
-    app.state.grammar_compiler = grammar_compiler
-    app.state.ctx = ctx
-    app.state.lifecycle = lifecycle
-    app.state.metrics = metrics
-    app.state.server_config = config
-    app.state.tenant_resolver = tenant_resolver or SingleTenantResolver()
-    app.state.admission = admission
-    install_error_handlers(app)
-    # Innermost first: the tenant gate answers 401 / 503 (queue full) / 429 before the body is read,
-    # inside the generation gate, which counts those answers under the request's tenant.
-    app.add_middleware(TenantGate, generation_paths=GENERATION_PATHS, admission=admission)
-    app.add_middleware(GenerationGate, lifecycle=lifecycle, metrics=metrics, paths=GENERATION_PATHS,
-                       admission=admission)
-    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
-    chat = ChatCompletions(ctx, tool_call_parser=config.auto_tool_call_parser)
+    return lifespan
+
+
+def _install_generation_routes(app: FastAPI, ctx: ServingContext, chat: ChatCompletions) -> None:
     completions = Completions(ctx)
 
     # A tenant's `models` allow-list is checked first in each handler that names a model: a model kept
@@ -146,15 +163,19 @@ def build_app(engine: Any, server_config: ServerConfig | None = None, *, served_
         ctx.check_model(body.model, request_allowed_models(request))
         return await completions(body, tenant, request)
 
+
+def _install_model_routes(app: FastAPI, ctx: ServingContext, engine: EngineClient) -> None:
+    created = int(time.time())
+
     def model_card(model_id: str) -> dict[str, Any]:
         """As vLLM lists models: `root` is where the weights came from; a LoRA adapter's `parent` is its base."""
         card = {"id": model_id, "object": "model", "created": created, "owned_by": "sits",
-                "root": public_model_root(getattr(getattr(engine, "loaded_model", None), "source", None),
-                                          model_name), "parent": None,
+                "root": public_model_root(engine.model_info.source, ctx.model_name), "parent": None,
                 "max_model_len": engine.max_model_len}
-        adapter = ctx.lora_modules.get(model_id) if model_id != model_name else None
+        adapter = ctx.lora_modules.get(model_id) if model_id != ctx.model_name else None
         if adapter is not None:
-            card.update(root=public_model_root(adapter.path, model_id), parent=adapter.base_model_name or model_name)
+            card.update(root=public_model_root(adapter.path, model_id),
+                        parent=adapter.base_model_name or ctx.model_name)
         return card
 
     # Listing models needs a key too (TenantGate covers every /v1/* path), as OpenAI's API does.
@@ -169,9 +190,8 @@ def build_app(engine: Any, server_config: ServerConfig | None = None, *, served_
         ctx.check_model(model_id, request_allowed_models(request))  # 404: neither served nor the tenant's
         return model_card(model_id)
 
-    # --allow-runtime-lora-updating: /v1/load_lora_adapter and /v1/unload_lora_adapter (else no such routes)
-    install_lora_routes(app, engine, model_name, tenancy, metrics, config.track)
 
+def _install_utility_routes(app: FastAPI, ctx: ServingContext, chat: ChatCompletions) -> None:
     # vLLM's utility endpoints: with tenants /tokenize and /detokenize need a key (TenantGate covers
     # them), but they run no engine work, so no rate limit or admission applies.
     tokenization = Tokenization(ctx, chat)
@@ -191,12 +211,14 @@ def build_app(engine: Any, server_config: ServerConfig | None = None, *, served_
 
     install_tokenizer_info_route(app, ctx)  # GET /tokenizer_info (lm-eval's remote tokenizer)
 
+
+def _install_health_routes(app: FastAPI, engine: EngineClient, lifecycle: Lifecycle) -> None:
     def readiness() -> JSONResponse:
         if lifecycle.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         if not engine.is_healthy:
             return JSONResponse({"status": "unhealthy"}, status_code=503)
-        if not getattr(engine, "is_accepting", True):
+        if not engine.is_accepting:
             return JSONResponse({"status": "stopping"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
@@ -216,16 +238,9 @@ def build_app(engine: Any, server_config: ServerConfig | None = None, *, served_
             return JSONResponse({"status": "unhealthy"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    install_metrics_route(app, metrics.exposition, tenants_mode=tenants_mode, metrics_port=security.metrics_port)
 
-    return app
-
-
-def _admission(engine: Any, max_waiting: int | None, retry_after_s: float) -> AdmissionControl | None:
-    """The bounded queue for this engine, sized from its max_num_seqs (None if it does not say)."""
-    config = getattr(getattr(engine, "engine", None), "config", None)
-    max_running = getattr(getattr(config, "scheduler", None), "max_num_seqs", None)
-    if not isinstance(max_running, int):
-        return None
+def _admission(engine: EngineClient, max_waiting: int | None, retry_after_s: float) -> AdmissionControl:
+    """The bounded queue for this engine, sized from its max_num_seqs."""
+    max_running = engine.model_info.max_num_seqs
     waiting = default_max_waiting(max_running) if max_waiting is None else max_waiting
     return AdmissionControl(max_running=max_running, max_waiting=waiting, retry_after_s=retry_after_s)

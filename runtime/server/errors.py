@@ -17,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from sits.runtime.engine.errors import EngineError, InvalidRequestError, PromptTooLongError
+from sits.runtime.engine.errors import EngineDiedError, EngineError, InvalidRequestError, PromptTooLongError
 from sits.runtime.engine.request import SamplingParamsError
 from sits.runtime.models.chat_template import ChatTemplateError
 
@@ -175,6 +175,9 @@ def as_openai_error(error: BaseException) -> OpenAIError:
         return invalid_request(str(error), param="prompt")
     if isinstance(error, ChatTemplateError):
         return invalid_request(f"The messages cannot be rendered: {error}", param="messages")
+    if isinstance(error, EngineDiedError):
+        logger.error("engine died: %s", error)
+        return OpenAIError(500, f"The engine failed while serving this request: {error}", code="engine_died")
     if isinstance(error, EngineError):
         logger.error("engine error: %s", error)
         return service_unavailable(f"The engine cannot serve requests right now: {error}")

@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+
+from sits.runtime.engine.client import EngineClient
 
 logger = logging.getLogger("sits.server")
 
@@ -53,7 +54,7 @@ class Lifecycle:
             return False
         return True
 
-    async def drain(self, engine: Any, timeout_s: float, abort_grace_s: float = 5.0) -> int:
+    async def drain(self, engine: EngineClient, timeout_s: float, abort_grace_s: float = 5.0) -> int:
         """Stop accepting, let in-flight requests finish for timeout_s, abort the rest.
 
         Returns how many engine requests were aborted. Aborted streams still end cleanly (their

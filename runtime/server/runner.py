@@ -2,7 +2,9 @@
 
 Foreground (`run_server`, what `sits serve` calls): the first SIGTERM or SIGINT starts the drain
 (readiness false, new requests 503, in-flight ones finish for up to drain_timeout_s, then the rest
-are aborted) and the process then exits 0; a second signal stops at once.
+are aborted) and the process then exits 0; a second signal stops at once. If the engine dies (its
+process killed, a step crashed), in-flight requests have already failed and the server stops at once
+with exit code 3 (`ENGINE_DIED_EXIT_CODE`), so the pod is restarted.
 
 Background (`BackgroundServer`): the same app in a thread with its own event loop, on a free port —
 for tests, benchmarks and notebooks.
@@ -17,22 +19,26 @@ import socket
 import threading
 import time
 from types import FrameType
-from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
 
+from sits.runtime.engine.client import EngineClient
 from sits.runtime.server.http_limits import uvicorn_options
 
 logger = logging.getLogger("sits.server")
 
 GRACEFUL_CLOSE_S = 5.0  # after the drain, how long uvicorn waits for connections to close
+ENGINE_DIED_EXIT_CODE = 3  # the engine crashed or its process died: Kubernetes restarts the pod
+# After the engine died, how long the server still answers (health 503, the failed requests' last
+# bytes) before it stops: probes and load balancers see the failure instead of a refused connection.
+ENGINE_DEATH_LINGER_S = 2.0
 
 
 class DrainingServer(uvicorn.Server):
     """A uvicorn server whose first shutdown signal drains the app instead of stopping it at once."""
 
-    def __init__(self, config: uvicorn.Config, app: FastAPI, engine: Any, drain_timeout_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, app: FastAPI, engine: EngineClient, drain_timeout_s: float) -> None:
         super().__init__(config)
         self._app = app
         self._engine = engine
@@ -44,7 +50,21 @@ class DrainingServer(uvicorn.Server):
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
+        watcher = asyncio.ensure_future(self._exit_when_engine_dies())
+        try:
+            await super().serve(sockets)
+        finally:
+            watcher.cancel()
+
+    async def _exit_when_engine_dies(self) -> None:
+        await self._engine.wait_until_dead()
+        if self.should_exit and self.exit_code == 0 and self._drain_requested:
+            return  # stopped on purpose (drained, then shut down): not a failure
+        logger.error("the engine died; stopping the server in %.0f s (exit code %d) so it is restarted",
+                     ENGINE_DEATH_LINGER_S, ENGINE_DIED_EXIT_CODE)
+        self.exit_code = ENGINE_DIED_EXIT_CODE
+        await asyncio.sleep(ENGINE_DEATH_LINGER_S)
+        self.should_exit = True
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Runs in the signal handler: only hand work to the loop. Not recording the signal keeps
@@ -78,9 +98,10 @@ def uvicorn_config(app: FastAPI, host: str, port: int, log_level: str = "info") 
                           **uvicorn_options(None if security is None else security.http))
 
 
-def run_server(app: FastAPI, engine: Any, sock: socket.socket, drain_timeout_s: float,
+def run_server(app: FastAPI, engine: EngineClient, sock: socket.socket, drain_timeout_s: float,
                log_level: str = "info") -> int:
-    """Serve on an already bound socket until a signal; drain; return the exit code (0 after a drain)."""
+    """Serve on an already bound socket until a signal; drain; return the exit code (0 after a drain,
+    ENGINE_DIED_EXIT_CODE when the engine died)."""
     host, port = sock.getsockname()[:2]
     server = DrainingServer(uvicorn_config(app, host, port, log_level), app, engine, drain_timeout_s)
     server.run(sockets=[sock])

@@ -1,6 +1,6 @@
 """What both generation endpoints share: the model check, prompt checks, and driving engine requests.
 
-`ServingContext.generate` wraps `AsyncEngine.generate` with the server's bookkeeping: the request
+`ServingContext.generate` wraps `EngineClient.generate` with the server's bookkeeping: the request
 is tracked for the drain, its metrics (TTFT, time per output token, token counts) are recorded
 when it ends, and leaving early (client gone, error, drain) aborts it so its KV blocks are freed.
 """
@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
+from sits.runtime.engine.client import EngineClient
 from sits.runtime.engine.request import RequestOutput, SamplingParams
 from sits.runtime.server.admission import AdmissionControl
 from sits.runtime.server.errors import invalid_request, model_not_found, service_unavailable
@@ -40,7 +41,7 @@ class ClientGone(Exception):
 class ServingContext:
     """The engine and the server state the endpoint handlers work with."""
 
-    engine: Any  # AsyncEngine
+    engine: EngineClient
     model_name: str
     metrics: ServerMetrics
     lifecycle: Lifecycle
@@ -112,7 +113,7 @@ class ServingContext:
     @property
     def lora_modules(self) -> dict[str, Any]:
         """The LoRA adapters served as models of their own (name -> `LoraModule`), as the engine has them."""
-        return getattr(self.engine, "lora_modules", None) or {}
+        return self.engine.lora_modules
 
     @property
     def served_models(self) -> list[str]:
@@ -138,7 +139,7 @@ class ServingContext:
             raise service_unavailable("The server is shutting down; retry on another replica.")
         if not self.engine.is_healthy:
             raise service_unavailable("The engine is unhealthy and cannot serve requests.")
-        if not getattr(self.engine, "is_accepting", True):
+        if not self.engine.is_accepting:
             raise service_unavailable("The engine is stopping and accepts no new requests.")
 
     def check_token_ids(self, token_ids: Sequence[int], param: str) -> list[int]:

@@ -14,6 +14,10 @@ What `build_app` does with it, piece by piece:
     tenancy.observe_prompt(name, n); tenancy.observe_usage(name, prompt, completion)   # no I/O
     await tenancy.close()
 
+With the engine in its own process (`sits serve`'s default) the engine-side parts are built there
+from `tenancy.engine_spec()` (`sits.runtime.tenancy.engine_side`); `use_remote_engine` forwards each
+new tenant table to it and reads back its figures.
+
 Live tenant-table updates reach the authenticator, the shards, the eviction priorities and the
 queue weights through the registry's listeners; each tenant's `models` allow-list is read from the
 tenant authenticated for each request, so a new list applies to the next request.
@@ -23,15 +27,16 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 from sits.runtime.tenancy.auth import Authenticator, AuthMode
 from sits.runtime.tenancy.config import TenancyConfig
+from sits.runtime.tenancy.engine_side import EngineTenancy, EngineTenancySpec, EngineTenancyUsage
 from sits.runtime.tenancy.limits import RateLimiter
 from sits.runtime.tenancy.metrics import TenancyCollector, TenancySnapshot
-from sits.runtime.tenancy.state_store import ReplicaKVState, StateStore, open_state_store
+from sits.runtime.tenancy.state_store import StateStore, open_state_store
 from sits.runtime.tenancy.tenant_sync import TenantRegistry, TenantSync
-from sits.runtime.tenancy.tenants import SHARED_PREFIX_SALT, Tenant, TenantTable, load_tenants_file
+from sits.runtime.tenancy.tenants import Tenant, TenantTable, load_tenants_file
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +58,9 @@ class Tenancy:
         self.sync = TenantSync(self.registry, store, poll_interval_s=config.tenant_poll_interval_s,
                                require_keys=gateway is None) if seed.requires_auth else None
         self.engine_start = time.time()
-        self._policies: list = []
-        self._queues: list = []
+        self.engine_side = EngineTenancy(config, self.registry, self.engine_start)
+        # Where the engine-side figures come from: this process's policies, or the engine process's.
+        self._engine_usage: Callable[[], EngineTenancyUsage] = self.engine_side.usage
 
     @classmethod
     def from_config(cls, config: TenancyConfig) -> Tenancy:
@@ -123,70 +129,43 @@ class Tenancy:
         self.limiter.record_tokens(tenant, completion_tokens)
 
     def eviction_policy(self, num_blocks: int):
-        """The engine's tenant-aware EvictionPolicy over `num_blocks`, following live table updates."""
-        from sits.runtime.tenancy.kv_policy import TenantEvictionPolicy  # imports the engine
-
-        ttl = self.config.eviction_ttl_s or None
-        policy = TenantEvictionPolicy(num_blocks, self.table, alpha=self.config.eviction_alpha, ttl_s=ttl,
-                                      engine_start=self.engine_start)
-        self.registry.subscribe(policy.apply_table)
-        self._policies.append(policy)
-        for name in self.table.names:
-            if policy.shards.capacity(name) == 0:
-                log.warning("tenant %s can hold no KV-cache block: its kvCacheShare is 0 and the other tenants' "
-                            "shares take the whole cache; its requests will be refused", name)
-        return policy
+        """The in-process engine's tenant-aware EvictionPolicy (`EngineTenancy.eviction_policy`)."""
+        return self.engine_side.eviction_policy(num_blocks)
 
     def host_eviction_policy(self, num_blocks: int):
-        """The host KV tier's policy over `num_blocks` host blocks (hostKvCacheShare, same score),
-        following live table updates."""
-        from sits.runtime.tenancy.host_kv_policy import host_tenant_eviction_policy  # imports the engine
-
-        ttl = self.config.eviction_ttl_s or None
-        policy = host_tenant_eviction_policy(num_blocks, self.table, alpha=self.config.eviction_alpha, ttl_s=ttl,
-                                             engine_start=self.engine_start)
-        self.registry.subscribe(policy.apply_table)
-        return policy
-
-    def engine_hooks(self) -> dict:
-        """Keyword arguments for `LLMEngine` / `AsyncEngine.from_config`: the shard-aware eviction
-        policy (built once the cache is sized), the fair waiting queue, the shared-pool salt."""
-        return {"eviction_policy": self.eviction_policy, "waiting_queue": self.fair_queue(),
-                "shared_cache_salt": SHARED_PREFIX_SALT, "host_eviction_policy": self.host_eviction_policy}
-
-    def publish_eviction_index(self) -> None:
-        """Hand this replica's eviction index to the store (written in its next batch; no I/O).
-        Call it on the engine's thread (`AsyncEngine.add_periodic`): it reads the index."""
-        entries: dict = {}
-        hashes: set[bytes] = set()
-        for policy in self._policies:
-            entries.update(policy.eviction_index())
-            hashes.update(policy.cached_block_hashes())
-        self.store.publish_eviction_index(entries)
-        kv_usage = max((policy.kv_usage() for policy in self._policies), default=0.0)
-        self.store.publish_kv_state(ReplicaKVState(frozenset(hashes), sum(len(q) for q in self._queues), kv_usage))
+        """The in-process engine's host KV tier policy (`EngineTenancy.host_eviction_policy`)."""
+        return self.engine_side.host_eviction_policy(num_blocks)
 
     def fair_queue(self):
-        """The scheduler's WaitingQueue, weighted by the tenants' `weight`, following live updates."""
-        from sits.runtime.tenancy.waiting_queue import FairWaitingQueue  # imports the engine
+        """The in-process engine's fair WaitingQueue (`EngineTenancy.fair_queue`)."""
+        return self.engine_side.fair_queue()
 
-        queue = FairWaitingQueue(self.table.weights())
+    def engine_hooks(self) -> dict:
+        """Keyword arguments for an in-process `LLMEngine` / `AsyncEngine.from_config`: the
+        shard-aware eviction policy, the fair waiting queue, the shared-pool salt."""
+        return self.engine_side.engine_hooks()
 
-        def reweigh(table: TenantTable) -> None:
-            for name, weight in table.weights().items():
-                queue.set_weight(name, weight)
+    def publish_eviction_index(self) -> None:
+        """Hand this replica's eviction index and KV state (cached prefix hashes and load, for a router) to
+        the store (written in its next batch; no I/O). Call it on the engine's thread
+        (`AsyncEngine.add_periodic`): it reads the index."""
+        self.store.publish_eviction_index(self.engine_side.eviction_index())
+        self.store.publish_kv_state(self.engine_side.kv_state())
 
-        self.registry.subscribe(reweigh)
-        self._queues.append(queue)
-        return queue
+    def engine_spec(self) -> EngineTenancySpec:
+        """What an engine process needs to build its own `EngineTenancy`."""
+        return EngineTenancySpec(self.config, self.table, self.engine_start)
+
+    def use_remote_engine(self, usage: Callable[[], EngineTenancyUsage],
+                          send_table: Callable[[TenantTable], None]) -> None:
+        """The engine runs in another process: its figures come from `usage` (the latest it sent),
+        and every new tenant table goes to `send_table`, which forwards it there."""
+        self._engine_usage = usage
+        self.registry.subscribe(send_table)
 
     def snapshot(self) -> TenancySnapshot:
-        blocks: dict = {}
-        evictions: dict[str, int] = {}
-        for policy in self._policies:
-            blocks.update(policy.usage())
-            evictions.update(policy.evictions_total)
-        return TenancySnapshot(blocks=blocks, evictions_total=evictions,
+        usage = self._engine_usage()
+        return TenancySnapshot(blocks=dict(usage.blocks), evictions_total=dict(usage.evictions_total),
                                rate_limited_total=dict(self.limiter.rate_limited_total),
                                state_store_up=self.store.up, tenants=tuple(self.table.names),
                                replica_id=self.store.replica_id)
