@@ -43,6 +43,7 @@ class Cluster:
     redis: RunningService | None = None
     replicas: list[RunningService] = field(default_factory=list)
     router: RunningService | None = None
+    metrics_port: int = field(default_factory=lambda: free_port())  # every replica's --metrics-port
 
     @property
     def url(self) -> str:
@@ -54,6 +55,15 @@ class Cluster:
 
     def store(self) -> redis.Redis:
         return redis.Redis(port=self.redis_port, decode_responses=True, socket_timeout=2)
+
+
+def metrics_base(replica: RunningService, cluster: Cluster) -> str:
+    """Where a replica serves /metrics: its --metrics-port (with --tenants, not on the API port)."""
+    return f"http://{replica.host}:{cluster.metrics_port}"
+
+
+def metrics_url(replica: RunningService, cluster: Cluster) -> str:
+    return f"{metrics_base(replica, cluster)}/metrics"
 
 
 def wait_until(predicate, timeout_s: float, what: str) -> None:
@@ -72,9 +82,10 @@ def samples(url: str, name: str, **labels: str) -> float:
     return total
 
 
-def serve_argv(model_dir: Path, port: int, cluster: Cluster, track: str) -> list[str]:
+def serve_argv(model_dir: Path, host: str, port: int, cluster: Cluster, track: str) -> list[str]:
     return [sys.executable, "-m", "sits.runtime", "serve", "--track", track, "--model", str(model_dir), "--served-model-name", "tiny",
-            "--device", "cpu", "--port", str(port), "--num-blocks", "96", "--max-model-len", "512",
+            "--device", "cpu", "--host", host, "--port", str(port), "--metrics-port", str(cluster.metrics_port),
+            "--num-blocks", "96", "--max-model-len", "512",
             "--max-num-seqs", "8", "--tenants", str(cluster.tenants_file), "--state-store",
             f"redis://127.0.0.1:{cluster.redis_port}/0", "--deployment", DEPLOYMENT]
 
@@ -89,17 +100,18 @@ def cluster(tiny_llama_dir, tmp_path_factory) -> Iterator[Cluster]:
         cluster.redis = stack.enter_context(started(redis_argv(cluster.redis_port), cluster.redis_port,
                                                     log_name="redis.log"))
         for index in range(2):
-            port = free_port()
-            argv = serve_argv(tiny_llama_dir, port, cluster, "canary" if index == 0 else "stable")
-            replica = stack.enter_context(started(argv, port, timeout_s=120,
-                                                  workdir=workdir, log_name=f"serve{index}.log"))
+            # Each replica on its own loopback address, all with one --metrics-port (as pods share one).
+            host, port = f"127.0.0.{index + 2}", free_port()
+            argv = serve_argv(tiny_llama_dir, host, port, cluster, "canary" if index == 0 else "stable")
+            replica = stack.enter_context(started(argv, port, timeout_s=120, workdir=workdir,
+                                                  log_name=f"serve{index}.log", host=host))
             wait_until(lambda r=replica: httpx.get(f"{r.url}/health").status_code == 200, 120, "a ready replica")
             cluster.replicas.append(replica)
         port = free_port()
         argv = [sys.executable, "-m", "sits.runtime.router", "--port", str(port), "--state-store",
                 f"redis://127.0.0.1:{cluster.redis_port}/0", "--deployment", DEPLOYMENT, "--tenants",
                 str(tenants_file), "--model", str(tiny_llama_dir), "--served-model-name", "tiny", "--policy", "precise",
-                "--canary-tenants", "bob",
+                "--canary-tenants", "bob", "--replica-metrics-port", str(cluster.metrics_port),
                 *[arg for r in cluster.replicas for arg in ("--replica", r.url)]]
         cluster.router = stack.enter_context(started(argv, port, timeout_s=60, workdir=workdir,
                                                      log_name="router.log"))
@@ -117,7 +129,7 @@ def chat(cluster: Cluster, user: str, key: str = ALICE, **options) -> str:
 def published(cluster: Cluster, replica: RunningService) -> int:
     """How many block hashes the replica has published to Redis."""
     replica_id = next(f.labels["replica_id"] for f in text_string_to_metric_families(
-        httpx.get(f"{replica.url}/metrics").text) for f in f.samples if f.name == "sits_state_store_replica")
+        httpx.get(metrics_url(replica, cluster)).text) for f in f.samples if f.name == "sits_state_store_replica")
     return cluster.store().scard(f"sits:{DEPLOYMENT}:kv:{replica_id}")
 
 
@@ -154,16 +166,16 @@ def test_requests_go_to_the_replica_that_holds_the_tenants_prefix(cluster):
                                                            {"role": "user", "content": "warm"}], max_tokens=2)
     wait_until(lambda: published(cluster, holder) > 0, 10, "replica 1's KV state in Redis")
     time.sleep(1.0)  # the router reads the store every 0.5 s
-    hits_before = samples(holder.url, "sits_prefix_cache_hits_total", tenant="alice")
+    hits_before = samples(metrics_base(holder, cluster), "sits_prefix_cache_hits_total", tenant="alice")
     for question in ("Where is my refund?", "Why was I charged twice?", "Do points expire?"):
         chat(cluster, question)
     assert samples(cluster.url, "sits_router_requests_total", replica=holder.url, policy_decision="prefix") == 3
-    assert samples(holder.url, "sits_prefix_cache_hits_total", tenant="alice") - hits_before >= 3 * 64
+    assert samples(metrics_base(holder, cluster), "sits_prefix_cache_hits_total", tenant="alice") - hits_before >= 3 * 64
     # Bob's identical system prompt is salted differently: nothing of his is on replica 1.
     chat(cluster, "Where is my refund?", key=BOB)
     assert samples(cluster.url, "sits_router_prefix_match_ratio_count", tenant="bob") == 1
     assert samples(cluster.url, "sits_router_prefix_match_ratio_bucket", tenant="bob", le="0.0") == 1
-    assert all(samples(r.url, "sits_prefix_cache_cross_tenant_hits_total") == 0 for r in cluster.replicas)
+    assert all(samples(metrics_base(r, cluster), "sits_prefix_cache_cross_tenant_hits_total") == 0 for r in cluster.replicas)
 
 
 def test_the_canary_tenant_goes_to_the_canary_track_only(cluster):
@@ -173,9 +185,9 @@ def test_the_canary_tenant_goes_to_the_canary_track_only(cluster):
     for question in ("Is shipping free?", "Can I change my address?"):
         chat(cluster, question, key=BOB)
         chat(cluster, question, key=ALICE)
-    assert samples(stable.url, "sits_prefix_cache_queries_total", tenant="bob") == 0
-    assert samples(canary.url, "sits_prefix_cache_queries_total", tenant="bob") > 0
-    assert samples(canary.url, "sits_prefix_cache_queries_total", tenant="alice") == 0
+    assert samples(metrics_base(stable, cluster), "sits_prefix_cache_queries_total", tenant="bob") == 0
+    assert samples(metrics_base(canary, cluster), "sits_prefix_cache_queries_total", tenant="bob") > 0
+    assert samples(metrics_base(canary, cluster), "sits_prefix_cache_queries_total", tenant="alice") == 0
 
 
 def test_streams_pass_through(cluster):
@@ -252,7 +264,7 @@ def run_with_a_replica_killed(cluster: Cluster) -> None:
 
 def no_key_in_logs_or_metrics(cluster: Cluster) -> None:
     alive = [r for r in cluster.replicas if r.process.poll() is None]
-    texts = [httpx.get(f"{cluster.url}/metrics").text] + [httpx.get(f"{r.url}/metrics").text for r in alive]
+    texts = [httpx.get(f"{cluster.url}/metrics").text] + [httpx.get(metrics_url(r, cluster)).text for r in alive]
     texts += [path.read_text(errors="replace") for path in cluster.workdir.glob("*.log")]
     assert any("router: replica" in text for text in texts)  # the router's log was read
     for text in texts:

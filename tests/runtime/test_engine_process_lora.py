@@ -25,12 +25,12 @@ def adapter(tiny, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama_dir) -> Iterator[RunningService]:
+def server(tiny_llama_dir, adapter) -> Iterator[RunningService]:
     port = free_port()
     argv = [sys.executable, "-m", "sits.runtime", "serve", "--model", str(tiny_llama_dir), "--device", "cpu",
             "--dtype", "float32", "--port", str(port), "--num-blocks", "64", "--max-model-len", "256",
             "--enable-lora", "--max-loras", "1", "--max-lora-rank", "8", "--allow-runtime-lora-updating",
-            "--log-level", "info"]
+            "--lora-root", str(adapter.parent), "--log-level", "info"]
     with started(argv, port, timeout_s=180, log_name="serve.log") as service:
         yield service
 
@@ -67,8 +67,10 @@ def test_an_adapter_loads_into_the_engine_process_serves_and_unloads(server, ada
     assert gone.status_code == 404
 
 
-def test_an_adapter_the_engine_cannot_read_is_a_400(server, tmp_path):
-    bad = httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(tmp_path)},
+def test_an_adapter_the_engine_cannot_read_is_a_400(server, adapter):
+    empty = adapter.parent / "not-an-adapter"  # under the --lora-root, so the engine process tries to read it
+    empty.mkdir(exist_ok=True)
+    bad = httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(empty)},
                      timeout=60)
     assert bad.status_code == 400
     assert bad.json()["error"]["param"] == "lora_path"

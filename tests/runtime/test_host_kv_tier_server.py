@@ -24,12 +24,13 @@ from sits.runtime.tenancy.config import TenancyConfig
 from sits.runtime.tenancy.service import Tenancy
 
 MODEL, MAX_MODEL_LEN, BLOCK = "tiny-llama", 96, 4
-KEYS = {"acme": "sk-acme-0a1b2c3d", "globex": "sk-globex-4e5f6a7b"}
+KEYS = {"acme": "sk-acme-0a1b2c3d", "globex": "sk-globex-4e5f6a7b", "ops": "sk-ops-8c9d0e1f"}
 TENANTS_YAML = f"""
 tenants:
   - {{name: acme, apiKey: "{KEYS['acme']}", kvCacheShare: 0.0, hostKvCacheShare: 0.5}}
   - {{name: globex, apiKey: "{KEYS['globex']}", kvCacheShare: 0.0, hostKvCacheShare: 0.5}}
-"""
+  - {{name: ops, apiKey: "{KEYS['ops']}", admin: true, kvCacheShare: 0.0, hostKvCacheShare: 0.0}}
+"""  # ops: an admin, whose key reads /metrics (with tenants it is not open on the API port)
 HOST_BLOCKS = 64
 
 
@@ -61,7 +62,7 @@ def complete(served: BackgroundServer, tenant: str, prompt: list[int]):
 
 
 def metric(served: BackgroundServer, name: str, **labels: str) -> float:
-    text = httpx.get(f"{served.url}/metrics").text
+    text = httpx.get(f"{served.url}/metrics", headers={"Authorization": f"Bearer {KEYS['ops']}"}).text
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):

@@ -27,16 +27,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_for_port(port: int, timeout_s: float = 30.0, process: subprocess.Popen | None = None) -> None:
-    """Block until 127.0.0.1:port accepts connections; raise if the process died or time ran out."""
+def wait_for_port(port: int, timeout_s: float = 30.0, process: subprocess.Popen | None = None,
+                  host: str = "127.0.0.1") -> None:
+    """Block until host:port (a loopback address) accepts connections; raise if the process died or time ran out."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process is not None and process.poll() is not None:
             raise RuntimeError(f"process {process.args[0]} exited with {process.returncode} before listening")
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
+        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.2):
             return
         time.sleep(0.05)
-    raise TimeoutError(f"nothing listened on 127.0.0.1:{port} within {timeout_s} s")
+    raise TimeoutError(f"nothing listened on {host}:{port} within {timeout_s} s")
 
 
 def python_tool(name: str) -> str | None:
@@ -61,10 +62,11 @@ class RunningService:
     process: subprocess.Popen
     port: int
     workdir: Path
+    host: str = "127.0.0.1"  # a loopback address: several services may share a port on 127.0.0.2, .3, ...
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM, then SIGKILL if it does not exit in time."""
@@ -85,17 +87,17 @@ class RunningService:
 
 @contextlib.contextmanager
 def started(argv: list[str], port: int, *, workdir: Path | None = None, env: dict[str, str] | None = None,
-            timeout_s: float = 30.0, log_name: str = "service.log") -> Iterator[RunningService]:
+            timeout_s: float = 30.0, log_name: str = "service.log", host: str = "127.0.0.1") -> Iterator[RunningService]:
     """Start argv, wait until it listens on port, yield it, and always stop it afterwards."""
     own_dir = workdir is None
     workdir = Path(tempfile.mkdtemp(prefix="sits-svc-")) if own_dir else workdir
     log = open(workdir / log_name, "wb")  # noqa: SIM115 - closed in finally
     process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=workdir,
                                env={**os.environ, **(env or {})})
-    service = RunningService(process=process, port=port, workdir=workdir)
+    service = RunningService(process=process, port=port, workdir=workdir, host=host)
     try:
         try:
-            wait_for_port(port, timeout_s, process)
+            wait_for_port(port, timeout_s, process, host)
         except Exception as error:
             log.flush()
             tail = (workdir / log_name).read_text(errors="replace")[-3000:]
