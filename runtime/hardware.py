@@ -113,10 +113,11 @@ def engine_defaults(profile: GpuProfile | None) -> EngineDefaults:
         tokens, seqs, graphs = 2048, 64, 64
     reason = (f"{profile.name} ({profile.family}, {profile.memory_bytes / GIB:.0f} GiB, "
               f"{free_gib:.0f} GiB free, {profile.multiprocessors} SMs)")
-    # An 8B-shape step of 256 decodes takes ~15 ms on an H200; 1,024 prompt tokens beside it add
-    # ~20-25 ms, keeping ITL p99 near 3x p50 (8,192-token chunks gave 230-350 ms). Slower GPUs take less.
-    prefill_cap = 1024 if profile.family in ("H200", "H100") else 512
-    return EngineDefaults(tokens, seqs, graphs, reason, prefill_cap)
+    # The decode latency budget stays off by default: measured on an H200 (2026-12-01, Llama-3-8B shape,
+    # benchmarks/RESULTS.md) a flat cap of 1,024 prompt tokens beside decodes cut offline output tok/s from
+    # 3,157 to 2,509 at batch 32 and from 7,676 to 4,962 at 256, and served ITL p99 did not come down
+    # (55.7 ms against 15.1 ms at 32 streams). --max-prefill-tokens-with-decodes N turns it on.
+    return EngineDefaults(tokens, seqs, graphs, reason)
 
 
 def log_defaults(defaults: EngineDefaults, overridden: dict[str, object]) -> None:

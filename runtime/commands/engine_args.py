@@ -64,8 +64,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="reuse KV blocks of earlier prompts")
     engine.add_argument("--max-prefill-tokens-with-decodes", type=int, default=None, metavar="N",
                         help="latency budget of running decodes: a step that runs decodes adds at most N prompt "
-                             "tokens (longer prompts are chunked across steps); 0: no cap (default: from the GPU, "
-                             "1024 on H200/H100, 512 on other GPUs; 0 on CPU)")
+                             "tokens (longer prompts are chunked across steps); 0 (the default): no cap")
     engine.add_argument("--host-kv-cache-gb", type=float, default=CacheConfig.host_kv_cache_gb,
                         help="host-memory tier for evicted prefix-cache blocks, GiB (0: off)")
     engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
