@@ -30,12 +30,11 @@ from sits.operator.spec import SitsDeploymentSpec, WorkloadSpec
 from sits.operator.workloads import (
     CONFIG_DIR,
     CONTAINER_SECURITY,
-    MODEL_DIR,
     POD_SECURITY,
     RUNTIME_HOME,
     TENANTS_FILE,
-    WRITABLE_DIRS,
     _model_path,
+    writable_and_model_volumes,
 )
 
 ROUTER_LABEL = "sits.ai/router"  # on router pods: the SitsDeployment's name (not sits.ai/deployment)
@@ -93,14 +92,8 @@ def _volumes(owner: Owner, workload: WorkloadSpec) -> tuple[list[dict[str, Any]]
     """The runtime pods' ConfigMap (tenants file) and model volume, read-only, and writable emptyDirs."""
     volumes: list[dict[str, Any]] = [{"name": "config", "configMap": {"name": config_map_name(owner.name)}}]
     mounts: list[dict[str, Any]] = [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}]
-    for name, path in WRITABLE_DIRS:
-        volumes.append({"name": name, "emptyDir": {}})
-        mounts.append({"name": name, "mountPath": path})
-    if workload.model.uri.startswith("pvc://"):
-        claim = workload.model.uri[len("pvc://"):].partition("/")[0]
-        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
-        mounts.append({"name": "model", "mountPath": MODEL_DIR, "readOnly": True})
-    return volumes, mounts
+    extra_volumes, extra_mounts = writable_and_model_volumes(workload.model.uri)
+    return volumes + extra_volumes, mounts + extra_mounts
 
 
 def _probe(path: str, period_s: int, failures: int) -> dict[str, Any]:

@@ -145,13 +145,9 @@ def build_pod_template(owner: Owner, workload: WorkloadSpec, track: str | None =
     ]
     mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"},
                                     {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}]
-    for name, path in WRITABLE_DIRS:
-        volumes.append({"name": name, "emptyDir": {}})
-        mounts.append({"name": name, "mountPath": path})
-    if workload.model.uri.startswith("pvc://"):
-        claim = workload.model.uri[len("pvc://"):].partition("/")[0]
-        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
-        mounts.append({"name": "model", "mountPath": MODEL_DIR, "readOnly": True})
+    extra_volumes, extra_mounts = writable_and_model_volumes(workload.model.uri)
+    volumes += extra_volumes
+    mounts += extra_mounts
     lora_volumes, lora_mounts = build_lora_volumes(workload.lora, workload.model.uri, base_volume="model")
     volumes += lora_volumes
     mounts += lora_mounts
@@ -225,3 +221,18 @@ def _engine_document(owner: Owner, track_plan: TrackPlan) -> str:
     document = {"revision": track_plan.revision, **track_plan.workload.to_dict(),
                 "args": engine_args(track_plan.workload, deployment_id(owner.namespace, owner.name))}
     return yaml.safe_dump(document, sort_keys=True)
+
+
+def writable_and_model_volumes(model_uri: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The writable emptyDirs a read-only root filesystem needs and, for a pvc:// model, its claim mounted
+    read-only at MODEL_DIR: (volumes, mounts), shared by the runtime and the router pods."""
+    volumes: list[dict[str, Any]] = []
+    mounts: list[dict[str, Any]] = []
+    for name, path in WRITABLE_DIRS:
+        volumes.append({"name": name, "emptyDir": {}})
+        mounts.append({"name": name, "mountPath": path})
+    if model_uri.startswith("pvc://"):
+        claim = model_uri[len("pvc://"):].partition("/")[0]
+        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+        mounts.append({"name": "model", "mountPath": MODEL_DIR, "readOnly": True})
+    return volumes, mounts
