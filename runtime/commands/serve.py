@@ -161,6 +161,9 @@ def bind(host: str, port: int) -> socket.socket:
 
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
+    # The first line comes at once: loading takes seconds to minutes, and silence looks like a hang.
+    logger.info("sits serve: loading %s, then serving on %s:%d", args.model or getattr(args, "config", None)
+                or "the embedded SmolLM2-135M-Instruct", args.host, args.port)
     try:
         engine_config = with_chat_template(engine_config_from_args(args), args)
         server_config = server_config_from_args(args)

@@ -81,7 +81,7 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Allocate one (k_cache, v_cache) pair per layer: [num_blocks, block_size, kv_heads, head_dim]."""
         self.kv_caches = self._new_caches(num_blocks)
-        logger.info(
+        logger.debug(  # `sits serve` / `sits generate` log the cache once, with the scheduler's limits
             "KV cache: %d blocks × %d tokens (%.2f GiB, %s)",
             num_blocks, self.block_size, num_blocks * self.kv_shape.bytes_per_block(self.block_size) / (1 << 30),
             str(self.dtype).removeprefix("torch."),

@@ -141,7 +141,7 @@ def load_model(model_config: ModelConfig, backend: AttentionBackend, *, progress
     except ValueError as exc:  # load_weights: missing / misshapen tensors
         raise ModelLoadError(f"cannot load {source}: {exc}") from exc
     model.eval()
-    logger.info("loaded %s from %s: %d layers, hidden %d, %s on %s",
+    logger.debug("loaded %s from %s: %d layers, hidden %d, %s on %s",  # the command's summary says it once
                 name, source, config.num_hidden_layers, config.hidden_size, dtype, device)
     return LoadedModel(model, tokenizer, config, model_config.served_model_name or name, source, device, dtype)
 
