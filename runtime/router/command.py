@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 from sits.runtime.config import CacheConfig, ConfigError
 from sits.runtime.router.config import Policy, RouterConfig, ScoringWeights
+from sits.runtime.server.http_limits import HttpLimits, uvicorn_options
 from sits.runtime.tenancy.state_store import redact_url
 from sits.runtime.tenancy.tenants import TenantConfigError
 
@@ -60,6 +61,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tenants whose requests all go to the canary while one is up")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--http-header-timeout", type=float, default=15.0, metavar="SECONDS",
+                        help="a client must send a request's complete headers within this (then 408 and close), "
+                             "as sits serve does (docs/security.md)")
+    parser.add_argument("--http-body-min-rate", type=float, default=1024.0, metavar="BYTES_PER_S",
+                        help="a request body slower than this is closed")
+    parser.add_argument("--http-max-connections", type=int, default=None, metavar="N",
+                        help="open connections at most; past them 503 and close (default: from the descriptor limit)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -88,18 +96,28 @@ def run(args: argparse.Namespace) -> int:
         config.validate()
         hasher = PromptHasher(load_tokenizer(config.model, config.chat_template), config.block_size,
                               config.served_model_name)
+        limits = http_limits_from_args(args)
         state = build_router_state(config, hasher)
         sock = socket.create_server((config.host, config.port), family=_family(config.host), reuse_port=False)
-    except (ConfigError, TenantConfigError, OSError) as error:
+    except (ConfigError, TenantConfigError, OSError, ValueError) as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return 2
     host, port = sock.getsockname()[:2]
     log.info("router: policy %s over %d replica(s), state store %s (deployment %s); listening on http://%s:%d",
              config.policy.value, len(config.replicas), redact_url(config.state_store), config.deployment, host, port)
     server = uvicorn.Server(uvicorn.Config(build_app(state), log_level=args.log_level, access_log=False,
-                                           timeout_graceful_shutdown=5))
+                                           timeout_graceful_shutdown=5, **uvicorn_options(limits)))
     server.run(sockets=[sock])
     return 0
+
+
+def http_limits_from_args(args: argparse.Namespace) -> HttpLimits:
+    """The same read timeouts and connection cap as `sits serve` (`sits.runtime.server.http_limits`);
+    ValueError for a bad value."""
+    cap = {} if args.http_max_connections is None else {"max_connections": args.http_max_connections}
+    limits = HttpLimits(header_timeout_s=args.http_header_timeout, body_min_rate=args.http_body_min_rate, **cap)
+    limits.validate()
+    return limits
 
 
 def _family(host: str) -> socket.AddressFamily:
