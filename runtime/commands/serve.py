@@ -161,9 +161,6 @@ def bind(host: str, port: int) -> socket.socket:
 
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
-    # The first line comes at once: loading takes seconds to minutes, and silence looks like a hang.
-    logger.info("sits serve: loading %s, then serving on %s:%d", args.model or getattr(args, "config", None)
-                or "the embedded SmolLM2-135M-Instruct", args.host, args.port)
     try:
         engine_config = with_chat_template(engine_config_from_args(args), args)
         server_config = server_config_from_args(args)
@@ -184,6 +181,10 @@ def run(args: argparse.Namespace) -> int:
             raise
     except (ConfigError, TenantConfigError, SecurityConfigError) as error:
         return fail(PROG, str(error))
+    # The first line comes as soon as the flags are checked: loading takes seconds to minutes, and silence
+    # looks like a hang.
+    logger.info("sits serve: loading %s, then serving on %s:%d", engine_config.model.model
+                or engine_config.model.config_name or "the embedded SmolLM2-135M-Instruct", *sock.getsockname()[:2])
     from sits.runtime.engine.core_client import MultiprocessEngineClient
     from sits.runtime.server.app import build_app
     from sits.runtime.server.runner import run_server

@@ -20,6 +20,7 @@ from sits.runtime.config import CacheConfig, ConfigError, EngineConfig, ModelCon
 from sits.runtime.engine.engine import LLMEngine
 from sits.runtime.engine.request import SamplingParams
 from sits.runtime.models.config import LlamaConfig
+from sits.runtime.models.llama import LMHead
 from sits.runtime.models.quantize import (
     Fp8Linear,
     Int8Linear,
@@ -79,7 +80,7 @@ def test_every_linear_but_the_output_head_is_converted():
     loaded = tiny()
     assert quantize_model(loaded.model, "fp8") == 2 * 4
     assert quantization_of(loaded.model) == "fp8"
-    assert type(loaded.model.lm_head) is nn.Linear
+    assert type(loaded.model.lm_head) is LMHead  # the output head keeps the model dtype (float32 logits)
     assert isinstance(loaded.model.model.layers[1].mlp.down_proj, Fp8Linear)
     with pytest.raises(ValueError, match="quantization must be one of none, fp8, int8"):
         quantize_model(loaded.model, "int4")
