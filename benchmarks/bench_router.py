@@ -224,31 +224,37 @@ def run_policy(policy: str, args: Args, workdir: Path, tenants_file: Path, keys:
     processes: list[subprocess.Popen] = []
     phase = Phase(policy)
     try:
-        urls = []
+        urls, metrics_urls = [], []
+        metrics_port = free_port()  # every replica's --metrics-port, as pods share one: one loopback address each
         for index in range(args.replicas):
-            port = free_port()
-            argv = [sys.executable, "-m", "sits.runtime", "serve", "--device", "cpu", "--port", str(port),
+            host, port = f"127.0.0.{index + 2}", free_port()
+            argv = [sys.executable, "-m", "sits.runtime", "serve", "--device", "cpu", "--host", host,
+                    "--port", str(port), "--metrics-port", str(metrics_port),
                     "--num-blocks", str(args.num_blocks), "--max-num-seqs", str(args.max_num_seqs),
                     "--max-model-len", str(min(4096, 16 * args.num_blocks)), "--tenants", str(tenants_file),
                     "--state-store", f"redis://127.0.0.1:{redis_port}/0", "--deployment", deployment,
                     "--log-level", "warning"]
             processes.append(start(argv, workdir / f"{policy}-replica{index}.log"))
-            urls.append(f"http://127.0.0.1:{port}")
+            urls.append(f"http://{host}:{port}")
+            metrics_urls.append(f"http://{host}:{metrics_port}")
         for url, process in zip(urls, processes, strict=True):
             wait_ready(url, process)
         router_port = free_port()
         router = start([sys.executable, "-m", "sits.runtime.router", "--port", str(router_port), "--policy", policy,
                         "--state-store", f"redis://127.0.0.1:{redis_port}/0", "--deployment", deployment,
                         "--tenants", str(tenants_file), "--log-level", "warning",
+                        "--replica-metrics-port", str(metrics_port),
                         *[a for url in urls for a in ("--replica", url)]], workdir / f"{policy}-router.log")
         processes.append(router)
         router_url = f"http://127.0.0.1:{router_port}"
         wait_ready(router_url, router, timeout_s=120)
         prompts: list[Prompt] = []
         asyncio.run(run_workload(router_url, keys, args, phase, prompts))
-        queries = sum(metric_sum(u, "sits_prefix_cache_queries_total") for u in urls)
-        phase.hit_rate = sum(metric_sum(u, "sits_prefix_cache_hits_total") for u in urls) / queries if queries else 0
-        phase.cross_tenant_hits = sum(metric_sum(u, "sits_prefix_cache_cross_tenant_hits_total") for u in urls)
+        # with --tenants a replica serves /metrics on its --metrics-port only
+        queries = sum(metric_sum(u, "sits_prefix_cache_queries_total") for u in metrics_urls)
+        phase.hit_rate = (sum(metric_sum(u, "sits_prefix_cache_hits_total") for u in metrics_urls) / queries
+                          if queries else 0)
+        phase.cross_tenant_hits = sum(metric_sum(u, "sits_prefix_cache_cross_tenant_hits_total") for u in metrics_urls)
         phase.ideal_hit_rate = ideal_hit_rate(prompts, hasher, salts)
         phase.decisions = decisions(router_url)
     finally:
