@@ -25,6 +25,7 @@ import pytest
 
 from tests.support.processes import alive, children, cmdline, descendants, wait_all_gone
 from tests.support.services import RunningService, free_port, started
+from tests.support.streams import stream_completion
 
 ENGINE_DIED_EXIT_CODE = 3
 
@@ -49,19 +50,6 @@ def engine_pid(server: RunningService) -> int:
     return engines[0]
 
 
-def stream(url: str, max_tokens: int, first_token: threading.Event, into: dict) -> None:
-    body = {"prompt": "Tell me a long story about a lighthouse.", "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}
-    events = []
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
-        into["status"] = response.status_code
-        for line in response.iter_lines():
-            if line.startswith("data: "):
-                events.append(line.removeprefix("data: "))
-                first_token.set()
-    into["events"] = events
-
-
 def complete(url: str, into: dict) -> None:
     body = {"prompt": "Describe the ocean.", "max_tokens": 64, "temperature": 0, "ignore_eos": True}
     response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
@@ -78,7 +66,7 @@ def test_killing_the_engine_mid_load_fails_requests_cleanly_and_exits_non_zero(s
     engine = engine_pid(server)
     children = descendants(server.process.pid)
     streamed, started_streaming = {}, threading.Event()
-    threads = [threading.Thread(target=stream, args=(url, 1500, started_streaming, streamed))]
+    threads = [threading.Thread(target=stream_completion, args=(url, 1500, started_streaming, streamed))]
     threads[0].start()
     assert started_streaming.wait(60)
     queued = [{} for _ in range(3)]  # --max-num-seqs 1: these wait behind the stream
@@ -120,7 +108,7 @@ def test_sigterm_drains_exits_0_and_leaves_no_child(server):
     children = descendants(server.process.pid)
     assert engine_pid(server) in children
     into, first = {}, threading.Event()
-    thread = threading.Thread(target=stream, args=(url, 4, first, into))
+    thread = threading.Thread(target=stream_completion, args=(url, 4, first, into))
     thread.start()
     assert first.wait(60)
     server.process.send_signal(signal.SIGTERM)

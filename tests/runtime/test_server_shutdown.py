@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from tests.support.services import RunningService, free_port, started
+from tests.support.streams import stream_completion
 
 DRAIN_TIMEOUT_S = 6.0  # ample for the short stream on busy cores; the long one cannot finish
 
@@ -29,19 +30,6 @@ def serve_process(smollm2_checkpoint_dir) -> RunningService:
             assert time.monotonic() < deadline
             time.sleep(0.1)
         yield service
-
-
-def stream_completion(url: str, max_tokens: int, first_event: threading.Event, into: dict) -> None:
-    body = {"prompt": "Tell me a long story about a lighthouse.", "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}
-    events = []
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
-        into["status"] = response.status_code
-        for line in response.iter_lines():
-            if line.startswith("data: "):
-                events.append(line.removeprefix("data: "))
-                first_event.set()
-    into["events"] = events
 
 
 def finish_reasons(events: list[str]) -> list[str]:
