@@ -35,12 +35,12 @@ import logging
 import sys
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from sits.runtime.engine.request import StructuredOutputSpec
 from sits.runtime.engine.structured_output import GrammarCache, StructuredOutputError
 from sits.runtime.server.errors import OpenAIError
+from sits.runtime.server.limits_config import GrammarLimits
 
 logger = logging.getLogger("sits.server")
 T = TypeVar("T")
@@ -48,38 +48,6 @@ T = TypeVar("T")
 WORKER_MODULE = "sits.runtime.server.grammar_worker"
 WORKER_BOOT_TIMEOUT_S = 120.0  # importing xgrammar (and torch) in a fresh process; not the compile's time
 _ANSWER_LIMIT = 1 << 20  # bytes of one answer line from a worker (they are tiny)
-
-
-@dataclass(frozen=True)
-class GrammarLimits:
-    """Bounds of the grammar compile (flags of `sits serve`; see docs/security.md).
-
-    Attributes:
-        max_depth: nesting levels a constraint may have (JSON containers of a schema; brackets of
-            a regex or grammar).
-        max_bytes: UTF-8 bytes of a constraint's text (schema JSON, regex, grammar, choices).
-        compile_timeout_s: seconds a compile may run in a worker before it is killed (a 400).
-        workers: worker processes (and grammar threads) at most.
-        per_tenant: compiles one tenant may run at once (the others wait their turn).
-        queue_per_tenant: compiles of one tenant that may wait for their turn; one more is a 429.
-    """
-
-    max_depth: int = 64
-    max_bytes: int = 128 * 1024
-    compile_timeout_s: float = 10.0
-    workers: int = 2
-    per_tenant: int = 1
-    queue_per_tenant: int = 8
-
-    def validate(self) -> None:
-        """Raises ValueError naming the bound that is out of range."""
-        for name in ("max_depth", "max_bytes", "workers", "per_tenant"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.queue_per_tenant < 0:
-            raise ValueError(f"queue_per_tenant must be >= 0, got {self.queue_per_tenant}")
-        if not self.compile_timeout_s > 0:
-            raise ValueError(f"compile_timeout_s must be positive, got {self.compile_timeout_s}")
 
 
 def check_spec_limits(spec: StructuredOutputSpec, limits: GrammarLimits) -> None:
