@@ -1,7 +1,8 @@
 """Time-ordered request ids (UUIDv7, RFC 9562) and the time they carry.
 
-A request id sorts by creation time, so the id alone tells the eviction policy when a cached block
-was last used (`seconds_since`), and logs sort by time. Ids made by one generator are strictly
+A request id sorts by creation time and carries it (`request_id_unix_ms`): the KV cache reads it
+once per block owner (`sits.runtime.engine.eviction.BlockOwner.issued_at`) as the time of a block's
+last use, which the tenant eviction score counts from; logs sort by time. Ids made by one generator are strictly
 increasing even within one millisecond and when the wall clock steps back (RFC 9562 section 6.2,
 method 2: the 74 random bits are incremented by a random step inside a millisecond).
 
@@ -79,10 +80,3 @@ def request_id_unix_ms(request_id: str) -> int:
         raise ValueError(f"not a time-ordered (UUIDv7) request id: {request_id!r}")
     return int("".join(match.groups())[:12], 16)
 
-
-def seconds_since(engine_start: float, request_id: str) -> float:
-    """Seconds from engine_start (time.time() at engine start) to the creation of request_id.
-
-    This is the `t` of the eviction score; negative for ids made before the engine started.
-    """
-    return request_id_unix_ms(request_id) / 1000.0 - engine_start
