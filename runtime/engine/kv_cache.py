@@ -22,8 +22,6 @@ step that could read the block (a prefix hit) is launched later on the same stre
 from __future__ import annotations
 
 import dataclasses
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -69,7 +67,6 @@ class KVCacheManager:
         block_size: tokens per block.
         enable_prefix_caching: reuse full blocks of earlier sequences with the same prefix.
         eviction_policy: which cached block to give up first (LRU by default).
-        clock: seconds, stamped on blocks for eviction policies.
         shared_cache_salt: the salt of prompts marked for the shared-prefix pool; hits under it
             on another tenant's blocks are expected and counted as shared, not cross-tenant.
         host_tier: a host-memory tier below the GPU cache (`--host-kv-cache-gb`): evicted cached
@@ -82,14 +79,13 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         eviction_policy: EvictionPolicy | None = None,
-        clock: Callable[[], float] = time.monotonic,
         shared_cache_salt: str | None = None,
         host_tier: HostKVTier | None = None,
     ) -> None:
         self.block_size = block_size
         self.shared_cache_salt = shared_cache_salt
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks, enable_prefix_caching, eviction_policy, clock)
+        self.pool = BlockPool(num_blocks, enable_prefix_caching, eviction_policy)
         self._tables: dict[str, list[KVBlock]] = {}
         self._table_ids: dict[str, list[int]] = {}  # the same tables as block ids, grown in place
         self._num_committed: dict[str, int] = {}  # leading blocks of a table already cached
