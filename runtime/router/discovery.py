@@ -21,8 +21,8 @@ from typing import Any
 import httpx
 
 from sits.runtime.config import ConfigError
-from sits.runtime.periodic import PeriodicTask
 from sits.runtime.router.replicas import ReplicaPool
+from sits.runtime.tasks import PeriodicTask
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ import logging
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from sits.runtime.periodic import PeriodicTask
 from sits.runtime.router.index import KVIndex, ReplicaKV
+from sits.runtime.tasks import PeriodicTask
 from sits.runtime.tenancy.redis_link import UNREACHABLE
 from sits.runtime.tenancy.state_store import redact_url
 

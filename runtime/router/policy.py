@@ -38,7 +38,7 @@ class Decision:
     matched_blocks: int
 
 
-@dataclass
+@dataclass(eq=False)  # compared and hashed by identity, as one router per process
 class Router:
     """The policy over a pool's replicas (stateless but for the round-robin counter).
 

@@ -17,7 +17,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
-from sits.runtime.periodic import PeriodicTask
+from sits.runtime.tasks import PeriodicTask
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from sits.runtime.periodic import cancel_and_wait
+from sits.runtime.tasks import cancel_and_wait
 from sits.runtime.tenancy.state_store import redact_url
 
 log = logging.getLogger("sits.runtime.tenancy.redis_store")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from sits.runtime.periodic import PeriodicTask
+from sits.runtime.tasks import PeriodicTask
 from sits.runtime.tenancy.state_store import StateStore, TenantTableRecord
 from sits.runtime.tenancy.tenants import TenantConfigError, TenantTable, parse_tenants
 

@@ -1,4 +1,6 @@
-"""Background asyncio work that repeats every interval: the one home of the polling loops.
+"""Asyncio task handling shared by the server, the router and the tenancy: cancelling a task and
+waiting for its end, racing work against a watcher (a client that leaves), and background work
+that repeats every interval (the one home of the polling loops).
 
 The router's health probes, EndpointSlice listings and KV-state reads, and the replicas' tenant-table
 polls all run one coroutine every `interval_s` seconds in a named task that closing cancels. Errors
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 
 async def cancel_and_wait(task: asyncio.Task | None) -> None:
@@ -20,6 +23,19 @@ async def cancel_and_wait(task: asyncio.Task | None) -> None:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+
+
+async def wait_first(task: asyncio.Future[Any], watcher: asyncio.Future[Any]) -> None:
+    """Wait until `task` or `watcher` ends, then cancel the watcher, and the task when it has not
+    ended (waiting until it has, so nothing it holds outlives this call). `task.cancelled()` then
+    tells which came first. A cancellation of this call does the same before it propagates."""
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
 
 class PeriodicTask:
