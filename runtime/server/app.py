@@ -76,8 +76,8 @@ def build_app(engine: EngineClient, server_config: ServerConfig | None = None, *
     model_name = served_model_name or engine.model_name
     if tenancy is not None:
         tenant_resolver = tenant_resolver or TenancyResolver.for_tenancy(tenancy)
-    ctx, admission = _serving_context(engine, model_name, config.track, tenancy, usage_observer,
-                                      _admission(engine, max_waiting_requests, retry_after_s))
+    admission = _admission(engine, max_waiting_requests, retry_after_s)
+    ctx = _serving_context(engine, model_name, config.track, tenancy, usage_observer, admission)
     metrics, lifecycle = ctx.metrics, ctx.lifecycle
     security = security or ServerSecurity()
     tenants_mode = tenancy is not None and tenancy.config.tenants_file is not None
@@ -110,7 +110,7 @@ def build_app(engine: EngineClient, server_config: ServerConfig | None = None, *
 
 def _serving_context(engine: EngineClient, model_name: str, track: str, tenancy: Tenancy | None,
                      usage_observer: Callable[[str, int, int], None] | None,
-                     admission: AdmissionControl) -> tuple[ServingContext, AdmissionControl]:
+                     admission: AdmissionControl) -> ServingContext:
     """The handlers' context: metrics (with the tenancy's and the admission's collectors), the
     lifecycle, and the tenancy's usage and prompt observers (unless `usage_observer` is given)."""
     metrics = ServerMetrics(model_name, track, engine.stats)
@@ -125,7 +125,7 @@ def _serving_context(engine: EngineClient, model_name: str, track: str, tenancy:
     ctx.max_prompt_chars  # noqa: B018 - read once from the vocabulary now, not on the first request
     if tenancy is not None:
         tenancy.warn_unserved_models(ctx.served_models)  # tenants' allow-lists naming models not served here
-    return ctx, admission
+    return ctx
 
 
 def _install_middleware(app: FastAPI, ctx: ServingContext, admission: AdmissionControl, max_body_bytes: int) -> None:
