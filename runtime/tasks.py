@@ -66,6 +66,12 @@ class PeriodicTask:
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name=self._name)
 
+    async def start_after_round(self) -> None:
+        """Run one round now, awaited (the owner starts from fresh state: the replicas probed, the
+        Services listed), then start the background rounds."""
+        await self._step()
+        self.start()
+
     async def stop(self) -> None:
         """Cancel the rounds and wait until the task has ended; start() may then run them again."""
         task, self._task = self._task, None

@@ -94,8 +94,7 @@ class EndpointSliceDiscovery:
         self.listings = 0  # successful listings (tests wait on it)
 
     async def start(self) -> None:
-        await self._sync()
-        self._listing.start()
+        await self._listing.start_after_round()
 
     async def close(self) -> None:
         await self._listing.stop()

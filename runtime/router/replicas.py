@@ -80,8 +80,7 @@ class ReplicaPool:
         return next((replica for replica in self.replicas if replica.url == url), None)
 
     async def start(self) -> None:
-        await self.probe_all()
-        self._probing.start()
+        await self._probing.start_after_round()
 
     async def close(self) -> None:
         await self._probing.stop()

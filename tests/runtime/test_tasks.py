@@ -49,6 +49,10 @@ async def first_round_at_once_or_after_an_interval() -> None:
     first.start()
     await asyncio.wait_for(rounds.reached.wait(), 10)
     await first.stop()
+    awaited = PeriodicTask(rounds.step, 3600.0, "test-awaited")
+    await awaited.start_after_round()
+    assert rounds.count == 2 and awaited.running  # the round ran before start_after_round returned
+    await awaited.stop()
 
 
 async def watcher_first_cancels_the_work() -> None:
@@ -83,7 +87,7 @@ def test_periodic_task_runs_rounds_until_stopped_and_can_start_again():
     asyncio.run(rounds_until_stopped())
 
 
-def test_run_first_runs_a_round_before_the_first_interval():
+def test_a_first_round_at_once_in_the_task_or_awaited_or_after_an_interval():
     asyncio.run(first_round_at_once_or_after_an_interval())
 
 
