@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import random
 import statistics
 import sys
@@ -52,6 +51,16 @@ from sits.runtime.engine.request import SamplingParams
 from sits.runtime.models.loading import LoadedModel
 from sits.runtime.models.presets import preset_config
 from sits.runtime.models.random_model import random_loaded_model
+
+if __package__ in (None, ""):  # run as a script, also with PYTHONSAFEPATH=1
+    # Import the `benchmarks` package from the repository root, then take the root off sys.path again:
+    # its `operator/` and `kernels/` folders must not shadow the standard library's and others' modules.
+    _root = str(Path(__file__).resolve().parents[1])
+    sys.path.insert(0, _root)
+    import benchmarks  # noqa: F401
+    sys.path.remove(_root)
+
+from benchmarks.run_report import print_report  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -244,12 +253,9 @@ def main(argv: list[str] | None = None) -> int:
         results.append(run_mode(loaded, args, workload, num_blocks, gb, max_model_len))
         print(f"{results[-1].mode}: done in {results[-1].wall_s:.1f} s", file=sys.stderr)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"\nhost KV tier, follow-up phase: {args.config} {args.dtype} on {device_name}, {args.tenants} tenants x "
-          f"{args.prefix_tokens} + {args.question_tokens} prompt tokens, {args.output_tokens} output tokens, "
-          f"concurrency {args.concurrency}, torch {torch.__version__}")
-    print_table(results)
-    if args.json:
-        Path(args.json).write_text(json.dumps([dataclasses.asdict(r) for r in results], indent=1))
+    print_report(f"host KV tier, follow-up phase: {args.config} {args.dtype} on {device_name}, {args.tenants} "
+                 f"tenants x {args.prefix_tokens} + {args.question_tokens} prompt tokens, {args.output_tokens} output "
+                 f"tokens, concurrency {args.concurrency}, torch {torch.__version__}", print_table, results, args.json)
     return 0
 
 

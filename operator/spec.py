@@ -117,6 +117,8 @@ class WorkloadSpec:
 
 @dataclass(frozen=True)
 class SecretKeyRef:
+    """A key of a Secret in the resource's namespace (the tenant's API key)."""
+
     name: str
     key: str
 

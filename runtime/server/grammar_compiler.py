@@ -39,8 +39,10 @@ from typing import Any, TypeVar
 
 from sits.runtime.engine.request import StructuredOutputSpec
 from sits.runtime.engine.structured_output import GrammarCache, StructuredOutputError
+from sits.runtime.server.collector import LABELS, ScrapeCollector
 from sits.runtime.server.errors import OpenAIError
 from sits.runtime.server.limits_config import GrammarLimits
+from sits.runtime.tasks import wait_first
 
 logger = logging.getLogger("sits.server")
 T = TypeVar("T")
@@ -227,14 +229,7 @@ class GrammarCompiler:
         task = asyncio.ensure_future(work)
         if disconnected is None:
             return await task
-        watcher = asyncio.ensure_future(disconnected())
-        try:
-            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watcher.cancel()
-            if not task.done():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+        await wait_first(task, asyncio.ensure_future(disconnected()))
         if task.cancelled():
             raise ClientLeft
         return task.result()
@@ -286,20 +281,17 @@ class GrammarCompiler:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-class GrammarCompileCollector:
+class GrammarCompileCollector(ScrapeCollector):
     """Prometheus view of a GrammarCompiler, read at scrape time (`sits_grammar_*`)."""
 
     def __init__(self, compiler: GrammarCompiler, model: str, track: str) -> None:
+        super().__init__(model, track)
         self._compiler = compiler
-        self._labels = (model, track)
-
-    def describe(self) -> list[Any]:
-        return []
 
     def collect(self) -> Any:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        compiler, labels = self._compiler, ("model", "track")
+        compiler, labels = self._compiler, LABELS
         in_flight = GaugeMetricFamily("sits_grammar_compiles_in_flight", "Output grammars compiling or waiting for "
                                       "their turn (requests that hold no admission slot yet).", labels=labels)
         in_flight.add_metric(self._labels, float(sum(compiler._in_flight.values())))

@@ -23,6 +23,7 @@ from sits.runtime.server.admission import AdmissionControl
 from sits.runtime.server.errors import invalid_request, model_not_found, service_unavailable
 from sits.runtime.server.lifecycle import Lifecycle
 from sits.runtime.server.metrics import ServerMetrics
+from sits.runtime.tasks import wait_first
 from sits.runtime.tracing import NO_TRACER, RequestTracer
 
 T = TypeVar("T")
@@ -268,12 +269,9 @@ async def collect_unless_disconnected(stream: AsyncIterator[tuple[int, T]], requ
     consumer = asyncio.create_task(consume())
     watcher = asyncio.create_task(until_disconnected(request))
     try:
-        await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        await wait_first(consumer, watcher)
     finally:
-        watcher.cancel()
-        if not consumer.done():
-            consumer.cancel()
-            await asyncio.gather(consumer, return_exceptions=True)
+        if consumer.cancelled():
             request.state.client_gone = True
     if consumer.cancelled():
         raise ClientGone
