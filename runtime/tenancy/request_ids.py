@@ -60,14 +60,6 @@ def _pack(unix_ms: int, random74: int) -> uuid.UUID:
     return uuid.UUID(int=value)
 
 
-_default_generator = RequestIdGenerator()
-
-
-def new_request_id() -> str:
-    """A new time-ordered request id from the process-wide generator."""
-    return _default_generator.new()
-
-
 def request_id_unix_ms(request_id: str) -> int:
     """Milliseconds since the epoch at which a UUIDv7 request id was made.
 

@@ -9,14 +9,13 @@ import pytest
 
 from sits.runtime.tenancy.request_ids import (
     RequestIdGenerator,
-    new_request_id,
     request_id_unix_ms,
     seconds_since,
 )
 
 
 def test_ids_are_rfc9562_version_7():
-    value = uuid.UUID(new_request_id())
+    value = uuid.UUID(RequestIdGenerator().new())
     assert value.version == 7
     assert value.variant == uuid.RFC_4122
 
