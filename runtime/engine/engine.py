@@ -210,6 +210,14 @@ class LLMEngine:
                 "more were requested"
             )
 
+    def _check_request(self, prompt_token_ids: list[int], params: SamplingParams, tenant: str) -> None:
+        """Each request is checked once: by the server's input processor (ValidatedSamplingParams, only
+        asserted here), else here (`validate_request`)."""
+        if isinstance(params, ValidatedSamplingParams):
+            self._check_invariants(prompt_token_ids, params, tenant)
+        else:
+            self.validate_request(prompt_token_ids, params, tenant)
+
     def _check_invariants(self, prompt_token_ids: list[int], params: ValidatedSamplingParams, tenant: str) -> None:
         """A request the server's input processor checked: cheap asserts, then what only the engine knows."""
         assert prompt_token_ids and params.max_tokens is not None, "validated requests carry a prompt and max_tokens"
@@ -246,10 +254,7 @@ class LLMEngine:
         if request_id in self._children:
             raise DuplicateRequestError(f"request id {request_id!r} is already in the engine")
         prompt_token_ids = list(prompt_token_ids)
-        if isinstance(params, ValidatedSamplingParams):  # checked once, at the edge
-            self._check_invariants(prompt_token_ids, params, tenant)
-        else:
-            self.validate_request(prompt_token_ids, params, tenant)
+        self._check_request(prompt_token_ids, params, tenant)
         slot, lora_key = lora_binding(self.lora, lora)  # InvalidRequestError for an adapter not served
         arrival_time = time.time() if arrival_time is None else arrival_time
         # A sequence longer than its tenant's room in the cache could never finish: it stops there.
