@@ -22,6 +22,9 @@ change); the server logs a warning for it (`TenantTable.unserved_models`).
 
 `admin: true` marks a tenant whose key may load and unload LoRA adapters at runtime (with
 `--allow-runtime-lora-updating`); absent, it is false.
+
+The document's fields, the rules of its values and its writer are `tenants_schema`'s, which the
+operator writes the same document with.
 """
 
 from __future__ import annotations

@@ -77,14 +77,15 @@ def tenant_entry(name: str, *, priority: int, kv_cache_share: float, host_kv_cac
                  tokens_per_minute: int | None = None, models: Sequence[str] | None = None,
                  weight: float | None = None, admin: bool = False) -> dict[str, Any]:
     """One tenant as the document holds it: key digests in hex (never a key); optional fields only
-    when set (a zero host share, no limit, no allow-list, no weight, not admin: left out)."""
+    when set (a zero host share, no limit, no allow-list, no weight, not admin: left out). The key
+    order is the one the operator's ConfigMap has always had, so its text does not change."""
     entry: dict[str, Any] = {"name": name}
     if api_key_sha256 is not None:
         entry["apiKeySha256"] = api_key_sha256
     entry.update(priority=priority, kvCacheShare=kv_cache_share)
-    optional = {"hostKvCacheShare": host_kv_cache_share or None, "weight": weight,
-                "requestsPerMinute": requests_per_minute, "tokensPerMinute": tokens_per_minute,
-                "models": None if models is None else list(models), "admin": True if admin else None}
+    optional = {"weight": weight, "requestsPerMinute": requests_per_minute, "tokensPerMinute": tokens_per_minute,
+                "models": None if models is None else list(models), "hostKvCacheShare": host_kv_cache_share or None,
+                "admin": True if admin else None}
     entry.update({key: value for key, value in optional.items() if value is not None})
     return entry
 

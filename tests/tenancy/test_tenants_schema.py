@@ -31,6 +31,8 @@ def test_the_operator_writes_the_entry_the_runtime_writes_for_the_same_tenant():
     secret = {"token": "c2stZmluYW5jZQ=="}  # base64 of sk-finance
     (record,) = resolve_tenants(spec, lambda name: secret).records
     written = record.to_document()
+    assert list(written) == ["name", "apiKeySha256", "priority", "kvCacheShare", "requestsPerMinute", "models",
+                             "hostKvCacheShare"]  # the ConfigMap's order, as before the shared writer
     runtime = parse_tenants({"tenants": [written]})  # what a replica reads from the operator's ConfigMap
     assert runtime.by_key("sk-finance").name == "finance"
     assert written["apiKeySha256"] == hashlib.sha256(b"sk-finance").hexdigest()
