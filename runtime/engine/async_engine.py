@@ -257,7 +257,6 @@ class AsyncEngine:
             raise EngineDeadError("the engine stopped after an error and accepts no requests")
         if not self._accepting:
             raise EngineShuttingDownError("the engine is shutting down and accepts no new requests")
-        self.engine.validate_request(prompt_token_ids, params, tenant)  # reads limits only (ints)
         lora_slot(self.engine.lora, lora)  # an adapter not served: InvalidRequestError, before queueing
         self._ensure_started()
         stream = _Stream(asyncio.get_running_loop())

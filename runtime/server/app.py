@@ -163,18 +163,16 @@ def _lifespan(engine: EngineClient, tenancy: Tenancy | None, grammar_compiler: G
 def _install_generation_routes(app: FastAPI, ctx: ServingContext, chat: ChatCompletions) -> None:
     completions = Completions(ctx)
 
-    # A tenant's `models` allow-list is checked first in each handler that names a model: a model kept
-    # from the tenant is the same 404 as one that does not exist, before any work (no stream starts).
+    # A tenant's `models` allow-list is checked first by each handler (`input_processor.open_request`): a
+    # model kept from the tenant is the same 404 as one that does not exist, before any work (no stream starts).
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                                      tenant: str = Depends(request_tenant)) -> Response:
-        ctx.check_model(body.model, request_allowed_models(request))
         return await chat(body, tenant, request)
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request,
                                 tenant: str = Depends(request_tenant)) -> Response:
-        ctx.check_model(body.model, request_allowed_models(request))
         return await completions(body, tenant, request)
 
 

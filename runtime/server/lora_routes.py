@@ -37,7 +37,7 @@ from sits.runtime.lora.config import LoraConfigError, LoraFileError, LoraModule
 from sits.runtime.lora.roots import AdapterPathRefused, checked_adapter_path, is_hub_id
 from sits.runtime.server.collector import LABELS, ScrapeCollector
 from sits.runtime.server.errors import OpenAIError, invalid_request
-from sits.runtime.server.tenant import request_tenant
+from sits.runtime.server.tenant import request_tenant, tenant_of
 
 LOAD_PATH = "/v1/load_lora_adapter"
 UNLOAD_PATH = "/v1/unload_lora_adapter"
@@ -138,8 +138,8 @@ def admin_only(tenants_configured: bool) -> Any:
 
 
 def _require_admin(request: Request) -> None:
-    tenant = getattr(request.state, "tenancy_tenant", None)
-    if not getattr(tenant, "admin", False):
+    tenant = tenant_of(request)
+    if tenant is None or not tenant.admin:
         raise OpenAIError(403, "Loading and unloading LoRA adapters needs the key of a tenant marked "
                                "`admin: true` in the tenants file.", code="permission_denied")
 
