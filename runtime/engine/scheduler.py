@@ -49,7 +49,7 @@ from sits.runtime.engine.scheduling_policy import (
 )
 from sits.runtime.engine.sequence import PENDING_TOKEN_ID, Sequence, SequenceStatus
 from sits.runtime.engine.speculative import Speculator
-from sits.runtime.engine.stats import SchedulerStats
+from sits.runtime.engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 
@@ -364,9 +364,9 @@ class Scheduler(SchedulerInterface):
         self._release_siblings(seq, force=True)
 
     # -- observation -----------------------------------------------------------------------
-    def stats(self) -> SchedulerStats:
+    def stats(self) -> EngineStats:
         pool = self.kv_cache.pool
-        return SchedulerStats(
+        return EngineStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting) + sum(len(h) for h in self._held_siblings.values()),
             kv_blocks_total=pool.num_blocks,

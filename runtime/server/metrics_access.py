@@ -16,6 +16,7 @@ moves it. In tenants mode /docs, /redoc and /openapi.json are off unless `--enab
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 from collections.abc import Callable
@@ -44,7 +45,9 @@ def install_metrics_route(app: FastAPI, exposition: Callable[[], bytes], *, tena
 
     @app.get(METRICS_PATH, dependencies=dependencies, include_in_schema=False)
     async def prometheus_metrics() -> Response:
-        return Response(exposition(), media_type=CONTENT_TYPE)
+        # On a worker thread: the engine builds its figures between two steps, and the scrape waits
+        # for the step in flight without holding up the event loop (and every stream on it).
+        return Response(await asyncio.to_thread(exposition), media_type=CONTENT_TYPE)
 
 
 async def _admin_tenant(request: Request, _tenant: str = Depends(request_tenant)) -> None:
