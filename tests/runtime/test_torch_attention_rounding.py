@@ -3,13 +3,13 @@
 In half precision the kernels keep scores, softmax and accumulation in float32 but hand the softmax
 probabilities to their P·V dot in q's dtype. The torch back end used to keep them in float32: on a
 random bf16 model with Llama-3-8B's head geometry that alone made the two back ends pick different
-greedy tokens at 1.7 % of the positions on an H200 (98.29 % agreement; the same figure comes back on
-a CPU when only that rounding differs), enough to hide a kernel bug behind rounding noise. Here the
+greedy tokens at 1.7 % of the positions on an H200 (98.29 % agreement; a CPU gives 98.24 % when only
+that rounding differs), enough to hide a kernel bug behind rounding noise. Here the
 kernels run in Triton's interpreter (float16: its bfloat16 arithmetic is broken) on one step that
 holds every path of the torch back end: a long prefill without and with a cached prefix (its own
-call, causal or masked), a short prefill after a cached prefix and decodes of two context lengths
-(padded groups). Before the rounding step 85 % of the outputs were bitwise equal; now all but a few
-float32 summation-order ulps are.
+call, causal or masked), a short prefill after a cached prefix and decodes of six context lengths
+(padded groups). Before the rounding step 83 % of the outputs were bitwise equal, now 94 %; the rest
+are an ulp apart where the kernels round P against the running maximum of the key tiles seen so far.
 """
 
 from __future__ import annotations
@@ -87,7 +87,8 @@ def test_half_precision_attention_is_the_same_in_chunks(monkeypatch):
     monkeypatch.setattr(torch_ref, "SCORE_ELEMENTS", 3000)  # a few query rows / sequences per chunk
     metadata = _step(torch.bfloat16, seed=1)[5]  # a fresh plan
     chunked = TorchAttentionBackend().forward(q, k, v, k_cache, v_cache, metadata, SCALE)
-    assert torch.equal(whole[:metadata.num_tokens], chunked[:metadata.num_tokens])
+    # Equal on a CPU; a GPU's GEMMs may pick other kernels for other chunk sizes, so allow one bf16 ulp.
+    torch.testing.assert_close(chunked[:metadata.num_tokens], whole[:metadata.num_tokens], rtol=2**-7, atol=1e-6)
 
 
 def test_probabilities_are_rounded_before_they_multiply_v_and_normalized_by_their_float32_sum():
