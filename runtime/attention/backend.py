@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+from torch import Tensor
 
 from sits.runtime.models.kernel_ops import TORCH_OPS, KernelOps
 
@@ -138,17 +139,8 @@ class AttentionBackend(ABC):
         return TORCH_OPS
 
     @abstractmethod
-    def rope_and_cache_write(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        positions: torch.Tensor,
-        cos_sin_cache: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope_and_cache_write(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos_sin_cache: Tensor,
+                             k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> tuple[Tensor, Tensor]:
         """Rotate q and k by their positions and write k (rotated) and v into their cache slots.
 
         Args:
@@ -163,16 +155,8 @@ class AttentionBackend(ABC):
         """
 
     @abstractmethod
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, metadata: AttentionMetadata,
+                scale: float) -> Tensor:
         """Causal attention of the new tokens over their whole context in the paged cache.
 
         The new tokens' K/V are already in the cache (rope_and_cache_write ran first); k and v

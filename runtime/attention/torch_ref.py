@@ -1,9 +1,11 @@
 """The reference attention back end: plain PyTorch, any device, any dtype.
 
-It is the CPU back end and the ground truth the Triton kernels are tested against. Attention is
-`torch.nn.functional.scaled_dot_product_attention`, in float32 whatever the model's dtype (so
-half-precision models keep float32 scores, softmax and products, and on a CPU no whole score
-matrix is ever materialised); K/V are read through the block tables exactly as a paged kernel reads
+It is the CPU back end and the ground truth the Triton kernels are tested against, so it rounds
+where they round and nowhere else (`attention_like_kernels`): scores, softmax, its sum and the
+products with V in float32, the probabilities rounded to the model's dtype before they multiply V
+(the kernels' tensor-core dot takes them in q's dtype, as FlashAttention does), the output rounded
+once. In float32 that rounding is nothing and `scaled_dot_product_attention` computes it without
+materialising a score matrix. K/V are read through the block tables exactly as a paged kernel reads
 them. What every layer of a step shares (rows to gather, masks, the grouping of sequences, the
 gather buffers) is worked out once per step: see `torch_plan.py`, which also gives the layouts.
 
@@ -21,6 +23,9 @@ from sits.runtime.attention.backend import AttentionBackend, AttentionMetadata
 from sits.runtime.attention.registry import register_backend
 from sits.runtime.attention.torch_plan import LongPrefill, PaddedGroup, StepPlan, step_plan
 from sits.runtime.models.rotary import apply_rotary
+
+# Float32 scores one half-precision attention call may hold (64 MB): longer work goes in chunks.
+SCORE_ELEMENTS = 1 << 24
 
 
 @register_backend
@@ -75,15 +80,24 @@ def _attend_group(q_rows, k_cache, v_cache, plan: StepPlan, group: PaddedGroup, 
     keys, values = _as_float32(plan.gather(k_cache, v_cache, group.cache_rows))
     keys = keys.view(size, kv_heads, group.context_len, head_dim)
     values = values.view(size, kv_heads, group.context_len, head_dim)
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask, scale=scale)
+    if q_rows.dtype == torch.float32:
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask, scale=scale)
+    else:  # sequences in chunks, so that one chunk's scores stay near SCORE_ELEMENTS
+        out = queries.new_empty(queries.shape)
+        step = max(1, SCORE_ELEMENTS // (kv_heads * queries.shape[2] * group.context_len))
+        for first in range(0, size, step):
+            seqs = slice(first, first + step)
+            mask = None if group.mask is None else group.mask[seqs]
+            out[seqs] = attention_like_kernels(queries[seqs], keys[seqs], values[seqs], mask, scale, q_rows.dtype)
     return out.reshape(size * kv_heads * group.query_len, plan.group * head_dim)
 
 
 def _attend_long_prefill(q, k, v, k_cache, v_cache, plan: StepPlan, seq: LongPrefill, scale: float) -> torch.Tensor:
     """One long prefill. q: [query_len, heads, head_dim]; k, v: its new tokens' [query_len, kv, head_dim].
 
-    Queries are [kv_heads, group, query_len, head_dim] (a view of q), K/V broadcast over the group by
-    a stride-0 expand, so that plain causal attention (which skips the masked half) applies.
+    Queries are [kv_heads, group, query_len, head_dim] (a view of q). In float32, K/V broadcast over
+    the group by a stride-0 expand, so that plain causal attention (which skips the masked half)
+    applies; in half precision see `_long_prefill_like_kernels`.
     """
     query_len, heads, head_dim = q.shape
     kv_heads, group = plan.kv_heads, plan.group
@@ -95,11 +109,64 @@ def _attend_long_prefill(q, k, v, k_cache, v_cache, plan: StepPlan, seq: LongPre
         values = values.view(kv_heads, seq.context_len, head_dim)
     keys, values = _as_float32((keys, values))
     queries = q.float().view(query_len, kv_heads, group, head_dim).permute(1, 2, 0, 3)
-    keys = keys[:, None].expand(kv_heads, group, seq.context_len, head_dim)
-    values = values[:, None].expand(kv_heads, group, seq.context_len, head_dim)
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=seq.mask, is_causal=seq.mask is None,
-                                         scale=scale)
+    if q.dtype != torch.float32:
+        out = _long_prefill_like_kernels(queries, keys, values, seq.mask, scale, q.dtype)
+    else:
+        keys = keys[:, None].expand(kv_heads, group, seq.context_len, head_dim)
+        values = values[:, None].expand(kv_heads, group, seq.context_len, head_dim)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=seq.mask, is_causal=seq.mask is None,
+                                             scale=scale)
     return out.permute(2, 0, 1, 3).reshape(query_len, heads, head_dim).to(q.dtype)
+
+
+def _long_prefill_like_kernels(queries, keys, values, mask, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """A long prefill's attention with the kernels' rounding, in chunks of query rows (bounded scores).
+
+    queries: [kv_heads, group, query_len, head_dim]; keys, values: [kv_heads, context_len, head_dim]
+    float32; mask: [query_len, context_len] bool, or None for causal attention (context_len ==
+    query_len, no cached prefix). Returns [kv_heads, group, query_len, head_dim] float32.
+    """
+    kv_heads, group, query_len, head_dim = queries.shape
+    context_len = keys.shape[1]
+    out = queries.new_empty(queries.shape)
+    step = max(1, SCORE_ELEMENTS // (kv_heads * group * context_len))
+    for first in range(0, query_len, step):
+        rows = slice(first, min(first + step, query_len))
+        count = rows.stop - first
+        if mask is None:  # query i sits at position context_len - query_len + i and sees keys up to it
+            positions = torch.arange(first, rows.stop, device=queries.device) + (context_len - query_len)
+            rows_mask = torch.arange(context_len, device=queries.device)[None, :] <= positions[:, None]
+        else:
+            rows_mask = mask[rows]
+        # The group's query heads as extra rows of their KV head: [kv_heads, group * count, head_dim].
+        chunk = queries[:, :, rows].reshape(kv_heads, group * count, head_dim)
+        result = attention_like_kernels(chunk, keys, values, rows_mask.repeat(group, 1), scale, dtype)
+        out[:, :, rows] = result.view(kv_heads, group, count, head_dim)
+    return out
+
+
+def attention_like_kernels(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                           mask: torch.Tensor | None, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """softmax(queries · keysᵀ · scale) · values, rounded where the Triton attention kernels round.
+
+    queries: [..., Lq, D]; keys, values: [..., Lk, D] (float32 holding `dtype` values); mask: bool,
+    broadcastable to [..., Lq, Lk], True where a query may attend a key (every row sees one), or None.
+    Returns [..., Lq, D] float32, to be rounded once to `dtype` by the caller.
+
+    As the kernels do: the scores are float32 sums of exact products, softmax runs in float32, the
+    probabilities are rounded to `dtype` for the product with V (the kernels' `tl.dot(p.to(q.dtype), v)`)
+    while their float32 sum normalizes, and that product accumulates in float32. (The kernels round P
+    against the running maximum of the key tiles seen so far, which moves a few outputs by an ulp.)
+    Keeping P in float32 instead is hardly closer to a float32 model, but made this back end pick other
+    greedy tokens than the kernels at 1.7 % of a random bf16 model's positions (benchmarks/RESULTS.md).
+    """
+    scores = torch.matmul(queries, keys.transpose(-1, -2)).mul_(scale)
+    if mask is not None:
+        scores.masked_fill_(~mask, float("-inf"))
+    scores.sub_(scores.amax(-1, keepdim=True))
+    probs = scores.exp_()
+    total = probs.sum(-1, keepdim=True)
+    return torch.matmul(probs.to(dtype).float(), values).div_(total)
 
 
 def _as_float32(tensors: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,7 +24,8 @@ from sits.runtime.config import CacheConfig, EngineConfig, ModelConfig, Schedule
 from sits.runtime.engine.engine import LLMEngine
 from sits.runtime.engine.request import SamplingParams
 
-pytestmark = pytest.mark.gpu
+# Skipped here too, not only by tests/conftest.py: the GPU run passes --confcutdir=tests/gpu.
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 NEW_TOKENS = 48
 QUESTIONS = [
@@ -49,7 +50,10 @@ CONFIGS = {
 EOS_IDS = [2]  # SmolLM2's <|im_end|>; masked for the first NEW_TOKENS tokens (min_tokens)
 MIN_TEACHER_FORCED = {"none": 0.97, "fp8": 0.85, "int8": 0.9}
 # The GPU-truth issue's targets (bf16 Triton batched met them on 2026-12-01 once logits stayed float32; the
-# torch back end is at 3/8 and 98.2 % teacher-forced, see benchmarks/RESULTS.md).
+# torch back end was at 3/8 and 98.2 % teacher-forced then, and now rounds attention probabilities as the
+# kernels do; see benchmarks/RESULTS.md). A near-tie of the float32 logits is a coin flip in bf16: the
+# reference line counts them, for reading these figures.
+NEAR_TIE = 0.1  # float32 logits closer than this are reported as near-ties
 MIN_IDENTICAL = {"bf16 triton graphs, batched": 7, "bf16 torch, batched": 7, "bf16 torch, one at a time": 7}
 
 
@@ -127,7 +131,7 @@ def reference():
     answers = generate(cpu, prompt_ids, one_at_a_time=False)
     path = gguf_path()
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    hf_logprobs, argmax_agreement = [], 0
+    hf_logprobs, argmax_agreement, near_ties = [], 0, 0
     with torch.inference_mode():
         for prompt, (tokens, _) in zip(prompt_ids, answers, strict=True):
             ids = torch.tensor([prompt + tokens])
@@ -136,8 +140,11 @@ def reference():
             masked = logits.clone()
             masked[:, EOS_IDS] = float("-inf")  # as min_tokens masks EOS while choosing
             argmax_agreement += int((masked.argmax(-1) == torch.tensor(tokens)).sum())
-    print(f"RESULT parity reference: float32 CPU engine vs transformers float32 argmax (teacher-forced, EOS masked): "
-          f"{argmax_agreement}/{NEW_TOKENS * len(answers)} tokens agree")
+            top2 = masked.topk(2, dim=-1).values
+            near_ties += int((top2[:, 0] - top2[:, 1] < NEAR_TIE).sum())
+    print(f"\nRESULT parity reference: float32 CPU engine vs transformers float32 argmax (teacher-forced, EOS masked): "
+          f"{argmax_agreement}/{NEW_TOKENS * len(answers)} tokens agree; {near_ties} positions have a top-2 margin "
+          f"under {NEAR_TIE} (bf16 may flip them)")
     assert argmax_agreement >= 0.99 * NEW_TOKENS * len(answers)  # the two references agree before anything else
     return prompt_ids, answers, hf_logprobs
 
@@ -156,7 +163,7 @@ def test_gpu_configuration_matches_the_float32_cpu_engine(name, reference):
             worst = max(worst, abs(logprobs[position] - float(hf[position, tokens[position]])))
     forced = teacher_forced_agreement(llm, prompt_ids, answers)
     llm.shutdown()
-    print(f"RESULT parity {name}: {identical}/{len(answers)} identical over {NEW_TOKENS} tokens, mean common prefix "
+    print(f"\nRESULT parity {name}: {identical}/{len(answers)} identical over {NEW_TOKENS} tokens, mean common prefix "
           f"{sum(prefixes) / len(prefixes):.1f}, teacher-forced agreement {forced:.1%}, "
           f"max |dlogprob| vs transformers fp32 {worst:.4f}")
     assert forced >= MIN_TEACHER_FORCED[quantization], f"{name}: teacher-forced agreement {forced:.1%}"

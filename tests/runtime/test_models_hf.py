@@ -113,7 +113,9 @@ def test_half_precision_stays_close_to_float32(tiny_llama_dir, dtype):
     prompt = PROMPTS[1]
     logits_half = _prefill_logits(half.model, prompt)
     assert logits_half.dtype == torch.float32
-    torch.testing.assert_close(logits_half, _prefill_logits(full.model, prompt), atol=0.05, rtol=0.05)
+    # bf16 rounds attention probabilities as the GPU kernels do (torch_ref.attention_like_kernels): its worst
+    # logit moves 0.058 here (0.049 with them kept in float32; mean 0.0068 either way).
+    torch.testing.assert_close(logits_half, _prefill_logits(full.model, prompt), atol=0.07, rtol=0.05)
 
 
 def test_generation_config_eos_ids_are_merged(tiny_llama_dir, tmp_path):
