@@ -360,34 +360,18 @@ class LLMEngine:
             shutdown()
 
     def stats(self) -> EngineStats:
+        """The scheduler's figures (every SchedulerStats field, as it is) and the engine's own."""
         s = self.scheduler.stats()
         c = self._counters
         return EngineStats(
-            num_running=s.num_running,
-            num_waiting=s.num_waiting,
+            **{f.name: getattr(s, f.name) for f in dataclasses.fields(s)},
             num_requests=len(self._requests),
-            kv_blocks_total=s.kv_blocks_total,
-            kv_blocks_used=s.kv_blocks_used,
-            kv_blocks_cached=s.kv_blocks_cached,
-            kv_block_size=s.kv_block_size,
             kv_cache_usage=s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0,
-            prefix_cache_queries=s.prefix_cache_queries,
-            prefix_cache_hits=s.prefix_cache_hits,
-            prefix_cache_host_hits=s.prefix_cache_host_hits,
-            host_kv=s.host_kv,
-            num_preemptions=s.num_preemptions,
-            num_evictions=s.num_evictions,
             num_finished=c["finished"],
             num_aborted=c["aborted"],
             num_prompt_tokens=c["prompt_tokens"],
             num_generation_tokens=c["generation_tokens"],
             num_steps=c["steps"],
-            running_by_tenant=s.running_by_tenant,
-            waiting_by_tenant=s.waiting_by_tenant,
-            kv_blocks_used_by_tenant=s.kv_blocks_used_by_tenant,
-            preemptions_by_tenant=s.preemptions_by_tenant,
-            prefix_cache_by_tenant=s.prefix_cache_by_tenant,
-            spec_decode=s.spec_decode,
         )
 
 
