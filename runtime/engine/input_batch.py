@@ -188,6 +188,8 @@ class InputBatch:
                 grammars[0][1].vocab_size, self.device)
         if any(row.scoring_prompt for row in self._extra_rows):
             model_input.prompt_logprobs = StepPromptLogprobs.build(ordered, rows, self.device)
+            for row in [row for row in self._extra_rows if not row.has_extras]:  # done scoring, nothing else
+                del self._extra_rows[row]
 
     # -- internals -------------------------------------------------------------------------
     def _pending_source(self, item: ScheduledSequence, row: _Row) -> int:
