@@ -38,12 +38,11 @@ serve: setup
 services:
 	@bash .ci/install-services.sh
 
-# ruff everywhere; mypy on the public interfaces ([tool.mypy] in pyproject.toml), which it reads as the
-# sits.* packages through links under .cache/mypy (the folders are mapped to sits.* only when installed)
+# ruff everywhere; mypy on the public interfaces ([tool.mypy] in pyproject.toml), which .ci/typecheck.py
+# hands mypy as the sits.* packages straight from their folders (package-dir in pyproject.toml)
 lint: setup
 	$(VENV)/bin/ruff check .
-	@mkdir -p .cache/mypy/sits && for part in runtime operator kernels; do ln -sfn ../../../$$part .cache/mypy/sits/$$part; done
-	$(VENV)/bin/mypy
+	$(PY) .ci/typecheck.py
 
 # The documentation site (mkdocs.yml, docs/) into .cache/site; `make test` builds it too (tests/packaging/test_docs.py)
 docs: setup

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,7 @@ if __package__ in (None, ""):  # run as a script, also with PYTHONSAFEPATH=1
     import benchmarks  # noqa: F401
     sys.path.remove(_root)
 
+from benchmarks.run_report import cpu_name  # noqa: E402
 from benchmarks.server_process import free_port, stop_process  # noqa: E402
 
 QUESTIONS = [
@@ -129,17 +129,6 @@ def transformers_run(prompts: list[str], max_tokens: int) -> Run:
     started = time.perf_counter()
     tokens = sum(generate(q, max_tokens) for q in prompts)
     return Run(len(prompts), tokens, time.perf_counter() - started)
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def main() -> int:

@@ -38,8 +38,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
-import platform
 import statistics
 import sys
 import time
@@ -56,6 +54,16 @@ from sits.runtime.engine.engine import LLMEngine
 from sits.runtime.engine.request import SamplingParams
 from sits.runtime.models.presets import preset_config
 from sits.runtime.models.random_model import random_loaded_model
+
+if __package__ in (None, ""):  # run as a script, also with PYTHONSAFEPATH=1
+    # Import the `benchmarks` package from the repository root, then take the root off sys.path again:
+    # its `operator/` and `kernels/` folders must not shadow the standard library's and others' modules.
+    _root = str(Path(__file__).resolve().parents[1])
+    sys.path.insert(0, _root)
+    import benchmarks  # noqa: F401
+    sys.path.remove(_root)
+
+from benchmarks.run_report import cpu_name, print_report  # noqa: E402
 
 PHASES = ("schedule", "inputs", "forward", "logits", "sample", "update", "outputs", "other")
 MODEL_PHASES = ("forward", "logits")
@@ -184,16 +192,6 @@ def run_batch(loaded, batch: int, context: int, warmup: int, steps: int, async_m
     return RunFigures(batch, mode, len(timed), medians, step_us, host, context)
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _count_tokens(outputs) -> int:
     return sum(len(c.token_ids_delta) for o in outputs for c in o.outputs)
 
@@ -242,12 +240,10 @@ def main(argv: list[str] | None = None) -> int:
             results.append(figures)
             print(f"batch {batch} {figures.mode}: host {figures.host_us:,.0f} µs / step "
                   f"({figures.steps} steps timed)", file=sys.stderr)
-    print(f"\nengine host work per decode step ({'thread CPU' if args.clock == 'cpu' else 'wall'} time): tiny "
-          f"Llama (torch back end, fp32), context ~{args.context}, {args.threads} torch thread(s), "
-          f"{_cpu_name()}, torch {torch.__version__}")
-    print_table(results)
-    if args.json:
-        Path(args.json).write_text(json.dumps([dataclasses.asdict(r) for r in results], indent=1))
+    clock_name = "thread CPU" if args.clock == "cpu" else "wall"
+    print_report(f"engine host work per decode step ({clock_name} time): tiny Llama (torch back end, fp32), "
+                 f"context ~{args.context}, {args.threads} torch thread(s), {cpu_name()}, torch {torch.__version__}",
+                 print_table, results, args.json)
     return 0
 
 

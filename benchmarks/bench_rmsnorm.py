@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from kernel_bench_utils import Measurement, best_peer, hbm_copy_gbps, parse_args, report, time_ms
+from kernel_bench_utils import Measurement, bandwidth_case, bandwidth_main
 
 from sits.kernels.rmsnorm import rms_norm, rms_norm_reference
 
@@ -37,26 +37,12 @@ def bench_case(rows, hidden, fused, copy_gbps) -> Measurement:
             "F.rms_norm": lambda: F.rms_norm(x, (hidden,), weight, EPS),
         }
         ours = lambda: rms_norm(x, weight, EPS)  # noqa: E731
-    peer_name, peer_ms, _ = best_peer(peers, num_bytes)
-    ours_ms = time_ms(ours)
-    gbps = lambda ms: num_bytes / (ms * 1e-3) / 1e9  # noqa: E731
-    case = f"{rows}x{hidden}{' +residual' if fused else ''}"
-    return Measurement(
-        case, "GB/s", gbps(ours_ms), gbps(peer_ms), peer_name, ours_ms, peer_ms,
-        {"pct_of_copy_bw": round(100 * gbps(ours_ms) / copy_gbps, 1)},
-    )  # fmt: skip
+    return bandwidth_case(f"{rows}x{hidden}{' +residual' if fused else ''}", num_bytes, ours, peers, copy_gbps)
 
 
 def main():
-    args = parse_args(__doc__)
-    copy_gbps = hbm_copy_gbps()
-    cases = [(8192, 4096), (32768, 4096), (16384, 8192), (256, 4096)]
-    if args.quick:
-        cases = cases[:1]
-    rows = [bench_case(r, h, fused, copy_gbps) for r, h in cases for fused in (False, True)]
-    notes = [f"HBM copy bandwidth in this run: {copy_gbps:,.0f} GB/s; SITS share of it per case: "
-             + ", ".join(f"{r.case}: {r.extra['pct_of_copy_bw']}%" for r in rows)]  # fmt: skip
-    report("RMSNorm, bf16", rows, args.json, notes)
+    bandwidth_main(__doc__, "RMSNorm, bf16", [(8192, 4096), (32768, 4096), (16384, 8192), (256, 4096)],
+                   lambda r, h, copy_gbps: [bench_case(r, h, fused, copy_gbps) for fused in (False, True)])
 
 
 if __name__ == "__main__":

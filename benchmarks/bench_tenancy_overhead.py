@@ -47,7 +47,8 @@ if __package__ in (None, ""):  # run as a script, also with PYTHONSAFEPATH=1
     import benchmarks  # noqa: F401
     sys.path.remove(_root)
 
-from benchmarks.bench_cpu_serving import QUESTIONS, cpu_name, sits_run, start_server  # noqa: E402
+from benchmarks.bench_cpu_serving import QUESTIONS, sits_run, start_server  # noqa: E402
+from benchmarks.run_report import cpu_name  # noqa: E402
 from benchmarks.server_process import free_port, stop_process  # noqa: E402
 
 API_KEY = "sk-bench-tenant"
@@ -128,7 +129,7 @@ def measure(targets: dict[str, tuple[int, list[int]]], model: str, prompts: list
     return results
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=8, help="measured rounds per store (in adjacent pairs)")
     parser.add_argument("--concurrency", type=int, default=16, help="concurrent chat requests per round")
@@ -136,53 +137,28 @@ def main() -> int:
     parser.add_argument("--side-by-side", action="store_true",
                         help="load both servers at the same time each round (they split the cores, and "
                              "other work on the machine hits both alike) instead of one after the other")
-    args = parser.parse_args()
-    prompts = [QUESTIONS[i % len(QUESTIONS)] for i in range(args.concurrency)]
-    print(f"CPU: {cpu_name()} ({os.cpu_count()} cores)")
-    print(f"{args.rounds} rounds per store of {args.concurrency} chat requests x {args.max_tokens} output tokens, "
-          "SmolLM2-135M-Instruct fp32, greedy, tenant with RPM + TPM limits, "
-          + ("both stores loaded at once" if args.side_by_side else "one store at a time"))
-    print("load average (1/5/15 min) at the start: " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
+    return parser.parse_args()
 
-    workdir = Path(tempfile.mkdtemp(prefix="sits-bench-tenancy-"))
-    tenants = workdir / "tenants.yaml"
-    tenants.write_text(TENANTS_YAML)
-    redis_port = free_port()
-    redis_process = start_redis(redis_port, workdir)
-    stores = {"memory://": "memory://", "redis://": f"redis://127.0.0.1:{redis_port}/0"}
-    servers: dict[str, tuple[subprocess.Popen, int]] = {}
-    rounds: dict[str, list[Round]] = {name: [] for name in stores}
-    try:
-        for name, url in stores.items():
-            port = free_port()
-            log = open(workdir / f"serve-{name.strip(':/')}.log", "wb")  # noqa: SIM115 - lives with the server
-            extra = ["--tenants", str(tenants), "--state-store", url, "--deployment", "bench"]
-            servers[name] = (start_server(port, args.concurrency, log, extra), port)
-        model = httpx.get(f"http://127.0.0.1:{servers['memory://'][1]}/v1/models",
-                          headers={"Authorization": f"Bearer {API_KEY}"}).json()["data"][0]["id"]
-        order = list(stores)
-        targets = {name: (port, [process.pid] + ([redis_process.pid] if name == "redis://" else []))
-                   for name, (process, port) in servers.items()}
-        for index in range(args.rounds):
-            # Adjacent pairs, alternating which store goes first, so load drift hits both alike.
-            names = order if index % 2 == 0 else list(reversed(order))
-            groups = [names] if args.side_by_side else [[name] for name in names]
-            for group in groups:
-                for name, result in measure({n: targets[n] for n in group}, model, prompts,
-                                            args.max_tokens).items():
-                    rounds[name].append(result)
-                    print(f"round {index + 1:>2}  {name:<10} {result.tokens_per_s:>7.1f} tok/s  "
-                          f"{result.cpu_s_per_1k_tokens:>6.2f} CPU s / 1k tokens", flush=True)
-        client = redis.Redis(port=redis_port)
-        print(f"Redis holds usage of {len(client.keys('sits:bench:usage:*'))} replica(s) and "
-              f"{len(client.keys('sits:bench:rl:*'))} rate-limit window(s)")
-        costs = asyncio.run(tenancy_cost_per_request(stores["redis://"]))
-    finally:
-        for process, _ in servers.values():
-            stop_process(process)
-        stop_process(redis_process)
-        shutil.rmtree(workdir, ignore_errors=True)
 
+def run_rounds(args: argparse.Namespace, targets: dict[str, tuple[int, list[int]]], model: str,
+               prompts: list[str]) -> dict[str, list[Round]]:
+    """`args.rounds` measured rounds per store, printed as they end: {store: its rounds}."""
+    rounds: dict[str, list[Round]] = {name: [] for name in targets}
+    order = list(targets)
+    for index in range(args.rounds):
+        # Adjacent pairs, alternating which store goes first, so load drift hits both alike.
+        names = order if index % 2 == 0 else list(reversed(order))
+        groups = [names] if args.side_by_side else [[name] for name in names]
+        for group in groups:
+            for name, result in measure({n: targets[n] for n in group}, model, prompts, args.max_tokens).items():
+                rounds[name].append(result)
+                print(f"round {index + 1:>2}  {name:<10} {result.tokens_per_s:>7.1f} tok/s  "
+                      f"{result.cpu_s_per_1k_tokens:>6.2f} CPU s / 1k tokens", flush=True)
+    return rounds
+
+
+def report(rounds: dict[str, list[Round]], costs: dict[str, float]) -> None:
+    """The medians per store, the paired ratios and the tenancy work per request."""
     memory, shared = rounds["memory://"], rounds["redis://"]
     print(f"{'state store':<14}{'median tok/s':>14}{'median CPU s / 1k tokens':>28}")
     for name, results in rounds.items():
@@ -197,6 +173,45 @@ def main() -> int:
     print(f"tenancy work per request: {costs['memory://'] * 1e6:.0f} us (memory), {costs['redis://'] * 1e6:.0f} us "
           f"(redis); a request's share of a round: {per_request * 1e3:.0f} ms -> Redis adds "
           f"{100 * extra / per_request:.3f}% per request")
+
+
+def main() -> int:
+    args = parse_args()
+    prompts = [QUESTIONS[i % len(QUESTIONS)] for i in range(args.concurrency)]
+    print(f"CPU: {cpu_name()} ({os.cpu_count()} cores)")
+    print(f"{args.rounds} rounds per store of {args.concurrency} chat requests x {args.max_tokens} output tokens, "
+          "SmolLM2-135M-Instruct fp32, greedy, tenant with RPM + TPM limits, "
+          + ("both stores loaded at once" if args.side_by_side else "one store at a time"))
+    print("load average (1/5/15 min) at the start: " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
+
+    workdir = Path(tempfile.mkdtemp(prefix="sits-bench-tenancy-"))
+    tenants = workdir / "tenants.yaml"
+    tenants.write_text(TENANTS_YAML)
+    redis_port = free_port()
+    redis_process = start_redis(redis_port, workdir)
+    stores = {"memory://": "memory://", "redis://": f"redis://127.0.0.1:{redis_port}/0"}
+    servers: dict[str, tuple[subprocess.Popen, int]] = {}
+    try:
+        for name, url in stores.items():
+            port = free_port()
+            log = open(workdir / f"serve-{name.strip(':/')}.log", "wb")  # noqa: SIM115 - lives with the server
+            extra = ["--tenants", str(tenants), "--state-store", url, "--deployment", "bench"]
+            servers[name] = (start_server(port, args.concurrency, log, extra), port)
+        model = httpx.get(f"http://127.0.0.1:{servers['memory://'][1]}/v1/models",
+                          headers={"Authorization": f"Bearer {API_KEY}"}).json()["data"][0]["id"]
+        targets = {name: (port, [process.pid] + ([redis_process.pid] if name == "redis://" else []))
+                   for name, (process, port) in servers.items()}
+        rounds = run_rounds(args, targets, model, prompts)
+        client = redis.Redis(port=redis_port)
+        print(f"Redis holds usage of {len(client.keys('sits:bench:usage:*'))} replica(s) and "
+              f"{len(client.keys('sits:bench:rl:*'))} rate-limit window(s)")
+        costs = asyncio.run(tenancy_cost_per_request(stores["redis://"]))
+    finally:
+        for process, _ in servers.values():
+            stop_process(process)
+        stop_process(redis_process)
+        shutil.rmtree(workdir, ignore_errors=True)
+    report(rounds, costs)
     print("load average (1/5/15 min) at the end: " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
     return 0
 

@@ -117,6 +117,33 @@ def hbm_copy_gbps(num_bytes: int = 1 << 30) -> float:
     return 2 * num_bytes / (ms * 1e-3) / 1e9
 
 
+def bandwidth_case(case: str, num_bytes: int, ours: Callable[[], object], peers: dict[str, Callable[[], object]],
+                   copy_gbps: float) -> Measurement:
+    """A memory-bound case: GB/s moved (num_bytes read + written per call) by ours and by its best
+    peer, with ours as a share of the copy bandwidth (`extra["pct_of_copy_bw"]`)."""
+    peer_name, peer_ms, _ = best_peer(peers, num_bytes)
+    ours_ms = time_ms(ours)
+
+    def gbps(ms: float) -> float:
+        return num_bytes / (ms * 1e-3) / 1e9
+
+    return Measurement(case, "GB/s", gbps(ours_ms), gbps(peer_ms), peer_name, ours_ms, peer_ms,
+                       {"pct_of_copy_bw": round(100 * gbps(ours_ms) / copy_gbps, 1)})
+
+
+def bandwidth_main(description: str, title: str, shapes: Sequence[tuple[int, int]],
+                   run_shape: Callable[[int, int, float], list[Measurement]]) -> None:
+    """The main of a memory-bound kernel's benchmark: the copy bandwidth, then `run_shape(rows,
+    columns, copy_gbps)` for each shape (the first only with --quick), reported with each case's
+    share of the copy bandwidth."""
+    args = parse_args(description)
+    copy_gbps = hbm_copy_gbps()
+    rows = [m for r, c in (shapes[:1] if args.quick else shapes) for m in run_shape(r, c, copy_gbps)]
+    notes = [f"HBM copy bandwidth in this run: {copy_gbps:,.0f} GB/s; SITS share of it per case: "
+             + ", ".join(f"{r.case}: {r.extra['pct_of_copy_bw']}%" for r in rows)]  # fmt: skip
+    report(title, rows, args.json, notes)
+
+
 def parse_args(description: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--json", help="also write the measurements to this JSON file")

@@ -31,7 +31,7 @@ from sits.kernels.attention_checks import (
     check_query,
     prepare_out,
 )
-from sits.kernels.launch_utils import cdiv, length_bucket, next_power_of_2, num_sms, pick_configs, require
+from sits.kernels.launch_utils import autotune, cdiv, length_bucket, next_power_of_2, num_sms, require
 from sits.kernels.paged_kv import paged_tile_blocks
 from sits.kernels.reference import paged_decode_attention_reference
 
@@ -69,11 +69,8 @@ def _prune_configs(configs, named_args, **kwargs):
     return kept or configs[:1]
 
 
-@triton.autotune(
-    configs=pick_configs(_GPU_CONFIGS, _INTERPRETER_CONFIG),
-    key=["HEAD_DIM", "PAGE_SIZE", "BLOCK_G", "FP8_KV", "SINGLE_SPLIT", "split_bucket"],
-    prune_configs_by={"early_config_prune": _prune_configs},
-)
+@autotune(_GPU_CONFIGS, _INTERPRETER_CONFIG, ["HEAD_DIM", "PAGE_SIZE", "BLOCK_G", "FP8_KV", "SINGLE_SPLIT", "split_bucket"],
+          _prune_configs)
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,

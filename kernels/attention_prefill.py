@@ -39,10 +39,10 @@ from sits.kernels.attention_checks import (
     prepare_out,
 )
 from sits.kernels.launch_utils import (
+    autotune,
     check_inner_contiguous,
     check_tensor,
     length_bucket,
-    pick_configs,
     require,
 )
 from sits.kernels.paged_kv import paged_tile_blocks
@@ -149,11 +149,8 @@ def _attend_key_tiles(
     return acc, l_i, m_i
 
 
-@triton.autotune(
-    configs=pick_configs(_GPU_CONFIGS, _INTERPRETER_CONFIG),
-    key=["HEAD_DIM", "PAGED", "PAGE_SIZE", "CAUSAL", "FP8_KV", "LEN_BUCKET"],
-    prune_configs_by={"early_config_prune": _prune_configs},
-)
+@autotune(_GPU_CONFIGS, _INTERPRETER_CONFIG, ["HEAD_DIM", "PAGED", "PAGE_SIZE", "CAUSAL", "FP8_KV", "LEN_BUCKET"],
+          _prune_configs)
 @triton.jit
 def _prefill_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr,

@@ -20,13 +20,20 @@ import triton
 import triton.language as tl
 
 from sits.kernels.fp8_quantize import quantize_fp8_per_token
-from sits.kernels.gemm_common import grouped_tile_coordinates, zero_output_before_launch
+from sits.kernels.gemm_common import (
+    gemm_config,
+    grouped_tile_coordinates,
+    split_k_configs,
+    split_k_grid,
+    split_k_tile,
+    store_tile,
+)
 from sits.kernels.launch_utils import (
+    autotune,
     check_inner_contiguous,
     check_tensor,
     is_interpreter,
     length_bucket,
-    pick_configs,
     require,
 )
 from sits.kernels.quantization import quantize_weight_fp8_per_channel
@@ -48,29 +55,15 @@ SMALL_M = 128
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def _config(bm, bn, bk, warps, stages, split_k=1, group_m=8, atomic=False):
-    return triton.Config(
-        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split_k, "GROUP_M": group_m},
-        num_warps=warps,
-        num_stages=stages,
-        pre_hook=zero_output_before_launch if atomic else None,
-    )
-
-
 _LARGE_M_POINTER_CONFIGS = [
-    _config(128, 128, 128, 8, 4),
-    _config(128, 128, 128, 4, 4),
-    _config(128, 64, 128, 4, 4),
-    _config(64, 128, 128, 4, 4),
+    gemm_config(128, 128, 128, 8, 4),
+    gemm_config(128, 128, 128, 4, 4),
+    gemm_config(128, 64, 128, 4, 4),
+    gemm_config(64, 128, 128, 4, 4),
 ]
-_SMALL_M_CONFIGS = [
-    _config(bm, bn, 128, 4, stages, split_k=split, atomic=True)
-    for bm in (16, 64)
-    for bn in (32, 64, 128)
-    for split, stages in ((1, 5), (2, 5), (4, 4), (8, 4))
-]
-_INTERPRETER_CONFIG = _config(16, 32, 32, 4, 1)
-_INTERPRETER_SPLIT_CONFIG = _config(16, 32, 32, 4, 1, split_k=2, atomic=True)
+_SMALL_M_CONFIGS = split_k_configs((32, 64, 128), ((1, 5), (2, 5), (4, 4), (8, 4)))
+_INTERPRETER_CONFIG = gemm_config(16, 32, 32, 4, 1)
+_INTERPRETER_SPLIT_CONFIG = gemm_config(16, 32, 32, 4, 1, split_k=2, atomic=True)
 
 
 def _prune_small_m(configs, named_args, **kwargs):
@@ -88,13 +81,7 @@ def _prune_small_m(configs, named_args, **kwargs):
 def _scale_and_store(acc, c_ptr, a_scale_ptr, w_scale_ptr, offs_m, offs_n, M, N, stride_cm, ATOMIC: tl.constexpr):
     a_scale = tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)
     w_scale = tl.load(w_scale_ptr + offs_n, mask=offs_n < N, other=0.0)
-    result = acc * a_scale[:, None] * w_scale[None, :]
-    ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    if ATOMIC:
-        tl.atomic_add(ptrs, result, mask=mask, sem="relaxed")
-    else:
-        tl.store(ptrs, result.to(c_ptr.dtype.element_ty), mask=mask)
+    store_tile(acc * a_scale[:, None] * w_scale[None, :], c_ptr, offs_m, offs_n, M, N, stride_cm, ATOMIC)
 
 
 @triton.jit
@@ -104,16 +91,8 @@ def _fp8_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     GROUP_M: tl.constexpr, ATOMIC: tl.constexpr, FAST_ACCUM: tl.constexpr, EVEN_K: tl.constexpr,
 ):  # fmt: skip
-    pid_m, pid_n = grouped_tile_coordinates(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    # Wrapped row/column indices keep the loads unmasked; the store masks the extra rows.
-    rows_a = tl.max_contiguous(tl.multiple_of(offs_m % M, BLOCK_M), BLOCK_M).to(tl.int64)
-    rows_w = tl.max_contiguous(tl.multiple_of(offs_n % N, BLOCK_N), BLOCK_N).to(tl.int64)
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    tiles_per_split = tl.cdiv(k_tiles, SPLIT_K)
-    first = tl.program_id(1) * tiles_per_split
-    last = tl.minimum(first + tiles_per_split, k_tiles)
+    offs_m, offs_n, rows_a, rows_w, first, last = split_k_tile(M, N, tl.cdiv(K, BLOCK_K), BLOCK_M, BLOCK_N, SPLIT_K,
+                                                               GROUP_M)
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for tile in range(first, last):
@@ -135,14 +114,9 @@ def _fp8_gemm_kernel(
 _fp8_gemm_kernel_even_k = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(
     _fp8_gemm_kernel
 )
-_fp8_gemm_small_m = triton.autotune(
-    configs=pick_configs(_SMALL_M_CONFIGS, _INTERPRETER_SPLIT_CONFIG),
-    key=["M_BUCKET", "N", "K", "FAST_ACCUM"],
-    prune_configs_by={"early_config_prune": _prune_small_m},
-)(_fp8_gemm_kernel_even_k)
-_fp8_gemm_large_m = triton.autotune(
-    configs=pick_configs(_LARGE_M_POINTER_CONFIGS, _INTERPRETER_CONFIG), key=["M_BUCKET", "N", "K", "FAST_ACCUM"]
-)(_fp8_gemm_kernel_even_k)
+_KEY = ("M_BUCKET", "N", "K", "FAST_ACCUM")
+_fp8_gemm_small_m = autotune(_SMALL_M_CONFIGS, _INTERPRETER_SPLIT_CONFIG, _KEY, _prune_small_m)(_fp8_gemm_kernel_even_k)
+_fp8_gemm_large_m = autotune(_LARGE_M_POINTER_CONFIGS, _INTERPRETER_CONFIG, _KEY)(_fp8_gemm_kernel_even_k)
 
 
 def _set_tma_blocks(nargs):
@@ -169,7 +143,7 @@ _TMA_CONFIGS = [
 ]
 
 
-@triton.autotune(configs=_TMA_CONFIGS, key=["M_BUCKET", "N", "K", "FAST_ACCUM"])
+@triton.autotune(configs=_TMA_CONFIGS, key=list(_KEY))
 @triton.jit
 def _fp8_gemm_tma_kernel(
     a_desc, w_desc, c_ptr, a_scale_ptr, w_scale_ptr,
@@ -253,19 +227,13 @@ def fp8_gemm(
     bucket = length_bucket(m, cap=1 << 16)
     if m <= SMALL_M:
         acc = torch.empty(m, n, dtype=torch.float32, device=a_fp8.device)  # zeroed by the config pre-hook
-
-        def grid(meta):
-            return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])
-
-        _fp8_gemm_small_m[grid](
+        _fp8_gemm_small_m[split_k_grid(m, n)](
             a_fp8, w_fp8, acc, a_scale, w_scale, m, n, k, a_fp8.stride(0), w_fp8.stride(0), acc.stride(0), bucket,
             ATOMIC=True, FAST_ACCUM=bool(fast_accum),
         )  # fmt: skip
         return acc if out_dtype == torch.float32 else acc.to(out_dtype)
     out = torch.empty(m, n, dtype=out_dtype, device=a_fp8.device)
-
-    def grid2d(meta):
-        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), 1)
+    grid2d = split_k_grid(m, n)  # SPLIT_K is 1 in every large-M config
 
     tma = _tma_usable(a_fp8, w_fp8) if use_tma is None else bool(use_tma) and _tma_usable(a_fp8, w_fp8)
     if tma:

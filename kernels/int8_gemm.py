@@ -11,18 +11,20 @@ across programs, adding float32 partial sums atomically, so enough programs stre
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from sits.kernels.gemm_common import grouped_tile_coordinates, zero_output_before_launch
+from sits.kernels.gemm_common import gemm_config, split_k_configs, split_k_grid, split_k_tile, store_tile
 from sits.kernels.launch_utils import (
     HALF_DTYPES,
+    autotune,
     check_inner_contiguous,
     check_shape,
     check_tensor,
     length_bucket,
-    pick_configs,
     require,
 )
 from sits.kernels.quantization import quantize_weight_int8
@@ -34,15 +36,7 @@ SMALL_M = 64
 MIN_GROUP = 32
 
 
-def _config(bm, bn, bk, warps, stages, split_k=1, group_m=8, atomic=False, swap_ab=False):
-    return triton.Config(
-        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split_k, "GROUP_M": group_m, "SWAP_AB": swap_ab},
-        num_warps=warps,
-        num_stages=stages,
-        pre_hook=zero_output_before_launch if atomic else None,
-    )
-
-
+_config = functools.partial(gemm_config, SWAP_AB=False)
 _LARGE_M_CONFIGS = [
     _config(128, 256, 64, 8, 3),
     _config(128, 128, 64, 8, 4),
@@ -50,21 +44,13 @@ _LARGE_M_CONFIGS = [
     _config(128, 64, 64, 4, 4),
     _config(64, 128, 64, 4, 4),
 ]
-_SMALL_M_CONFIGS = [
-    _config(bm, bn, 128, 4, stages, split_k=split, atomic=True)
-    for bm in (16, 64)
-    for bn in (64, 128)
-    for split, stages in ((1, 4), (2, 4), (4, 4), (8, 3))
-] + [
+_SMALL_M_CONFIGS = split_k_configs((64, 128), ((1, 4), (2, 4), (4, 4), (8, 3)), SWAP_AB=False) + split_k_configs(
     # Swapped operands: the weight tile is the dot's M side (64 or 128 rows, the tensor cores'
     # natural height) and the few activation rows its N side.
-    _config(bm, bn, 128, 4, stages, split_k=split, atomic=True, swap_ab=True)
-    for bm in (16, 64)
-    for bn in (64, 128)
-    for split, stages in ((1, 4), (2, 4), (4, 4))
-]
+    (64, 128), ((1, 4), (2, 4), (4, 4)), SWAP_AB=True
+)
 _INTERPRETER_CONFIG = _config(16, 32, 32, 4, 1)
-_INTERPRETER_SPLIT_CONFIG = _config(16, 32, 32, 4, 1, split_k=2, atomic=True, swap_ab=True)
+_INTERPRETER_SPLIT_CONFIG = _config(16, 32, 32, 4, 1, split_k=2, atomic=True, SWAP_AB=True)
 
 
 def _prune(configs, named_args, **kwargs):
@@ -96,15 +82,8 @@ def _int8_gemm_kernel(
     GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, ATOMIC: tl.constexpr, SWAP_AB: tl.constexpr,
 ):  # fmt: skip
-    pid_m, pid_n = grouped_tile_coordinates(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows_x = tl.max_contiguous(tl.multiple_of(offs_m % M, BLOCK_M), BLOCK_M).to(tl.int64)
-    rows_w = tl.max_contiguous(tl.multiple_of(offs_n % N, BLOCK_N), BLOCK_N).to(tl.int64)
-    k_tiles = K // BLOCK_K  # K is a multiple of GROUP_SIZE, itself a multiple of BLOCK_K
-    tiles_per_split = tl.cdiv(k_tiles, SPLIT_K)
-    first = tl.program_id(1) * tiles_per_split
-    last = tl.minimum(first + tiles_per_split, k_tiles)
+    # K is a multiple of GROUP_SIZE, itself a multiple of BLOCK_K
+    offs_m, offs_n, rows_x, rows_w, first, last = split_k_tile(M, N, K // BLOCK_K, BLOCK_M, BLOCK_N, SPLIT_K, GROUP_M)
     offs_k = tl.arange(0, BLOCK_K)
     if SWAP_AB:
         acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -125,24 +104,12 @@ def _int8_gemm_kernel(
             scale = tl.load(scales_ptr + rows_w * stride_sn + (tile * BLOCK_K) // GROUP_SIZE)
             w = (w.to(tl.float32) * scale[None, :]).to(x.dtype)
             acc = tl.dot(x, w, acc)
-    ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    if ATOMIC:
-        tl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
-    else:
-        tl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+    store_tile(acc, c_ptr, offs_m, offs_n, M, N, stride_cm, ATOMIC)
 
 
-_int8_gemm_small_m = triton.autotune(
-    configs=pick_configs(_SMALL_M_CONFIGS, _INTERPRETER_SPLIT_CONFIG),
-    key=["M_BUCKET", "N", "K", "GROUP_SIZE"],
-    prune_configs_by={"early_config_prune": _prune},
-)(_int8_gemm_kernel)
-_int8_gemm_large_m = triton.autotune(
-    configs=pick_configs(_LARGE_M_CONFIGS, _INTERPRETER_CONFIG),
-    key=["M_BUCKET", "N", "K", "GROUP_SIZE"],
-    prune_configs_by={"early_config_prune": _prune},
-)(_int8_gemm_kernel)
+_KEY = ("M_BUCKET", "N", "K", "GROUP_SIZE")
+_int8_gemm_small_m = autotune(_SMALL_M_CONFIGS, _INTERPRETER_SPLIT_CONFIG, _KEY, _prune)(_int8_gemm_kernel)
+_int8_gemm_large_m = autotune(_LARGE_M_CONFIGS, _INTERPRETER_CONFIG, _KEY, _prune)(_int8_gemm_kernel)
 
 
 def int8_weight_only_gemm(
@@ -177,11 +144,7 @@ def int8_weight_only_gemm(
     small = m <= SMALL_M
     kernel = _int8_gemm_small_m if small else _int8_gemm_large_m
     out = torch.empty(m, n, dtype=torch.float32 if small else x.dtype, device=x.device)
-
-    def grid(meta):
-        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])
-
-    kernel[grid](
+    kernel[split_k_grid(m, n)](
         x, w_int8, scales, out, m, n, k, x.stride(0), w_int8.stride(0), scales.stride(0), out.stride(0),
         length_bucket(m, cap=1 << 16), GROUP_SIZE=group_size, ATOMIC=small,
     )  # fmt: skip

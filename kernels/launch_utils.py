@@ -7,9 +7,10 @@ names the argument, before any kernel reads memory it should not.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
+import triton
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -27,6 +28,14 @@ def pick_configs(gpu_configs: Sequence, interpreter_config) -> list:
     CPU, so it gets a single config with small blocks.
     """
     return [interpreter_config] if is_interpreter() else list(gpu_configs)
+
+
+def autotune(gpu_configs: Sequence, interpreter_config, key: Sequence[str], prune: Callable | None = None):
+    """`triton.autotune` over this process's configs (`pick_configs`), re-tuned for each new value
+    of the `key` arguments; `prune(configs, named_args, **kwargs)` drops the configs that cannot
+    run a call's shapes before any is timed."""
+    return triton.autotune(configs=pick_configs(gpu_configs, interpreter_config), key=list(key),
+                           prune_configs_by=None if prune is None else {"early_config_prune": prune})
 
 
 def require(condition: bool, message: str) -> None:

@@ -32,6 +32,15 @@ def _dequantize(kv: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     return kv.float() if scale is None else kv.float() * scale.float()[None, :, None]
 
 
+def _paged_context(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int,
+                   k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's first `seq_len` keys and values from the paged caches, dequantized to
+    float32: ([seq_len, Hkv, D], [seq_len, Hkv, D])."""
+    k = _dequantize(gather_paged_kv(k_cache, block_table_row, seq_len), k_scale)
+    v = _dequantize(gather_paged_kv(v_cache, block_table_row, seq_len), v_scale)
+    return k, v
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
     """One sequence: q [Lq, Hq, D], k/v [Lk, Hkv, D] -> [Lq, Hq, D] float32.
 
@@ -94,8 +103,7 @@ def paged_prefill_attention_reference(
         qs, qe = cu_q[i], cu_q[i + 1]
         if qe == qs:
             continue
-        k = _dequantize(gather_paged_kv(k_cache, block_tables[i], seq_len), k_scale)
-        v = _dequantize(gather_paged_kv(v_cache, block_tables[i], seq_len), v_scale)
+        k, v = _paged_context(k_cache, v_cache, block_tables[i], seq_len, k_scale, v_scale)
         out[qs:qe] = _attend(q[qs:qe], k, v, scale, causal=True).to(q.dtype)
     return out
 
@@ -119,8 +127,7 @@ def paged_decode_attention_reference(
     for i, seq_len in enumerate(seq_lens.tolist()):
         if seq_len == 0:
             continue
-        k = _dequantize(gather_paged_kv(k_cache, block_tables[i], seq_len), k_scale)
-        v = _dequantize(gather_paged_kv(v_cache, block_tables[i], seq_len), v_scale)
+        k, v = _paged_context(k_cache, v_cache, block_tables[i], seq_len, k_scale, v_scale)
         out[i] = _attend(q[i : i + 1], k, v, scale, causal=False)[0].to(q.dtype)
     return out
 

@@ -17,11 +17,11 @@ import triton.language as tl
 
 from sits.kernels.launch_utils import (
     FLOAT_DTYPES,
+    autotune,
     check_inner_contiguous,
     check_shape,
     check_tensor,
     next_power_of_2,
-    pick_configs,
     require,
 )
 from sits.kernels.reference import rms_norm_reference
@@ -31,12 +31,7 @@ __all__ = ["rms_norm", "rms_norm_reference"]
 MAX_HIDDEN = 65536  # one row must fit one program's registers
 
 
-@triton.autotune(
-    configs=pick_configs(
-        [triton.Config({}, num_warps=w) for w in (4, 8, 16)], triton.Config({}, num_warps=4)
-    ),
-    key=["BLOCK_N", "HAS_RESIDUAL"],
-)
+@autotune([triton.Config({}, num_warps=w) for w in (4, 8, 16)], triton.Config({}, num_warps=4), ["BLOCK_N", "HAS_RESIDUAL"])
 @triton.jit
 def _rms_norm_kernel(
     x_ptr,

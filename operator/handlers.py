@@ -49,8 +49,28 @@ class OperatorState:
 
 
 def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> OperatorState:
+    """Install the operator's handlers into `registry`; returns the state they share."""
     state = OperatorState()
-    backoff = max(config.resync_interval_s, 0.5)
+    _register_lifecycle(registry, config, state)
+    _register_resource(registry, config, state)
+    return state
+
+
+def _configure(settings: kopf.OperatorSettings) -> None:
+    # Our own annotations, not kopf.zalando.org/*; status.kopf would be pruned by the CRD schema
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="sits.ai")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix="sits.ai", key="last-handled-configuration")
+    # Handler failures (a PermanentError for an invalid spec) become Warning/Error Events; the
+    # rollout's own Events are posted by the reconciler
+    settings.posting.loggers = True
+    settings.posting.level = logging.WARNING
+    settings.watching.server_timeout = 300
+    settings.networking.request_timeout = 60
+
+
+def _register_lifecycle(registry: kopf.OperatorRegistry, config: OperatorConfig, state: OperatorState) -> None:
+    """Login, startup (settings, API client, health server, webhook) and cleanup."""
 
     @kopf.on.login(id="login", registry=registry)
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
@@ -58,16 +78,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> Operato
 
     @kopf.on.startup(id="startup", registry=registry)
     async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
-        # Our own annotations, not kopf.zalando.org/*; status.kopf would be pruned by the CRD schema
-        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="sits.ai")
-        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-            prefix="sits.ai", key="last-handled-configuration")
-        # Handler failures (a PermanentError for an invalid spec) become Warning/Error Events; the
-        # rollout's own Events are posted by the reconciler
-        settings.posting.loggers = True
-        settings.posting.level = logging.WARNING
-        settings.watching.server_timeout = 300
-        settings.networking.request_timeout = 60
+        _configure(settings)
         if state.reconciler is None:  # kopf retries a failed startup: keep what the last try made
             state.reconciler = Reconciler(KubeClient.from_environment())
         if config.health_port and state.health is None:
@@ -85,6 +96,11 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> Operato
         if state.reconciler is not None:
             state.reconciler.providers.terminate_all()
             state.reconciler.kube.close()
+
+
+def _register_resource(registry: kopf.OperatorRegistry, config: OperatorConfig, state: OperatorState) -> None:
+    """The SITSDeployment handlers: reconcile on change, resync and tenant timers, deletion."""
+    backoff = max(config.resync_interval_s, 0.5)
 
     @kopf.on.resume(*RESOURCE, id="reconcile", registry=registry, backoff=backoff)
     @kopf.on.create(*RESOURCE, id="reconcile", registry=registry, backoff=backoff)
@@ -117,5 +133,3 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> Operato
             return
         if tenancy.redis_url:
             delete_tenant_table(tenancy.redis_url, namespace, name)
-
-    return state

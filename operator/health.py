@@ -13,6 +13,8 @@ from aiohttp import web
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import CollectorRegistry
 
+from sits.operator.listen import listen
+
 logger = logging.getLogger("sits.operator.health")
 
 
@@ -32,12 +34,6 @@ def build_health_app(registry: CollectorRegistry) -> web.Application:
 
 async def start_health_server(registry: CollectorRegistry, host: str, port: int) -> web.AppRunner:
     """Listen on host:port; stop with `await runner.cleanup()`."""
-    runner = web.AppRunner(build_health_app(registry), access_log=None)
-    await runner.setup()
-    try:
-        await web.TCPSite(runner, host, port).start()
-    except BaseException:
-        await runner.cleanup()
-        raise
+    runner = await listen(build_health_app(registry), host, port)
     logger.info("health and metrics on http://%s:%d/healthz and /metrics", host, port)
     return runner

@@ -221,32 +221,7 @@ def _progress(ctx: _Context) -> Plan:
         failure = record_analysis(s, analysis, obs.analysis, now, ctx.owner.name, ctx.event)
         if failure is not None:
             return _abort(ctx, "AnalysisFailed", failure)
-    waiting = ""
-    while i < len(steps) and s.pause_reason != PAUSE_INCONCLUSIVE:
-        step = steps[i]
-        if step.set_weight is not None:
-            s.canary_weight = step.set_weight
-            target = canary_replicas(spec, step.set_weight)
-            if not obs.canary.serves(s.canary_revision, target):
-                waiting = f"waiting for canary pods ({obs.canary.ready_of(s.canary_revision)}/{target} ready)"
-                break
-            if analysis is not None and s.analysis.next_run_at is None and target > 0:
-                s.analysis.next_run_at = now + analysis.interval_s  # the canary serves: start measuring
-            if analysis is not None and not passed_since(s, s.step_started_at):
-                waiting = "waiting for a passing analysis run"
-                break
-        else:
-            elapsed = now - (s.step_started_at or now)
-            if step.pause_seconds is None or elapsed < step.pause_seconds:
-                s.pause_reason = PAUSE_STEP
-                left = "until resumed" if step.pause_seconds is None else f"{step.pause_seconds - elapsed:.0f}s left"
-                waiting = f"paused, {left}"
-                break
-            s.pause_reason = None
-            if analysis is not None and not passed_since(s, s.step_started_at):
-                waiting = "waiting for a passing analysis run"
-                break
-        i, s.step_started_at = i + 1, now
+    i, waiting = _advance(ctx, i)
     s.current_step = i
     if i >= len(steps):
         return _promote(ctx)
@@ -263,6 +238,34 @@ def _progress(ctx: _Context) -> Plan:
     return Plan(stable=TrackPlan(ctx.stable_workload, s.stable_revision or "", stable_replicas(spec, s.canary_weight, target, obs.canary.ready_of(s.canary_revision))),
                 canary=TrackPlan(spec.workload, ctx.desired_revision, target),
                 canary_weight=s.canary_weight, canary_active=True)
+
+
+def _advance(ctx: _Context, i: int) -> tuple[int, str]:
+    """Walk the steps from step `i` while each is done (weight served and analysed, pause over).
+
+    Returns the first step not done (len(steps) when all are) and what it waits for ("" if nothing)."""
+    s, spec, obs, now = ctx.status, ctx.spec, ctx.obs, ctx.now
+    steps, analysis = spec.rollout.canary.steps, spec.rollout.canary.analysis
+    while i < len(steps) and s.pause_reason != PAUSE_INCONCLUSIVE:
+        step = steps[i]
+        if step.set_weight is not None:
+            s.canary_weight = step.set_weight
+            target = canary_replicas(spec, step.set_weight)
+            if not obs.canary.serves(s.canary_revision, target):
+                return i, f"waiting for canary pods ({obs.canary.ready_of(s.canary_revision)}/{target} ready)"
+            if analysis is not None and s.analysis.next_run_at is None and target > 0:
+                s.analysis.next_run_at = now + analysis.interval_s  # the canary serves: start measuring
+        else:
+            elapsed = now - (s.step_started_at or now)
+            if step.pause_seconds is None or elapsed < step.pause_seconds:
+                s.pause_reason = PAUSE_STEP
+                left = "until resumed" if step.pause_seconds is None else f"{step.pause_seconds - elapsed:.0f}s left"
+                return i, f"paused, {left}"
+            s.pause_reason = None
+        if analysis is not None and not passed_since(s, s.step_started_at):
+            return i, "waiting for a passing analysis run"
+        i, s.step_started_at = i + 1, now
+    return i, ""
 
 
 def _promote(ctx: _Context) -> Plan:

@@ -20,13 +20,13 @@ from sits.operator.spec_lora import LoraSpec, parse_lora
 from sits.operator.spec_rollout import HTTP_URL, MonitoringSpec, RolloutSpec, parse_monitoring, parse_rollout
 from sits.operator.spec_router import FIELDS as ROUTER_FIELDS
 from sits.operator.spec_router import RouterSpec, check_router_model, parse_router
+from sits.runtime.tenancy.tenants_schema import MODEL_ID_RULE, TENANT_NAME, ModelIdsError, model_ids
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATIONS = ("none", "fp8", "int8")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MODEL_URI = re.compile(r"^(pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?|hf://[^/\s]+(/[^/\s]+)?|file:///\S*)$")
-TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 RESOURCE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
 REDIS_URL = re.compile(r"^(redis|rediss|unix)://\S+$")
@@ -117,6 +117,8 @@ class WorkloadSpec:
 
 @dataclass(frozen=True)
 class SecretKeyRef:
+    """A key of a Secret in the resource's namespace (the tenant's API key)."""
+
     name: str
     key: str
 
@@ -305,18 +307,17 @@ def _parse_tenancy(fields: Fields | None) -> TenancySpec:
 
 
 def _model_ids(tenant: Fields) -> tuple[str, ...] | None:
-    """A tenant's `models` allow-list: absent, or distinct non-empty ids. Ids the workload does not
-    serve are allowed (the runtime warns): the list may name adapters before they are rolled out."""
+    """A tenant's `models` allow-list (`tenants_schema.model_ids`), its problems named by spec path."""
     if tenant.data.get("models") is None:
         return None
-    items = tenant.items("models")
-    if not items:
-        raise SpecError(tenant.at("models"), "must list at least one model id (leave it out to allow every model)")
-    ids: list[str] = []
-    for path, item in items:
-        if not isinstance(item, str) or not item.strip() or item != item.strip():
-            raise SpecError(path, f"must be a model id (a non-blank string without surrounding spaces), got {item!r}")
-        if item in ids:
-            raise SpecError(path, f"{item!r} is listed twice")
-        ids.append(item)
-    return tuple(ids)
+    items = tenant.items("models")  # a SpecError unless it is a list
+    try:
+        return model_ids([item for _, item in items])
+    except ModelIdsError as error:
+        if error.index is None:
+            raise SpecError(tenant.at("models"),
+                            "must list at least one model id (leave it out to allow every model)") from None
+        path = items[error.index][0]
+        if error.repeated:
+            raise SpecError(path, f"{error.value!r} is listed twice") from None
+        raise SpecError(path, f"must be a model id ({MODEL_ID_RULE}), got {error.value!r}") from None

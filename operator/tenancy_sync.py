@@ -25,6 +25,7 @@ from sits.operator.meta import deployment_id
 from sits.operator.tenants import TenantRecord
 from sits.runtime.tenancy.redis_scripts import PUT_TENANTS
 from sits.runtime.tenancy.state_store import redact_url
+from sits.runtime.tenancy.tenants_schema import tenants_document
 
 
 def table_key(namespace: str, name: str) -> str:
@@ -32,7 +33,7 @@ def table_key(namespace: str, name: str) -> str:
 
 
 def tenant_document(records: list[TenantRecord]) -> dict[str, Any]:
-    return {"sharedPrefixPool": False, "tenants": [record.to_document() for record in records]}
+    return tenants_document([record.to_document() for record in records], shared_prefix_pool=False)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,8 @@
 """Tenant records as the runtime reads them: the spec's tenants with their API keys replaced by SHA-256.
 
+Each record writes its entry of the tenants document through the schema the runtime reads it with
+(`sits.runtime.tenancy.tenants_schema`).
+
 Keys are read from the referenced Secrets, hashed at once, and never kept, logged or written:
 records, reprs and error messages only ever hold the digest or the Secret's name.
 """
@@ -15,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sits.operator.spec import TenancySpec
+from sits.runtime.tenancy.tenants_schema import api_key_digest, tenant_entry
 
 # Reads Secret `name` in the resource's namespace; returns its `data` (base64 values) or None if absent.
 SecretReader = Callable[[str], dict[str, str] | None]
@@ -34,17 +38,11 @@ class TenantRecord:
     host_kv_cache_share: float = 0.0  # guaranteed fraction of the host KV tier
 
     def to_document(self) -> dict[str, Any]:
-        entry: dict[str, Any] = {"name": self.name, "apiKeySha256": self.api_key_sha256,
-                                 "priority": self.priority, "kvCacheShare": self.kv_cache_share}
-        if self.requests_per_minute is not None:
-            entry["requestsPerMinute"] = self.requests_per_minute
-        if self.tokens_per_minute is not None:
-            entry["tokensPerMinute"] = self.tokens_per_minute
-        if self.models is not None:
-            entry["models"] = list(self.models)
-        if self.host_kv_cache_share:
-            entry["hostKvCacheShare"] = self.host_kv_cache_share
-        return entry
+        """This tenant's entry of the tenants document (`sits.runtime.tenancy.tenants_schema`)."""
+        return tenant_entry(self.name, priority=self.priority, kv_cache_share=self.kv_cache_share,
+                            host_kv_cache_share=self.host_kv_cache_share, api_key_sha256=self.api_key_sha256,
+                            requests_per_minute=self.requests_per_minute, tokens_per_minute=self.tokens_per_minute,
+                            models=self.models)
 
 
 @dataclass(frozen=True)
@@ -86,7 +84,7 @@ def resolve_tenants(tenancy: TenancySpec, read_secret: SecretReader) -> TenantRe
             problems.append(f"tenant {tenant.name}: Secret {ref.name} key {ref.key!r} is empty")
             continue
         records.append(TenantRecord(
-            name=tenant.name, api_key_sha256=hashlib.sha256(api_key.encode("utf-8")).hexdigest(),
+            name=tenant.name, api_key_sha256=api_key_digest(api_key).hex(),
             priority=tenant.priority, kv_cache_share=tenant.kv_cache_share,
             requests_per_minute=tenant.requests_per_minute, tokens_per_minute=tenant.tokens_per_minute,
             models=tenant.models, host_kv_cache_share=tenant.host_kv_cache_share))

@@ -29,6 +29,7 @@ from aiohttp import web
 
 from sits.operator.config import OperatorConfig
 from sits.operator.kube import ApiError
+from sits.operator.listen import listen
 from sits.operator.reconciler import Reconciler
 from sits.operator.status import from_timestamp
 from sits.operator.webhook_auth import TOKEN_ENV, BearerToken, token_from
@@ -141,13 +142,7 @@ async def _handle_alert(reconciler: Reconciler, namespace: str | None, alert: di
 async def start_webhook(reconciler: Reconciler, token: BearerToken | None, host: str, port: int,
                         namespace: str | None = None) -> web.AppRunner:
     """Listen on host:port; stop with `await runner.cleanup()`."""
-    runner = web.AppRunner(build_app(reconciler, token, namespace), access_log=None)
-    await runner.setup()
-    try:
-        await web.TCPSite(runner, host, port).start()
-    except BaseException:
-        await runner.cleanup()
-        raise
+    runner = await listen(build_app(reconciler, token, namespace), host, port)
     logger.info("Alertmanager webhook listening on http://%s:%d/alertmanager (%s)", host, port,
                 "bearer token required" if token is not None else "UNAUTHENTICATED")
     return runner

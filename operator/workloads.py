@@ -26,6 +26,7 @@ from sits.operator.meta import (
 from sits.operator.plan import Plan, TrackPlan
 from sits.operator.spec import WorkloadSpec
 from sits.operator.tenants import TenantRecord
+from sits.runtime.tenancy.tenants_schema import tenants_document
 
 CONFIG_DIR = "/etc/sits"
 TENANTS_FILE = f"{CONFIG_DIR}/tenants.yaml"
@@ -211,7 +212,7 @@ def build_config_map(owner: Owner, plan: Plan, tenants: list[TenantRecord] | Non
     if plan.canary_active:
         data["engine-canary.yaml"] = _engine_document(owner, plan.canary)
     if tenants is not None:
-        document = {"tenants": [tenant.to_document() for tenant in tenants]}
+        document = tenants_document([tenant.to_document() for tenant in tenants])
         data["tenants.yaml"] = yaml.safe_dump(document, sort_keys=False)
     return {"apiVersion": "v1", "kind": "ConfigMap",
             "metadata": object_meta(owner, config_map_name(owner.name)), "data": data}

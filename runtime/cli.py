@@ -29,16 +29,20 @@ class OneLineErrorParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The `sits` parser; `only`: register just that subcommand (its module alone is imported, so
+    `sits serve` starts without importing every other command's dependencies)."""
     parser = OneLineErrorParser(prog="sits", description="SITS: serve LLMs to many tenants, fast.")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineErrorParser)
-    for module_name in COMMANDS.values():
-        importlib.import_module(module_name).register(subparsers)
+    for name, module_name in COMMANDS.items():
+        if only is None or name == only:
+            importlib.import_module(module_name).register(subparsers)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv[0] if argv and argv[0] in COMMANDS else None)
     args = parser.parse_args(argv)
     if getattr(args, "handler", None) is None:
         parser.print_help(sys.stderr)

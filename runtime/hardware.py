@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +67,8 @@ def _family(name: str) -> str:
 
 def detect_gpu(device: torch.device | str | int = 0) -> GpuProfile | None:
     """The CUDA device's profile, or None without CUDA."""
+    import torch  # here, not at the top: `sits serve` checks its flags before torch is imported
+
     if not torch.cuda.is_available():
         return None
     device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)

@@ -1,9 +1,13 @@
 """Which attention back end runs a configuration, and why.
 
 Back ends register themselves with `@register_backend` when their module is imported. The
-registry imports the known back-end modules on first use (a module that is absent or cannot be
+registry imports the known back-end modules when asked (a module that is absent or cannot be
 imported, e.g. Triton on a machine without it, is skipped and the reason logged), so adding a
 back end means writing its module; the engine only ever calls `select_backend`.
+
+The registry keeps no state of its own: the registered back ends are the subclasses of
+`AttentionBackend` that `register_backend` marked (the mark lives on the class), and why a name is
+not available is worked out when it is asked for (the import that failed, the interface version).
 
 External back ends (a package wrapping flash-attn, say) plug in the same way from outside the
 repository: a Python entry point in the group `sits.attention_backends` names a module (or a
@@ -31,9 +35,7 @@ BACKEND_MODULES = (
 )
 ENTRY_POINT_GROUP = "sits.attention_backends"
 
-_registry: dict[str, type[AttentionBackend]] = {}
-_import_failures: dict[str, str] = {}
-_imported = False
+_MARK = "_sits_registered"  # set in the class's own __dict__ by register_backend (subclasses do not inherit it)
 
 
 class BackendUnavailableError(ValueError):
@@ -67,58 +69,88 @@ def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
     """
     problem = interface_compatibility(cls)
     if problem is not None:
-        _import_failures[cls.name] = problem
         raise BackendVersionError(f"attention back end {cls.name!r} {problem}")
-    _registry[cls.name] = cls
-    _import_failures.pop(cls.name, None)
+    unregister_backend(cls.name)
+    setattr(cls, _MARK, True)
     return cls
 
 
 def unregister_backend(name: str) -> None:
     """Forget a back end (tests that register their own)."""
-    _registry.pop(name, None)
+    for cls in _backend_classes():
+        if getattr(cls, "name", None) == name and _MARK in vars(cls):
+            delattr(cls, _MARK)
 
 
 def registered_backends() -> list[type[AttentionBackend]]:
     """Every importable back end, highest priority first."""
     _import_backend_modules()
-    return sorted(_registry.values(), key=lambda cls: -cls.priority)
+    return _registered()
 
 
-def _import_backend_modules() -> None:
-    global _imported
-    if _imported:
-        return
-    _imported = True
+def _registered() -> list[type[AttentionBackend]]:
+    return sorted((cls for cls in _backend_classes() if _MARK in vars(cls)), key=lambda cls: -cls.priority)
+
+
+def _backend_classes() -> list[type[AttentionBackend]]:
+    """Every subclass of AttentionBackend defined so far, at any depth, in definition order."""
+    found: list[type[AttentionBackend]] = []
+    pending = [AttentionBackend]
+    while pending:
+        for sub in pending.pop(0).__subclasses__():
+            if sub not in found:
+                found.append(sub)
+                pending.append(sub)
+    return found
+
+
+def _import_backend_modules() -> dict[str, str]:
+    """Import the known back-end modules and the external ones (each import runs once per process;
+    one that failed is tried again). Returns why each that failed did: back-end or module name -> reason."""
+    failures: dict[str, str] = {}
     for module in BACKEND_MODULES:
         try:
             importlib.import_module(module)
         except BackendVersionError as exc:
             logger.warning("attention back-end module %s refused: %s", module, exc)
         except ImportError as exc:  # absent module or missing optional dependency
-            _import_failures.setdefault(module.rsplit(".", 1)[-1], f"{type(exc).__name__}: {exc}")
+            failures.setdefault(module.rsplit(".", 1)[-1], f"{type(exc).__name__}: {exc}")
             # A module that is simply not there is normal; one that fails to import is worth a warning.
             level = logging.DEBUG if getattr(exc, "name", None) == module else logging.WARNING
             logger.log(level, "attention back-end module %s not loaded: %s", module, exc)
     for entry_point in entry_points(group=ENTRY_POINT_GROUP):
-        load_external_backend(entry_point.name, entry_point.load)
+        problem = load_external_backend(entry_point.name, entry_point.load)
+        if problem is not None:
+            failures.setdefault(entry_point.name, problem)
+    return failures
 
 
-def load_external_backend(name: str, load) -> None:
+def load_external_backend(name: str, load) -> str | None:
     """Import one external back end (`load()` imports its module or returns its class); failures are logged.
 
     A class that is returned rather than registered by its module is registered here (with the
-    same interface-version check).
+    same interface-version check). Returns why it failed, None when it loaded.
     """
     try:
         loaded = load()
-        if isinstance(loaded, type) and issubclass(loaded, AttentionBackend) and loaded.name not in _registry:
+        if (isinstance(loaded, type) and issubclass(loaded, AttentionBackend)
+                and all(cls.name != loaded.name for cls in _registered())):
             register_backend(loaded)
     except BackendVersionError as exc:
         logger.warning("external attention back end %s refused: %s", name, exc)
     except Exception as exc:  # noqa: BLE001 - a broken plug-in must not stop the engine
-        _import_failures.setdefault(name, f"{type(exc).__name__}: {exc}")
         logger.warning("external attention back end %s not loaded: %s", name, exc)
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _why_unavailable(name: str, failures: dict[str, str]) -> str:
+    """Why no registered back end is called `name`: its import failed, or a class of that name
+    implements another interface version, else it is not registered."""
+    if name in failures:
+        return failures[name]
+    refused = (interface_compatibility(cls) for cls in _backend_classes() if getattr(cls, "name", None) == name)
+    return next((problem for problem in refused if problem is not None), "not registered")
 
 
 def select_backend(name: str, device: torch.device | str, dtype: torch.dtype, head_dim: int) -> AttentionBackend:
@@ -133,11 +165,12 @@ def select_backend(name: str, device: torch.device | str, dtype: torch.dtype, he
             (the message gives the reason), or no back end does.
     """
     device = torch.device(device)
-    candidates = registered_backends()
+    failures = _import_backend_modules()
+    candidates = _registered()
     if name != "auto":
         cls = next((c for c in candidates if c.name == name), None)
         if cls is None:
-            why = _import_failures.get(name, "not registered")
+            why = _why_unavailable(name, failures)
             known = ", ".join(c.name for c in candidates)
             raise BackendUnavailableError(
                 f"attention back end {name!r} is not available ({why}); available: {known}"

@@ -118,8 +118,21 @@ def lora_config_from_args(args: argparse.Namespace) -> LoraConfig:
                           and os.environ.get(RUNTIME_UPDATING_ENV, "").lower() in ("1", "true")))
 
 
-def _on_cpu(device: str) -> bool:
+NVIDIA_DRIVER_NODE = "/dev/nvidiactl"  # present wherever the NVIDIA driver can serve CUDA
+
+
+def surely_cpu(device: str) -> bool:
+    """True when the engine will run on the CPU, known without importing torch: `--device cpu`, or
+    `auto` on a host without the NVIDIA driver (or with CUDA_VISIBLE_DEVICES empty or -1)."""
     if device == "cpu":
+        return True
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return device == "auto" and (not os.path.exists(NVIDIA_DRIVER_NODE) or visible is not None
+                                 and visible.strip() in ("", "-1"))
+
+
+def _on_cpu(device: str) -> bool:
+    if surely_cpu(device):
         return True
     if device == "auto":
         import torch
@@ -135,11 +148,14 @@ def device_defaults(device: str):
     return CPU_DEFAULTS if _on_cpu(device) else engine_defaults(detect_gpu())
 
 
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """The validated EngineConfig; raises ConfigError naming the flag."""
+def engine_config_from_args(args: argparse.Namespace, chosen=None) -> EngineConfig:
+    """The validated EngineConfig; raises ConfigError naming the flag.
+
+    `chosen`: the `EngineDefaults` for what the flags leave unset; None: the device's
+    (`device_defaults`, which imports torch and probes CUDA unless the engine surely runs on the CPU)."""
     from sits.runtime.hardware import CPU_DEFAULTS, log_defaults
 
-    chosen = device_defaults(args.device)
+    chosen = chosen or device_defaults(args.device)
     defaults = {"max_num_seqs": chosen.max_num_seqs, "max_num_batched_tokens": chosen.max_num_batched_tokens}
     graph_max = getattr(args, "cuda_graph_max_batch_size", None)
     if chosen is not CPU_DEFAULTS:

@@ -7,7 +7,7 @@ import logging
 import os
 import socket
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sits.runtime.commands.engine_args import (
     ConfigError,
@@ -15,6 +15,7 @@ from sits.runtime.commands.engine_args import (
     configure_logging,
     engine_config_from_args,
     fail,
+    surely_cpu,
 )
 from sits.runtime.config import TOOL_CALL_PARSERS, EngineConfig, ServerConfig
 from sits.runtime.server.security import (
@@ -25,10 +26,11 @@ from sits.runtime.server.security import (
     serving_metrics,
 )
 from sits.runtime.tenancy.config import TenancyConfig
-from sits.runtime.tenancy.service import Tenancy
 from sits.runtime.tenancy.state_store import redact_url
 from sits.runtime.tenancy.tenants import TenantConfigError
-from sits.runtime.tracing import build_tracer
+
+if TYPE_CHECKING:
+    from sits.runtime.tenancy.service import Tenancy
 
 PROG = "sits serve"
 API_KEY_ENV = "SITS_API_KEY"  # read when no --api-key is given (vLLM: VLLM_API_KEY)
@@ -161,18 +163,22 @@ def bind(host: str, port: int) -> socket.socket:
 
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
+    from sits.runtime.hardware import CPU_DEFAULTS
+    from sits.runtime.parallel.ranks import torchrun_rank_info
+    from sits.runtime.tenancy.service import Tenancy
+    from sits.runtime.tracing import build_tracer
+
     try:
-        engine_config = with_chat_template(engine_config_from_args(args), args)
+        # Every flag is checked first, without torch (a GPU's own limits are read after the first line).
+        engine_config = with_chat_template(engine_config_from_args(args, CPU_DEFAULTS), args)
         server_config = server_config_from_args(args)
         api_keys = api_keys_from_args(args)
         tracer = build_tracer(args.otlp_endpoint)
         security = security_from_args(args)
-        from sits.runtime.parallel.cli_args import run_if_torchrun_worker
-
-        worker_exit_code = run_if_torchrun_worker(engine_config, engine_config.parallel)
-        if worker_exit_code is not None:  # torchrun ranks 1..N-1 serve rank 0's steps, not HTTP
-            return worker_exit_code
         tenancy = Tenancy.from_config(tenancy_config_from_args(args))  # reads --tenants; no I/O yet
+        rank = torchrun_rank_info()
+        if rank is not None and rank.rank != 0:  # torchrun ranks 1..N-1 serve rank 0's steps, not HTTP
+            return serve_torchrun_rank(args)
         sock = bind(server_config.host, server_config.port)
         try:
             metrics_listener = bind_metrics_listener(server_config.host, security.metrics_port)
@@ -181,10 +187,18 @@ def run(args: argparse.Namespace) -> int:
             raise
     except (ConfigError, TenantConfigError, SecurityConfigError) as error:
         return fail(PROG, str(error))
-    # The first line comes as soon as the flags are checked: loading takes seconds to minutes, and silence
-    # looks like a hang.
+    # The first line comes as soon as the flags are checked (within a second): loading takes seconds to
+    # minutes, and silence looks like a hang.
     logger.info("sits serve: loading %s, then serving on %s:%d", engine_config.model.model
                 or engine_config.model.config_name or "the embedded SmolLM2-135M-Instruct", *sock.getsockname()[:2])
+    if not surely_cpu(args.device):  # the GPU's memory and rates pick the limits the flags leave unset (torch)
+        try:
+            engine_config = with_chat_template(engine_config_from_args(args), args)
+        except ConfigError as error:
+            sock.close()
+            if metrics_listener is not None:
+                metrics_listener.stop()
+            return fail(PROG, str(error))
     from sits.runtime.engine.core_client import MultiprocessEngineClient
     from sits.runtime.server.app import build_app
     from sits.runtime.server.runner import run_server
@@ -223,6 +237,15 @@ def engine_in_process(args: argparse.Namespace, environ: Mapping[str, str] = os.
     """--engine-in-process, or $SITS_ENGINE_IN_PROCESS set to 1 / true / yes."""
     flag = environ.get(ENGINE_IN_PROCESS_ENV, "").strip().lower() in {"1", "true", "yes"}
     return bool(getattr(args, "engine_in_process", False)) or flag
+
+
+def serve_torchrun_rank(args: argparse.Namespace) -> int:
+    """A torchrun rank other than 0: the engine's share of every step, with the device's limits; no port."""
+    from sits.runtime.parallel.cli_args import run_if_torchrun_worker
+
+    engine_config = with_chat_template(engine_config_from_args(args), args)
+    exit_code = run_if_torchrun_worker(engine_config, engine_config.parallel)
+    return 0 if exit_code is None else exit_code
 
 
 def build_engine(engine_config: EngineConfig, tenancy: Tenancy, args: argparse.Namespace) -> Any:

@@ -8,6 +8,7 @@
                                   contract in scheduler_interface.py, ordering in scheduling_policy.py
     KVCacheManager (kv_cache.py)  block tables and prefix hits over BlockPool (block_pool.py),
                                   prefix hashes (prefix_hash.py), eviction (eviction.py),
+                                  which tenant holds which block (block_owners.py),
                                   sizing from a memory budget (cache_sizing.py)
     ModelRunner (runner.py)       flat batches (model_input.py) from a persistent batch of block
                                   tables (input_batch.py), the model, Sampler (sampler.py); a

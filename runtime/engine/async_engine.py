@@ -6,6 +6,9 @@ under a lock; the thread applies them between steps, runs a step, and hands each
 `RequestOutput` to its stream's event loop with `loop.call_soon_threadsafe`. With nothing to do
 the thread sleeps on a condition variable (no polling) until a command arrives.
 
+Stats are built on the same thread, only when asked: `stats()` hands the loop a ticket and waits
+for the figures it builds after the step in flight (`StatsAnswers`); no step builds any otherwise.
+
 Periodic work that must read engine state on its own thread (the tenancy layer publishing its
 eviction index) is registered with `add_periodic`: it runs between steps when due, and once more
 when the engine goes idle, never while a step runs.
@@ -36,7 +39,7 @@ from sits.runtime.engine.errors import (
     EngineShuttingDownError,
 )
 from sits.runtime.engine.request import RequestOutput, SamplingParams
-from sits.runtime.engine.stats import EngineStats
+from sits.runtime.engine.stats import EngineStats, StatsAnswers
 from sits.runtime.engine.structured_output import GrammarCache, StructuredOutputs
 from sits.runtime.lora.config import LoraConfigError, LoraModule
 from sits.runtime.lora.manager import LoraManager, lora_slot
@@ -111,7 +114,8 @@ class AsyncEngine:
         self._healthy = True
         self._idle = threading.Event()  # set while the engine holds no request
         self._idle.set()
-        self._stats: EngineStats = engine.stats()
+        self._stats = StatsAnswers(engine.stats())  # asks answered by the loop between steps
+        self._loop_done = False  # guarded by _cond: the loop thread answers no more asks
         self._periodic: list[_Periodic] = []
         self._death_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []  # guarded by _cond
 
@@ -180,8 +184,16 @@ class AsyncEngine:
         return self._accepting and self._healthy
 
     def stats(self) -> EngineStats:
-        """The snapshot published after the latest step or command (never blocks on the loop)."""
-        return self._stats
+        """The engine's figures now: built by the loop thread after the step in flight (this waits
+        for it, STATS_WAIT_S at most: then the latest figures built), or here when no loop runs."""
+        with self._cond:
+            if self._thread is None or self._loop_done:  # nothing else touches the engine (the lock holds off a start)
+                stats = self.engine.stats()
+                self._stats.answer(0, stats)
+                return stats
+            ticket = self._stats.ask()
+            self._cond.notify()
+        return self._stats.wait(ticket)
 
     def add_periodic(self, callback: Callable[[], None], interval_s: float) -> None:
         """Run `callback` on the engine thread about every interval_s seconds while requests
@@ -257,7 +269,6 @@ class AsyncEngine:
             raise EngineDeadError("the engine stopped after an error and accepts no requests")
         if not self._accepting:
             raise EngineShuttingDownError("the engine is shutting down and accepts no new requests")
-        self.engine.validate_request(prompt_token_ids, params, tenant)  # reads limits only (ints)
         lora_slot(self.engine.lora, lora)  # an adapter not served: InvalidRequestError, before queueing
         self._ensure_started()
         stream = _Stream(asyncio.get_running_loop())
@@ -328,7 +339,8 @@ class AsyncEngine:
         try:
             while True:
                 with self._cond:
-                    while not (self._commands or self._stop or self.engine.has_unfinished_requests()):
+                    while not (self._commands or self._stop or self.engine.has_unfinished_requests()
+                               or self._stats.pending):
                         if any(p.dirty for p in self._periodic):
                             break  # publish the final state before sleeping
                         self._idle.set()
@@ -344,11 +356,23 @@ class AsyncEngine:
                     self._deliver(self.engine.step())
                     if self.engine.last_step_num_tokens == 0:
                         self._back_off()
-                self._stats = self.engine.stats()
+                self._answer_stats()
                 self._run_periodic(changed=busy or bool(commands), idle=not busy)
         except Exception as exc:  # a crashed step must not leave any stream waiting forever
             logger.exception("engine step failed; failing in-flight requests")
             self._fail_all(exc)
+        finally:  # the last asks get the final figures; later ones are built by the asker
+            with self._cond:
+                self._loop_done = True
+            with contextlib.suppress(Exception):  # the engine may be broken
+                self._answer_stats()
+            self._stats.close()
+
+    def _answer_stats(self) -> None:
+        """Build the figures once for every ask waiting (nothing when none is)."""
+        ticket = self._stats.pending
+        if ticket:
+            self._stats.answer(ticket, self.engine.stats())
 
     def _run_periodic(self, changed: bool, idle: bool) -> None:
         now = time.monotonic()
@@ -389,8 +413,6 @@ class AsyncEngine:
                 )
             except ValueError as exc:  # raced with a duplicate id, or other request validation
                 self._send(command.request_id, exc)
-        if commands:
-            self._stats = self.engine.stats()
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
@@ -404,7 +426,6 @@ class AsyncEngine:
 
     def _abort_all(self) -> None:
         self._deliver(self.engine.abort_request(list(self.engine.output_processor.request_ids())))
-        self._stats = self.engine.stats()
         with self._cond:
             pending = [c.request_id for c in self._commands if isinstance(c, _Add)]
             _drop_commands(self._commands)
@@ -427,7 +448,6 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(_resolve, future)
         with contextlib.suppress(Exception):  # free what can be freed; the engine may be broken
             self.engine.abort_request(list(self.engine.output_processor.request_ids()))
-            self._stats = self.engine.stats()
         self._idle.set()
 
 

@@ -5,13 +5,15 @@ Every block is in exactly one of three states:
   - in use: ref_count > 0 (shared by every sequence whose prefix hit it);
   - evictable: ref_count 0 but still cached under its hash, so a later prompt can hit it; handed
     out (losing its hash) only when no empty block is left, in the order the EvictionPolicy picks.
-Pure bookkeeping: the K/V tensors live in the model runner, indexed by `block_id`.
+The pool knows blocks only: which tenant holds or uses each block is the owner map's
+(`self.owners`, `block_owners.BlockOwners`), which the pool charges as blocks change state and
+the eviction policy reads. Pure bookkeeping: the K/V tensors live in the model runner, indexed by
+`block_id`.
 """
 
 from __future__ import annotations
 
-import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable, Iterable
 
 from sits.runtime.engine.eviction import BlockOwner, EvictionPolicy, KVBlock, LRUEvictionPolicy
@@ -25,8 +27,8 @@ class BlockPool:
         num_blocks: blocks in the cache.
         enable_caching: keep hashes of released blocks (prefix caching); off, released blocks
             are empty at once.
-        eviction_policy: orders evictable blocks; LRU by default.
-        clock: seconds, for `KVBlock.last_used_time` (monotonic by default).
+        eviction_policy: orders evictable blocks; LRU by default. Bound to this pool (`bind`),
+            it supplies the owner map the pool charges.
     """
 
     def __init__(
@@ -34,22 +36,17 @@ class BlockPool:
         num_blocks: int,
         enable_caching: bool = True,
         eviction_policy: EvictionPolicy | None = None,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.eviction_policy = eviction_policy if eviction_policy is not None else LRUEvictionPolicy()
-        self._clock = clock
         self.blocks = [KVBlock(block_id=i) for i in range(num_blocks)]
         self._empty: deque[KVBlock] = deque(self.blocks)
         self._cached: dict[BlockHash, KVBlock] = {}
-        self._used_by_tenant: Counter[str] = Counter()  # referenced blocks per tenant (usage)
-        self._in_use_by: list[str | None] = [None] * num_blocks  # tenant charged while referenced
-        self._holder: list[str | None] = [None] * num_blocks  # tenant holding it until it is empty
-        self._held_by_tenant: Counter[str] = Counter()  # non-empty blocks per holder (the same, counted)
         self.num_evictions = 0
+        self.owners = self.eviction_policy.bind(self)
         # Told of each cached block evicted for reuse, before its hash is dropped (a lower tier
         # keeps a copy: `host_tier.HostKVTier.offload`): (block, tenant holding it).
         self.on_evict: Callable[[KVBlock, str | None], None] | None = None
@@ -76,19 +73,23 @@ class BlockPool:
 
     def used_blocks_by_tenant(self) -> dict[str, int]:
         """Referenced blocks per tenant (a shared block counts for the tenant that referenced it first)."""
-        return {tenant: count for tenant, count in self._used_by_tenant.items() if count > 0}
+        return self.owners.used.snapshot()
 
     def held_blocks_by_tenant(self) -> dict[str, int]:
         """Non-empty blocks (in use or cached) per holding tenant."""
-        return {tenant: count for tenant, count in self._held_by_tenant.items() if count > 0}
+        return self.owners.held.snapshot()
 
     def holder_of(self, block: KVBlock) -> str | None:
         """The tenant holding a non-empty block: the one it was allocated to (who computed it)."""
-        return self._holder[block.block_id]
+        return self.owners.holder_of(block.block_id)
 
     def lookup(self, block_hash: BlockHash) -> KVBlock | None:
         """The cached block holding this prefix hash, in use or evictable, or None."""
         return self._cached.get(block_hash)
+
+    def cached_hashes(self) -> frozenset[BlockHash]:
+        """The prefix hashes a prompt can hit now (in use or evictable); at most `num_blocks`."""
+        return frozenset(self._cached)
 
     # -- state changes ---------------------------------------------------------------------
     def allocate(self, count: int, owner: BlockOwner) -> list[KVBlock] | None:
@@ -101,6 +102,7 @@ class BlockPool:
             return None
         taken: list[KVBlock] = []
         for _ in range(count):
+            block: KVBlock | None
             if self._empty and self.eviction_policy.may_take_empty(owner):
                 block = self._empty.popleft()
             else:
@@ -109,12 +111,10 @@ class BlockPool:
                     self.release(reversed(taken))
                     return None
                 if self.on_evict is not None and block.block_hash is not None:
-                    self.on_evict(block, self._holder[block.block_id])
+                    self.on_evict(block, self.owners.holder_of(block.block_id))
                 self._make_empty(block)
                 self.num_evictions += 1
-            self._holder[block.block_id] = owner.tenant
-            self._held_by_tenant[owner.tenant] += 1
-            self.eviction_policy.on_allocate(block, owner)
+            self.owners.charge(block.block_id, owner.tenant)
             self._reference(block, owner)
             taken.append(block)
         return taken
@@ -126,7 +126,6 @@ class BlockPool:
                 raise RuntimeError(f"block {block.block_id} is not cached; only cached blocks can be hit")
             if block.ref_count == 0:
                 self.eviction_policy.remove(block)
-            self.eviction_policy.on_touch(block, owner)
             self._reference(block, owner)
 
     def release(self, blocks: Iterable[KVBlock]) -> None:
@@ -134,18 +133,13 @@ class BlockPool:
 
         Pass a sequence's blocks last-first: under LRU its tail (least shared) goes first.
         """
-        now = self._clock()
         for block in blocks:
             if block.ref_count <= 0:
                 raise RuntimeError(f"block {block.block_id} released more often than taken")
             block.ref_count -= 1
-            block.last_used_time = now
-            self.eviction_policy.on_release(block)
             if block.ref_count > 0:
                 continue
-            tenant = self._in_use_by[block.block_id]
-            self._used_by_tenant[tenant] -= 1
-            self._in_use_by[block.block_id] = None
+            self.owners.unuse(block.block_id)
             if block.block_hash is not None and self.enable_caching:
                 self.eviction_policy.add(block)
             else:
@@ -176,21 +170,16 @@ class BlockPool:
 
     # -- internals -------------------------------------------------------------------------
     def _reference(self, block: KVBlock, owner: BlockOwner) -> None:
+        """Add `owner`'s reference and stamp it on the block (its last use: `KVBlock.last_used_time`)."""
         if block.ref_count == 0:
-            self._used_by_tenant[owner.tenant] += 1
-            self._in_use_by[block.block_id] = owner.tenant
+            self.owners.use(block.block_id, owner.tenant)
         block.ref_count += 1
         block.last_owner = owner
-        block.last_used_time = self._clock()
 
     def _make_empty(self, block: KVBlock) -> None:
-        """Drop the block's hash and tell the policy its holder no longer holds it."""
+        """Drop the block's hash; its holder no longer holds it."""
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) is block:
                 del self._cached[block.block_hash]
             block.block_hash = None
-        holder = self._holder[block.block_id]
-        if holder is not None:
-            self._holder[block.block_id] = None
-            self._held_by_tenant[holder] -= 1
-            self.eviction_policy.on_empty(block, holder)
+        self.owners.uncharge(block.block_id)

@@ -95,7 +95,9 @@ class EngineClient(Protocol):
         ...
 
     def stats(self) -> EngineStats:
-        """The latest snapshot of the engine's state (never blocks on the step loop)."""
+        """The engine's figures, built when asked: after the step in flight, so this may wait for
+        that step (never on the event loop's behalf; at most `STATS_WAIT_S`, then the latest figures
+        built). Call it off the event loop where a step's wait matters (/metrics does)."""
         ...
 
     @property

@@ -40,7 +40,7 @@ from sits.runtime.engine.errors import (
     EngineShuttingDownError,
 )
 from sits.runtime.engine.request import RequestOutput, SamplingParams
-from sits.runtime.engine.stats import EngineStats
+from sits.runtime.engine.stats import EngineStats, StatsAnswers
 from sits.runtime.engine.structured_output import GrammarCache
 from sits.runtime.lora.config import LoraModule
 from sits.runtime.lora.usage import AdapterUsage
@@ -85,7 +85,7 @@ class MultiprocessEngineClient:
         self.lora_usage = AdapterUsage()
         self._lora_modules = dict(ready.lora_modules)
         self._room = ready.room
-        self._stats = ready.stats
+        self._stats = StatsAnswers(ready.stats)  # asks answered by the engine process between steps
         self._tenancy_usage: Any = None
         self._streams: dict[str, _Stream] = {}  # event-loop only
         self._calls: dict[int, asyncio.Future] = {}  # LoRA calls awaiting the engine's answer
@@ -176,7 +176,19 @@ class MultiprocessEngineClient:
         return self._room.max_tokens_for(tenant)
 
     def stats(self) -> EngineStats:
-        return self._stats
+        """The engine's figures now: asks the engine process, which answers before its next step (this
+        waits for the step in flight, STATS_WAIT_S at most); the latest figures it sent when it cannot
+        answer (not started, stopping, gone). Any thread; the answer never needs the event loop."""
+        if self._reader is None or not self._healthy or self._stopping:
+            return self._stats.latest
+        ticket = self._stats.ask()
+        with self._lock:  # what was queued before this ask reaches the engine before it
+            commands, self._outbox = self._outbox, []
+        try:
+            self._write([*commands, wire.StatsRequest(ticket)])
+        except (OSError, ValueError):  # the engine is gone: the reader reports it
+            return self._stats.latest
+        return self._stats.wait(ticket)
 
     @property
     def grammar_cache(self) -> GrammarCache:
@@ -318,10 +330,14 @@ class MultiprocessEngineClient:
                 batch = wire.decode(self._conn.recv_bytes())
             except (EOFError, OSError):
                 break
+            if batch.stats is not None:  # answered on this thread: stats() may be blocking the event loop
+                self._stats.answer(batch.stats_ticket, batch.stats)
+                continue
             if batch.stopped:
                 self._stopped.set()
             with contextlib.suppress(RuntimeError):  # the loop closed: the server is gone already
                 loop.call_soon_threadsafe(self._dispatch, batch)
+        self._stats.close()
         with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(self._on_lost)
 
@@ -344,7 +360,6 @@ class MultiprocessEngineClient:
                     future.set_result(None)
                 else:
                     future.set_exception(wire.error_from_wire(result.error))
-        self._stats = batch.stats or self._stats
         self._room = batch.room or self._room
         if batch.tenancy_usage is not None:
             self._tenancy_usage = batch.tenancy_usage

@@ -17,7 +17,9 @@ Threads here: the loop thread owns the engine (commands, a step, one batch out; 
 only builds the engine and waits);
 a receiver thread reads the pipe (so a command never waits for a step to end to be read), compiles
 a request's grammar before the request reaches the loop (xgrammar's compile can take tens of ms;
-the cache is thread-safe), and reads LoRA adapters from disk off the loop.
+the cache is thread-safe), and reads LoRA adapters from disk off the loop. The engine's stats go
+out only in answer to a `StatsRequest`, built once between two steps (`_answer_stats`), never per
+step (`sits.runtime.engine.stats.StatsAnswers` says why).
 
 Parent death: the process asks the kernel for SIGKILL when its parent dies (`prctl
 PR_SET_PDEATHSIG`), and the pipe's EOF ends the loop as well; tensor-parallel workers, children of
@@ -187,6 +189,7 @@ class EngineCore:
                 return
             batch = wire.CoreBatch()
             self._apply(commands, batch)
+            commands = self._answer_stats(commands)
             busy = self.engine.has_unfinished_requests()
             if busy:
                 self._deliver(self.engine.step(), batch)
@@ -199,10 +202,18 @@ class EngineCore:
                 batch.stopped = True
             self._publish_tenancy(batch, idle=not self.engine.has_unfinished_requests())
             if commands or busy or batch.stopped or batch.tenancy_usage is not None:
-                batch.stats = self.engine.stats()
                 self.conn.send_bytes(wire.encode(batch))
             if batch.stopped:
                 return
+
+    def _answer_stats(self, commands: list) -> list:
+        """Answer the StatsRequests among the commands just applied now, before the next step, with one
+        build (asked during a step, the figures include what that step did); returns the other commands."""
+        tickets = [command.ticket for command in commands if isinstance(command, wire.StatsRequest)]
+        if not tickets:
+            return commands
+        self.conn.send_bytes(wire.encode(wire.CoreBatch(stats=self.engine.stats(), stats_ticket=max(tickets))))
+        return [command for command in commands if not isinstance(command, wire.StatsRequest)]
 
     def _wait_for_work(self) -> tuple[list, bool]:
         with self._cond:

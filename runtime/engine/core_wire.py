@@ -87,6 +87,14 @@ class NewTenantTable:
 
 
 @dataclass
+class StatsRequest:
+    """Ask for the engine's figures: answered between steps by a CoreBatch whose stats_ticket is
+    this ticket or a later one (`sits.runtime.engine.stats.StatsAnswers`)."""
+
+    ticket: int
+
+
+@dataclass
 class Shutdown:
     """Finish what runs for up to drain_timeout_s, abort the rest, answer `Stopped` and exit."""
 
@@ -177,7 +185,8 @@ class CoreBatch:
     outputs: list[WireOutput] = field(default_factory=list)
     errors: list[tuple[str, WireError]] = field(default_factory=list)  # (request_id, why it was refused)
     results: list[CallResult] = field(default_factory=list)
-    stats: EngineStats | None = None
+    stats: EngineStats | None = None  # only in answer to StatsRequests, never per step
+    stats_ticket: int = 0  # with stats: every StatsRequest up to this ticket is answered
     room: TenantRoom | None = None  # after a tenant-table change
     tenancy_usage: Any = None  # EngineTenancyUsage, now and then
     eviction_index: dict | None = None  # for the state store, now and then

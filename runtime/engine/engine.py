@@ -44,6 +44,7 @@ from sits.runtime.engine.sequence import RequestState, Sequence, SequenceStatus,
 from sits.runtime.engine.stats import EngineStats
 from sits.runtime.engine.structured_output import StructuredOutputs
 from sits.runtime.engine.token_masks import resolve_bad_words
+from sits.runtime.engine.validated import ValidatedSamplingParams
 from sits.runtime.lora.manager import lora_binding, setup_lora
 
 if TYPE_CHECKING:  # the models package is imported only when a model is loaded
@@ -172,14 +173,14 @@ class LLMEngine:
 
     # -- requests --------------------------------------------------------------------------
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams, tenant: str = "default") -> None:
-        """Raise (a ValueError subclass, a 400 at the edge) if the request can never be served."""
+        """Raise (a ValueError subclass, a 400 at the edge) if the request can never be served.
+
+        The one check of a request that did not come through the server's input processor
+        (`sits.runtime.engine.validated`); one that did is only asserted (`_check_invariants`).
+        """
         params.validate(vocab_size=self.vocab_size)
         resolve_bad_words(params, self.tokenizer, self.vocab_size)  # bad_words as token ids, once
-        if params.prompt_logprobs is not None and self.config.parallel.tensor_parallel_size > 1:
-            raise SamplingParamsError("prompt_logprobs", "prompt logprobs (echo with logprobs, or prompt_logprobs) "
-                                      "are not available with tensor parallelism")
-        if params.structured_output is not None:  # a 400 naming response_format; cached once compiled
-            self.structured_outputs.cache.compile(params.structured_output)
+        self._check_engine_support(params)
         if not prompt_token_ids:
             raise PromptTooLongError("the prompt is empty; it needs at least one token")
         bad = next((t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)), None)
@@ -192,13 +193,43 @@ class LLMEngine:
                 f"{len(prompt_token_ids)} tokens and {wanted} more were requested "
                 f"({len(prompt_token_ids) + wanted} in all)"
             )
+        self._check_tenant_room(len(prompt_token_ids), params, tenant)
+
+    def _check_engine_support(self, params: SamplingParams) -> None:
+        """What this engine's configuration refuses, and the output grammar compiled (a 400 naming its
+        field; a cache hit once compiled, as it is when the server compiled it)."""
+        if params.prompt_logprobs is not None and self.config.parallel.tensor_parallel_size > 1:
+            raise SamplingParamsError("prompt_logprobs", "prompt logprobs (echo with logprobs, or prompt_logprobs) "
+                                      "are not available with tensor parallelism")
+        if params.structured_output is not None:
+            self.structured_outputs.cache.compile(params.structured_output)
+
+    def _check_tenant_room(self, prompt_tokens: int, params: SamplingParams, tenant: str) -> None:
+        """The tenant's room in the KV cache now: only the engine knows it when the request arrives
+        (a live table update may have shrunk it since the server looked)."""
+        wanted = params.max_tokens or 1
         room = self.kv_cache.max_tokens_for(tenant)
-        if len(prompt_token_ids) + wanted > room:
+        if prompt_tokens + wanted > room:
             raise PromptTooLongError(
                 f"tenant {tenant!r} can hold at most {room} tokens in the KV cache (its kvCacheShare plus the "
-                f"blocks no tenant is guaranteed); the prompt has {len(prompt_token_ids)} tokens and {wanted} "
+                f"blocks no tenant is guaranteed); the prompt has {prompt_tokens} tokens and {wanted} "
                 "more were requested"
             )
+
+    def _check_request(self, prompt_token_ids: list[int], params: SamplingParams, tenant: str) -> None:
+        """Each request is checked once: by the server's input processor (ValidatedSamplingParams, only
+        asserted here), else here (`validate_request`)."""
+        if isinstance(params, ValidatedSamplingParams):
+            self._check_invariants(prompt_token_ids, params, tenant)
+        else:
+            self.validate_request(prompt_token_ids, params, tenant)
+
+    def _check_invariants(self, prompt_token_ids: list[int], params: ValidatedSamplingParams, tenant: str) -> None:
+        """A request the server's input processor checked: cheap asserts, then what only the engine knows."""
+        assert prompt_token_ids and params.max_tokens is not None, "validated requests carry a prompt and max_tokens"
+        assert len(prompt_token_ids) + params.max_tokens <= self.max_model_len, "validated requests fit the context"
+        self._check_engine_support(params)
+        self._check_tenant_room(len(prompt_token_ids), params, tenant)
 
     def add_request(
         self,
@@ -229,7 +260,7 @@ class LLMEngine:
         if request_id in self._requests:
             raise DuplicateRequestError(f"request id {request_id!r} is already in the engine")
         prompt_token_ids = list(prompt_token_ids)
-        self.validate_request(prompt_token_ids, params, tenant)
+        self._check_request(prompt_token_ids, params, tenant)
         slot, lora_key = lora_binding(self.lora, lora)  # InvalidRequestError for an adapter not served
         arrival_time = time.time() if arrival_time is None else arrival_time
         # A sequence longer than its tenant's room in the cache could never finish: it stops there.
@@ -360,19 +391,13 @@ class LLMEngine:
             shutdown()
 
     def stats(self) -> EngineStats:
-        """The scheduler's figures (every SchedulerStats field, as it is) and the engine's own."""
-        s = self.scheduler.stats()
+        """The engine's figures now: the scheduler's, with this engine's request counters added.
+        Built only when asked (a scrape, a caller), on the engine's thread between steps."""
         c = self._counters
-        return EngineStats(
-            **{f.name: getattr(s, f.name) for f in dataclasses.fields(s)},
-            num_requests=len(self._requests),
-            kv_cache_usage=s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0,
-            num_finished=c["finished"],
-            num_aborted=c["aborted"],
-            num_prompt_tokens=c["prompt_tokens"],
-            num_generation_tokens=c["generation_tokens"],
-            num_steps=c["steps"],
-        )
+        return dataclasses.replace(
+            self.scheduler.stats(), num_requests=len(self._requests), num_finished=c["finished"],
+            num_aborted=c["aborted"], num_prompt_tokens=c["prompt_tokens"],
+            num_generation_tokens=c["generation_tokens"], num_steps=c["steps"])
 
 
 def _resolve_async_scheduling(config: EngineConfig, loaded: LoadedModel) -> bool:

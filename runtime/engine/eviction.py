@@ -4,8 +4,10 @@ A block whose last reference is released keeps its prefix hash and stays findabl
 requests ("evictable"). When a request needs a block and no empty one is left, the pool asks its
 `EvictionPolicy` for a victim among the evictable blocks, drops the victim's hash and hands the
 block out. The default, `LRUEvictionPolicy`, gives up the block released longest ago. The tenancy
-layer plugs in a score policy (`t(request_id) × (1 + α · priority)`, taking first from tenants
-above their share) by implementing this interface; the pool itself never changes.
+layer plugs in a score policy (`t x (1 + alpha x priority)` with t the block's `last_used_time`,
+taking first from tenants above their share) by implementing this interface, reading which tenant
+holds which block from the pool's owner map (`block_owners.BlockOwners`); the pool itself never
+changes.
 """
 
 from __future__ import annotations
@@ -13,8 +15,15 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from dataclasses import dataclass
+from functools import cached_property
+from typing import TYPE_CHECKING
 
+from sits.runtime.engine.block_owners import BlockOwners
 from sits.runtime.engine.prefix_hash import BlockHash
+from sits.runtime.tenancy.request_ids import request_id_unix_ms
+
+if TYPE_CHECKING:
+    from sits.runtime.engine.block_pool import BlockPool
 
 
 @dataclass(frozen=True)
@@ -31,6 +40,15 @@ class BlockOwner:
     tenant: str = "default"
     priority: int = 0
 
+    @cached_property
+    def issued_at(self) -> float | None:
+        """Unix seconds at which the request was issued: the time its UUIDv7 id carries (read once
+        per owner, when first asked), None for an id without one (client-chosen)."""
+        try:
+            return request_id_unix_ms(self.request_id) / 1000.0
+        except ValueError:
+            return None
+
 
 @dataclass(eq=False)
 class KVBlock:
@@ -40,15 +58,20 @@ class KVBlock:
         block_id: index into the cache tensors' first dimension.
         ref_count: sequences whose block table holds this block.
         block_hash: prefix hash when the block is full and cached, else None.
-        last_owner: the request that last referenced the block.
-        last_used_time: engine-clock seconds when the block was last released or hit.
+        last_owner: the request that last referenced the block (allocated it or hit it), stamped
+            by the pool on every reference.
     """
 
     block_id: int
     ref_count: int = 0
     block_hash: BlockHash | None = None
     last_owner: BlockOwner | None = None
-    last_used_time: float = 0.0
+
+    @property
+    def last_used_time(self) -> float | None:
+        """Unix seconds of the block's last use: when the request that last referenced it was
+        issued (`BlockOwner.issued_at`); None when unknown (never referenced, or a client-chosen id)."""
+        return self.last_owner.issued_at if self.last_owner is not None else None
 
 
 class EvictionPolicy(ABC):
@@ -56,10 +79,9 @@ class EvictionPolicy(ABC):
 
     The pool calls `add` when a cached block's last reference is released, `remove` when a
     prefix hit takes an evictable block back, and `pop_victim` when it needs a block and has no
-    empty one. The optional hooks below see every change of who holds a block, so a tenancy
-    policy can keep per-tenant shard accounts and refuse allocations beyond a tenant's headroom.
-    A tenant *holds* a block from the moment it is handed out until it is empty again (its last
-    reference released without a hash, or its hash dropped by eviction): cached blocks count.
+    empty one. Who holds which block is not the policy's to track: the pool charges its owner map
+    (`bind` returns it) and a tenancy policy reads it, to keep per-tenant shards and refuse
+    allocations beyond a tenant's headroom (`can_allocate`, `may_take_empty`).
     """
 
     @abstractmethod
@@ -79,6 +101,13 @@ class EvictionPolicy(ABC):
     def __len__(self) -> int:
         """Number of evictable blocks."""
 
+    def bind(self, pool: BlockPool) -> BlockOwners:
+        """Called once by the pool this policy serves; returns the owner map the pool charges.
+
+        A fresh map by default; a policy that reads the map (tenant shards) returns the one it
+        built, and may keep `pool` to read its blocks."""
+        return BlockOwners(pool.num_blocks)
+
     def can_allocate(self, owner: BlockOwner, num_blocks: int) -> bool:
         """Whether `owner` may be handed `num_blocks` more blocks at all (checked once per call)."""
         return True
@@ -97,19 +126,6 @@ class EvictionPolicy(ABC):
         """Whether preempting `victim`'s running sequence frees blocks `requester` may then take
         (a shard policy says no for a tenant within its guarantee: its blocks are its own)."""
         return True
-
-    def on_allocate(self, block: KVBlock, owner: BlockOwner) -> None:  # noqa: B027 - optional hook
-        """An empty block (fresh, or just evicted) was handed to `owner`, who now holds it."""
-
-    def on_touch(self, block: KVBlock, owner: BlockOwner) -> None:  # noqa: B027 - optional hook
-        """A prefix hit added a reference to a cached block for `owner`."""
-
-    def on_release(self, block: KVBlock) -> None:  # noqa: B027 - optional hook
-        """One reference to `block` was dropped (ref_count already decremented; an unhashed block
-        at ref_count 0 is about to become empty)."""
-
-    def on_empty(self, block: KVBlock, holder: str) -> None:  # noqa: B027 - optional hook
-        """`block`, held by tenant `holder`, is empty again (released unhashed, or evicted)."""
 
 
 class LRUEvictionPolicy(EvictionPolicy):

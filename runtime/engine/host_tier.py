@@ -36,6 +36,7 @@ found by prompts of the tenant, adapter and prefix that computed it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -195,15 +196,13 @@ class HostKVTier:
         device: the GPU cache's device; CUDA gets pinned memory and a copy stream per direction.
         eviction_policy: orders the host tier's evictable blocks (LRU by default; the tenancy
             layer's `host_tenant_eviction_policy` for scores and `hostKvCacheShare` shards).
-        clock: seconds, stamped on blocks for the eviction policy.
     """
 
     def __init__(self, num_blocks: int, shape: KVShape, block_size: int, device: torch.device,
-                 eviction_policy: EvictionPolicy | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 eviction_policy: EvictionPolicy | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"the host KV tier needs at least one block, got {num_blocks}")
-        self.pool = BlockPool(num_blocks, True, eviction_policy, clock)
+        self.pool = BlockPool(num_blocks, True, eviction_policy)
         self.block_size = block_size
         self.device = torch.device(device)
         self.bytes_per_block = shape.bytes_per_block(block_size)
@@ -242,12 +241,13 @@ class HostKVTier:
     def offload(self, gpu_block: KVBlock, holder: str | None) -> None:
         """The GPU pool is evicting `gpu_block` (still hashed, K/V still intact until the next
         step runs): keep a copy under its hash, unless the host tier already has it or the
-        holder's host share refuses a block."""
+        holder's host share refuses a block. The host block is charged to `holder` and keeps the
+        GPU block's last use (`KVBlock.last_used_time`: its last owner's request)."""
         block_hash = gpu_block.block_hash
         if block_hash is None or block_hash in self._pending or self.pool.lookup(block_hash) is not None:
             return
         last = gpu_block.last_owner or BlockOwner(request_id="")
-        taken = self.pool.allocate(1, BlockOwner(last.request_id, holder or last.tenant, last.priority))
+        taken = self.pool.allocate(1, dataclasses.replace(last, tenant=holder or last.tenant))
         if taken is None:
             self._counts["dropped"] += 1
             return
@@ -295,7 +295,8 @@ class HostKVTier:
     def poll(self) -> None:
         """Finish the batches whose copies completed: offloaded blocks become findable, onloaded
         host blocks are released. Never blocks."""
-        finished, waiting = [], []
+        finished: list[_Transfer] = []
+        waiting: list[_Transfer] = []
         for transfer in self._in_flight:  # one query each; two streams: batches complete out of order
             (finished if transfer.done is None or transfer.done.query() else waiting).append(transfer)
         self._in_flight = waiting

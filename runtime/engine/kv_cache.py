@@ -25,8 +25,6 @@ step that could read the block (a prefix hit) is launched later on the same stre
 from __future__ import annotations
 
 import dataclasses
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -72,7 +70,6 @@ class KVCacheManager:
         block_size: tokens per block.
         enable_prefix_caching: reuse full blocks of earlier sequences with the same prefix.
         eviction_policy: which cached block to give up first (LRU by default).
-        clock: seconds, stamped on blocks for eviction policies.
         shared_cache_salt: the salt of prompts marked for the shared-prefix pool; hits under it
             on another tenant's blocks are expected and counted as shared, not cross-tenant.
         host_tier: a host-memory tier below the GPU cache (`--host-kv-cache-gb`): evicted cached
@@ -85,13 +82,12 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         eviction_policy: EvictionPolicy | None = None,
-        clock: Callable[[], float] = time.monotonic,
         shared_cache_salt: str | None = None,
         host_tier: HostKVTier | None = None,
     ) -> None:
         self.block_size, self.enable_prefix_caching = block_size, enable_prefix_caching
         self.shared_cache_salt = shared_cache_salt
-        self.pool = BlockPool(num_blocks, enable_prefix_caching, eviction_policy, clock)
+        self.pool = BlockPool(num_blocks, enable_prefix_caching, eviction_policy)
         self._holders: dict[str, Sequence] = {}  # the sequences holding blocks, by seq_id
         self.prefix_cache_queries = 0  # prompt tokens looked up, in tokens
         self.prefix_cache_hits = 0  # of those, tokens served from the cache

@@ -50,7 +50,7 @@ from sits.runtime.engine.scheduling_policy import (
 )
 from sits.runtime.engine.sequence import PENDING_TOKEN_ID, Sequence, SequenceStatus
 from sits.runtime.engine.speculative import Speculator
-from sits.runtime.engine.stats import SchedulerStats
+from sits.runtime.engine.stats import EngineStats
 from sits.runtime.engine.stopping import StopChecker
 
 logger = logging.getLogger(__name__)
@@ -331,9 +331,9 @@ class Scheduler(SchedulerInterface):
         self._release_siblings(seq, force=True)
 
     # -- observation -----------------------------------------------------------------------
-    def stats(self) -> SchedulerStats:
+    def stats(self) -> EngineStats:
         pool = self.kv_cache.pool
-        return SchedulerStats(
+        return EngineStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting) + sum(1 for _ in self._held()),
             kv_blocks_total=pool.num_blocks,

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 from sits.runtime.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput, SequenceUpdate
 from sits.runtime.engine.sequence import Sequence, SequenceStatus
-from sits.runtime.engine.stats import SchedulerStats
+from sits.runtime.engine.stats import EngineStats
 
 
 class SchedulerInterface(ABC):
@@ -64,5 +64,6 @@ class SchedulerInterface(ABC):
         """The unfinished sequence with this id, or None."""
 
     @abstractmethod
-    def stats(self) -> SchedulerStats:
-        """A snapshot of queue lengths, KV-cache usage and cumulative counters."""
+    def stats(self) -> EngineStats:
+        """The scheduler's part of the engine's figures, built now: queue lengths, KV-cache usage and
+        cumulative counters (the engine's own counters are left 0; `LLMEngine.stats` adds them)."""

@@ -5,11 +5,13 @@ directory (config.json, tokenizer.json, tokenizer_config.json, chat_template.jin
 loads in well under a second. It lives under `$SITS_CACHE_DIR` (default `~/.cache/sits`) in
 `gguf/<name>-<sha256 prefix>/`. A conversion is written to a temporary directory beside it and
 renamed into place, so parallel processes never see half a directory: the first rename wins and
-the others discard their copy.
+the others discard their copy. The file's hash is remembered beside them, in `gguf/digests/`, while
+the file is unchanged (`file_digest`), so a later start does not read the whole file again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -40,20 +42,35 @@ def cache_root() -> Path:
     return Path(configured).expanduser() if configured else Path.home() / ".cache" / "sits"
 
 
-_digests: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) → digest, within this process
-
-
 def file_digest(path: Path, chunk_bytes: int = 8 << 20) -> str:
-    """sha256 of the file's bytes, hex (remembered per process while the file is unchanged)."""
+    """sha256 of the file's bytes, hex.
+
+    Remembered on disk while the file is unchanged (same resolved path, size and mtime_ns), under
+    `cache_root()/gguf/digests/`, so later loads, in this process or another, do not read a
+    multi-GB file again only to name its cache entry. A memo that cannot be written is skipped.
+    """
     stat = path.stat()
-    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
-    if key not in _digests:
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            while chunk := f.read(chunk_bytes):
-                digest.update(chunk)
-        _digests[key] = digest.hexdigest()
-    return _digests[key]
+    key = f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    memo = cache_root() / "gguf" / "digests" / hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
+    with contextlib.suppress(OSError):
+        remembered = memo.read_text(encoding="ascii").strip()
+        if re.fullmatch(r"[0-9a-f]{64}", remembered):
+            return remembered
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            digest.update(chunk)
+    _write_memo(memo, digest.hexdigest())
+    return digest.hexdigest()
+
+
+def _write_memo(memo: Path, text: str) -> None:
+    """Write `text` to `memo` atomically (a reader sees all of it or none); errors are ignored."""
+    with contextlib.suppress(OSError):
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        scratch = memo.with_name(f".{memo.name}.{os.getpid()}")
+        scratch.write_text(text, encoding="ascii")
+        os.replace(scratch, memo)
 
 
 def cached_checkpoint_dir(gguf_path: str | Path, *, progress: bool = True) -> Path:

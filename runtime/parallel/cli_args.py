@@ -37,7 +37,7 @@ def run_if_torchrun_worker(engine_config, parallel: ParallelConfig) -> int | Non
         engine_config: the EngineConfig every rank parsed from the same flags.
         parallel: its tensor-parallel settings.
     """
-    from sits.runtime.parallel.distributed import torchrun_rank_info
+    from sits.runtime.parallel.ranks import torchrun_rank_info
 
     info = torchrun_rank_info()
     if info is None or info.rank == 0:

@@ -33,15 +33,6 @@ logger = logging.getLogger(__name__)
 CONTROL_GROUP_TIMEOUT = timedelta(days=365)
 
 
-@dataclass(frozen=True)
-class RankInfo:
-    """Where this process sits in the replica."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-
-
 @dataclass
 class ProcessGroups:
     """The groups a rank talks through.
@@ -57,17 +48,6 @@ class ProcessGroups:
     device: dist.ProcessGroup
     control: dist.ProcessGroup | None
     backend: str
-
-
-def torchrun_rank_info(environ: MutableMapping[str, str] = os.environ) -> RankInfo | None:
-    """The rank torchrun gave this process; None outside torchrun or when torchrun started one rank."""
-    if "RANK" not in environ or "WORLD_SIZE" not in environ or "MASTER_PORT" not in environ:
-        return None
-    world_size = int(environ["WORLD_SIZE"])
-    if world_size < 2:
-        return None
-    rank = int(environ["RANK"])
-    return RankInfo(rank=rank, world_size=world_size, local_rank=int(environ.get("LOCAL_RANK", rank)))
 
 
 def apply_nccl_env(config: ParallelConfig, environ: MutableMapping[str, str] = os.environ) -> list[tuple[str, str, str]]:

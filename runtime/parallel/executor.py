@@ -33,7 +33,6 @@ from sits.runtime.parallel.commands import ConfigureRunner, Shutdown, WorkerFail
 from sits.runtime.parallel.config import ParallelConfig
 from sits.runtime.parallel.distributed import (
     ProcessGroups,
-    RankInfo,
     abort_distributed,
     apply_nccl_env,
     destroy_distributed,
@@ -41,8 +40,8 @@ from sits.runtime.parallel.distributed import (
     free_port,
     init_distributed,
     log_nccl_env,
-    torchrun_rank_info,
 )
+from sits.runtime.parallel.ranks import RankInfo, torchrun_rank_info
 from sits.runtime.parallel.recipe import ModelRecipe
 from sits.runtime.parallel.runner import TensorParallelModelRunner
 from sits.runtime.parallel.step_broadcast import broadcast_packed, pack_model_input

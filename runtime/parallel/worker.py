@@ -34,8 +34,8 @@ from sits.runtime.parallel.distributed import (
     destroy_distributed,
     device_for_rank,
     init_distributed,
-    torchrun_rank_info,
 )
+from sits.runtime.parallel.ranks import torchrun_rank_info
 from sits.runtime.parallel.recipe import ModelRecipe
 from sits.runtime.parallel.runner import ShardModelRunner
 from sits.runtime.parallel.step_broadcast import StepHeader, receive_model_input

@@ -80,81 +80,97 @@ def build_router_state(config: RouterConfig, hasher: PromptHasher) -> RouterStat
 
 
 def build_app(state: RouterState) -> Starlette:
-    """The router app over `state`; its lifespan connects to the store and the replicas."""
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        config = state.config
-        timeout = httpx.Timeout(connect=2.0, read=None, write=30.0, pool=None)
-        async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=2048,
-                                                                         max_keepalive_connections=256)) as client:
-            state.pool = ReplicaPool(config.replicas, client, interval_s=config.health_interval_s,
-                                     metrics_port=config.replica_metrics_port)
-            state.forwarder = Forwarder(client, state.pool, state.metrics)
-            await state.tenancy.start()
-            if config.state_store.startswith(("redis://", "rediss://", "unix://")):
-                state.kv_reader = KVStateReader(config.state_store, config.deployment, state.index,
-                                                interval_s=config.kv_poll_interval_s)
-                await state.kv_reader.start()
-            await state.pool.start()
-            if state.services:
-                state.discovery = EndpointSliceDiscovery(state.services, state.pool, config.kube_api)
-                await state.discovery.start()
-            try:
-                yield
-            finally:
-                if state.discovery is not None:
-                    await state.discovery.close()
-                await state.pool.close()
-                if state.kv_reader is not None:
-                    await state.kv_reader.close()
-                await state.tenancy.close()
-
-    async def generation(request: Request) -> Response:
-        tenant = _authenticate(state, request)
-        if isinstance(tenant, Response):
-            return tenant
-        body = await request.body()
-        if len(body) > INLINE_HASH_BYTES:
-            key = await asyncio.to_thread(_prompt_key, state, request.url.path, body, tenant)
-        else:
-            key = _prompt_key(state, request.url.path, body, tenant)
-        return await _route(state, request, body, key, tenant)
-
-    async def passthrough(request: Request) -> Response:
-        tenant = _authenticate(state, request)
-        if isinstance(tenant, Response):
-            return tenant
-        return await _route(state, request, await request.body(), EMPTY_KEY, tenant)
-
-    async def health(request: Request) -> Response:
-        up = state.pool.up() if state.pool else []
-        status = 200 if up else 503
-        return JSONResponse({"status": "ok" if up else "no replica is up", "replicas_up": len(up)}, status_code=status)
-
-    async def live(request: Request) -> Response:
-        return JSONResponse({"status": "alive"})
-
-    async def metrics(request: Request) -> Response:
-        for replica in state.pool.replicas if state.pool else []:
-            state.metrics.replica_up.labels(replica.url, replica.track).set(1.0 if replica.up else 0.0)
-            state.metrics.in_flight.labels(replica.url).set(replica.in_flight)
-            published = state.index.get(replica.replica_id)
-            state.metrics.index_blocks.labels(replica.url).set(len(published.block_hashes) if published else 0)
-        state.metrics.store_up.set(1.0 if state.kv_reader is not None and state.kv_reader.up else 0.0)
-        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    routes = [Route(path, generation, methods=["POST"]) for path in GENERATION_PATHS] + [
-        Route("/health", health, methods=["GET"]),
-        Route("/health/live", live, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
-        Route("/tokenize", passthrough, methods=["POST"]),
-        Route("/detokenize", passthrough, methods=["POST"]),
-        Route("/v1/{rest:path}", passthrough, methods=["GET", "POST", "DELETE"]),
+    """The router app over `state` (`app.state.router`); its lifespan connects to the store and the replicas."""
+    routes = [Route(path, _generation, methods=["POST"]) for path in GENERATION_PATHS] + [
+        Route("/health", _health, methods=["GET"]),
+        Route("/health/live", _live, methods=["GET"]),
+        Route("/metrics", _metrics, methods=["GET"]),
+        Route("/tokenize", _passthrough, methods=["POST"]),
+        Route("/detokenize", _passthrough, methods=["POST"]),
+        Route("/v1/{rest:path}", _passthrough, methods=["GET", "POST", "DELETE"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    app = Starlette(routes=routes, lifespan=_lifespan)
     app.state.router = state
     return app
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(app: Starlette) -> AsyncIterator[None]:
+    """Start the network parts of `app.state.router` (client, pool, store reader, discovery); stop them after."""
+    state: RouterState = app.state.router
+    config = state.config
+    timeout = httpx.Timeout(connect=2.0, read=None, write=30.0, pool=None)
+    async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=2048,
+                                                                     max_keepalive_connections=256)) as client:
+        state.pool = ReplicaPool(config.replicas, client, interval_s=config.health_interval_s,
+                                 metrics_port=config.replica_metrics_port)
+        state.forwarder = Forwarder(client, state.pool, state.metrics)
+        await state.tenancy.start()
+        if config.state_store.startswith(("redis://", "rediss://", "unix://")):
+            state.kv_reader = KVStateReader(config.state_store, config.deployment, state.index,
+                                            interval_s=config.kv_poll_interval_s)
+            await state.kv_reader.start()
+        await state.pool.start()
+        if state.services:
+            state.discovery = EndpointSliceDiscovery(state.services, state.pool, config.kube_api)
+            await state.discovery.start()
+        try:
+            yield
+        finally:
+            if state.discovery is not None:
+                await state.discovery.close()
+            await state.pool.close()
+            if state.kv_reader is not None:
+                await state.kv_reader.close()
+            await state.tenancy.close()
+
+
+def _state(request: Request) -> RouterState:
+    state: RouterState = request.app.state.router
+    return state
+
+
+async def _generation(request: Request) -> Response:
+    state = _state(request)
+    tenant = _authenticate(state, request)
+    if isinstance(tenant, Response):
+        return tenant
+    body = await request.body()
+    if len(body) > INLINE_HASH_BYTES:
+        key = await asyncio.to_thread(_prompt_key, state, request.url.path, body, tenant)
+    else:
+        key = _prompt_key(state, request.url.path, body, tenant)
+    return await _route(state, request, body, key, tenant)
+
+
+async def _passthrough(request: Request) -> Response:
+    state = _state(request)
+    tenant = _authenticate(state, request)
+    if isinstance(tenant, Response):
+        return tenant
+    return await _route(state, request, await request.body(), EMPTY_KEY, tenant)
+
+
+async def _health(request: Request) -> Response:
+    state = _state(request)
+    up = state.pool.up() if state.pool else []
+    status = 200 if up else 503
+    return JSONResponse({"status": "ok" if up else "no replica is up", "replicas_up": len(up)}, status_code=status)
+
+
+async def _live(request: Request) -> Response:
+    return JSONResponse({"status": "alive"})
+
+
+async def _metrics(request: Request) -> Response:
+    state = _state(request)
+    for replica in state.pool.replicas if state.pool else []:
+        state.metrics.replica_up.labels(replica.url, replica.track).set(1.0 if replica.up else 0.0)
+        state.metrics.in_flight.labels(replica.url).set(replica.in_flight)
+        published = state.index.get(replica.replica_id)
+        state.metrics.index_blocks.labels(replica.url).set(len(published.block_hashes) if published else 0)
+    state.metrics.store_up.set(1.0 if state.kv_reader is not None and state.kv_reader.up else 0.0)
+    return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 def _authenticate(state: RouterState, request: Request) -> Tenant | Response:

@@ -11,7 +11,6 @@ elsewhere. A failed listing keeps the pool as it is (the replicas' own health st
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import ssl
@@ -23,6 +22,7 @@ import httpx
 
 from sits.runtime.config import ConfigError
 from sits.runtime.router.replicas import ReplicaPool
+from sits.runtime.tasks import PeriodicTask
 
 log = logging.getLogger(__name__)
 
@@ -90,24 +90,15 @@ class EndpointSliceDiscovery:
             verify = ssl.create_default_context(cafile=str(SERVICE_ACCOUNT / "ca.crt"))
         self.api_url = api_url.rstrip("/")
         self._client = httpx.AsyncClient(headers=headers, verify=verify, timeout=5.0)
-        self._task: asyncio.Task | None = None
+        self._listing = PeriodicTask(self._sync, interval_s, "sits-router-discovery")
         self.listings = 0  # successful listings (tests wait on it)
 
     async def start(self) -> None:
-        await self._sync()
-        self._task = asyncio.create_task(self._run(), name="sits-router-discovery")
+        await self._listing.start_after_round()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await self._listing.stop()
         await self._client.aclose()
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            await self._sync()
 
     async def _sync(self) -> None:
         try:

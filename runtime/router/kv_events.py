@@ -12,14 +12,13 @@ rebuilt from the first read after it returns; replicas rewrite their whole state
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from sits.runtime.router.index import KVIndex, ReplicaKV
+from sits.runtime.tasks import PeriodicTask
 from sits.runtime.tenancy.redis_link import UNREACHABLE
 from sits.runtime.tenancy.state_store import redact_url
 
@@ -47,36 +46,33 @@ class KVStateReader:
                                               socket_connect_timeout=op_timeout_s, decode_responses=True)
         self.up = False
         self.reads = 0  # successful reads (tests wait on it)
-        self._task: asyncio.Task | None = None
+        self._reading = PeriodicTask(self._refresh, interval_s, "sits-router-kv-reader", run_first=True)
         self._down_logged = False
         self._sets: dict[str, tuple[str, frozenset[bytes]]] = {}  # replica -> (version, its hash set)
 
     async def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="sits-router-kv-reader")
+        self._reading.start()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await self._reading.stop()
         await self._redis.aclose()
 
-    async def _run(self) -> None:
-        while True:
-            try:
-                self.index.replace(await self.read())
-                if not self.up:
-                    log.info("router: reading replicas' KV state from %s", self.url)
-                self.up = True
-                self.reads += 1
-            except (*UNREACHABLE, RedisError) as error:
-                if self.up or not self._down_logged:
-                    log.warning("router: state store %s unreachable (%s); routing by load until it returns",
-                                self.url, error)
-                    self._down_logged = True
-                self.up = False
-                self.index.clear()
-            await asyncio.sleep(self.interval_s)
+    async def _refresh(self) -> None:
+        """One round: replace the index with a fresh read, or empty it while the store is unreachable."""
+        try:
+            self.index.replace(await self.read())
+        except (*UNREACHABLE, RedisError) as error:
+            if self.up or not self._down_logged:
+                log.warning("router: state store %s unreachable (%s); routing by load until it returns",
+                            self.url, error)
+                self._down_logged = True
+            self.up = False
+            self.index.clear()
+            return
+        if not self.up:
+            log.info("router: reading replicas' KV state from %s", self.url)
+        self.up = True
+        self.reads += 1
 
     async def read(self) -> dict[str, ReplicaKV]:
         """{replica id: its KV state} for every replica whose state has not expired."""

@@ -14,7 +14,8 @@ gets the request instead. With nothing matched anywhere the choice is the least 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 from sits.runtime.router.config import Policy, ScoringWeights
 from sits.runtime.router.index import KVIndex, RoutingHistory
@@ -37,6 +38,7 @@ class Decision:
     matched_blocks: int
 
 
+@dataclass(eq=False)  # compared and hashed by identity, as one router per process
 class Router:
     """The policy over a pool's replicas (stateless but for the round-robin counter).
 
@@ -48,14 +50,12 @@ class Router:
         recent_s: in precise, history entries younger than this count as cached.
     """
 
-    def __init__(self, policy: Policy, weights: ScoringWeights, index: KVIndex, history: RoutingHistory,
-                 recent_s: float = 30.0) -> None:
-        self.policy = policy
-        self.weights = weights
-        self.index = index
-        self.history = history
-        self.recent_s = recent_s
-        self._turn = itertools.count()
+    policy: Policy
+    weights: ScoringWeights
+    index: KVIndex
+    history: RoutingHistory
+    recent_s: float = 30.0
+    _turn: Iterator[int] = field(default_factory=itertools.count, init=False, repr=False)
 
     def choose(self, replicas: list[Replica], key: PromptKey) -> Decision:
         """Order `replicas` (those up) for a request whose prompt hashes to `key`."""

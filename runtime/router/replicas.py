@@ -10,13 +10,14 @@ API port or, with `metrics_port` (`sits serve --metrics-port`), on that port of 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
+
+from sits.runtime.tasks import PeriodicTask
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ class ReplicaPool:
         self.interval_s = interval_s
         self.metrics_port = metrics_port
         self.probes = 0  # completed probe rounds (tests wait on it)
-        self._task: asyncio.Task | None = None
+        self._probing = PeriodicTask(self.probe_all, interval_s, "sits-router-health")
 
     def up(self) -> list[Replica]:
         return [replica for replica in self.replicas if replica.up]
@@ -79,25 +80,16 @@ class ReplicaPool:
         return next((replica for replica in self.replicas if replica.url == url), None)
 
     async def start(self) -> None:
-        await self.probe_all()
-        self._task = asyncio.create_task(self._run(), name="sits-router-health")
+        await self._probing.start_after_round()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await self._probing.stop()
 
     def mark_down(self, replica: Replica, reason: str) -> None:
         """Take a replica out until its next good probe (a refused connection, a failed probe)."""
         if replica.up:
             log.warning("router: replica %s is down (%s)", replica.url, reason)
         replica.up = False
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            await self.probe_all()
 
     def set_urls(self, urls: list[str]) -> tuple[list[Replica], list[str]]:
         """Make the pool these URLs (service discovery): returns (replicas added, not yet probed

@@ -27,12 +27,24 @@ from typing import Any
 
 from sits.runtime.server.errors import OpenAIError, invalid_request
 
-RESERVED_KEY = "admitted_sequences"  # in the ASGI scope's state: this request's reserved sequences
-ADMITTED_AT_KEY = "admitted_at"  # time.monotonic() of the request's first reservation
+RESERVATION_KEY = "admission"  # in the ASGI scope's state: the request's `Reservation`
 WAITING_PER_RUNNING = 1  # the default queue: one full batch waits behind the running one
 MIN_WAITING = 32  # ... and never fewer than this many sequences
 RETRY_AFTER_MAX_S = 60
 DURATION_SMOOTHING = 0.2  # weight of the newest request in the running mean of request durations
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """What one request holds of the queue (in its ASGI state under `RESERVATION_KEY`).
+
+    Attributes:
+        sequences: engine sequences reserved (choices x prompts), at least 1.
+        admitted_at: time.monotonic() of the request's first reservation (its duration's start).
+    """
+
+    sequences: int
+    admitted_at: float
 
 
 def default_max_waiting(max_running: int) -> int:
@@ -110,16 +122,16 @@ class AdmissionControl:
         if self.in_flight + sequences > self.capacity:
             raise self.overloaded()
         self.in_flight += sequences
-        state[RESERVED_KEY] = int(state.get(RESERVED_KEY, 0)) + sequences
-        state.setdefault(ADMITTED_AT_KEY, time.monotonic())
+        held: Reservation | None = state.get(RESERVATION_KEY)
+        state[RESERVATION_KEY] = Reservation(sequences, time.monotonic()) if held is None else Reservation(
+            held.sequences + sequences, held.admitted_at)
 
     def release(self, state: MutableMapping[str, Any]) -> None:
         """Give back what the request whose ASGI state this is reserved (idempotent)."""
-        reserved = int(state.pop(RESERVED_KEY, 0))
-        self.in_flight = max(self.in_flight - reserved, 0)
-        admitted_at = state.pop(ADMITTED_AT_KEY, None)
-        if reserved and admitted_at is not None:
-            duration = time.monotonic() - admitted_at
+        held: Reservation | None = state.pop(RESERVATION_KEY, None)
+        if held is not None:
+            self.in_flight = max(self.in_flight - held.sequences, 0)
+            duration = time.monotonic() - held.admitted_at
             previous = self.mean_duration_s
             self.mean_duration_s = duration if previous is None else (
                 previous + DURATION_SMOOTHING * (duration - previous))

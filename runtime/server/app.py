@@ -74,21 +74,11 @@ def build_app(engine: EngineClient, server_config: ServerConfig | None = None, *
     """
     config = server_config or ServerConfig()
     model_name = served_model_name or engine.model_name
-    lifecycle = Lifecycle()
-    metrics = ServerMetrics(model_name, config.track, engine.stats)
-    prompt_observer = None
     if tenancy is not None:
         tenant_resolver = tenant_resolver or TenancyResolver.for_tenancy(tenancy)
-        usage_observer = usage_observer or tenancy.observe_usage
-        prompt_observer = tenancy.observe_prompt
-        metrics.register(tenancy.collector(model_name, config.track))
     admission = _admission(engine, max_waiting_requests, retry_after_s)
-    metrics.register(AdmissionCollector(admission, model_name, config.track))
-    ctx = ServingContext(engine=engine, model_name=model_name, metrics=metrics, lifecycle=lifecycle,
-                         usage_observer=usage_observer, prompt_observer=prompt_observer, admission=admission)
-    ctx.max_prompt_chars  # noqa: B018 - read once from the vocabulary now, not on the first request
-    if tenancy is not None:
-        tenancy.warn_unserved_models(ctx.served_models)  # tenants' allow-lists naming models not served here
+    ctx = _serving_context(engine, model_name, config.track, tenancy, usage_observer, admission)
+    metrics, lifecycle = ctx.metrics, ctx.lifecycle
     security = security or ServerSecurity()
     tenants_mode = tenancy is not None and tenancy.config.tenants_file is not None
     grammar_compiler = GrammarCompiler(engine.grammar_cache, security.grammar)
@@ -106,12 +96,7 @@ def build_app(engine: EngineClient, server_config: ServerConfig | None = None, *
     app.state.tenant_resolver = tenant_resolver or SingleTenantResolver()
     app.state.admission = admission
     install_error_handlers(app)
-    # Innermost first: the tenant gate answers 401 / 503 (queue full) / 429 before the body is read,
-    # inside the generation gate, which counts those answers under the request's tenant.
-    app.add_middleware(TenantGate, generation_paths=GENERATION_PATHS, admission=admission)
-    app.add_middleware(GenerationGate, lifecycle=lifecycle, metrics=metrics, paths=GENERATION_PATHS,
-                       admission=admission)
-    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    _install_middleware(app, ctx, admission, max_body_bytes)
     chat = ChatCompletions(ctx, tool_call_parser=config.auto_tool_call_parser)
     _install_generation_routes(app, ctx, chat)
     _install_model_routes(app, ctx, engine)
@@ -121,6 +106,35 @@ def build_app(engine: EngineClient, server_config: ServerConfig | None = None, *
     _install_health_routes(app, engine, lifecycle)
     install_metrics_route(app, metrics.exposition, tenants_mode=tenants_mode, metrics_port=security.metrics_port)
     return app
+
+
+def _serving_context(engine: EngineClient, model_name: str, track: str, tenancy: Tenancy | None,
+                     usage_observer: Callable[[str, int, int], None] | None,
+                     admission: AdmissionControl) -> ServingContext:
+    """The handlers' context: metrics (with the tenancy's and the admission's collectors), the
+    lifecycle, and the tenancy's usage and prompt observers (unless `usage_observer` is given)."""
+    metrics = ServerMetrics(model_name, track, engine.stats)
+    prompt_observer = None
+    if tenancy is not None:
+        usage_observer = usage_observer or tenancy.observe_usage
+        prompt_observer = tenancy.observe_prompt
+        metrics.register(tenancy.collector(model_name, track))
+    metrics.register(AdmissionCollector(admission, model_name, track))
+    ctx = ServingContext(engine=engine, model_name=model_name, metrics=metrics, lifecycle=Lifecycle(),
+                         usage_observer=usage_observer, prompt_observer=prompt_observer, admission=admission)
+    ctx.max_prompt_chars  # noqa: B018 - read once from the vocabulary now, not on the first request
+    if tenancy is not None:
+        tenancy.warn_unserved_models(ctx.served_models)  # tenants' allow-lists naming models not served here
+    return ctx
+
+
+def _install_middleware(app: FastAPI, ctx: ServingContext, admission: AdmissionControl, max_body_bytes: int) -> None:
+    # Innermost first: the tenant gate answers 401 / 503 (queue full) / 429 before the body is read,
+    # inside the generation gate, which counts those answers under the request's tenant.
+    app.add_middleware(TenantGate, generation_paths=GENERATION_PATHS, admission=admission)
+    app.add_middleware(GenerationGate, lifecycle=ctx.lifecycle, metrics=ctx.metrics, paths=GENERATION_PATHS,
+                       admission=admission)
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
 
 
 def _lifespan(engine: EngineClient, tenancy: Tenancy | None, grammar_compiler: GrammarCompiler,
@@ -149,18 +163,16 @@ def _lifespan(engine: EngineClient, tenancy: Tenancy | None, grammar_compiler: G
 def _install_generation_routes(app: FastAPI, ctx: ServingContext, chat: ChatCompletions) -> None:
     completions = Completions(ctx)
 
-    # A tenant's `models` allow-list is checked first in each handler that names a model: a model kept
-    # from the tenant is the same 404 as one that does not exist, before any work (no stream starts).
+    # A tenant's `models` allow-list is checked first by each handler (`input_processor.open_request`): a
+    # model kept from the tenant is the same 404 as one that does not exist, before any work (no stream starts).
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                                      tenant: str = Depends(request_tenant)) -> Response:
-        ctx.check_model(body.model, request_allowed_models(request))
         return await chat(body, tenant, request)
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request,
                                 tenant: str = Depends(request_tenant)) -> Response:
-        ctx.check_model(body.model, request_allowed_models(request))
         return await completions(body, tenant, request)
 
 

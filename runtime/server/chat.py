@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import time
@@ -10,32 +9,21 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 
 from sits.runtime.engine.request import RequestOutput, StructuredOutputSpec
 from sits.runtime.engine.structured_output import StructuredOutputError
 from sits.runtime.server.chat_render import template_message
-from sits.runtime.server.errors import as_openai_error, invalid_request
+from sits.runtime.server.errors import invalid_request
+from sits.runtime.server.input_limits import context_length_error
+from sits.runtime.server.input_processor import MergedStream, engine_requests, open_request, respond
 from sits.runtime.server.logprobs import LogprobFormatter
 from sits.runtime.server.protocol import ChatCompletionRequest, ChatMessage, ToolDefinition
 from sits.runtime.server.protocol_chat import ChatTemplateOptions
-from sits.runtime.server.request_ids import new_request_id
-from sits.runtime.server.responses import DONE, SSE_HEADERS, finish_text, sse, usage
-from sits.runtime.server.sampling import (
-    compile_output_constraint,
-    output_budget,
-    resolve_bad_words_off_loop,
-    sampling_params,
-    structured_output,
-)
-from sits.runtime.server.serving import (
-    ClientGone,
-    ServingContext,
-    collect_unless_disconnected,
-    merge_streams,
-)
+from sits.runtime.server.responses import finish_text, sse, usage
+from sits.runtime.server.sampling import compile_output_constraint, structured_output
+from sits.runtime.server.serving import ClientGone, ServingContext
 from sits.runtime.server.stream_usage import running_usage, wants_continuous_usage
-from sits.runtime.server.tenant import request_cache_salt, request_priority
 from sits.runtime.server.tools import ToolPlan, plan_tool_calls
 
 
@@ -77,10 +65,8 @@ class ChatCompletions:
         """
         limit = self.ctx.max_model_len
         if len(messages) >= limit:
-            raise invalid_request(
-                f"This model's maximum context length is {limit} tokens. However, your messages are "
-                f"{len(messages)} messages, which leave no room to generate. Please send fewer messages.",
-                param="messages", code="context_length_exceeded")
+            raise context_length_error(limit, f"your messages are {len(messages)} messages, which leave no room "
+                                       "to generate", "send fewer messages", "messages")
         texts = [m.text() + (m.name or "") + "".join(c.function.arguments for c in m.tool_calls or ())
                  for m in messages]
         texts += [json.dumps(tool.model_dump(exclude_none=True)) for tool in tools or ()]
@@ -89,11 +75,7 @@ class ChatCompletions:
         self.ctx.check_text("".join(texts), "messages", "messages")
 
     async def __call__(self, body: ChatCompletionRequest, tenant: str, request: Request) -> Response:
-        arrival = time.perf_counter()
-        lora = self.ctx.check_model(body.model)  # the adapter the model id names (None: the base model)
-        self.ctx.check_ready()
-        body.check_combination()
-        salt = request_cache_salt(request, body.shared_prefix)  # 400 before the work of tokenizing
+        opening = open_request(self.ctx, body, request)
         tool_plan = plan_tool_calls(body, self.tool_call_parser)
         try:  # before any admission slot: a slow compile must not hold capacity others need
             grammar = await self._compile_output_grammar(body, tool_plan, tenant, request)
@@ -102,28 +84,18 @@ class ChatCompletions:
         self.ctx.admit(request, body.n)  # 503 when the server is full, before any work for it
         prompt_ids = await self.prompt_token_ids(body.messages, body, add_special_tokens=body.add_special_tokens,
                                                  tools=body.tools)
-        limit_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        context = self.ctx.context_limit(tenant)
-        prompt_ids = body.truncated(prompt_ids, room=context - (body.output_limit or 1))
-        max_tokens = output_budget(len(prompt_ids), body.output_limit, context, default=None,
-                                   param=limit_param, prompt_name="messages")
-        params = sampling_params(body, max_tokens=max_tokens, logprobs=body.num_logprobs,
-                                 vocab_size=self.ctx.vocab_size, prompt_logprobs=body.prompt_logprobs)
-        params.structured_output = grammar
-        await resolve_bad_words_off_loop([params], self.ctx.tokenizer, self.ctx.vocab_size)
-        response_id = new_request_id("chatcmpl")
-        stream = merge_streams([self.ctx.generate(prompt_ids, params, response_id, tenant, arrival,
-                                                  request_priority(request), salt, lora)])
-        head = {"id": response_id, "created": int(time.time()), "model": lora or self.ctx.model_name}
-        headers = {"x-request-id": response_id}
-        if body.stream:
-            events = self._events(stream, head, body, request, tool_plan, echo_text(body))
-            return StreamingResponse(events, media_type="text/event-stream", headers={**headers, **SSE_HEADERS})
-        try:
-            final = (await collect_unless_disconnected(stream, request))[0]
-        except ClientGone:
-            return Response(status_code=499)
-        return JSONResponse(self._completion(final, head, body, tool_plan, echo_text(body)), headers=headers)
+        limit = self.ctx.context_limit(tenant)
+        prompt_ids = body.truncated(prompt_ids, room=limit - (body.output_limit or 1))
+        requests = await engine_requests(
+            self.ctx, body, [prompt_ids], limit=limit, requested=body.output_limit, default=None,
+            limit_param="max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",
+            prompt_name="messages", logprobs=body.num_logprobs, prompt_logprobs=body.prompt_logprobs,
+            grammar=grammar, id_prefix="chatcmpl")
+        head = {"id": requests.response_id, "created": int(time.time()), "model": opening.lora or self.ctx.model_name}
+        echo = echo_text(body)
+        return await respond(request, requests, requests.stream(self.ctx, tenant, opening), streaming=body.stream,
+                             events=lambda stream: self._events(stream, head, body, tool_plan, echo),
+                             whole=lambda finals: self._completion(finals[0], head, body, tool_plan, echo))
 
     async def _compile_output_grammar(self, body: ChatCompletionRequest, tool_plan: ToolPlan, tenant: str,
                                       request: Request) -> StructuredOutputSpec | None:
@@ -159,9 +131,9 @@ class ChatCompletions:
             response["prompt_logprobs"] = self.logprobs.vllm_prompt(final.prompt_logprobs or [])
         return response
 
-    async def _events(self, stream: AsyncIterator[tuple[int, RequestOutput]], head: dict[str, Any],
-                      body: ChatCompletionRequest, request: Request, tool_plan: ToolPlan,
-                      echo: str) -> AsyncIterator[str]:
+    async def _events(self, stream: MergedStream, head: dict[str, Any], body: ChatCompletionRequest,
+                      tool_plan: ToolPlan, echo: str) -> AsyncIterator[str]:
+        """The SSE chunks of a streamed chat completion (`guarded_events` adds the error event and DONE)."""
         chunk_head = {**head, "object": "chat.completion.chunk", "system_fingerprint": None}
         continuous = wants_continuous_usage(body.stream_options)
         if body.include_usage or continuous:
@@ -170,50 +142,43 @@ class ChatCompletions:
         finished: set[int] = set()
         tool_streams = {}  # choice index -> ToolCallStream (content or tool-call deltas)
         last: RequestOutput | None = None
-        try:
-            async with contextlib.aclosing(stream):
-                async for _, output in stream:
-                    last = output
-                    for choice in output.outputs:
-                        if choice.index in finished:
-                            continue
-                        head_of = chunk_head
-                        if continuous:  # this choice's token counts so far in each of its chunks
-                            head_of = {**chunk_head, "usage": running_usage(output, choice)}
-                        if choice.index not in started:
-                            started.add(choice.index)
-                            tool_streams[choice.index] = tool_plan.streamer()
-                            opening = chunk_head if not continuous else {
-                                **chunk_head, "usage": running_usage(output, choice, before_delta=True)}
-                            yield self._chunk(opening, choice.index, {"role": "assistant", "content": ""})
-                            if echo:
-                                yield self._chunk(opening, choice.index, {"content": echo})
-                        tool_stream = tool_streams[choice.index]
-                        if choice.text_delta or choice.logprobs_delta:
-                            logprobs = None
-                            if body.num_logprobs is not None:
-                                logprobs = self.logprobs.chat(choice.logprobs_delta or [], body.num_logprobs)
-                            # a token's logprobs go out even while its text is held (a split tag)
-                            deltas = tool_stream.feed(choice.text_delta) or [{"content": ""}]
-                            for position, delta in enumerate(deltas):
-                                if delta == {"content": ""} and logprobs is None:
-                                    continue
-                                yield self._chunk(head_of, choice.index, delta,
-                                                  logprobs=logprobs if position == 0 else None)
-                        if choice.finished:
-                            finished.add(choice.index)
-                            for delta in tool_stream.finish():
-                                yield self._chunk(head_of, choice.index, delta)
-                            yield self._chunk(head_of, choice.index, {},
-                                              finish=tool_stream.finish_reason(finish_text(choice.finish_reason)))
-            if body.include_usage and last is not None:
-                yield sse({**chunk_head, "choices": [], "usage": usage([last])})
-        except asyncio.CancelledError:
-            request.state.client_gone = True
-            raise
-        except Exception as error:  # after the 200 went out: report in the stream, then end it
-            yield as_openai_error(error).to_sse()
-        yield DONE
+        async with contextlib.aclosing(stream):
+            async for _, output in stream:
+                last = output
+                for choice in output.outputs:
+                    if choice.index in finished:
+                        continue
+                    head_of = chunk_head
+                    if continuous:  # this choice's token counts so far in each of its chunks
+                        head_of = {**chunk_head, "usage": running_usage(output, choice)}
+                    if choice.index not in started:
+                        started.add(choice.index)
+                        tool_streams[choice.index] = tool_plan.streamer()
+                        opening = chunk_head if not continuous else {
+                            **chunk_head, "usage": running_usage(output, choice, before_delta=True)}
+                        yield self._chunk(opening, choice.index, {"role": "assistant", "content": ""})
+                        if echo:
+                            yield self._chunk(opening, choice.index, {"content": echo})
+                    tool_stream = tool_streams[choice.index]
+                    if choice.text_delta or choice.logprobs_delta:
+                        logprobs = None
+                        if body.num_logprobs is not None:
+                            logprobs = self.logprobs.chat(choice.logprobs_delta or [], body.num_logprobs)
+                        # a token's logprobs go out even while its text is held (a split tag)
+                        deltas = tool_stream.feed(choice.text_delta) or [{"content": ""}]
+                        for position, delta in enumerate(deltas):
+                            if delta == {"content": ""} and logprobs is None:
+                                continue
+                            yield self._chunk(head_of, choice.index, delta,
+                                              logprobs=logprobs if position == 0 else None)
+                    if choice.finished:
+                        finished.add(choice.index)
+                        for delta in tool_stream.finish():
+                            yield self._chunk(head_of, choice.index, delta)
+                        yield self._chunk(head_of, choice.index, {},
+                                          finish=tool_stream.finish_reason(finish_text(choice.finish_reason)))
+        if body.include_usage and last is not None:
+            yield sse({**chunk_head, "choices": [], "usage": usage([last])})
 
     @staticmethod
     def _chunk(chunk_head: dict[str, Any], index: int, delta: dict[str, Any], *, logprobs: Any = None,

@@ -13,36 +13,22 @@ that is dropped, as vLLM does. vLLM's `prompt_logprobs` adds each choice's `prom
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 
 from sits.runtime.engine.request import CompletionOutput, RequestOutput, TokenLogprob
-from sits.runtime.server.errors import as_openai_error
+from sits.runtime.server.input_processor import MergedStream, engine_requests, open_request, respond
 from sits.runtime.server.logprobs import LogprobFormatter
 from sits.runtime.server.protocol import CompletionRequest
-from sits.runtime.server.request_ids import new_request_id
-from sits.runtime.server.responses import DONE, SSE_HEADERS, finish_text, sse, usage
-from sits.runtime.server.sampling import (
-    compile_output_constraint,
-    output_budget,
-    resolve_bad_words_off_loop,
-    sampling_params,
-    structured_output,
-)
-from sits.runtime.server.serving import (
-    ClientGone,
-    ServingContext,
-    collect_unless_disconnected,
-    merge_streams,
-)
+from sits.runtime.server.responses import finish_text, sse, usage
+from sits.runtime.server.sampling import compile_output_constraint, structured_output
+from sits.runtime.server.serving import ClientGone, ServingContext
 from sits.runtime.server.stream_usage import running_usage, wants_continuous_usage
-from sits.runtime.server.tenant import request_cache_salt, request_priority
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -74,13 +60,10 @@ class Completions:
         return result
 
     async def __call__(self, body: CompletionRequest, tenant: str, request: Request) -> Response:
-        arrival = time.perf_counter()
-        lora = self.ctx.check_model(body.model)  # the adapter the model id names (None: the base model)
-        self.ctx.check_ready()
-        body.check_combination()
-        salt = request_cache_salt(request, body.shared_prefix)  # 400 before the work of tokenizing
+        opening = open_request(self.ctx, body, request)
+        grammar = structured_output(body)
         try:  # before any admission slot: a slow compile must not hold capacity others need
-            await compile_output_constraint(request, structured_output(body), tenant)
+            await compile_output_constraint(request, grammar, tenant)
         except ClientGone:
             return Response(status_code=499)
         # n choices of each prompt: 503 when the server is full, 400 when it could never fit
@@ -88,31 +71,18 @@ class Completions:
         limit = self.ctx.context_limit(tenant)
         requested = 1 if body.echo_only else body.max_tokens  # echo alone: one token run and dropped
         prompts = await self.prompt_token_ids(body, room=limit - (requested or DEFAULT_MAX_TOKENS))
-        budgets = [output_budget(len(ids), requested, limit, default=DEFAULT_MAX_TOKENS,
-                                 param="max_tokens", prompt_name="prompt") for ids in prompts]
-        params = [sampling_params(body, max_tokens=budget, logprobs=body.logprobs, vocab_size=self.ctx.vocab_size,
-                                  prompt_logprobs=body.engine_prompt_logprobs)
-                  for budget in budgets]
+        requests = await engine_requests(
+            self.ctx, body, prompts, limit=limit, requested=requested, default=DEFAULT_MAX_TOKENS,
+            limit_param="max_tokens", prompt_name="prompt", logprobs=body.logprobs,
+            prompt_logprobs=body.engine_prompt_logprobs, grammar=grammar, id_prefix="cmpl")
         echoes = [self._prompt_text(prompt, ids, body.truncate_prompt_tokens is not None)
                   for prompt, ids in zip(body.prompts(), prompts, strict=True)] if body.echo else []
-        await resolve_bad_words_off_loop(params, self.ctx.tokenizer, self.ctx.vocab_size)
-        response_id = new_request_id("cmpl")
-        engine_ids = [response_id] if len(prompts) == 1 else [f"{response_id}-{i}" for i in range(len(prompts))]
-        stream = merge_streams([self.ctx.generate(ids, p, rid, tenant, arrival, request_priority(request), salt,
-                                                  lora)
-                                for ids, p, rid in zip(prompts, params, engine_ids, strict=True)])
-        head = {"id": response_id, "object": "text_completion", "created": int(time.time()),
-                "model": lora or self.ctx.model_name}
-        headers = {"x-request-id": response_id}
-        if body.stream:
-            events = self._events(stream, head, body, echoes, len(prompts), request)
-            return StreamingResponse(events, media_type="text/event-stream", headers={**headers, **SSE_HEADERS})
-        try:
-            finals = await collect_unless_disconnected(stream, request)
-        except ClientGone:
-            return Response(status_code=499)
-        ordered = [finals[i] for i in range(len(prompts))]
-        return JSONResponse(self._completion(ordered, head, body, echoes), headers=headers)
+        head = {"id": requests.response_id, "object": "text_completion", "created": int(time.time()),
+                "model": opening.lora or self.ctx.model_name}
+        return await respond(request, requests, requests.stream(self.ctx, tenant, opening), streaming=body.stream,
+                             events=lambda stream: self._events(stream, head, body, echoes, len(prompts)),
+                             whole=lambda finals: self._completion([finals[i] for i in range(len(prompts))], head,
+                                                                   body, echoes))
 
     def _prompt_text(self, prompt: str | list[int], token_ids: list[int], truncated: bool) -> str:
         """What echo returns of a prompt: its text as sent, or the text of the token ids the model
@@ -162,9 +132,9 @@ class Completions:
             counts["completion_tokens"], counts["total_tokens"] = 0, counts["prompt_tokens"]
         return counts
 
-    async def _events(self, stream: AsyncIterator[tuple[int, RequestOutput]], head: dict[str, Any],
-                      body: CompletionRequest, echoes: list[str], num_prompts: int, request: Request
-                      ) -> AsyncIterator[str]:
+    async def _events(self, stream: MergedStream, head: dict[str, Any], body: CompletionRequest,
+                      echoes: list[str], num_prompts: int) -> AsyncIterator[str]:
+        """The SSE chunks of a streamed completion (`guarded_events` adds the error event and DONE)."""
         chunk_head = {**head, "system_fingerprint": None}
         continuous = wants_continuous_usage(body.stream_options)
         if body.include_usage or continuous:
@@ -172,43 +142,36 @@ class Completions:
         finished: set[tuple[int, int]] = set()
         text_offsets: dict[tuple[int, int], int] = {}
         last: dict[int, RequestOutput] = {}
-        try:
-            async with contextlib.aclosing(stream):
-                async for prompt_index, output in stream:
-                    last[prompt_index] = output
-                    for choice in output.outputs:
-                        key = (prompt_index, choice.index)
-                        first = body.echo and key not in text_offsets  # the chunk that echoes the prompt
-                        if key in finished or not (first or choice.text_delta or choice.logprobs_delta
-                                                   or choice.finished):
-                            continue
-                        text, finish = choice.text_delta, finish_text(choice.finish_reason)
-                        if body.echo_only:
-                            text, finish = "", "length" if choice.finished else None
-                        logprobs = None
-                        if first:
-                            text = echoes[prompt_index] + text
-                            logprobs = self._echoed(body, output, choice.logprobs_delta)
-                        elif body.logprobs is not None and not body.echo_only:
-                            logprobs = self.logprobs.completion(choice.logprobs_delta or [], body.logprobs,
-                                                                text_offsets.get(key, 0))
-                        start = text_offsets.get(key, 0)  # offsets of an echo's first chunk start at 0
-                        text_offsets[key] = start + sum(len(t) for t in logprobs["tokens"]) if logprobs else start
-                        if choice.finished:
-                            finished.add(key)
-                        part = self._choice(prompt_index, body.n, choice, text, logprobs, finish)
-                        chunk = {**chunk_head, "choices": [part]}
-                        if continuous:  # this choice's token counts so far
-                            chunk["usage"] = counts = running_usage(output, choice)
-                            if body.echo_only:  # the one token the engine ran is dropped, as in _usage
-                                counts.update(completion_tokens=0, total_tokens=counts["prompt_tokens"])
-                        yield sse(chunk)
-            if body.include_usage and len(last) == num_prompts:
-                yield sse({**chunk_head, "choices": [], "usage": self._usage((last[i] for i in range(num_prompts)),
-                                                                               body)})
-        except asyncio.CancelledError:
-            request.state.client_gone = True
-            raise
-        except Exception as error:  # after the 200 went out: report in the stream, then end it
-            yield as_openai_error(error).to_sse()
-        yield DONE
+        async with contextlib.aclosing(stream):
+            async for prompt_index, output in stream:
+                last[prompt_index] = output
+                for choice in output.outputs:
+                    key = (prompt_index, choice.index)
+                    first = body.echo and key not in text_offsets  # the chunk that echoes the prompt
+                    if key in finished or not (first or choice.text_delta or choice.logprobs_delta
+                                               or choice.finished):
+                        continue
+                    text, finish = choice.text_delta, finish_text(choice.finish_reason)
+                    if body.echo_only:
+                        text, finish = "", "length" if choice.finished else None
+                    logprobs = None
+                    if first:
+                        text = echoes[prompt_index] + text
+                        logprobs = self._echoed(body, output, choice.logprobs_delta)
+                    elif body.logprobs is not None and not body.echo_only:
+                        logprobs = self.logprobs.completion(choice.logprobs_delta or [], body.logprobs,
+                                                            text_offsets.get(key, 0))
+                    start = text_offsets.get(key, 0)  # offsets of an echo's first chunk start at 0
+                    text_offsets[key] = start + sum(len(t) for t in logprobs["tokens"]) if logprobs else start
+                    if choice.finished:
+                        finished.add(key)
+                    part = self._choice(prompt_index, body.n, choice, text, logprobs, finish)
+                    chunk = {**chunk_head, "choices": [part]}
+                    if continuous:  # this choice's token counts so far
+                        chunk["usage"] = counts = running_usage(output, choice)
+                        if body.echo_only:  # the one token the engine ran is dropped, as in _usage
+                            counts.update(completion_tokens=0, total_tokens=counts["prompt_tokens"])
+                    yield sse(chunk)
+        if body.include_usage and len(last) == num_prompts:
+            yield sse({**chunk_head, "choices": [], "usage": self._usage((last[i] for i in range(num_prompts)),
+                                                                           body)})

@@ -35,12 +35,14 @@ import logging
 import sys
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from sits.runtime.engine.request import StructuredOutputSpec
 from sits.runtime.engine.structured_output import GrammarCache, StructuredOutputError
+from sits.runtime.server.collector import LABELS, ScrapeCollector
 from sits.runtime.server.errors import OpenAIError
+from sits.runtime.server.limits_config import GrammarLimits
+from sits.runtime.tasks import wait_first
 
 logger = logging.getLogger("sits.server")
 T = TypeVar("T")
@@ -48,38 +50,6 @@ T = TypeVar("T")
 WORKER_MODULE = "sits.runtime.server.grammar_worker"
 WORKER_BOOT_TIMEOUT_S = 120.0  # importing xgrammar (and torch) in a fresh process; not the compile's time
 _ANSWER_LIMIT = 1 << 20  # bytes of one answer line from a worker (they are tiny)
-
-
-@dataclass(frozen=True)
-class GrammarLimits:
-    """Bounds of the grammar compile (flags of `sits serve`; see docs/security.md).
-
-    Attributes:
-        max_depth: nesting levels a constraint may have (JSON containers of a schema; brackets of
-            a regex or grammar).
-        max_bytes: UTF-8 bytes of a constraint's text (schema JSON, regex, grammar, choices).
-        compile_timeout_s: seconds a compile may run in a worker before it is killed (a 400).
-        workers: worker processes (and grammar threads) at most.
-        per_tenant: compiles one tenant may run at once (the others wait their turn).
-        queue_per_tenant: compiles of one tenant that may wait for their turn; one more is a 429.
-    """
-
-    max_depth: int = 64
-    max_bytes: int = 128 * 1024
-    compile_timeout_s: float = 10.0
-    workers: int = 2
-    per_tenant: int = 1
-    queue_per_tenant: int = 8
-
-    def validate(self) -> None:
-        """Raises ValueError naming the bound that is out of range."""
-        for name in ("max_depth", "max_bytes", "workers", "per_tenant"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.queue_per_tenant < 0:
-            raise ValueError(f"queue_per_tenant must be >= 0, got {self.queue_per_tenant}")
-        if not self.compile_timeout_s > 0:
-            raise ValueError(f"compile_timeout_s must be positive, got {self.compile_timeout_s}")
 
 
 def check_spec_limits(spec: StructuredOutputSpec, limits: GrammarLimits) -> None:
@@ -259,14 +229,7 @@ class GrammarCompiler:
         task = asyncio.ensure_future(work)
         if disconnected is None:
             return await task
-        watcher = asyncio.ensure_future(disconnected())
-        try:
-            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watcher.cancel()
-            if not task.done():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+        await wait_first(task, asyncio.ensure_future(disconnected()))
         if task.cancelled():
             raise ClientLeft
         return task.result()
@@ -318,20 +281,17 @@ class GrammarCompiler:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-class GrammarCompileCollector:
+class GrammarCompileCollector(ScrapeCollector):
     """Prometheus view of a GrammarCompiler, read at scrape time (`sits_grammar_*`)."""
 
     def __init__(self, compiler: GrammarCompiler, model: str, track: str) -> None:
+        super().__init__(model, track)
         self._compiler = compiler
-        self._labels = (model, track)
-
-    def describe(self) -> list[Any]:
-        return []
 
     def collect(self) -> Any:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        compiler, labels = self._compiler, ("model", "track")
+        compiler, labels = self._compiler, LABELS
         in_flight = GaugeMetricFamily("sits_grammar_compiles_in_flight", "Output grammars compiling or waiting for "
                                       "their turn (requests that hold no admission slot yet).", labels=labels)
         in_flight.add_metric(self._labels, float(sum(compiler._in_flight.values())))

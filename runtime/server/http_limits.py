@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import resource
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from sits.runtime.server.limits_config import HttpLimits
 
 logger = logging.getLogger("sits.server")
 
@@ -40,37 +40,6 @@ _ACCEPT_ERROR = "socket.accept() out of system resource"
 _TIMEOUT_408 = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 _FULL_503 = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain\r\ncontent-length: 20\r\n"
              b"connection: close\r\n\r\nToo many connections")
-
-
-def default_max_connections() -> int:
-    """Three quarters of the process's descriptor limit (the rest: model files, Redis, logs), at most 8192."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        return 8192
-    return max(16, min(8192, soft * 3 // 4))
-
-
-@dataclass(frozen=True)
-class HttpLimits:
-    """Read timeouts and the connection cap of the HTTP server.
-
-    Attributes:
-        header_timeout_s: seconds to send a request's complete headers.
-        body_min_rate: bytes per second a body must arrive at, after `header_timeout_s` of grace.
-        max_connections: open connections at most (default: from the descriptor limit).
-    """
-
-    header_timeout_s: float = 15.0
-    body_min_rate: float = 1024.0
-    max_connections: int = field(default_factory=default_max_connections)
-
-    def validate(self) -> None:
-        if not self.header_timeout_s > 0:
-            raise ValueError(f"header_timeout_s must be positive, got {self.header_timeout_s}")
-        if not self.body_min_rate > 0:
-            raise ValueError(f"body_min_rate must be positive, got {self.body_min_rate}")
-        if self.max_connections < 1:
-            raise ValueError(f"max_connections must be at least 1, got {self.max_connections}")
 
 
 class _RefusalLog:

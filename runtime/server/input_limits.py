@@ -10,11 +10,17 @@
 
 Beyond a limit the request is a 400 naming the parameter (pydantic validators of the protocol).
 Structured-output constraints have their own, configurable bounds (`grammar_compiler.GrammarLimits`).
+
+A request beyond the model's context is a 400 with code `context_length_exceeded`, worded in OpenAI's
+way by `context_length_error` wherever it is found (too many characters or messages before tokenizing,
+too many tokens after).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+from sits.runtime.server.errors import OpenAIError, invalid_request
 
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
@@ -47,3 +53,16 @@ def check_bad_words(words: Sequence[str] | None) -> None:
     total = sum(len(word) for word in words)
     if total > MAX_BAD_WORDS_TOTAL_CHARS:
         raise ValueError(f"bad_words may have at most {MAX_BAD_WORDS_TOTAL_CHARS} characters in all, got {total}")
+
+
+def context_length_error(max_model_len: int, however: str, please: str, param: str) -> OpenAIError:
+    """The 400 of a request that cannot fit the context, as OpenAI words it:
+    "This model's maximum context length is N tokens. However, <however>. Please <please>."."""
+    return invalid_request(f"This model's maximum context length is {max_model_len} tokens. However, {however}. "
+                           f"Please {please}.", param=param, code="context_length_exceeded")
+
+
+def prompt_fills_context(max_model_len: int, prompt_tokens: int, prompt_name: str, param: str) -> OpenAIError:
+    """The 400 of a prompt that alone fills the context."""
+    return context_length_error(max_model_len, f"your {prompt_name} has {prompt_tokens} tokens, which leaves no "
+                                f"room to generate", f"shorten the {prompt_name}", param)

@@ -35,8 +35,9 @@ from sits.runtime.engine.client import EngineClient
 from sits.runtime.engine.errors import EngineDeadError, EngineDiedError, EngineShuttingDownError
 from sits.runtime.lora.config import LoraConfigError, LoraFileError, LoraModule
 from sits.runtime.lora.roots import AdapterPathRefused, checked_adapter_path, is_hub_id
+from sits.runtime.server.collector import LABELS, ScrapeCollector
 from sits.runtime.server.errors import OpenAIError, invalid_request
-from sits.runtime.server.tenant import request_tenant
+from sits.runtime.server.tenant import request_tenant, tenant_of
 
 LOAD_PATH = "/v1/load_lora_adapter"
 UNLOAD_PATH = "/v1/unload_lora_adapter"
@@ -137,22 +138,19 @@ def admin_only(tenants_configured: bool) -> Any:
 
 
 def _require_admin(request: Request) -> None:
-    tenant = getattr(request.state, "tenancy_tenant", None)
-    if not getattr(tenant, "admin", False):
+    tenant = tenant_of(request)
+    if tenant is None or not tenant.admin:
         raise OpenAIError(403, "Loading and unloading LoRA adapters needs the key of a tenant marked "
                                "`admin: true` in the tenants file.", code="permission_denied")
 
 
-class LoraAdaptersCollector:
+class LoraAdaptersCollector(ScrapeCollector):
     """`sits_lora_adapters_loaded` and `sits_lora_slots`: adapters served now and the slots they may fill."""
 
     def __init__(self, engine: EngineClient, model: str, track: str) -> None:
+        super().__init__(model, track)
         self._engine = engine
         self._num_slots = engine.model_info.lora_num_slots
-        self._labels = [model, track]
-
-    def describe(self) -> list[Any]:
-        return []
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import GaugeMetricFamily
@@ -160,7 +158,7 @@ class LoraAdaptersCollector:
         loaded = len(self._engine.lora_modules)
         for name, doc, value in (("sits_lora_adapters_loaded", "LoRA adapters served now.", loaded),
                                  ("sits_lora_slots", "LoRA adapter slots (--max-loras).", self._num_slots)):
-            family = GaugeMetricFamily(name, doc, labels=["model", "track"])
+            family = GaugeMetricFamily(name, doc, labels=LABELS)
             family.add_metric(self._labels, value)
             yield family
 

@@ -5,7 +5,8 @@ never share a counter. Every series carries `model`, `tenant` and `track` labels
 canary analysis compares `track="canary"` against `track="stable"` latency quantiles.
 
 Engine state (running / waiting requests, KV-cache usage, prefix-cache and preemption counters) is
-not pushed by the engine: `EngineStatsCollector` reads one `EngineStats` snapshot per scrape. The
+not pushed by the engine: `EngineStatsCollector` asks for one `EngineStats` snapshot per scrape (the
+engine builds it then, between two steps: `sits.runtime.engine.stats`). The
 tenancy layer's own series (KV shards, evictions, rate limits, state store) come from its collector,
 registered next to these (`register`).
 """
@@ -19,13 +20,14 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from sits.runtime.engine.stats import EngineStats
+from sits.runtime.metrics_collector import LABELS, SERVER_LABELS, SnapshotCollector
 from sits.runtime.server.tenant import DEFAULT_TENANT
 
 # 5 ms to 60 s: first tokens on a warm GPU land in the first buckets, long CPU generations in the last.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0,
                    7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0)
-LABELS = ("model", "tenant", "track")
-SPEC_LABELS = ("model", "track")
+SPEC_LABELS = SERVER_LABELS  # engine-wide series (speculative decoding, the host tier's totals)
 TIER_LABELS = ("model", "tenant", "track", "tier")
 HOST_TIER_COUNTERS = (  # (series, HostTierStats field, help)
     ("sits_kv_host_offload_bytes", "offload_bytes", "Bytes of KV blocks copied from the GPU cache to the host tier."),
@@ -38,84 +40,78 @@ HOST_TIER_COUNTERS = (  # (series, HostTierStats field, help)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
-class EngineStatsCollector:
+class EngineStatsCollector(SnapshotCollector[EngineStats]):
     """Engine gauges and counters, read from one `EngineStats` snapshot per scrape.
 
     Every series is split by tenant from the snapshot's `*_by_tenant` maps ("default" always has a
     series, zero when idle). `sits_prefix_cache_cross_tenant_hits_total` counts prompt tokens served
     from blocks another tenant computed outside the shared-prefix pool: it must stay 0.
+    Args: stats_source: the engine's `stats` (it builds the figures when called: once per scrape).
     """
 
-    def __init__(self, stats_source: Callable[[], Any], model: str, track: str) -> None:
-        self._stats_source = stats_source
-        self._model = model
-        self._track = track
+    FAMILIES = (
+        *((GaugeMetricFamily, name, LABELS) for name in
+          ("sits_requests_running", "sits_requests_waiting", "sits_kv_cache_usage_ratio")),
+        *((CounterMetricFamily, name, LABELS) for name in
+          ("sits_prefix_cache_queries", "sits_prefix_cache_hits", "sits_prefix_cache_cross_tenant_hits",
+           "sits_prefix_cache_shared_hits", "sits_preemptions")),
+        *((CounterMetricFamily, name, SPEC_LABELS) for name in
+          ("sits_spec_decode_draft_tokens", "sits_spec_decode_accepted_tokens")),
+        (CounterMetricFamily, "sits_prefix_cache_tier_hits", TIER_LABELS),
+        (GaugeMetricFamily, "sits_kv_host_blocks_used", LABELS),
+        (GaugeMetricFamily, "sits_kv_host_blocks_total", SPEC_LABELS),
+        *((CounterMetricFamily, name, SPEC_LABELS) for name, _, _ in HOST_TIER_COUNTERS),
+    )
 
-    def describe(self) -> list[Metric]:
-        # Declared without values so registering never calls the engine.
-        return [GaugeMetricFamily(name, "", labels=LABELS) for name in
-                ("sits_requests_running", "sits_requests_waiting", "sits_kv_cache_usage_ratio")] + [
-            CounterMetricFamily(name, "", labels=LABELS) for name in
-            ("sits_prefix_cache_queries", "sits_prefix_cache_hits", "sits_prefix_cache_cross_tenant_hits",
-             "sits_prefix_cache_shared_hits", "sits_preemptions")] + [
-            CounterMetricFamily(name, "", labels=SPEC_LABELS) for name in
-            ("sits_spec_decode_draft_tokens", "sits_spec_decode_accepted_tokens")] + [
-            CounterMetricFamily("sits_prefix_cache_tier_hits", "", labels=TIER_LABELS),
-            GaugeMetricFamily("sits_kv_host_blocks_used", "", labels=LABELS),
-            GaugeMetricFamily("sits_kv_host_blocks_total", "", labels=SPEC_LABELS)] + [
-            CounterMetricFamily(name, "", labels=SPEC_LABELS) for name, _, _ in HOST_TIER_COUNTERS]
-
-    def collect(self) -> Iterator[Metric]:
-        stats = self._stats_source()
-        running = _by_tenant(stats.running_by_tenant, stats.num_running)
-        waiting = _by_tenant(stats.waiting_by_tenant, stats.num_waiting)
+    def _families(self, stats: EngineStats) -> Iterator[Metric]:
         total_blocks = max(stats.kv_blocks_total, 1)
         used = {tenant: blocks / total_blocks
                 for tenant, blocks in _by_tenant(stats.kv_blocks_used_by_tenant, stats.kv_blocks_used).items()}
-        yield self._family(GaugeMetricFamily, "sits_requests_running",
-                           "Sequences running in the engine.", running)
-        yield self._family(GaugeMetricFamily, "sits_requests_waiting",
-                           "Sequences waiting in the engine (queued or preempted).", waiting)
-        yield self._family(GaugeMetricFamily, "sits_kv_cache_usage_ratio",
-                           "Fraction of KV-cache blocks held by sequences (0-1).", used)
+        yield self._per_tenant(GaugeMetricFamily, "sits_requests_running", "Sequences running in the engine.",
+                               _by_tenant(stats.running_by_tenant, stats.num_running))
+        yield self._per_tenant(GaugeMetricFamily, "sits_requests_waiting",
+                               "Sequences waiting in the engine (queued or preempted).",
+                               _by_tenant(stats.waiting_by_tenant, stats.num_waiting))
+        yield self._per_tenant(GaugeMetricFamily, "sits_kv_cache_usage_ratio",
+                               "Fraction of KV-cache blocks held by sequences (0-1).", used)
+        yield from self._prefix_families(stats)
+        yield from self._tier_families(stats)
+        yield self._per_tenant(CounterMetricFamily, "sits_preemptions",
+                               "Times a running sequence lost its KV blocks to make room.",
+                               _by_tenant(stats.preemptions_by_tenant, stats.num_preemptions))
+        spec = stats.spec_decode
+        if spec is not None:  # only while speculative decoding is on (engine-wide, as vLLM's spec_decode_*)
+            yield self._single(CounterMetricFamily, "sits_spec_decode_draft_tokens",
+                               "Speculative draft tokens proposed.", spec.num_draft_tokens)
+            yield self._single(CounterMetricFamily, "sits_spec_decode_accepted_tokens",
+                               "Speculative draft tokens the target model accepted.", spec.num_accepted_tokens)
+
+    def _prefix_families(self, stats: EngineStats) -> Iterator[Metric]:
         prefix = stats.prefix_cache_by_tenant
 
         def per_tenant(field: str, engine_total: float) -> dict[str, float]:
             return _by_tenant({tenant: getattr(counts, field) for tenant, counts in prefix.items()}, engine_total)
 
-        yield self._family(CounterMetricFamily, "sits_prefix_cache_queries",
-                           "Prompt tokens looked up in the prefix cache.",
-                           per_tenant("queries", stats.prefix_cache_queries))
-        yield self._family(CounterMetricFamily, "sits_prefix_cache_hits",
-                           "Prompt tokens served from the prefix cache.", per_tenant("hits", stats.prefix_cache_hits))
-        yield self._family(CounterMetricFamily, "sits_prefix_cache_cross_tenant_hits",
-                           "Prompt tokens served from KV blocks another tenant computed, outside the "
-                           "shared-prefix pool (tenant isolation: stays 0).", per_tenant("cross_tenant_hits", 0))
-        yield self._family(CounterMetricFamily, "sits_prefix_cache_shared_hits",
-                           "Prompt tokens served from another tenant's blocks through the shared-prefix pool.",
-                           per_tenant("shared_hits", 0))
-        yield from self._tier_families(stats)
-        yield self._family(CounterMetricFamily, "sits_preemptions",
-                           "Times a running sequence lost its KV blocks to make room.",
-                           _by_tenant(stats.preemptions_by_tenant, stats.num_preemptions))
-        spec = getattr(stats, "spec_decode", None)
-        if spec is not None:  # only while speculative decoding is on (engine-wide, as vLLM's spec_decode_*)
-            for name, doc, value in (
-                    ("sits_spec_decode_draft_tokens", "Speculative draft tokens proposed.", spec.num_draft_tokens),
-                    ("sits_spec_decode_accepted_tokens", "Speculative draft tokens the target model accepted.",
-                     spec.num_accepted_tokens)):
-                family = CounterMetricFamily(name, doc, labels=SPEC_LABELS)
-                family.add_metric([self._model, self._track], float(value))
-                yield family
+        yield self._per_tenant(CounterMetricFamily, "sits_prefix_cache_queries",
+                               "Prompt tokens looked up in the prefix cache.",
+                               per_tenant("queries", stats.prefix_cache_queries))
+        yield self._per_tenant(CounterMetricFamily, "sits_prefix_cache_hits",
+                               "Prompt tokens served from the prefix cache.", per_tenant("hits", stats.prefix_cache_hits))
+        yield self._per_tenant(CounterMetricFamily, "sits_prefix_cache_cross_tenant_hits",
+                               "Prompt tokens served from KV blocks another tenant computed, outside the "
+                               "shared-prefix pool (tenant isolation: stays 0).", per_tenant("cross_tenant_hits", 0))
+        yield self._per_tenant(CounterMetricFamily, "sits_prefix_cache_shared_hits",
+                               "Prompt tokens served from another tenant's blocks through the shared-prefix pool.",
+                               per_tenant("shared_hits", 0))
 
-    def _tier_families(self, stats: Any) -> Iterator[Metric]:
+    def _tier_families(self, stats: EngineStats) -> Iterator[Metric]:
         """Prefix-cache hits by tier (`gpu`, `host`; their sum is sits_prefix_cache_hits_total, which
         keeps its meaning) and, with --host-kv-cache-gb, the host tier's blocks and copies."""
         hits = CounterMetricFamily("sits_prefix_cache_tier_hits",
                                    "Prompt tokens served from the prefix cache, by the tier that held them.",
                                    labels=TIER_LABELS)
         prefix = stats.prefix_cache_by_tenant
-        host_hits = getattr(stats, "prefix_cache_host_hits", 0)
+        host_hits = stats.prefix_cache_host_hits
         per_tenant = ({tenant: (counts.hits - counts.host_hits, counts.host_hits) for tenant, counts in prefix.items()}
                       if prefix else {DEFAULT_TENANT: (stats.prefix_cache_hits - host_hits, host_hits)})
         per_tenant.setdefault(DEFAULT_TENANT, (0, 0))
@@ -123,25 +119,16 @@ class EngineStatsCollector:
             hits.add_metric([self._model, tenant, self._track, "gpu"], float(gpu))
             hits.add_metric([self._model, tenant, self._track, "host"], float(host))
         yield hits
-        host = getattr(stats, "host_kv", None)
-        if host is None:
+        host_kv = stats.host_kv
+        if host_kv is None:
             return
-        yield self._family(GaugeMetricFamily, "sits_kv_host_blocks_used",
-                           "Host KV tier blocks a tenant holds (cached, or being written).",
-                           _by_tenant(host.blocks_by_tenant, 0))
-        total = GaugeMetricFamily("sits_kv_host_blocks_total", "Blocks in the host KV tier.", labels=SPEC_LABELS)
-        total.add_metric([self._model, self._track], float(host.blocks_total))
-        yield total
+        yield self._per_tenant(GaugeMetricFamily, "sits_kv_host_blocks_used",
+                               "Host KV tier blocks a tenant holds (cached, or being written).",
+                               _by_tenant(host_kv.blocks_by_tenant, 0))
+        yield self._single(GaugeMetricFamily, "sits_kv_host_blocks_total", "Blocks in the host KV tier.",
+                           host_kv.blocks_total)
         for name, field, doc in HOST_TIER_COUNTERS:
-            family = CounterMetricFamily(name, doc, labels=SPEC_LABELS)
-            family.add_metric([self._model, self._track], float(getattr(host, field)))
-            yield family
-
-    def _family(self, kind: type, name: str, doc: str, values: dict[str, float]) -> Metric:
-        family = kind(name, doc, labels=LABELS)
-        for tenant, value in sorted(values.items()):
-            family.add_metric([self._model, tenant, self._track], float(value))
-        return family
+            yield self._single(CounterMetricFamily, name, doc, getattr(host_kv, field))
 
 
 def _by_tenant(per_tenant: dict[str, int], total: float) -> dict[str, float]:
@@ -154,7 +141,7 @@ def _by_tenant(per_tenant: dict[str, int], total: float) -> dict[str, float]:
 class ServerMetrics:
     """The server's metrics, in a registry of its own."""
 
-    def __init__(self, model: str, track: str, stats_source: Callable[[], Any]) -> None:
+    def __init__(self, model: str, track: str, stats_source: Callable[[], EngineStats]) -> None:
         self.model = model
         self.track = track
         self.registry = CollectorRegistry(auto_describe=True)

@@ -16,6 +16,7 @@ moves it. In tenants mode /docs, /redoc and /openapi.json are off unless `--enab
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 from collections.abc import Callable
@@ -29,7 +30,7 @@ from fastapi.responses import Response
 from sits.runtime.lora.config import HF_SCHEME
 from sits.runtime.server.errors import OpenAIError
 from sits.runtime.server.metrics import CONTENT_TYPE
-from sits.runtime.server.tenant import request_tenant
+from sits.runtime.server.tenant import request_tenant, tenant_of
 
 METRICS_PATH = "/metrics"
 LISTENER_SOCKET_TIMEOUT_S = 10.0  # a scrape connection that stalls is dropped after this long
@@ -44,13 +45,15 @@ def install_metrics_route(app: FastAPI, exposition: Callable[[], bytes], *, tena
 
     @app.get(METRICS_PATH, dependencies=dependencies, include_in_schema=False)
     async def prometheus_metrics() -> Response:
-        return Response(exposition(), media_type=CONTENT_TYPE)
+        # On a worker thread: the engine builds its figures between two steps, and the scrape waits
+        # for the step in flight without holding up the event loop (and every stream on it).
+        return Response(await asyncio.to_thread(exposition), media_type=CONTENT_TYPE)
 
 
 async def _admin_tenant(request: Request, _tenant: str = Depends(request_tenant)) -> None:
     """401 without a valid key (request_tenant), 403 unless the tenant is marked admin."""
-    tenant = getattr(request.state, "tenancy_tenant", None)
-    if not getattr(tenant, "admin", False):
+    tenant = tenant_of(request)
+    if tenant is None or not tenant.admin:
         raise OpenAIError(403, "With tenants, /metrics on the API port needs the key of a tenant marked "
                                "`admin: true` (or scrape the --metrics-port listener).", code="permission_denied")
 

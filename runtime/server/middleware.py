@@ -16,7 +16,7 @@ from sits.runtime.server.admission import AdmissionControl
 from sits.runtime.server.errors import OpenAIError, service_unavailable
 from sits.runtime.server.lifecycle import Lifecycle
 from sits.runtime.server.metrics import ServerMetrics
-from sits.runtime.server.tenant import UNRESOLVED_TENANT
+from sits.runtime.server.tenant import UNRESOLVED_TENANT, RequestTenant
 
 CLIENT_CLOSED_STATUS = 499  # nginx's "client closed request": the client left before the end
 
@@ -69,9 +69,9 @@ class GenerationGate:
     metrics, and give back the request's admitted sequences however it ends (the capacity check
     itself is `TenantGate`'s, after authentication).
 
-    Handlers leave what they learn in the request state (`scope["state"]`): `tenant` (set by the
-    tenant dependency), `client_gone` (the client disconnected before the response ended) and the
-    sequences `AdmissionControl.reserve` admitted.
+    Handlers leave what they learn in the request state (`scope["state"]`): `tenant` (the
+    `RequestTenant` the tenant gate resolved, `tenant_of`), `client_gone` (the client disconnected
+    before the response ended) and the sequences `AdmissionControl.reserve` admitted.
     """
 
     def __init__(self, app: ASGIApp, lifecycle: Lifecycle, metrics: ServerMetrics, paths: set[str],
@@ -109,5 +109,6 @@ class GenerationGate:
                 self.admission.release(state)
             if state.get("client_gone"):
                 status = CLIENT_CLOSED_STATUS
-            tenant = state.get("tenant", UNRESOLVED_TENANT)
-            self.metrics.observe_request(tenant, status, time.perf_counter() - started)
+            tenant: RequestTenant | None = state.get("tenant")
+            self.metrics.observe_request(UNRESOLVED_TENANT if tenant is None else tenant.name, status,
+                                         time.perf_counter() - started)

@@ -1,4 +1,5 @@
-"""From an OpenAI request to the engine's SamplingParams, and the token budget of one prompt."""
+"""From an OpenAI request to the engine's SamplingParams (validated here, once), its output grammar, and
+the token budget of one prompt (`sits.runtime.server.input_processor` puts them together)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ from sits.runtime.engine.structured_output import (
     regex_spec,
 )
 from sits.runtime.engine.token_masks import resolve_bad_words
+from sits.runtime.engine.validated import ValidatedSamplingParams
 from sits.runtime.server.errors import invalid_request
 from sits.runtime.server.grammar_compiler import ClientLeft, GrammarCompiler
+from sits.runtime.server.input_limits import context_length_error, prompt_fills_context
 from sits.runtime.server.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from sits.runtime.server.protocol_structured import GUIDED_CONSTRAINTS
 from sits.runtime.server.serving import ClientGone, until_disconnected
@@ -34,31 +37,29 @@ def output_budget(prompt_tokens: int, requested: int | None, max_model_len: int,
     prompt plus the requested tokens do not fit (what OpenAI and vLLM answer).
     """
     if prompt_tokens >= max_model_len:
-        raise invalid_request(
-            f"This model's maximum context length is {max_model_len} tokens. However, your {prompt_name} "
-            f"has {prompt_tokens} tokens, which leaves no room to generate. Please shorten the {prompt_name}.",
-            param=prompt_name, code="context_length_exceeded")
+        raise prompt_fills_context(max_model_len, prompt_tokens, prompt_name, param=prompt_name)
     room = max_model_len - prompt_tokens
     if requested is None:
         return room if default is None else min(default, room)
     if requested > room:
-        raise invalid_request(
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{prompt_tokens + requested} tokens ({prompt_tokens} in the {prompt_name}, {requested} in the "
-            f"completion). Please reduce the length of the {prompt_name} or completion.",
-            param=param, code="context_length_exceeded")
+        raise context_length_error(
+            max_model_len, f"you requested {prompt_tokens + requested} tokens ({prompt_tokens} in the "
+            f"{prompt_name}, {requested} in the completion)",
+            f"reduce the length of the {prompt_name} or completion", param=param)
     return requested
 
 
 def sampling_params(request: ChatCompletionRequest | CompletionRequest, *, max_tokens: int,
-                    logprobs: int | None, vocab_size: int | None = None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
-    """SamplingParams for the request, validated (SamplingParamsError names the param: a 400) —
-    against the model's vocabulary too when `vocab_size` is given, so a stream never starts for
-    a request the engine would refuse."""
+                    logprobs: int | None, vocab_size: int,
+                    prompt_logprobs: int | None = None,
+                    structured_output: StructuredOutputSpec | None = None) -> ValidatedSamplingParams:
+    """SamplingParams for the request, validated here once (SamplingParamsError names the param: a
+    400) against the model's vocabulary, so a stream never starts for a request the engine would
+    refuse; the engine trusts them (`sits.runtime.engine.validated`). `structured_output`: the
+    request's output grammar, already compiled (`compile_output_constraint`)."""
     if request.seed is not None and not SEED_RANGE[0] <= request.seed <= SEED_RANGE[1]:
         raise invalid_request(f"seed must fit in 64 bits, got {request.seed}", param="seed")
-    params = SamplingParams(
+    params = ValidatedSamplingParams(
         n=request.n,
         max_tokens=max_tokens,
         min_tokens=request.min_tokens,
@@ -78,7 +79,7 @@ def sampling_params(request: ChatCompletionRequest | CompletionRequest, *, max_t
         prompt_logprobs=prompt_logprobs,
         skip_special_tokens=request.skip_special_tokens,
         logit_bias=request.logit_bias or None,
-        structured_output=structured_output(request),
+        structured_output=structured_output,
         allowed_token_ids=request.allowed_token_ids,
         bad_words=request.bad_words,
     )

@@ -1,8 +1,8 @@
 """The server's security settings: one object built from `sits serve`'s flags, read by the app.
 
-Each part is owned by its module: grammar-compile bounds (`grammar_compiler.GrammarLimits`),
-HTTP read timeouts and the connection cap (`http_limits.HttpLimits`), the metrics listener
-(`metrics_listener`), the LoRA roots (`sits.runtime.lora.roots`). The request-size limits of
+Each part is owned by its module: grammar-compile bounds (`limits_config.GrammarLimits`, enforced
+by `grammar_compiler`), HTTP read timeouts and the connection cap (`limits_config.HttpLimits`,
+enforced by `http_limits`), the metrics listener (`metrics_access`), the LoRA roots (`sits.runtime.lora.roots`). The request-size limits of
 the protocol (stop strings, bad_words) are constants of `input_limits`. docs/security.md lists
 them all with their values.
 """
@@ -15,11 +15,12 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from sits.runtime.server.grammar_compiler import GrammarLimits
-from sits.runtime.server.http_limits import HttpLimits
-from sits.runtime.server.metrics_access import MetricsListener
+from sits.runtime.server.limits_config import GrammarLimits, HttpLimits
+
+if TYPE_CHECKING:
+    from sits.runtime.server.metrics_access import MetricsListener
 
 logger = logging.getLogger("sits.server")
 
@@ -111,6 +112,8 @@ def bind_metrics_listener(host: str, port: int | None) -> MetricsListener | None
     Raises SecurityConfigError when the port cannot be bound (before the model loads, like the API port)."""
     if port is None:
         return None
+    from sits.runtime.server.metrics_access import MetricsListener
+
     try:
         return MetricsListener(host, port)
     except OSError as error:

@@ -21,8 +21,10 @@ from sits.runtime.engine.client import EngineClient
 from sits.runtime.engine.request import RequestOutput, SamplingParams
 from sits.runtime.server.admission import AdmissionControl
 from sits.runtime.server.errors import invalid_request, model_not_found, service_unavailable
+from sits.runtime.server.input_limits import context_length_error, prompt_fills_context
 from sits.runtime.server.lifecycle import Lifecycle
 from sits.runtime.server.metrics import ServerMetrics
+from sits.runtime.tasks import wait_first
 from sits.runtime.tracing import NO_TRACER, RequestTracer
 
 T = TypeVar("T")
@@ -80,10 +82,8 @@ class ServingContext:
     def check_text(self, text: str, param: str, name: str = "prompt") -> None:
         """400 for a text that is not valid Unicode (lone surrogates) or cannot fit the context."""
         if len(text) > self.max_prompt_chars:
-            raise invalid_request(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your {name} "
-                f"has {len(text)} characters, more than that many tokens can hold. Please shorten the {name}.",
-                param=param, code="context_length_exceeded")
+            raise context_length_error(self.max_model_len, f"your {name} has {len(text)} characters, more than "
+                                       "that many tokens can hold", f"shorten the {name}", param)
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as error:
@@ -145,10 +145,7 @@ class ServingContext:
     def check_token_ids(self, token_ids: Sequence[int], param: str) -> list[int]:
         """Token ids given by the client must exist in the vocabulary."""
         if len(token_ids) >= self.max_model_len:  # before the loop over what may be millions of ids
-            raise invalid_request(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt has "
-                f"{len(token_ids)} tokens, which leaves no room to generate. Please shorten the prompt.",
-                param=param, code="context_length_exceeded")
+            raise prompt_fills_context(self.max_model_len, len(token_ids), "prompt", param)
         vocab_size = self.tokenizer.vocab_size
         bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
         if bad is not None:
@@ -268,12 +265,9 @@ async def collect_unless_disconnected(stream: AsyncIterator[tuple[int, T]], requ
     consumer = asyncio.create_task(consume())
     watcher = asyncio.create_task(until_disconnected(request))
     try:
-        await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        await wait_first(consumer, watcher)
     finally:
-        watcher.cancel()
-        if not consumer.done():
-            consumer.cancel()
-            await asyncio.gather(consumer, return_exceptions=True)
+        if consumer.cancelled():
             request.state.client_gone = True
     if consumer.cancelled():
         raise ClientGone

@@ -1,8 +1,10 @@
 """Which tenant a request belongs to, decided in one place: `TenantGate`, before the body is read.
 
-A `TenantResolver` on `app.state.tenant_resolver` answers three questions:
-- `resolve(request)`: who is calling (API key -> tenant); raises `OpenAIError(401)` for a missing
-  or unknown key, and may leave `request.state.priority` (an int, 0 by default) for the scheduler;
+A `TenantResolver` on `app.state.tenant_resolver` answers these questions:
+- `resolve(request)`: who is calling (API key -> tenant), as a typed `RequestTenant` (name, scheduling
+  priority, the tenants-file entry); raises `OpenAIError(401)` for a missing or unknown key. The gate
+  leaves it in the request state, the one place handlers, metrics and the admin checks read it from
+  (`tenant_of`);
 - `admit(request, tenant)`: may this generation request run now; raises `OpenAIError(429)` with
   Retry-After for a tenant over its rate limit;
 - `cache_salt(request, shared)`: the prefix-cache salt of the request's prompts, so tenants never
@@ -20,6 +22,7 @@ tenancy every request is the tenant "default": open (`SingleTenantResolver`) or 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from fastapi import Request
@@ -36,9 +39,40 @@ API_PREFIX = "/v1/"
 AUTHENTICATED_PATHS = frozenset({"/tokenize", "/detokenize"})  # outside /v1/, yet behind the same keys
 
 
+@dataclass(frozen=True)
+class RequestTenant:
+    """Who a request runs for, as its `TenantResolver` found it (in the request state under `tenant`).
+
+    Attributes:
+        name: the tenant's name: the engine's tenant, the `tenant` label of the metrics.
+        priority: scheduling priority, 0 (lowest) to 3; 0 without tenants.
+        record: the tenant's entry of the tenants file (allow-list, admin flag, limits); None when
+            the server runs without --tenants.
+    """
+
+    name: str
+    priority: int = 0
+    record: Tenant | None = None
+
+    @property
+    def admin(self) -> bool:
+        """May call the operator endpoints (`admin: true` in the tenants file)."""
+        return self.record is not None and self.record.admin
+
+    @property
+    def allowed_models(self) -> tuple[str, ...] | None:
+        """The model ids this tenant may use; None for every served model."""
+        return None if self.record is None else self.record.models
+
+
+def tenant_of(request: Request) -> RequestTenant | None:
+    """The request's tenant, once `TenantGate` (or `request_tenant`) resolved it; None before."""
+    return getattr(request.state, "tenant", None)
+
+
 class TenantResolver(Protocol):
-    async def resolve(self, request: Request) -> str:
-        """The tenant name for this request, or raise OpenAIError (401 / 403)."""
+    async def resolve(self, request: Request) -> RequestTenant:
+        """Who this request runs for, or raise OpenAIError (401 / 403)."""
         ...
 
     async def admit(self, request: Request, tenant: str) -> None:
@@ -60,8 +94,8 @@ class SingleTenantResolver:
     def __init__(self, tenant: str = DEFAULT_TENANT) -> None:
         self.tenant = tenant
 
-    async def resolve(self, request: Request) -> str:
-        return self.tenant
+    async def resolve(self, request: Request) -> RequestTenant:
+        return RequestTenant(self.tenant)
 
     async def admit(self, request: Request, tenant: str) -> None:
         return None
@@ -100,9 +134,9 @@ class ApiKeyResolver(SingleTenantResolver):
     def __repr__(self) -> str:
         return f"ApiKeyResolver({self.num_keys} key(s), tenant={self.tenant!r})"
 
-    async def resolve(self, request: Request) -> str:
+    async def resolve(self, request: Request) -> RequestTenant:
         await self._keys.resolve(request)  # OpenAIError 401 for a missing or wrong key
-        return self.tenant
+        return RequestTenant(self.tenant)
 
 
 def shared_prefix_unavailable() -> OpenAIError:
@@ -112,8 +146,8 @@ def shared_prefix_unavailable() -> OpenAIError:
 
 class TenantGate:
     """ASGI middleware: authenticate every /v1/* request and those to `AUTHENTICATED_PATHS`, and
-    admit generation requests, before the body is read. The tenant is left in the request state
-    (`tenant`) for handlers and metrics.
+    admit generation requests, before the body is read. The `RequestTenant` is left in the request
+    state (`tenant_of`) for handlers, metrics and the admin checks.
 
     The order of refusals is the order a client can act on: 401 (no or wrong key), then 503 with
     Retry-After (the replica's queue is full: nothing is charged to the tenant), then 429 (the
@@ -144,7 +178,7 @@ class TenantGate:
             if scope["path"] in self.generation_paths:
                 if self.admission is not None and self.admission.full:
                     raise self.admission.overloaded()
-                await resolver.admit(request, tenant)
+                await resolver.admit(request, tenant.name)
         except OpenAIError as error:
             await error.to_response()(scope, receive, send)
             return
@@ -152,17 +186,18 @@ class TenantGate:
 
 
 async def request_tenant(request: Request) -> str:
-    """FastAPI dependency: the tenant `TenantGate` resolved (resolved here when the gate is absent)."""
-    tenant = getattr(request.state, "tenant", None)
+    """FastAPI dependency: the name of the tenant `TenantGate` resolved (resolved here when the gate is absent)."""
+    tenant = tenant_of(request)
     if tenant is None:
         tenant = await request.app.state.tenant_resolver.resolve(request)
         request.state.tenant = tenant
-    return tenant
+    return tenant.name
 
 
 def request_priority(request: Request) -> int:
-    """The scheduling priority the tenant resolver left on the request (0 when it set none)."""
-    return int(getattr(request.state, "priority", 0) or 0)
+    """The scheduling priority of the request's tenant (0 before it was resolved)."""
+    tenant = tenant_of(request)
+    return 0 if tenant is None else tenant.priority
 
 
 def request_cache_salt(request: Request, shared: bool = False) -> str | None:

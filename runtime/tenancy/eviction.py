@@ -5,9 +5,10 @@ it keeps its prefix hash), and leaves it when a request hits it again or it is e
 
     score(block) = t x (1 + alpha x priority)
 
-`t` is the time of the block's last use, in seconds since the engine started, read from the
-time-ordered id of the request that used it last; `priority` (0-3) is its tenant's. Lower scores
-go first. Order of victims for a requesting tenant:
+`t` is the time of the block's last use, in seconds since the engine started: when the request
+that last referenced the block was issued (`KVBlock.last_used_time`, the time its request id
+carries); `priority` (0-3) is its tenant's. Lower scores go first. Order of victims for a
+requesting tenant:
 
 1. blocks idle (unreferenced) longer than the TTL, oldest first;
 2. blocks of tenants over their KV share, lowest score first;
@@ -15,8 +16,8 @@ go first. Order of victims for a requesting tenant:
 
 Only blocks whose eviction raises the requester's headroom are candidates (its own, and those of
 tenants over their share: `ShardAccountant.eviction_helps`), so a tenant never evicts another
-tenant's guaranteed blocks. When nothing is left, the scheduler preempts a running request
-(`preemption_victim`), lowest priority first.
+tenant's guaranteed blocks. When nothing is left, the scheduler preempts a running request whose
+blocks would help the same way (`TenantEvictionPolicy.preemption_helps`), in its policy's order.
 
 Cost: `block_cached` O(log n), `block_taken` O(1) (lazy invalidation: stale heap entries are
 skipped and compacted away), `select_victim` O(T + log n) for T tenants holding cached blocks.
@@ -28,11 +29,9 @@ import heapq
 import itertools
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
 
-from sits.runtime.tenancy.request_ids import seconds_since
 from sits.runtime.tenancy.shards import ShardAccountant
 
 DEFAULT_ALPHA = 0.2
@@ -40,27 +39,12 @@ DEFAULT_ALPHA = 0.2
 
 @dataclass(frozen=True)
 class EvictedBlock:
-    """A block the policy chose; the caller frees it and calls `shards.release(tenant)`."""
+    """A block the policy chose; the caller frees it (the pool's owner map then uncharges its tenant)."""
 
     block_id: int
     tenant: str
     score: float
     expired: bool
-
-
-class EvictionPolicy(Protocol):
-    """What the KV-cache manager needs from an eviction policy."""
-
-    def block_cached(self, block_id: int, tenant: str, request_id: str) -> None:
-        """The block's last reference went away; it stays cached and becomes evictable."""
-
-    def block_taken(self, block_id: int) -> None:
-        """The block is referenced again (a prefix hit) or freed: no longer evictable."""
-
-    def select_victim(self, requester: str | None) -> EvictedBlock | None:
-        """Remove and return the next block to evict for `requester`, or None if none helps."""
-
-    def __len__(self) -> int: ...
 
 
 @dataclass
@@ -117,20 +101,18 @@ class ScoreEvictionPolicy:
     """The default policy (see the module docstring).
 
     Args:
-        shards: the accountant the KV-cache manager keeps; read to know who is over share.
+        shards: the tenants' shard accounts; read to know who is over share.
         priorities: tenant name -> priority 0-3 (unknown tenants count as 0); `set_priorities`
             replaces it on a live tenant-table update without touching the index.
         alpha: weight of priority in the score.
         ttl_s: blocks unreferenced longer than this go first; None disables the TTL.
-        engine_start: time.time() when the engine started (origin of t).
+        engine_start: Unix seconds (time.time()) when the engine started: the origin of t.
         clock: monotonic seconds, for the TTL.
-        wall_clock: time.time, for request ids that carry no timestamp.
     """
 
     def __init__(self, shards: ShardAccountant, priorities: Mapping[str, int] | None = None, *,
                  alpha: float = DEFAULT_ALPHA, ttl_s: float | None = None, engine_start: float | None = None,
-                 clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if alpha < 0:
             raise ValueError(f"alpha must be >= 0, got {alpha}")
         if ttl_s is not None and ttl_s <= 0:
@@ -139,19 +121,18 @@ class ScoreEvictionPolicy:
         self._priorities = dict(priorities or {})
         self.alpha = alpha
         self.ttl_s = ttl_s
-        self.engine_start = wall_clock() if engine_start is None else engine_start
+        self.engine_start = time.time() if engine_start is None else engine_start
         self._clock = clock
-        self._wall_clock = wall_clock
         self._tenants: dict[str, _TenantBlocks] = {}
-        self._owner: dict[int, str] = {}
+        self._indexed: dict[int, str] = {}  # evictable block id -> the tenant whose index holds it
         self._generations = itertools.count()
         self.evictions_total: dict[str, int] = defaultdict(int)
 
     def __len__(self) -> int:
-        return len(self._owner)
+        return len(self._indexed)
 
     def __contains__(self, block_id: object) -> bool:
-        return block_id in self._owner
+        return block_id in self._indexed
 
     def set_priorities(self, priorities: Mapping[str, int]) -> None:
         self._priorities = dict(priorities)
@@ -160,7 +141,7 @@ class ScoreEvictionPolicy:
         return t * (1.0 + self.alpha * self._priorities.get(tenant, 0))
 
     def block_score(self, block_id: int) -> float:
-        tenant = self._owner[block_id]
+        tenant = self._indexed[block_id]
         return self.score(tenant, self._tenants[tenant].live[block_id].t)
 
     def cached_blocks(self, tenant: str) -> int:
@@ -180,18 +161,23 @@ class ScoreEvictionPolicy:
 
     # -- index updates --------------------------------------------------------------------------
 
-    def block_cached(self, block_id: int, tenant: str, request_id: str) -> None:
+    def block_cached(self, block_id: int, tenant: str, last_used_time: float) -> None:
+        """The block's last reference went away; it stays cached and becomes evictable.
+
+        Args:
+            block_id: the block.
+            tenant: the tenant holding it.
+            last_used_time: Unix seconds of its last use (`KVBlock.last_used_time`); t is this
+                minus `engine_start`, 0 for a use before the engine started.
+        """
         self.block_taken(block_id)
-        try:
-            t = seconds_since(self.engine_start, request_id)
-        except ValueError:  # an id without a timestamp (client-chosen): its last use is now
-            t = self._wall_clock() - self.engine_start
-        entry = _Entry(tenant, max(0.0, t), self._clock(), next(self._generations))
+        entry = _Entry(tenant, max(0.0, last_used_time - self.engine_start), self._clock(), next(self._generations))
         self._tenants.setdefault(tenant, _TenantBlocks()).add(block_id, entry)
-        self._owner[block_id] = tenant
+        self._indexed[block_id] = tenant
 
     def block_taken(self, block_id: int) -> None:
-        tenant = self._owner.pop(block_id, None)
+        """The block is referenced again (a prefix hit) or gone: no longer evictable."""
+        tenant = self._indexed.pop(block_id, None)
         if tenant is None:
             return
         blocks = self._tenants[tenant]
@@ -261,26 +247,3 @@ class ScoreEvictionPolicy:
                               "lowest_score": self.score(tenant, lowest[1].t) if lowest else 0.0,
                               "evictions_total": self.evictions_total.get(tenant, 0)}
         return result
-
-
-@dataclass(frozen=True)
-class RunningRequest:
-    """What preemption needs to know about a running request."""
-
-    request_id: str
-    tenant: str
-    priority: int
-    arrival_order: int  # larger = arrived later
-
-
-def preemption_victim(requester: str, running: Sequence[RunningRequest],
-                      shards: ShardAccountant) -> RunningRequest | None:
-    """The running request to preempt when no cached block can be evicted for `requester`.
-
-    Lowest priority first, then the latest arrival (it has the least work to redo). Only requests
-    whose blocks would help the requester count: its own, and those of tenants over their share.
-    """
-    candidates = [r for r in running if shards.eviction_helps(requester, r.tenant)]
-    if not candidates:
-        return None
-    return min(candidates, key=lambda r: (r.priority, -r.arrival_order))

@@ -6,6 +6,8 @@ tenants, that pool's EvictionPolicy is this one. It is the GPU cache's `TenantEv
 borrowing of blocks nobody is guaranteed) with each tenant's guarantee taken from its
 `hostKvCacheShare` instead of its `kvCacheShare`. An offload the policy refuses (the tenant is at
 its share and nothing of its own or of an over-share tenant is evictable) drops the block.
+Its shards read the host pool's own owner map; a host block is charged to the tenant that held the
+GPU block and keeps that block's last use (t), so a block's score does not change as it moves down.
 """
 
 from __future__ import annotations

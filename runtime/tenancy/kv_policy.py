@@ -1,34 +1,41 @@
 """The engine's EvictionPolicy, tenant-aware: KV shards plus score-ordered eviction.
 
-Plugs into `sits.runtime.engine.block_pool.BlockPool` through its `EvictionPolicy` hooks:
-- `on_allocate` / `on_empty` keep `ShardAccountant` in step with the pool: a tenant holds a block
-  from the moment it is handed out until it is empty again, cached blocks included (a prefix hit,
-  `on_touch`, charges nobody new: the block stays with the tenant that computed it);
-- `add` / `remove` index evictable blocks by score (`ScoreEvictionPolicy`);
+Plugs into `sits.runtime.engine.block_pool.BlockPool` through its `EvictionPolicy` interface:
+- `bind(pool)` hands the pool this policy's owner map (`BlockOwners`), which the pool charges: a
+  tenant holds a block from the moment it is handed out until it is empty again, cached blocks
+  included (a prefix hit charges nobody new: the block stays with the tenant that computed it).
+  The shards (`ShardAccountant`) read their held counts from that map, nowhere else;
+- `add` / `remove` index evictable blocks by score (`ScoreEvictionPolicy`), t being the block's
+  `last_used_time`;
 - `pop_victim(requester)` returns only blocks whose eviction raises the requester's headroom (its
   own, or those of a tenant above its share), so one tenant never evicts another's guaranteed blocks;
 - `can_allocate(owner, n)` refuses when neither free blocks within the owner's headroom nor helpful
   evictions can supply n blocks (the scheduler then preempts or waits);
-- `preemption_helps(requester, victim)` lets the scheduler preempt only its own requests or those of
-  tenants above their share, lowest priority first, when nothing is left to evict.
-
 - `may_take_empty(owner)`, asked before each empty block, says no once the owner's headroom is
   spent: the free blocks left are other tenants' unfilled guarantees, so the pool evicts for it
-  (its own cached blocks, or an over-share tenant's) or refuses.
-- `cached_block_hashes()` names the prefix hashes this replica can serve from its cache (blocks
-  seen with a hash when released or hit, until they are emptied), for the router's KV index.
+  (its own cached blocks, or an over-share tenant's) or refuses;
+- `preemption_helps(requester, victim)` lets the scheduler preempt only its own requests or those of
+  tenants above their share, when nothing is left to evict.
+
+For the router and metrics: `cached_block_hashes()` (the pool's findable prefix hashes), `kv_usage()`,
+`usage()` and `eviction_index()`.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
+from sits.runtime.engine.block_owners import BlockOwners
 from sits.runtime.engine.eviction import BlockOwner, EvictionPolicy, KVBlock
 from sits.runtime.tenancy.eviction import DEFAULT_ALPHA, ScoreEvictionPolicy
 from sits.runtime.tenancy.shards import ShardAccountant, ShardUsage
 from sits.runtime.tenancy.state_store import EvictionIndexEntry
 from sits.runtime.tenancy.tenants import TenantTable
+
+if TYPE_CHECKING:
+    from sits.runtime.engine.block_pool import BlockPool
 
 
 class TenantEvictionPolicy(EvictionPolicy):
@@ -47,12 +54,11 @@ class TenantEvictionPolicy(EvictionPolicy):
                  clock: Callable[[], float] = time.monotonic,
                  shares_of: Callable[[TenantTable], Mapping[str, float]] = TenantTable.shares) -> None:
         self._shares_of = shares_of
-        self.shards = ShardAccountant(num_blocks, shares_of(table))
+        self.owners = BlockOwners(num_blocks)
+        self.shards = ShardAccountant(num_blocks, shares_of(table), self.owners.held)
         self.scores = ScoreEvictionPolicy(self.shards, table.priorities(), alpha=alpha, ttl_s=ttl_s,
                                           engine_start=engine_start, clock=clock)
-        self._holder: dict[int, str] = {}  # block id -> tenant holding it (mirrors the pool)
-        self._evictable: dict[int, KVBlock] = {}
-        self._hash_of: dict[int, bytes] = {}  # block id -> prefix hash, while the block is findable
+        self._pool: BlockPool | None = None
         self._pending_table: TenantTable | None = None
 
     def apply_table(self, table: TenantTable) -> None:
@@ -71,15 +77,22 @@ class TenantEvictionPolicy(EvictionPolicy):
 
     # -- the engine's EvictionPolicy ------------------------------------------------------------
 
+    def bind(self, pool: BlockPool) -> BlockOwners:
+        """The pool this policy serves (one); it charges this policy's owner map."""
+        if self._pool is not None:
+            raise RuntimeError("this eviction policy already serves a block pool; build one per pool")
+        if pool.num_blocks != self.owners.num_blocks:
+            raise ValueError(f"the policy was built for {self.owners.num_blocks} blocks, the pool has {pool.num_blocks}")
+        self._pool = pool
+        return self.owners
+
     def add(self, block: KVBlock) -> None:
-        owner = block.last_owner
-        tenant = self._holder.get(block.block_id) or (owner.tenant if owner else "default")
-        self._evictable[block.block_id] = block
-        self._note_hash(block)
-        self.scores.block_cached(block.block_id, tenant, owner.request_id if owner else "")
+        tenant = self.owners.holder_of(block.block_id) or "default"
+        last_used = block.last_used_time
+        # a client-chosen request id carries no time: the block's last use is now
+        self.scores.block_cached(block.block_id, tenant, time.time() if last_used is None else last_used)
 
     def remove(self, block: KVBlock) -> None:
-        self._evictable.pop(block.block_id, None)
         self.scores.block_taken(block.block_id)
 
     def pop_victim(self, requester: BlockOwner | None) -> KVBlock | None:
@@ -87,7 +100,8 @@ class TenantEvictionPolicy(EvictionPolicy):
         victim = self.scores.select_victim(requester.tenant if requester is not None else None)
         if victim is None:
             return None
-        return self._evictable.pop(victim.block_id)  # the pool empties it: on_empty follows
+        assert self._pool is not None, "only the bound pool's blocks are ever indexed"
+        return self._pool.blocks[victim.block_id]  # the pool empties it, which uncharges its holder
 
     def __len__(self) -> int:
         return len(self.scores)
@@ -103,31 +117,6 @@ class TenantEvictionPolicy(EvictionPolicy):
     def preemption_helps(self, requester: BlockOwner, victim: BlockOwner) -> bool:
         self._apply_pending_table()
         return self.shards.eviction_helps(requester.tenant, victim.tenant)
-
-    def on_allocate(self, block: KVBlock, owner: BlockOwner) -> None:
-        self._uncharge(block.block_id)  # an evicted block still charged to its last holder
-        self._holder[block.block_id] = owner.tenant
-        self.shards.charge(owner.tenant)
-
-    def on_touch(self, block: KVBlock, owner: BlockOwner) -> None:
-        self._note_hash(block)
-
-    def on_empty(self, block: KVBlock, holder: str) -> None:
-        self._hash_of.pop(block.block_id, None)
-        self._uncharge(block.block_id)
-
-    def on_release(self, block: KVBlock) -> None:
-        if block.ref_count == 0 and block.block_hash is None:  # about to become empty
-            self._uncharge(block.block_id)
-
-    def _note_hash(self, block: KVBlock) -> None:
-        if block.block_hash is not None:
-            self._hash_of[block.block_id] = block.block_hash
-
-    def _uncharge(self, block_id: int) -> None:
-        holder = self._holder.pop(block_id, None)
-        if holder is not None:
-            self.shards.release(holder)
 
     # -- for the pool and for metrics -----------------------------------------------------------
 
@@ -145,16 +134,14 @@ class TenantEvictionPolicy(EvictionPolicy):
         return dict(self.scores.evictions_total)
 
     def cached_block_hashes(self) -> frozenset[bytes]:
-        """Prefix hashes of the blocks a prompt can hit now (released or hit since they were
-        cached, not yet emptied); at most `num_blocks` of them. Call it on the engine's thread."""
-        return frozenset(self._hash_of.values())
+        """Prefix hashes of the blocks a prompt can hit now (the pool's hash index); at most
+        `num_blocks` of them. Call it on the engine's thread."""
+        return self._pool.cached_hashes() if self._pool is not None else frozenset()
 
     def kv_usage(self) -> float:
         """Fraction of the cache's blocks referenced by running requests (cached-but-idle blocks
         are free to take), 0..1."""
-        total = self.shards.total_blocks
-        in_use = sum(u.held for u in self.usage().values()) - len(self._evictable)
-        return min(max(in_use / total, 0.0), 1.0) if total else 0.0
+        return self._pool.usage if self._pool is not None else 0.0
 
     def eviction_index(self) -> dict[str, EvictionIndexEntry]:
         """This replica's entry for `StateStore.publish_eviction_index` (call it on the engine's

@@ -3,24 +3,16 @@
 from __future__ import annotations
 
 import copy
-from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
 
-from sits.runtime.tenancy.rate_windows import (
-    WINDOW_S,
-    Limits,
-    WindowBook,
-    admits,
-    elapsed_fraction,
-    window_index,
-)
+from sits.runtime.tenancy.rate_windows import WINDOW_S, Limits, WindowBook, window_index, window_position
 from sits.runtime.tenancy.state_store import (
-    USAGE_FIELDS,
     Admission,
     EvictionIndexEntry,
     StateStore,
     TenantTableRecord,
+    UsageBook,
 )
 
 
@@ -32,7 +24,7 @@ class MemoryStateStore(StateStore):
         super().__init__(deployment, replica_id)
         self.window_s = window_s
         self._table: TenantTableRecord | None = None
-        self._usage: dict[str, dict[str, int]] = defaultdict(lambda: dict.fromkeys(USAGE_FIELDS, 0))
+        self._usage = UsageBook()
         self._eviction_index: dict[str, EvictionIndexEntry] = {}
         self._windows = WindowBook()
 
@@ -54,13 +46,10 @@ class MemoryStateStore(StateStore):
         return self._table.version if self._table else 0
 
     def add_usage(self, tenant: str, requests: int = 0, prompt_tokens: int = 0, completion_tokens: int = 0) -> None:
-        usage = self._usage[tenant]
-        usage["requests"] += requests
-        usage["prompt_tokens"] += prompt_tokens
-        usage["completion_tokens"] += completion_tokens
+        self._usage.add(tenant, requests, prompt_tokens, completion_tokens)
 
     async def get_usage(self) -> dict[str, dict[str, int]]:
-        return {tenant: dict(usage) for tenant, usage in self._usage.items()}
+        return self._usage.copy_out()
 
     def publish_eviction_index(self, entries: Mapping[str, EvictionIndexEntry]) -> None:
         self._eviction_index = dict(entries)
@@ -69,11 +58,9 @@ class MemoryStateStore(StateStore):
         return {self.replica_id: dict(self._eviction_index)} if self._eviction_index else {}
 
     async def admit(self, tenant: str, now: float, limits: Limits, tokens: int) -> Admission:
-        index, fraction = window_index(now, self.window_s), elapsed_fraction(now, self.window_s)
-        allowed = admits(self._windows.counts(tenant, index), fraction, limits, tokens)
-        if allowed:
-            self._windows.add(tenant, index, 1, tokens)
-        return Admission(allowed, self._windows.counts(tenant, index), fraction, shared=False)
+        index, fraction = window_position(now, self.window_s)
+        allowed, counts = self._windows.admit_local(tenant, index, fraction, limits, tokens)
+        return Admission(allowed, counts, fraction, shared=False)
 
     def add_window_tokens(self, tenant: str, now: float, tokens: int) -> None:
         self._windows.add(tenant, window_index(now, self.window_s), 0, tokens)

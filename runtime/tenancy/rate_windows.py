@@ -52,6 +52,11 @@ def elapsed_fraction(now: float, window_s: float = WINDOW_S) -> float:
     return (now % window_s) / window_s
 
 
+def window_position(now: float, window_s: float = WINDOW_S) -> tuple[int, float]:
+    """(index of the window holding `now`, fraction of that window elapsed)."""
+    return window_index(now, window_s), elapsed_fraction(now, window_s)
+
+
 def estimated_usage(counts: WindowCounts, fraction: float) -> tuple[float, float]:
     """(requests, tokens) over the sliding window ending now."""
     keep = 1.0 - fraction
@@ -107,6 +112,14 @@ class WindowBook:
         mine[1] += tokens
         self.dirty.add((tenant, index))
         self.prune(index)
+
+    def admit_local(self, tenant: str, index: int, fraction: float, limits: Limits, tokens: int) -> tuple[bool, WindowCounts]:
+        """Decide from these counts alone and count the request when it fits (a store with nothing
+        shared, or one whose shared store is unreachable). Returns (allowed, the counts after)."""
+        allowed = admits(self.counts(tenant, index), fraction, limits, tokens)
+        if allowed:
+            self.add(tenant, index, 1, tokens)
+        return allowed, self.counts(tenant, index)
 
     def set_others(self, tenant: str, index: int, requests: int, tokens: int) -> None:
         self.others[(tenant, index)] = (requests, tokens)

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -21,11 +22,29 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from sits.runtime.tasks import cancel_and_wait
 from sits.runtime.tenancy.state_store import redact_url
 
 log = logging.getLogger("sits.runtime.tenancy.redis_store")
 
 UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError, asyncio.TimeoutError)
+
+
+@dataclass(frozen=True)
+class LinkTiming:
+    """The link's clocks, in seconds.
+
+    Attributes:
+        flush_interval_s: how often the owner's pending writes are flushed while up.
+        op_timeout_s: connect and read timeout of each call. No client-side retries: a failure
+            must surface at once so the caller can fall back to local state.
+        backoff_initial_s, backoff_max_s: reconnection attempts back off exponentially between these.
+    """
+
+    flush_interval_s: float = 0.5
+    op_timeout_s: float = 0.5
+    backoff_initial_s: float = 0.1
+    backoff_max_s: float = 5.0
 
 
 class RedisLink:
@@ -35,19 +54,16 @@ class RedisLink:
         url: redis://[:password@]host:port/db (or rediss://, unix://); logged with the password hidden.
         flush: the owner's batched write (raises on failure; the link classifies the error).
         write_back: rewrites all the owner's local state; run before the link reports up.
-        op_timeout_s: connect and read timeout of each call. No client-side retries: a failure
-            must surface at once so the caller can fall back to local state.
+        timing: flush interval, call timeout and reconnection backoff.
     """
 
-    def __init__(self, url: str, flush: Callable[[], Awaitable[None]], write_back: Callable[[], Awaitable[None]], *,
-                 flush_interval_s: float, op_timeout_s: float, backoff_initial_s: float,
-                 backoff_max_s: float) -> None:
+    def __init__(self, url: str, flush: Callable[[], Awaitable[None]], write_back: Callable[[], Awaitable[None]],
+                 timing: LinkTiming) -> None:
         self.url = redact_url(url)
-        self.client = aioredis.Redis.from_url(url, socket_timeout=op_timeout_s, socket_connect_timeout=op_timeout_s,
+        self.client = aioredis.Redis.from_url(url, socket_timeout=timing.op_timeout_s,
+                                              socket_connect_timeout=timing.op_timeout_s,
                                               retry=Retry(NoBackoff(), 0), decode_responses=True)
-        self.flush_interval_s = flush_interval_s
-        self.backoff_initial_s = backoff_initial_s
-        self.backoff_max_s = backoff_max_s
+        self.timing = timing
         self._flush = flush
         self._write_back = write_back
         self.up = False
@@ -74,11 +90,8 @@ class RedisLink:
         # same moment, so closing never hangs.
         self._stopping = True
         self._wake.set()
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        task, self._task = self._task, None
+        await cancel_and_wait(task)
 
     async def aclose(self) -> None:
         self.up = False
@@ -118,15 +131,15 @@ class RedisLink:
                 raise
             except Exception:  # a bug must not stop the writes for good
                 log.exception("state store %s: background writer failed; restarting it", self.url)
-                await asyncio.sleep(self.backoff_max_s)
+                await asyncio.sleep(self.timing.backoff_max_s)
 
     async def _loop(self) -> None:
-        backoff = self.backoff_initial_s
+        backoff = self.timing.backoff_initial_s
         while not self._stopping:
             if self.up:
                 # asyncio.timeout, unlike wait_for on Python 3.11, never swallows a cancellation.
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(self.flush_interval_s):
+                    async with asyncio.timeout(self.timing.flush_interval_s):
                         await self._wake.wait()
                 self._wake.clear()
                 if self._stopping:
@@ -141,12 +154,12 @@ class RedisLink:
                 await self.client.ping()
                 await self._write_back()
             except UNREACHABLE:
-                backoff = min(backoff * 2, self.backoff_max_s)
+                backoff = min(backoff * 2, self.timing.backoff_max_s)
                 continue
             except RedisError as error:
                 log.warning("state store %s: write-back failed: %s", self.url, error)
-                backoff = min(backoff * 2, self.backoff_max_s)
+                backoff = min(backoff * 2, self.timing.backoff_max_s)
                 continue
-            backoff = self.backoff_initial_s
+            backoff = self.timing.backoff_initial_s
             self._mark_up()
             log.warning("state store %s is reachable again; local state written back", self.url)

@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
@@ -44,17 +43,17 @@ from sits.runtime.tenancy.rate_windows import (
     Limits,
     WindowBook,
     admits,
-    elapsed_fraction,
     window_index,
+    window_position,
 )
-from sits.runtime.tenancy.redis_link import UNREACHABLE, RedisLink
+from sits.runtime.tenancy.redis_link import UNREACHABLE, LinkTiming, RedisLink
 from sits.runtime.tenancy.state_store import (
-    USAGE_FIELDS,
     Admission,
     EvictionIndexEntry,
     ReplicaKVState,
     StateStore,
     TenantTableRecord,
+    UsageBook,
 )
 
 log = logging.getLogger(__name__)
@@ -79,13 +78,13 @@ class RedisStateStore(StateStore):
     """
 
     def __init__(self, url: str, deployment: str = "default", replica_id: str | None = None, *,
-                 flush_interval_s: float = 0.5, op_timeout_s: float = 0.5, backoff_initial_s: float = 0.1,
-                 backoff_max_s: float = 5.0, window_s: float = WINDOW_S, max_pending: int = 1024,
+                 flush_interval_s: float = LinkTiming.flush_interval_s, op_timeout_s: float = LinkTiming.op_timeout_s,
+                 backoff_initial_s: float = LinkTiming.backoff_initial_s,
+                 backoff_max_s: float = LinkTiming.backoff_max_s, window_s: float = WINDOW_S, max_pending: int = 1024,
                  replica_stale_s: float = 60.0, kv_ttl_s: float = 5.0) -> None:
         super().__init__(deployment, replica_id)
-        self._link = RedisLink(url, self._flush_once, self._write_back, flush_interval_s=flush_interval_s,
-                               op_timeout_s=op_timeout_s, backoff_initial_s=backoff_initial_s,
-                               backoff_max_s=backoff_max_s)
+        timing = LinkTiming(flush_interval_s, op_timeout_s, backoff_initial_s, backoff_max_s)
+        self._link = RedisLink(url, self._flush_once, self._write_back, timing)
         self._redis = self._link.client
         self.url = self._link.url
         self.flush_interval_s = flush_interval_s
@@ -102,7 +101,7 @@ class RedisStateStore(StateStore):
         # Local state: authoritative for this replica's own counts, a cache of everything else.
         self._table: TenantTableRecord | None = None
         self._table_pending = False  # a table seeded while down, to write if Redis has none
-        self._usage: dict[str, dict[str, int]] = defaultdict(lambda: dict.fromkeys(USAGE_FIELDS, 0))
+        self._usage = UsageBook()
         self._usage_dirty: set[str] = set()
         self._eviction_index: dict[str, EvictionIndexEntry] = {}
         self._eviction_dirty = False
@@ -299,17 +298,14 @@ class RedisStateStore(StateStore):
     # -- usage and eviction index ---------------------------------------------------------------
 
     def add_usage(self, tenant: str, requests: int = 0, prompt_tokens: int = 0, completion_tokens: int = 0) -> None:
-        usage = self._usage[tenant]
-        usage["requests"] += requests
-        usage["prompt_tokens"] += prompt_tokens
-        usage["completion_tokens"] += completion_tokens
+        self._usage.add(tenant, requests, prompt_tokens, completion_tokens)
         self._usage_dirty.add(tenant)
         self._pending()
 
     async def get_usage(self) -> dict[str, dict[str, int]]:
         """All replicas' usage summed; this replica's from local state (it may be ahead of Redis).
         While Redis is down, this replica's usage only."""
-        totals: dict[str, dict[str, int]] = defaultdict(lambda: dict.fromkeys(USAGE_FIELDS, 0))
+        totals = UsageBook()
         if self.up:
             try:
                 replicas = [r for r in await self._redis.hkeys(self._key("replicas")) if r != self.replica_id]
@@ -327,7 +323,7 @@ class RedisStateStore(StateStore):
         for tenant, usage in self._usage.items():
             for name, value in usage.items():
                 totals[tenant][name] += value
-        return {tenant: dict(usage) for tenant, usage in totals.items()}
+        return totals.copy_out()
 
     def publish_eviction_index(self, entries: Mapping[str, EvictionIndexEntry]) -> None:
         self._eviction_index = dict(entries)
@@ -358,7 +354,7 @@ class RedisStateStore(StateStore):
     # -- rate-limit windows ---------------------------------------------------------------------
 
     async def admit(self, tenant: str, now: float, limits: Limits, tokens: int) -> Admission:
-        index, fraction = window_index(now, self.window_s), elapsed_fraction(now, self.window_s)
+        index, fraction = window_position(now, self.window_s)
         known = self._windows.counts(tenant, index)  # a lower bound of the shared counts
         if not admits(known, fraction, limits, tokens):
             return Admission(False, known, fraction, shared=False)
@@ -369,10 +365,8 @@ class RedisStateStore(StateStore):
                 self._link.mark_down(error)
             except RedisError as error:
                 log.warning("state store %s: rate-limit script failed (%s); deciding locally", self.url, error)
-        allowed = admits(known, fraction, limits, tokens)
-        if allowed:
-            self._windows.add(tenant, index, 1, tokens)
-        return Admission(allowed, self._windows.counts(tenant, index), fraction, shared=False)
+        allowed, counts = self._windows.admit_local(tenant, index, fraction, limits, tokens)
+        return Admission(allowed, counts, fraction, shared=False)
 
     async def _admit_shared(self, tenant: str, index: int, fraction: float, limits: Limits,
                             tokens: int) -> Admission:

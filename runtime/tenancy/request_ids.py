@@ -1,9 +1,12 @@
 """Time-ordered request ids (UUIDv7, RFC 9562) and the time they carry.
 
-A request id sorts by creation time, so the id alone tells the eviction policy when a cached block
-was last used (`seconds_since`), and logs sort by time. Ids made by one generator are strictly
-increasing even within one millisecond and when the wall clock steps back (RFC 9562 section 6.2,
-method 2: the 74 random bits are incremented by a random step inside a millisecond).
+A request id sorts by creation time and carries it (`request_id_unix_ms`): the KV cache reads it
+once per block owner (`sits.runtime.engine.eviction.BlockOwner.issued_at`) as the time of a
+block's last use, which the tenant eviction score counts from; logs sort by time. Ids made by one
+`RequestIdGenerator` are strictly increasing even within one millisecond and when the wall clock
+steps back (RFC 9562 section 6.2, method 2: the 74 random bits are incremented by a random step
+inside a millisecond). The server's generator is the one that makes them
+(`sits.runtime.server.request_ids`).
 
 Layout (128 bits): unix_ts_ms (48) | version 7 (4) | rand_a (12) | variant 0b10 (2) | rand_b (62).
 """
@@ -60,14 +63,6 @@ def _pack(unix_ms: int, random74: int) -> uuid.UUID:
     return uuid.UUID(int=value)
 
 
-_default_generator = RequestIdGenerator()
-
-
-def new_request_id() -> str:
-    """A new time-ordered request id from the process-wide generator."""
-    return _default_generator.new()
-
-
 def request_id_unix_ms(request_id: str) -> int:
     """Milliseconds since the epoch at which a UUIDv7 request id was made.
 
@@ -79,10 +74,3 @@ def request_id_unix_ms(request_id: str) -> int:
         raise ValueError(f"not a time-ordered (UUIDv7) request id: {request_id!r}")
     return int("".join(match.groups())[:12], 16)
 
-
-def seconds_since(engine_start: float, request_id: str) -> float:
-    """Seconds from engine_start (time.time() at engine start) to the creation of request_id.
-
-    This is the `t` of the eviction score; negative for ids made before the engine started.
-    """
-    return request_id_unix_ms(request_id) / 1000.0 - engine_start

@@ -3,8 +3,8 @@
 `sits.runtime.server.tenant.TenantGate` calls `resolve(request)` for every /v1/* request and
 `admit(request, tenant)` for generation requests, before the body is read. A missing or wrong key
 raises the server's OpenAIError 401; a tenant over its RPM, or whose token window is already spent,
-gets 429 with Retry-After. The Tenant itself is left on `request.state.tenancy_tenant`, and its
-priority on `request.state.priority`, for what comes later (scheduling, cache salt, accounting).
+gets 429 with Retry-After. `resolve` answers a `RequestTenant` (name, priority, the Tenant itself),
+which the gate leaves in the request state for what comes later (scheduling, cache salt, accounting).
 
 Prompt tokens are not known yet at admission (the body is not tokenized), so the admission counts
 the request with 0 tokens; the serving path adds the prompt's and the completion's tokens to the
@@ -18,7 +18,7 @@ from collections.abc import Callable, Collection
 from fastapi import Request
 
 from sits.runtime.server.errors import OpenAIError
-from sits.runtime.server.tenant import shared_prefix_unavailable
+from sits.runtime.server.tenant import RequestTenant, shared_prefix_unavailable, tenant_of
 from sits.runtime.tenancy.auth import AuthenticationError, Authenticator
 from sits.runtime.tenancy.limits import RateLimiter
 from sits.runtime.tenancy.tenants import Tenant, TenantTable
@@ -45,15 +45,13 @@ class TenancyResolver:
         """The resolver of a `sits.runtime.tenancy.service.Tenancy`."""
         return cls(tenancy.authenticator, tenancy.limiter, lambda: tenancy.table)
 
-    async def resolve(self, request: Request) -> str:
+    async def resolve(self, request: Request) -> RequestTenant:
         try:
             tenant = self.authenticator.authenticate(request.headers)
         except AuthenticationError as error:
             raise OpenAIError(401, error.message, code=error.code, error_type="invalid_request_error",
                               headers={"WWW-Authenticate": "Bearer"}) from None
-        request.state.tenancy_tenant = tenant
-        request.state.priority = tenant.priority
-        return tenant.name
+        return RequestTenant(tenant.name, tenant.priority, tenant)
 
     async def admit(self, request: Request, tenant: str) -> None:
         if self.limiter is None:
@@ -81,4 +79,6 @@ class TenancyResolver:
 
     @staticmethod
     def _tenant(request: Request) -> Tenant:
-        return request.state.tenancy_tenant
+        resolved = tenant_of(request)
+        assert resolved is not None and resolved.record is not None, "the tenant gate resolved the request"
+        return resolved.record

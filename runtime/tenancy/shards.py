@@ -15,16 +15,19 @@ Eviction follows from the same arithmetic: dropping a cached block of tenant `o`
 block is `o`'s guarantee). `eviction_helps(t, o)` is that test; the eviction policy only picks
 blocks for which it holds, so no tenant ever evicts another tenant's guaranteed blocks.
 
-Pure bookkeeping: no tensors, no I/O. The KV-cache manager calls `allocate` / `release` as it
-hands out and frees physical blocks.
+The held counts are not kept here: they are the block pool's owner map's
+(`sits.runtime.engine.block_owners.BlockOwners.held`), which the pool charges as it hands out and
+empties blocks. A standalone accountant (no pool: a simulation, a test) keeps its own tally and
+moves it with `allocate` / `release`. Pure arithmetic: no tensors, no I/O.
 """
 
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from sits.runtime.engine.block_owners import TenantCounts
 
 
 class ShardError(RuntimeError):
@@ -47,16 +50,17 @@ class ShardAccountant:
         total_blocks: blocks in the KV cache.
         shares: tenant name -> kvCacheShare (0..1, summing to at most 1). Tenants not listed
             (e.g. a shared-prefix pool) have no guarantee and can only borrow.
+        held: the blocks each tenant holds: the pool's owner map's tally (`BlockOwners.held`),
+            read only; None: a tally of this accountant's own, moved by `allocate` / `release`.
     """
 
-    def __init__(self, total_blocks: int, shares: Mapping[str, float]) -> None:
+    def __init__(self, total_blocks: int, shares: Mapping[str, float], held: TenantCounts | None = None) -> None:
         if total_blocks < 0:
             raise ValueError(f"total_blocks must be >= 0, got {total_blocks}")
         self.total_blocks = total_blocks
-        self._held: dict[str, int] = defaultdict(int)
-        self._used = 0
+        self._own_tally = held is None
+        self._held = TenantCounts() if held is None else held
         self._guaranteed: dict[str, int] = {}
-        self._unfilled = 0  # sum over tenants of max(0, guaranteed - held)
         self.set_shares(shares)
 
     # -- configuration -------------------------------------------------------------------------
@@ -67,26 +71,26 @@ class ShardAccountant:
         total = sum(shares.values())
         if any(s < 0 for s in shares.values()) or total > 1.0 + 1e-9:
             raise ValueError(f"shares must be >= 0 and sum to at most 1, got {dict(shares)}")
-        self._guaranteed = {name: math.floor(share * self.total_blocks + 1e-9) for name, share in shares.items()}
         # If the free blocks cannot cover the new guarantees at once (a tenant was added to a full
         # cache), headrooms are 0 until evictions of over-share tenants free blocks: it self-heals.
-        self._unfilled = sum(self._gap(name) for name in self._guaranteed)
+        self._guaranteed = {name: math.floor(share * self.total_blocks + 1e-9) for name, share in shares.items()}
+        self._held.set_floors(self._guaranteed)  # the tally keeps the unfilled guarantees' sum
 
     # -- queries -------------------------------------------------------------------------------
 
     @property
     def free_blocks(self) -> int:
-        return self.total_blocks - self._used
+        return self.total_blocks - self._held.total
 
     @property
     def used_blocks(self) -> int:
-        return self._used
+        return self._held.total
 
     def guaranteed(self, tenant: str) -> int:
         return self._guaranteed.get(tenant, 0)
 
     def held(self, tenant: str) -> int:
-        return self._held.get(tenant, 0)
+        return self._held.get(tenant)
 
     def borrowed(self, tenant: str) -> int:
         """Blocks held beyond the guarantee."""
@@ -95,9 +99,6 @@ class ShardAccountant:
     def is_over_share(self, tenant: str) -> bool:
         return self.held(tenant) > self.guaranteed(tenant)
 
-    def over_share_tenants(self) -> set[str]:
-        return {name for name, held in self._held.items() if held > self.guaranteed(name)}
-
     def capacity(self, tenant: str) -> int:
         """The most blocks `tenant` can hold at once: its guarantee plus the blocks nobody is
         guaranteed (it can never borrow another tenant's unfilled guarantee)."""
@@ -105,7 +106,7 @@ class ShardAccountant:
 
     def headroom(self, tenant: str) -> int:
         """Blocks `tenant` may take now without eviction (never negative)."""
-        others_unfilled = self._unfilled - self._gap(tenant)
+        others_unfilled = self._held.shortfall - self._gap(tenant)
         return max(0, self.free_blocks - others_unfilled)
 
     def can_allocate(self, tenant: str, num_blocks: int) -> bool:
@@ -121,12 +122,12 @@ class ShardAccountant:
 
     def snapshot(self) -> dict[str, ShardUsage]:
         """Per-tenant counts; safe to call from a metrics thread (it copies before it reads)."""
-        held, guaranteed = dict(self._held), self._guaranteed
+        held, guaranteed = self._held.snapshot(), self._guaranteed
         names = set(guaranteed) | set(held)
         return {n: ShardUsage(held.get(n, 0), guaranteed.get(n, 0), max(0, held.get(n, 0) - guaranteed.get(n, 0)))
                 for n in sorted(names)}
 
-    # -- updates -------------------------------------------------------------------------------
+    # -- a standalone accountant's updates ------------------------------------------------------
 
     def allocate(self, tenant: str, num_blocks: int = 1) -> bool:
         """Charge num_blocks free blocks to tenant; False (and no change) if its headroom is short."""
@@ -134,29 +135,19 @@ class ShardAccountant:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         if num_blocks > self.headroom(tenant):
             return False
-        self._charge(tenant, num_blocks)
+        self._move(tenant, num_blocks)
         return True
-
-    def charge(self, tenant: str, num_blocks: int = 1) -> None:
-        """Record blocks the cache already handed to tenant, checked or not (a cache that does
-        not ask `can_allocate` first may push a tenant past its headroom: it shows as borrowing)."""
-        if num_blocks < 0 or num_blocks > self.free_blocks:
-            raise ShardError(f"cannot charge {num_blocks} blocks to {tenant!r}: {self.free_blocks} are free")
-        self._charge(tenant, num_blocks)
 
     def release(self, tenant: str, num_blocks: int = 1) -> None:
         """Return num_blocks of tenant's blocks to the free pool (freed uncached, or evicted)."""
         if num_blocks < 0 or num_blocks > self.held(tenant):
             raise ShardError(f"tenant {tenant!r} holds {self.held(tenant)} blocks, cannot release {num_blocks}")
-        self._charge(tenant, -num_blocks)
+        self._move(tenant, -num_blocks)
 
     def _gap(self, tenant: str) -> int:
         return max(0, self.guaranteed(tenant) - self.held(tenant))
 
-    def _charge(self, tenant: str, delta: int) -> None:
-        before = self._gap(tenant)
-        self._held[tenant] += delta
-        if self._held[tenant] == 0:
-            del self._held[tenant]
-        self._used += delta
-        self._unfilled += self._gap(tenant) - before
+    def _move(self, tenant: str, delta: int) -> None:
+        if not self._own_tally:
+            raise ShardError("this accountant reads a block pool's owner map: the pool charges it, not allocate/release")
+        self._held.add(tenant, delta)

@@ -36,6 +36,25 @@ DEPLOYMENT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 USAGE_FIELDS = ("requests", "prompt_tokens", "completion_tokens")
 
 
+class UsageBook(dict[str, dict[str, int]]):
+    """Usage totals per tenant, {tenant: {field: count}} over USAGE_FIELDS; a tenant not seen yet
+    reads as zeros (and is then held)."""
+
+    def __missing__(self, tenant: str) -> dict[str, int]:
+        usage = self[tenant] = dict.fromkeys(USAGE_FIELDS, 0)
+        return usage
+
+    def add(self, tenant: str, requests: int = 0, prompt_tokens: int = 0, completion_tokens: int = 0) -> None:
+        usage = self[tenant]
+        usage["requests"] += requests
+        usage["prompt_tokens"] += prompt_tokens
+        usage["completion_tokens"] += completion_tokens
+
+    def copy_out(self) -> dict[str, dict[str, int]]:
+        """A plain copy, safe to hand out."""
+        return {tenant: dict(usage) for tenant, usage in self.items()}
+
+
 @dataclass(frozen=True)
 class TenantTableRecord:
     """The tenant table as stored: `document` is `TenantTable.to_document()`; `version` grows by

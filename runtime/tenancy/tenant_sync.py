@@ -9,11 +9,10 @@ replica keeps serving with the last good one. So is a table that disappears from
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 
+from sits.runtime.tasks import PeriodicTask
 from sits.runtime.tenancy.state_store import StateStore, TenantTableRecord
 from sits.runtime.tenancy.tenants import TenantConfigError, TenantTable, parse_tenants
 
@@ -60,7 +59,7 @@ class TenantSync:
         self.require_keys = require_keys
         self.version = 0
         self._rejected_version = 0
-        self._task: asyncio.Task | None = None
+        self._polling = PeriodicTask(self._poll_logged, poll_interval_s, "sits-tenant-sync")
 
     async def start(self, seed: TenantTable | None) -> None:
         """Adopt the stored table if there is one (an operator's live edits outlive restarts);
@@ -70,14 +69,10 @@ class TenantSync:
             self._adopt(record)
         elif seed is not None:
             self.version = await self.store.put_tenant_table(seed.to_document(), if_absent=True)
-        self._task = asyncio.create_task(self._poll_forever(), name="sits-tenant-sync")
+        self._polling.start()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._polling.stop()
 
     async def poll_once(self) -> bool:
         """Check the store once; True if a new table was swapped in."""
@@ -87,13 +82,11 @@ class TenantSync:
         record = await self.store.get_tenant_table()
         return record is not None and self._adopt(record)
 
-    async def _poll_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self.poll_interval_s)
-            try:
-                await self.poll_once()
-            except Exception:  # the store reports its own outages; anything else must not stop polling
-                log.exception("tenant table poll failed; keeping the current table")
+    async def _poll_logged(self) -> None:
+        try:
+            await self.poll_once()
+        except Exception:  # the store reports its own outages; anything else must not stop polling
+            log.exception("tenant table poll failed; keeping the current table")
 
     def _adopt(self, record: TenantTableRecord) -> bool:
         try:

@@ -22,13 +22,15 @@ change); the server logs a warning for it (`TenantTable.unserved_models`).
 
 `admin: true` marks a tenant whose key may load and unload LoRA adapters at runtime (with
 `--allow-runtime-lora-updating`); absent, it is false.
+
+The document's fields, the rules of its values and its writer are `tenants_schema`'s, which the
+operator writes the same document with.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-import re
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,26 +38,31 @@ from typing import Any
 
 import yaml
 
-MAX_PRIORITY = 3
-SHARE_TOLERANCE = 1e-9  # shares are decimals in YAML; 0.1 + 0.2 + 0.7 must pass
-TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")  # safe as a metric label and a Redis key part
-SHA256_HEX = re.compile(r"^[0-9a-fA-F]{64}$")
-DEFAULT_TENANT = "default"
+from sits.runtime.tenancy.tenants_schema import (
+    MAX_PRIORITY,
+    MODEL_ID_RULE,
+    SHA256_HEX,
+    SHARE_TOLERANCE,
+    TABLE_FIELDS,
+    TENANT_FIELDS,
+    TENANT_NAME,
+    ModelIdsError,
+    api_key_digest,
+    model_ids,
+    tenant_entry,
+    tenants_document,
+)
 
-_TENANT_FIELDS = {"name", "apiKey", "apiKeySha256", "priority", "kvCacheShare", "hostKvCacheShare",
-                  "requestsPerMinute", "tokensPerMinute", "weight", "models", "admin"}
-_TABLE_FIELDS = {"tenants", "sharedPrefixPool"}
+__all__ = ["DEFAULT_TENANT", "MAX_PRIORITY", "SHARED_PREFIX_SALT", "Tenant", "TenantConfigError", "TenantTable",
+           "api_key_digest", "load_tenants_file", "parse_tenants"]
+
+DEFAULT_TENANT = "default"
 _SALT_DOMAIN = b"sits/prefix-salt/v1\x00"
 SHARED_PREFIX_SALT = hashlib.sha256(_SALT_DOMAIN + b"\x00shared-prefix-pool").hexdigest()[:32]
 
 
 class TenantConfigError(ValueError):
     """The tenants file is invalid; the message names the file, the tenant and the field."""
-
-
-def api_key_digest(api_key: str) -> bytes:
-    """SHA-256 of an API key (32 bytes); the only form in which a key is kept."""
-    return hashlib.sha256(api_key.encode("utf-8")).digest()
 
 
 @dataclass(frozen=True)
@@ -181,25 +188,14 @@ class TenantTable:
         return SHARED_PREFIX_SALT if shared and self.shared_prefix_pool else tenant.prefix_salt
 
     def to_document(self) -> dict[str, Any]:
-        """The table as plain data for the state store: key digests in hex, never a key."""
-        tenants = []
-        for t in self._tenants.values():
-            entry: dict[str, Any] = {"name": t.name, "priority": t.priority, "kvCacheShare": t.kv_cache_share,
-                                     "weight": t.weight}
-            if t.host_kv_cache_share:
-                entry["hostKvCacheShare"] = t.host_kv_cache_share
-            if t.api_key_sha256 is not None:
-                entry["apiKeySha256"] = t.api_key_sha256.hex()
-            if t.requests_per_minute is not None:
-                entry["requestsPerMinute"] = t.requests_per_minute
-            if t.tokens_per_minute is not None:
-                entry["tokensPerMinute"] = t.tokens_per_minute
-            if t.models is not None:
-                entry["models"] = list(t.models)
-            if t.admin:
-                entry["admin"] = True
-            tenants.append(entry)
-        return {"sharedPrefixPool": self.shared_prefix_pool, "tenants": tenants}
+        """The table as plain data for the state store (`tenants_schema`): key digests in hex, never a key."""
+        entries = [tenant_entry(t.name, priority=t.priority, kv_cache_share=t.kv_cache_share,
+                                host_kv_cache_share=t.host_kv_cache_share,
+                                api_key_sha256=None if t.api_key_sha256 is None else t.api_key_sha256.hex(),
+                                requests_per_minute=t.requests_per_minute, tokens_per_minute=t.tokens_per_minute,
+                                models=t.models, weight=t.weight, admin=t.admin)
+                   for t in self._tenants.values()]
+        return tenants_document(entries, shared_prefix_pool=self.shared_prefix_pool)
 
 
 def load_tenants_file(path: str | Path, *, require_keys: bool = True) -> TenantTable:
@@ -227,7 +223,7 @@ def parse_tenants(data: Any, *, source: str = "tenants", require_keys: bool = Tr
     """
     if not isinstance(data, Mapping) or not isinstance(data.get("tenants"), list):
         raise TenantConfigError(f"{source}: expected a mapping with a `tenants:` list")
-    unknown = set(data) - _TABLE_FIELDS
+    unknown = set(data) - TABLE_FIELDS
     if unknown:
         raise TenantConfigError(f"{source}: unknown top-level field(s) {', '.join(sorted(map(str, unknown)))}")
     shared = data.get("sharedPrefixPool", False)
@@ -256,7 +252,7 @@ def _parse_tenant(entry: Any, index: int, source: str, require_keys: bool) -> Te
         raise TenantConfigError(
             f"{source}: tenants[{index}].name must be 1-63 letters, digits, '.', '_' or '-', got {name!r}")
     where = f'{source}: tenant "{name}"'
-    unknown = set(entry) - _TENANT_FIELDS
+    unknown = set(entry) - TENANT_FIELDS
     if unknown:
         raise TenantConfigError(f"{where}: unknown field(s) {', '.join(sorted(map(str, unknown)))}")
     return Tenant(
@@ -284,20 +280,17 @@ def _admin(entry: Mapping, where: str) -> bool:
 
 
 def _model_ids(entry: Mapping, where: str) -> tuple[str, ...] | None:
-    """The tenant's `models` allow-list: absent (None) or a non-empty list of distinct model ids."""
-    if "models" not in entry or entry["models"] is None:
-        return None
-    value = entry["models"]
-    if not isinstance(value, list) or not value:
-        raise TenantConfigError(f"{where}: models must be a non-empty list of model ids (leave it out to allow "
-                                f"every served model), got {value!r}")
-    for index, model_id in enumerate(value):
-        if not isinstance(model_id, str) or not model_id.strip() or model_id != model_id.strip():
-            raise TenantConfigError(f"{where}: models[{index}] must be a model id (a non-blank string without "
-                                    f"surrounding spaces), got {model_id!r}")
-        if model_id in value[:index]:
-            raise TenantConfigError(f"{where}: models lists {model_id!r} twice")
-    return tuple(value)
+    """The tenant's `models` allow-list (`tenants_schema.model_ids`), its problems worded for the file."""
+    try:
+        return model_ids(entry.get("models"))
+    except ModelIdsError as error:
+        if error.index is None:
+            raise TenantConfigError(f"{where}: models must be a non-empty list of model ids (leave it out to "
+                                    f"allow every served model), got {error.value!r}") from None
+        if error.repeated:
+            raise TenantConfigError(f"{where}: models lists {error.value!r} twice") from None
+        raise TenantConfigError(f"{where}: models[{error.index}] must be a model id ({MODEL_ID_RULE}), "
+                                f"got {error.value!r}") from None
 
 
 def _key_digest(entry: Mapping, where: str, require_keys: bool) -> bytes | None:

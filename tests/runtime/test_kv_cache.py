@@ -6,6 +6,7 @@ from collections import Counter
 
 import pytest
 
+from sits.runtime.engine.block_owners import BlockOwners
 from sits.runtime.engine.block_pool import BlockPool
 from sits.runtime.engine.eviction import BlockOwner, EvictionPolicy, KVBlock
 from sits.runtime.engine.kv_cache import KVCacheManager
@@ -118,14 +119,22 @@ def test_reset_prefix_cache_forgets_only_unreferenced_blocks():
 
 
 class NewestFirstShardPolicy(EvictionPolicy):
-    """Evicts the most recently released block and caps what each tenant may hold: a policy
-    unlike the default, to show the seam a tenancy policy plugs into."""
+    """Evicts the most recently released block and caps what each tenant may hold (read from the
+    pool's owner map): a policy unlike the default, to show the seam a tenancy policy plugs into."""
 
     def __init__(self, cap_per_tenant: int) -> None:
         self.cap = cap_per_tenant
         self.evictable: list[KVBlock] = []
-        self.held: Counter[str] = Counter()
+        self.owners: BlockOwners | None = None
         self.requesters: list[BlockOwner | None] = []
+
+    def bind(self, pool):
+        self.owners = super().bind(pool)
+        return self.owners
+
+    @property
+    def held(self) -> Counter[str]:
+        return Counter(self.owners.held.snapshot())
 
     def add(self, block):
         self.evictable.append(block)
@@ -142,12 +151,6 @@ class NewestFirstShardPolicy(EvictionPolicy):
 
     def can_allocate(self, owner, num_blocks):
         return self.held[owner.tenant] + num_blocks <= self.cap
-
-    def on_allocate(self, block, owner):
-        self.held[owner.tenant] += 1
-
-    def on_empty(self, block, holder):
-        self.held[holder] -= 1
 
 
 def test_eviction_policy_is_pluggable_with_per_tenant_accounting():

@@ -25,8 +25,8 @@ def torchrun_main(output_path: str) -> int:
     """What every torchrun rank runs; rank 0 writes the greedy tokens to output_path."""
     from sits.runtime.engine.sampler import Sampler
     from sits.runtime.parallel.config import ParallelConfig
-    from sits.runtime.parallel.distributed import torchrun_rank_info
     from sits.runtime.parallel.executor import TensorParallelExecutor
+    from sits.runtime.parallel.ranks import torchrun_rank_info
     from sits.runtime.parallel.worker import run_torchrun_worker
     from tests.runtime.test_tensor_parallel import BLOCK_SIZE, NEW_TOKENS, PROMPTS, _recipe, runner_greedy
 

@@ -14,9 +14,10 @@ from sits.runtime.engine.engine import LLMEngine
 from sits.runtime.engine.errors import PromptTooLongError
 from sits.runtime.engine.request import SamplingParams
 from sits.runtime.models.loading import load_model
+from sits.runtime.server.request_ids import new_request_id
 from sits.runtime.tenancy.config import TenancyConfig
 from sits.runtime.tenancy.memory_store import MemoryStateStore
-from sits.runtime.tenancy.request_ids import RequestIdGenerator, new_request_id
+from sits.runtime.tenancy.request_ids import RequestIdGenerator
 from sits.runtime.tenancy.service import Tenancy
 from sits.runtime.tenancy.tenants import Tenant, TenantTable
 from tests.tenancy.recording_policy import RecordingPolicy
@@ -45,7 +46,7 @@ def make_engine(tiny, table: TenantTable, num_blocks: int, max_seqs: int = 8, te
 def submit(engine: LLMEngine, table: TenantTable, tenant: str, prompt_len: int, max_tokens: int,
            first_token: int = 100) -> str:
     """A request as the server hands it over: the tenant's priority and prefix-cache salt."""
-    request_id = new_request_id()
+    request_id = new_request_id("req")
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens)
     engine.add_request(request_id, list(range(first_token, first_token + prompt_len)), params, tenant=tenant,
                        priority=table.get(tenant).priority, cache_salt=table.prefix_salt(table.get(tenant)))

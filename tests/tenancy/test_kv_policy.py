@@ -204,7 +204,7 @@ def test_guarantees_and_accounting_hold_under_a_random_workload():
         shards = cache.policy.shards
         unfilled = sum(max(0, shards.guaranteed(t) - shards.held(t)) for t in "abc")
         assert len(cache.kv.pool._empty) >= unfilled  # every guarantee can still be met
-        holders = [h for h in cache.kv.pool._holder if h is not None]
+        holders = [h for h in map(cache.kv.pool.holder_of, cache.kv.pool.blocks) if h is not None]
         assert {t: holders.count(t) for t in "abc"} == {t: shards.held(t) for t in "abc"}
         assert len(cache.policy) == sum(cache.policy.scores.cached_blocks(t) for t in "abc")
     assert sum(cache.policy.evictions_total.values()) > 0

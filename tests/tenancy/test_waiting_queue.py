@@ -8,8 +8,8 @@ from sits.runtime.engine.request import SamplingParams
 from sits.runtime.engine.scheduler import Scheduler
 from sits.runtime.engine.scheduler_output import ModelRunnerOutput, SampledToken
 from sits.runtime.engine.sequence import Sequence
+from sits.runtime.server.request_ids import new_request_id
 from sits.runtime.tenancy.kv_policy import TenantEvictionPolicy
-from sits.runtime.tenancy.request_ids import new_request_id
 from sits.runtime.tenancy.tenants import Tenant, TenantTable
 from sits.runtime.tenancy.waiting_queue import FairWaitingQueue
 
@@ -23,7 +23,7 @@ def make_scheduler(max_num_seqs: int, num_blocks: int = 256) -> Scheduler:
 
 
 def sequence(tenant: str, n: int, prompt_len: int = 8, max_tokens: int = 3) -> Sequence:
-    request_id = new_request_id()
+    request_id = new_request_id("req")
     return Sequence(seq_id=request_id, request_id=request_id, index=0,
                     prompt_token_ids=[(n * 7 + i) % 500 + 1 for i in range(prompt_len)],
                     params=SamplingParams(max_tokens=max_tokens, ignore_eos=True), max_tokens=max_tokens,
