@@ -40,7 +40,7 @@ from sits.runtime.engine.sampler import Sampler
 from sits.runtime.engine.scheduler import Scheduler
 from sits.runtime.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from sits.runtime.engine.scheduling_policy import SchedulingPolicy, WaitingQueue
-from sits.runtime.engine.sequence import Sequence, SequenceStatus, child_sequence_id
+from sits.runtime.engine.sequence import RequestState, Sequence, SequenceStatus, child_sequence_id
 from sits.runtime.engine.stats import EngineStats
 from sits.runtime.engine.structured_output import StructuredOutputs
 from sits.runtime.engine.token_masks import resolve_bad_words
@@ -93,41 +93,47 @@ class LLMEngine:
         self.eos_token_ids = frozenset(loaded.config.eos_token_ids) | frozenset(
             getattr(self.tokenizer, "eos_token_ids", ())
         )
-        block_size = config.cache.block_size
         quantize(loaded, config.model.quantization)
         sampler = Sampler(self.eos_token_ids, loaded.device, seed=config.model.seed)
-        self.runner = runner_factory(loaded.model, loaded.device, loaded.dtype, block_size, sampler)
+        self.runner = runner_factory(loaded.model, loaded.device, loaded.dtype, config.cache.block_size, sampler)
         self.lora = setup_lora(self.runner, loaded.model, loaded.config, config.lora, self.model_name)
+        self.kv_cache = self._build_kv_cache(eviction_policy, host_eviction_policy, shared_cache_salt)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len, self.eos_token_ids,
+                                   scheduling_policy, waiting_queue, speculative=config.speculative)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.structured_outputs = StructuredOutputs(self.tokenizer, self.vocab_size)
+        # The one index of the requests in the engine; each owns its sequences and their state.
+        self._requests: dict[str, RequestState] = {}
+        self._num_unscheduled = 0  # requests never scheduled yet (first_scheduled_time is stamped)
+        # with penalties, bad_words or a response_format: sampling needs all their tokens (no step ahead)
+        self._num_history = 0
+        self._arrival_counter = itertools.count()
+        self.last_step_num_tokens = 0  # 0: the last step found nothing it could run
+        self.async_scheduling = _resolve_async_scheduling(config, loaded)
+        self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None  # launched, not yet processed
+        self._counters = {"finished": 0, "aborted": 0, "prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
 
+    def _build_kv_cache(self, eviction_policy: EvictionPolicy | Callable[[int], EvictionPolicy] | None,
+                        host_eviction_policy: EvictionPolicy | Callable[[int], EvictionPolicy] | None,
+                        shared_cache_salt: str | None) -> KVCacheManager:
+        """Size the KV cache (profiling the runner on CUDA unless num_blocks is set), allocate it on
+        the runner, prepare execution (CUDA graphs, compilation) and build its manager."""
+        config, loaded = self.config, self.loaded_model
         profile = None
         if loaded.device.type == "cuda" and config.cache.num_blocks is None:
             profile = self.runner.profile_memory(
                 config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs, self.max_model_len
             )
         num_blocks = num_blocks_for_budget(config.cache, self.runner.kv_shape, loaded.device, profile)
-        check_fits_one_sequence(num_blocks, block_size, self.max_model_len)
+        check_fits_one_sequence(num_blocks, config.cache.block_size, self.max_model_len)
         self.runner.allocate_kv_cache(num_blocks)
         prepare_execution(self.runner, loaded, config, self.max_model_len)
         if eviction_policy is not None and not isinstance(eviction_policy, EvictionPolicy):
             eviction_policy = eviction_policy(num_blocks)
         self.runner.host_tier = build_host_tier(config.cache, self.runner.kv_shape, loaded.device,
                                                 host_eviction_policy)
-        self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, eviction_policy,
-                                       shared_cache_salt=shared_cache_salt, host_tier=self.runner.host_tier)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len, self.eos_token_ids,
-                                   scheduling_policy, waiting_queue, speculative=config.speculative)
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self._children: dict[str, list[str]] = {}  # request_id -> seq_ids of its completions
-        self._arrival_counter = itertools.count()
-        self.last_step_num_tokens = 0  # 0: the last step found nothing it could run
-        self.async_scheduling = _resolve_async_scheduling(config, loaded)
-        self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None  # launched, not yet processed
-        self._unscheduled_requests: set[str] = set()  # added, never scheduled (first_scheduled_time)
-        # with penalties, bad_words or a response_format: sampling needs all their tokens (no step ahead)
-        self._history_requests: set[str] = set()
-        self.structured_outputs = StructuredOutputs(self.tokenizer, self.vocab_size)
-        self.runner.input_batch.structured_outputs = self.structured_outputs
-        self._counters = {"finished": 0, "aborted": 0, "prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+        return KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+                              eviction_policy, shared_cache_salt=shared_cache_salt, host_tier=self.runner.host_tier)
 
     # -- construction ----------------------------------------------------------------------
     @classmethod
@@ -251,7 +257,7 @@ class LLMEngine:
             InvalidRequestError: a token id outside the vocabulary, a duplicate id, an unknown LoRA adapter.
             SamplingParamsError: a sampling parameter out of range.
         """
-        if request_id in self._children:
+        if request_id in self._requests:
             raise DuplicateRequestError(f"request id {request_id!r} is already in the engine")
         prompt_token_ids = list(prompt_token_ids)
         self._check_request(prompt_token_ids, params, tenant)
@@ -262,33 +268,23 @@ class LLMEngine:
         max_tokens = min(params.max_tokens or self.max_model_len, longest - len(prompt_token_ids))
         seq_ids = [child_sequence_id(request_id, i, params.n) for i in range(params.n)]
         order = next(self._arrival_counter)
+        sequences = [
+            Sequence(seq_id=seq_id, request_id=request_id, index=index, prompt_token_ids=prompt_token_ids,
+                     params=_child_params(params, index), max_tokens=max_tokens, arrival_time=arrival_time,
+                     tenant=tenant, priority=priority, cache_salt=cache_salt, lora_name=lora_key, lora_slot=slot,
+                     sibling_ids=tuple(s for s in seq_ids if s != seq_id), arrival_order=order)
+            for index, seq_id in enumerate(seq_ids)
+        ]
+        if params.structured_output is not None:
+            self.structured_outputs.add(sequences, params.structured_output)
         self.output_processor.add_request(
             request_id, prompt_token_ids, params, tenant, RequestMetrics(arrival_time=arrival_time), stream_text
         )
-        for index, seq_id in enumerate(seq_ids):
-            self.scheduler.add_request(
-                Sequence(
-                    seq_id=seq_id,
-                    request_id=request_id,
-                    index=index,
-                    prompt_token_ids=prompt_token_ids,
-                    params=_child_params(params, index),
-                    max_tokens=max_tokens,
-                    arrival_time=arrival_time,
-                    tenant=tenant,
-                    priority=priority,
-                    cache_salt=cache_salt,
-                    lora_name=lora_key, lora_slot=slot,
-                    sibling_ids=tuple(s for s in seq_ids if s != seq_id),
-                    arrival_order=order,
-                )
-            )
-        self._children[request_id] = seq_ids
-        self._unscheduled_requests.add(request_id)
-        if params.structured_output is not None:
-            self.structured_outputs.add(seq_ids, params.structured_output)
-        if params.needs_output_tokens:
-            self._history_requests.add(request_id)
+        for seq in sequences:
+            self.scheduler.add_request(seq)
+        self._requests[request_id] = RequestState(request_id, sequences, needs_history=params.needs_output_tokens)
+        self._num_unscheduled += 1
+        self._num_history += params.needs_output_tokens
         self._counters["prompt_tokens"] += len(prompt_token_ids)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
@@ -297,30 +293,35 @@ class LLMEngine:
         Unknown or finished ids are ignored. Returns the final snapshot of each aborted request
         (unfinished completions with finish_reason ABORT), for callers that stream them.
         """
-        if isinstance(request_ids, str):
-            request_ids = (request_ids,)
+        ids = dict.fromkeys((request_ids,) if isinstance(request_ids, str) else request_ids)
         finals = []
-        for request_id in request_ids:
-            seq_ids = self._children.pop(request_id, None)
-            if seq_ids is None:
-                continue
-            self._unscheduled_requests.discard(request_id)
-            self._history_requests.discard(request_id)
-            self.structured_outputs.release(seq_ids)
-            self.scheduler.finish_requests(seq_ids, SequenceStatus.FINISHED_ABORTED)
-            final = self.output_processor.abort(request_id)
+        for request in [self._requests[i] for i in ids if i in self._requests]:
+            self._release(request, aborted=True)
+            final = self.output_processor.abort(request.request_id)
             if final is not None:
                 finals.append(final)
-            self._counters["aborted"] += 1
-            self._counters["finished"] += 1
         return finals
 
+    def _release(self, request: RequestState, aborted: bool = False) -> None:
+        """The one call that frees a request: its sequences still running or waiting are finished
+        (aborted: their blocks freed now, their rows at the next step), its matchers dropped, and
+        it leaves the index. The output processor's record is the caller's (abort or final output)."""
+        del self._requests[request.request_id]
+        self._num_unscheduled -= not request.scheduled
+        self._num_history -= request.needs_history
+        if aborted:
+            self.scheduler.finish_requests([seq.seq_id for seq in request.sequences if not seq.finished],
+                                           SequenceStatus.FINISHED_ABORTED)
+            self._counters["aborted"] += 1
+        self.structured_outputs.release(request.sequences)
+        self._counters["finished"] += 1
+
     def has_unfinished_requests(self) -> bool:
-        return bool(self._children)
+        return bool(self._requests)
 
     @property
     def num_unfinished_requests(self) -> int:
-        return len(self._children)
+        return len(self._requests)
 
     # -- the loop --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -331,12 +332,12 @@ class LLMEngine:
         """
         previous, self._in_flight = self._in_flight, None
         outputs: list[RequestOutput] = []
-        drained = previous is not None and bool(self._history_requests)
+        drained = previous is not None and self._num_history > 0
         if drained:  # a penalty needs every output token on the host before sampling: no step ahead
             outputs = self._complete(*previous)
         with nvtx_range("schedule"):
             scheduler_output = self.scheduler.schedule()
-        if self._unscheduled_requests:
+        if self._num_unscheduled:
             self._mark_scheduled(scheduler_output)
         # 0 tells the caller that nothing could run (it backs off); recording a step is progress too.
         self.last_step_num_tokens = scheduler_output.num_batched_tokens or (
@@ -355,33 +356,32 @@ class LLMEngine:
 
     def _complete(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput | PendingOutput
                   ) -> list[RequestOutput]:
-        """Record a step's sampled tokens: update the sequences, detokenize, finish what stopped."""
+        """Record a step's sampled tokens: update the sequences (the scheduler decides which stopped:
+        `stopping.py`), detokenize, finish what a stop string ended, release finished requests."""
         if isinstance(runner_output, PendingOutput):
             runner_output = runner_output.result()
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
         if runner_output.prompt_logprobs:  # before the updates: a request's first snapshot carries them
             self.output_processor.add_prompt_logprobs(runner_output.prompt_logprobs)
-        if self.structured_outputs:  # matchers take the new tokens; a complete document ends its sequence
-            ended = self.structured_outputs.advance(updates)
-            if ended:
-                self.scheduler.finish_requests(ended, SequenceStatus.FINISHED_STOPPED)
         outputs, stopped = self.output_processor.process(updates)
-        if stopped:
+        if stopped:  # stop strings are decided on the text
             self.scheduler.finish_requests(stopped, SequenceStatus.FINISHED_STOPPED)
         self._counters["generation_tokens"] += sum(len(u.new_token_ids) for u in updates)
         for output in outputs:
-            if output.finished and (seq_ids := self._children.pop(output.request_id, None)) is not None:
-                self._counters["finished"] += 1
-                self._history_requests.discard(output.request_id)
-                if self.structured_outputs:
-                    self.structured_outputs.release(seq_ids)
+            if output.finished and (request := self._requests.get(output.request_id)) is not None:
+                self._release(request)
         return outputs
 
     def _mark_scheduled(self, scheduler_output: SchedulerOutput) -> None:
         """Stamp first_scheduled_time on requests scheduled for the first time."""
-        started = {s.sequence.request_id for s in scheduler_output.scheduled} & self._unscheduled_requests
+        started = set()
+        for scheduled in scheduler_output.scheduled:
+            request = self._requests.get(scheduled.sequence.request_id)
+            if request is not None and not request.scheduled:
+                request.scheduled = True
+                self._num_unscheduled -= 1
+                started.add(request.request_id)
         if started:
-            self._unscheduled_requests -= started
             self.output_processor.mark_scheduled(started, time.time())
 
     def shutdown(self) -> None:
@@ -395,7 +395,7 @@ class LLMEngine:
         Built only when asked (a scrape, a caller), on the engine's thread between steps."""
         c = self._counters
         return dataclasses.replace(
-            self.scheduler.stats(), num_requests=len(self._children), num_finished=c["finished"],
+            self.scheduler.stats(), num_requests=len(self._requests), num_finished=c["finished"],
             num_aborted=c["aborted"], num_prompt_tokens=c["prompt_tokens"],
             num_generation_tokens=c["generation_tokens"], num_steps=c["steps"])
 

@@ -5,7 +5,8 @@ of Python (128 blocks per 2,048-token context): at batch 256 that alone is milli
 while the GPU waits. As vLLM v1's `InputBatch` does, each running sequence instead owns a row of
 one preallocated int32 array for as long as it holds KV blocks; a step copies into it only the
 blocks added since the sequence last ran (one block every block_size decode steps), and a row is
-given back when its sequence finishes or is preempted. The scheduler still hands over plain lists
+given back when its sequence finishes or is preempted. The row hangs off its sequence
+(`Sequence.batch_row`): the batch keeps no map by sequence id. The scheduler still hands over plain lists
 (`ScheduledSequence.block_ids`, the KV manager's live table): the row knows the list it mirrors and
 how much of it it holds, so it notices new blocks by length and a new table by identity.
 
@@ -16,12 +17,14 @@ written into one host buffer (pinned on CUDA) and sent with one non-blocking cop
 
 A sequence whose request gave `logit_bias` keeps its biases with its row (as arrays, built when the
 row is taken); a step gathers them for the biased rows it samples only, so steps of sequences
-without logit_bias spend nothing on it (`logit_bias.py`). A sequence under a response_format keeps
-its grammar matcher with its row the same way, and a step fills the grammar bitmask of those rows
-only (`grammar_mask.py`). A sequence whose request gave allowed_token_ids or bad_words keeps them
-with its row as arrays too, and a step gathers them for those rows only (`token_masks.py`). A
-sequence that scores its prompt (prompt logprobs) is noted when it takes its row, and a step lists
-its rows to score only while such a sequence still has prompt to run (`prompt_logprobs.py`).
+without logit_bias spend nothing on it (`logit_bias.py`). A sequence under a response_format has
+its grammar matcher (`Sequence.grammar`) noted with its row the same way, and a step fills the
+grammar bitmask of those rows only (`grammar_mask.py`). A sequence whose request gave
+allowed_token_ids or bad_words keeps them with its row as arrays too, and a step gathers them for
+those rows only (`token_masks.py`). A sequence that scores its prompt (prompt logprobs) is noted
+when it takes its row, and a step lists its rows to score only while such a sequence still has
+prompt to run (`prompt_logprobs.py`). The rows that carry any of these are kept in one set, so a
+step whose rows carry none spends nothing on them.
 """
 
 from __future__ import annotations
@@ -38,25 +41,35 @@ from sits.runtime.engine.model_input import ModelInput
 from sits.runtime.engine.prompt_logprobs import StepPromptLogprobs, collects_prompt_logprobs
 from sits.runtime.engine.scheduler_output import ScheduledSequence
 from sits.runtime.engine.sequence import PENDING_TOKEN_ID
+from sits.runtime.engine.sequence import Sequence as EngineSequence
 from sits.runtime.engine.spec_verify import SpecRow
-from sits.runtime.engine.structured_output import SequenceGrammar, StructuredOutputs
+from sits.runtime.engine.structured_output import SequenceGrammar
 from sits.runtime.engine.token_masks import SequenceTokenMask, StepTokenMask
 
 
 class _Row:
-    """One sequence's row of the block-table array and the list it mirrors."""
+    """One sequence's row of the block-table array, the list it mirrors, and what its sampling
+    needs per step (built when the row is taken)."""
 
-    __slots__ = ("index", "table", "written", "sampled_step", "sampled_row", "logit_bias", "grammar", "token_mask")
+    __slots__ = ("owner", "index", "table", "written", "sampled_step", "sampled_row", "logit_bias", "grammar",
+                 "token_mask", "scoring_prompt")
 
-    def __init__(self, index: int, table: list[int], logit_bias: SequenceLogitBias | None = None) -> None:
+    def __init__(self, owner: InputBatch, index: int, table: list[int], seq: EngineSequence) -> None:
+        self.owner = owner  # the batch whose array holds the row
         self.index = index
-        self.table = table  # the KV manager's list (kept to compare identity)
+        self.table = table  # the sequence's block_ids (kept to compare identity)
         self.written = 0  # leading entries of `table` already in the row
         self.sampled_step = -1  # the last step that sampled for this sequence ...
         self.sampled_row = -1  # ... and the sequence's row in that step's sampled ids
-        self.logit_bias = logit_bias  # the request's logit_bias, or None
-        self.grammar: SequenceGrammar | None = None  # the sequence's matcher under a response_format
-        self.token_mask: SequenceTokenMask | None = None  # its allowed_token_ids / bad_words
+        self.logit_bias: SequenceLogitBias | None = SequenceLogitBias.of(seq)  # its logit_bias, or None
+        self.grammar: SequenceGrammar | None = seq.grammar  # its matcher under a response_format
+        self.token_mask: SequenceTokenMask | None = SequenceTokenMask.of(seq)  # its allowed_token_ids / bad_words
+        self.scoring_prompt = collects_prompt_logprobs(seq)  # its prompt logprobs are not all run yet
+
+    @property
+    def has_extras(self) -> bool:
+        return (self.logit_bias is not None or self.grammar is not None or self.token_mask is not None
+                or self.scoring_prompt)
 
 
 class InputBatch:
@@ -73,22 +86,20 @@ class InputBatch:
         rows, width: initial capacity (sequences x blocks per sequence); both grow on demand.
         pack: send the step as one packed buffer (None: everywhere but on a CPU, where the arrays
             are used as they are); True on a CPU tests the packed layout a GPU gets.
+        persistent: rows live across steps on their sequences (`Sequence.batch_row`); False for a
+            one-off batch (`build_model_input`), whose rows last one `prepare` and touch no sequence.
     """
 
     def __init__(self, block_size: int, device: torch.device | str, rows: int = 8, width: int = 16,
-                 pack: bool | None = None) -> None:
+                 pack: bool | None = None, persistent: bool = True) -> None:
         self.block_size = block_size
+        self._persistent = persistent
         self.device = torch.device(device)
         self._pack = self.device.type != "cpu" if pack is None else pack
         self._pin = self.device.type == "cuda"
         self._tables = np.zeros((rows, width), dtype=np.int32)  # rows past a table's length stay 0
-        self._rows: dict[str, _Row] = {}
-        self._biased_rows: dict[str, _Row] = {}  # the rows of `_rows` that carry a logit_bias
-        self._constrained_rows: dict[str, _Row] = {}  # the rows of `_rows` that carry a grammar matcher
-        self._masked_rows: dict[str, _Row] = {}  # the rows of `_rows` with allowed_token_ids / bad_words
-        self._scoring_prompts: set[str] = set()  # seq_ids of `_rows` whose prompt logprobs are not all run yet
-        # The engine's matchers (set when it serves structured outputs); rows look theirs up here.
-        self.structured_outputs: StructuredOutputs | None = None
+        # The rows in use carrying a logit_bias, grammar, token mask or prompt to score (insertion order).
+        self._extra_rows: dict[_Row, None] = {}
         self.lora_enabled = False  # steps carry their sequences' LoRA slots (set by the runner)
         self._free_rows: list[int] = list(range(rows - 1, -1, -1))
         self._step = 0  # steps prepared so far
@@ -97,17 +108,15 @@ class InputBatch:
 
     @property
     def num_rows_in_use(self) -> int:
-        return len(self._rows)
+        return self._tables.shape[0] - len(self._free_rows)
 
-    def release(self, seq_ids: Iterable[str]) -> None:
+    def release(self, sequences: Iterable[EngineSequence]) -> None:
         """Give back the rows of sequences that finished or lost their blocks (preempted)."""
-        for seq_id in seq_ids:
-            row = self._rows.pop(seq_id, None)
-            if row is not None:
-                self._biased_rows.pop(seq_id, None)
-                self._constrained_rows.pop(seq_id, None)
-                self._masked_rows.pop(seq_id, None)
-                self._scoring_prompts.discard(seq_id)
+        for seq in sequences:
+            row: _Row | None = seq.batch_row
+            if row is not None and row.owner is self:
+                seq.batch_row = None
+                self._extra_rows.pop(row, None)
                 self._tables[row.index, : row.written] = 0
                 self._free_rows.append(row.index)
 
@@ -133,10 +142,11 @@ class InputBatch:
         step = self._step
         self._step += 1
         rows, starts, counts, input_ids, widths, sample_sequences, sampled_seqs = [], [], [], [], [], [], []
-        fill_at, fill_from, spec_rows = [], [], []
+        fill_at, fill_from, spec_rows, row_objects = [], [], [], []
         for index, item in enumerate(ordered):
             row = self._sync_row(item)
             rows.append(row.index)
+            row_objects.append(row)
             starts.append(item.start_position)
             token_ids = item.token_ids
             counts.append(len(token_ids))
@@ -153,32 +163,33 @@ class InputBatch:
                 sample_sequences.append(item.sequence)
         model_input = self._assemble(rows, starts, counts, input_ids, max(widths), sampled_seqs, sample_sequences,
                                      num_prefills, fill_at, fill_from)
-        if self._biased_rows:  # only while a request with logit_bias holds a row
-            model_input.logit_bias = StepLogitBias.build(
-                [(row.sampled_row, row.logit_bias) for row in self._biased_rows.values()
-                 if row.sampled_step == step and row.logit_bias is not None], self.device)
-        if self._masked_rows:  # only while a request with allowed_token_ids or bad_words holds a row
-            model_input.token_mask = StepTokenMask.build(
-                [(row.sampled_row, row.token_mask) for row in self._masked_rows.values()
-                 if row.sampled_step == step and row.token_mask is not None], self.device)
-        if self._constrained_rows:  # only while a request with a response_format holds a row
-            model_input.grammar_mask = self._grammar_mask(step, len(sample_sequences))
-        if self._scoring_prompts:  # only while a request with prompt logprobs has prompt left to run
-            model_input.prompt_logprobs = StepPromptLogprobs.build(ordered, self._scoring_prompts, self.device)
+        if self._extra_rows:  # only while a row carries a logit_bias, mask, grammar or prompt to score
+            self._add_extras(model_input, step, ordered, row_objects)
         if spec_rows:
             model_input.spec_rows = spec_rows
         if self.lora_enabled:
             model_input.lora_slots = [item.sequence.lora_slot for item in ordered]
         return model_input
 
-    def _grammar_mask(self, step: int, num_sampled: int) -> StepGrammarMask | None:
-        """The bitmask of the constrained rows this step samples (their matchers are up to date:
-        the engine does not run ahead while they run)."""
-        entries = [(row.sampled_row, row.grammar) for row in self._constrained_rows.values()
-                   if row.sampled_step == step and row.grammar is not None and not row.grammar.ended]
-        if self.structured_outputs is None:  # rows get a grammar only from it
-            return None
-        return StepGrammarMask.build(entries, num_sampled, self.structured_outputs.vocab_size, self.device)
+    def _add_extras(self, model_input: ModelInput, step: int, ordered: list[ScheduledSequence],
+                    rows: list[_Row]) -> None:
+        """The step's logit biases, token masks and grammar bitmask of the rows it samples, and the
+        prompt rows it scores (the matchers are up to date: the engine does not run ahead while
+        they run)."""
+        sampled = [row for row in self._extra_rows if row.sampled_step == step]
+        model_input.logit_bias = StepLogitBias.build(
+            [(row.sampled_row, row.logit_bias) for row in sampled if row.logit_bias is not None], self.device)
+        model_input.token_mask = StepTokenMask.build(
+            [(row.sampled_row, row.token_mask) for row in sampled if row.token_mask is not None], self.device)
+        grammars = [(row.sampled_row, row.grammar) for row in sampled if row.grammar is not None]
+        if grammars:
+            model_input.grammar_mask = StepGrammarMask.build(
+                [(r, g) for r, g in grammars if not g.ended], len(model_input.sample_sequences),
+                grammars[0][1].vocab_size, self.device)
+        if any(row.scoring_prompt for row in self._extra_rows):
+            model_input.prompt_logprobs = StepPromptLogprobs.build(ordered, rows, self.device)
+            for row in [row for row in self._extra_rows if not row.has_extras]:  # done scoring, nothing else
+                del self._extra_rows[row]
 
     # -- internals -------------------------------------------------------------------------
     def _pending_source(self, item: ScheduledSequence, row: _Row) -> int:
@@ -192,23 +203,16 @@ class InputBatch:
     def _sync_row(self, item: ScheduledSequence) -> _Row:
         """The row of item's sequence, with every block of its table copied in."""
         table = item.block_ids
-        row = self._rows.get(item.sequence.seq_id)
-        if row is None:
+        seq = item.sequence
+        row = seq.batch_row
+        if row is None or row.owner is not self:
             if not self._free_rows:
                 self._grow(rows=2 * self._tables.shape[0])
-            seq_id = item.sequence.seq_id
-            row = self._rows[seq_id] = _Row(self._free_rows.pop(), table, SequenceLogitBias.of(item.sequence))
-            if row.logit_bias is not None:
-                self._biased_rows[seq_id] = row
-            row.token_mask = SequenceTokenMask.of(item.sequence)
-            if row.token_mask is not None:
-                self._masked_rows[seq_id] = row
-            if collects_prompt_logprobs(item.sequence):
-                self._scoring_prompts.add(seq_id)
-            if item.sequence.params.structured_output is not None and self.structured_outputs is not None:
-                row.grammar = self.structured_outputs.get(seq_id)
-                if row.grammar is not None:
-                    self._constrained_rows[seq_id] = row
+            row = _Row(self, self._free_rows.pop(), table, seq)
+            if self._persistent:
+                seq.batch_row = row
+            if row.has_extras:
+                self._extra_rows[row] = None
         elif row.table is not table:  # a new table (the sequence was preempted and came back)
             self._tables[row.index, : row.written] = 0
             row.table, row.written = table, 0

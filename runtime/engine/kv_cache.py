@@ -7,6 +7,9 @@ The scheduler talks to it in sequences and token counts only:
     (the scheduler then preempts someone or waits); nothing changes on None;
   - `cache_computed_blocks(seq)` after a step, so full blocks whose K/V now exist become hits;
   - `free(seq)` when a sequence finishes, is aborted or preempted.
+The block table itself is the sequence's (`Sequence.blocks`, `block_ids`, `num_cached_blocks`):
+this manager fills and frees it, and keeps one index of the sequences holding blocks (by seq_id,
+for lookups such as `block_ids`), so freeing a sequence is one call that leaves nothing behind.
 
 Prefix-cache figures are kept per tenant (`PrefixCacheCounts`), including hits on a block another
 tenant computed: with per-tenant salts that count stays 0 unless the prompt was marked for the
@@ -82,13 +85,10 @@ class KVCacheManager:
         shared_cache_salt: str | None = None,
         host_tier: HostKVTier | None = None,
     ) -> None:
-        self.block_size = block_size
+        self.block_size, self.enable_prefix_caching = block_size, enable_prefix_caching
         self.shared_cache_salt = shared_cache_salt
-        self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching, eviction_policy)
-        self._tables: dict[str, list[KVBlock]] = {}
-        self._table_ids: dict[str, list[int]] = {}  # the same tables as block ids, grown in place
-        self._num_committed: dict[str, int] = {}  # leading blocks of a table already cached
+        self._holders: dict[str, Sequence] = {}  # the sequences holding blocks, by seq_id
         self.prefix_cache_queries = 0  # prompt tokens looked up, in tokens
         self.prefix_cache_hits = 0  # of those, tokens served from the cache
         self.prefix_counts: dict[str, PrefixCacheCounts] = {}  # the same per tenant, and more
@@ -102,18 +102,10 @@ class KVCacheManager:
         return self.pool.num_blocks
 
     def block_ids(self, seq_id: str) -> list[int]:
-        """The sequence's block table: physical block ids in token order (a copy)."""
-        return list(self._table_ids.get(seq_id, ()))
-
-    def block_table(self, seq_id: str) -> list[int]:
-        """The sequence's block table itself, not a copy: read it, never change it.
-
-        The same list object for as long as the sequence holds blocks, only ever appended to by
-        `allocate`, so a reader that kept it (the model runner's persistent batch) can tell by its
-        identity and length which block ids are new since it last looked. After `free` the
-        sequence gets a new list when it allocates again.
-        """
-        return self._table_ids.get(seq_id, [])
+        """The block table of the sequence `seq_id`: physical block ids in token order (a copy;
+        `Sequence.block_ids` is the table itself)."""
+        holder = self._holders.get(seq_id)
+        return list(holder.block_ids) if holder is not None else []
 
     def find_prefix(self, seq: Sequence) -> PrefixHit:
         """The longest cached run of the sequence's full blocks.
@@ -153,7 +145,7 @@ class KVCacheManager:
             ids of the blocks added to the table (possibly none), or None when the pool has too
             few free blocks; then nothing changed.
         """
-        table = self._tables.get(seq.seq_id, [])
+        table = seq.blocks
         if prefix is None and seq.num_computed_tokens + num_new_tokens <= len(table) * self.block_size:
             return []  # the common decode step: the table already has the room
         hit_blocks = prefix.blocks if prefix is not None else []
@@ -180,16 +172,14 @@ class KVCacheManager:
             return None
         if tier is not None and host_blocks:  # the host hits' positions come first among the new blocks
             tier.onload(host_blocks, [block.block_id for block in new_blocks[:len(host_blocks)]])
-        if seq.seq_id not in self._tables:
-            self._tables[seq.seq_id] = table
-            self._table_ids[seq.seq_id] = []
-            self._num_committed[seq.seq_id] = len(hit_blocks)
+        if seq.seq_id not in self._holders:
+            self._holders[seq.seq_id] = seq
+            seq.num_cached_blocks = len(hit_blocks)
         table.extend(hit_blocks)
         table.extend(new_blocks)
         new_ids = [block.block_id for block in new_blocks]
-        table_ids = self._table_ids[seq.seq_id]
-        table_ids.extend(block.block_id for block in hit_blocks)
-        table_ids.extend(new_ids)
+        seq.block_ids.extend(block.block_id for block in hit_blocks)
+        seq.block_ids.extend(new_ids)
         if prefix is not None and self.enable_prefix_caching and seq.num_preemptions == 0:
             self._count_lookup(seq, prefix)
         return new_ids
@@ -231,31 +221,39 @@ class KVCacheManager:
         """Make the sequence's full blocks whose K/V are computed findable by later prompts."""
         if not self.enable_prefix_caching:
             return
-        table = self._tables.get(seq.seq_id)
+        table = seq.blocks
         if not table:
             return
         # Tokens still pending (async scheduling) have no id yet, so their block cannot be hashed.
         num_full = min(seq.num_computed_tokens, len(seq.all_token_ids)) // self.block_size
         num_full = min(num_full, len(table))
-        committed = self._num_committed.get(seq.seq_id, 0)
+        committed = seq.num_cached_blocks
         if num_full <= committed:
             return
         extend_block_hashes(seq.block_hashes, seq.all_token_ids, self.block_size, num_full, seq.cache_salt,
                             seq.lora_name)
         for index in range(committed, num_full):
             self.pool.cache(table[index], seq.block_hashes[index])
-        self._num_committed[seq.seq_id] = num_full
+        seq.num_cached_blocks = num_full
 
     def free(self, seq: Sequence) -> None:
-        """Release every block of the sequence, last block first (its tail is evicted first)."""
-        table = self._tables.pop(seq.seq_id, None)
-        self._table_ids.pop(seq.seq_id, None)
-        self._num_committed.pop(seq.seq_id, None)
+        """Release every block of the sequence, last block first (its tail is evicted first).
+
+        The sequence gets new, empty tables: a step already launched keeps reading the old list.
+        """
+        table = seq.blocks
+        self._holders.pop(seq.seq_id, None)
+        seq.blocks, seq.block_ids, seq.num_cached_blocks = [], [], 0
         if table:
             self.pool.release(reversed(table))
 
     def holds(self, seq_id: str) -> bool:
-        return seq_id in self._tables
+        return seq_id in self._holders
+
+    @property
+    def num_holders(self) -> int:
+        """Sequences holding blocks (0 once every sequence finished or was preempted)."""
+        return len(self._holders)
 
     def reset_prefix_cache(self) -> int:
         """Forget every evictable cached block, in the host tier too; returns how many."""

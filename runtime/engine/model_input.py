@@ -86,4 +86,4 @@ def build_model_input(
     """
     from sits.runtime.engine.input_batch import InputBatch  # it builds ModelInputs: imported late
 
-    return InputBatch(block_size, device, rows=max(1, len(scheduled))).prepare(scheduled)
+    return InputBatch(block_size, device, rows=max(1, len(scheduled)), persistent=False).prepare(scheduled)

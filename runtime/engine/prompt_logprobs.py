@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -41,6 +42,12 @@ PromptLogprobChunks = dict[str, tuple[int, list[TokenLogprob]]]
 def collects_prompt_logprobs(seq: EngineSequence) -> bool:
     """Whether this sequence scores its prompt (completion 0 of a request that asks)."""
     return seq.params.prompt_logprobs is not None and seq.index == 0
+
+
+class PromptScoring(Protocol):
+    """What `StepPromptLogprobs.build` reads of a sequence's persistent-batch row (`InputBatch`)."""
+
+    scoring_prompt: bool  # prompt tokens are still to be scored (cleared once the last one ran)
 
 
 def rows_per_slice(vocab_size: int) -> int:
@@ -72,36 +79,37 @@ class StepPromptLogprobs:
         self.targets = targets
 
     @classmethod
-    def build(cls, ordered: Sequence[ScheduledSequence], collecting: set[str],
+    def build(cls, ordered: Sequence[ScheduledSequence], rows: Sequence[PromptScoring],
               device: torch.device) -> StepPromptLogprobs | None:
         """The step's scored rows, or None when no prompt token of a collecting sequence runs.
 
         Args:
             ordered: the step's sequences in flat-batch order (their token_ids lay out the rows).
-            collecting: seq_ids whose prompts are still being scored; a sequence whose chunk
-                reaches its prompt's last token is removed (its later steps score nothing).
+            rows: the persistent-batch row of each of `ordered`; a row whose `scoring_prompt` is
+                set still scores its prompt, and is cleared once its chunk reaches the prompt's
+                last token (its later steps score nothing).
             device: where rows and targets go.
         """
         chunks: list[_Chunk] = []
-        rows: list[int] = []
+        flat_rows: list[int] = []
         targets: list[int] = []
         flat = 0
-        for item in ordered:
+        for item, row in zip(ordered, rows, strict=True):
             seq = item.sequence
-            if seq.seq_id in collecting:
+            if row.scoring_prompt:
                 start = item.start_position
                 end = min(start + item.num_new_tokens, seq.num_prompt_tokens - 1)  # last row scored
                 if end > start:
                     chunks.append(_Chunk(seq.request_id, start + 1, end - start, seq.params.prompt_logprobs or 0))
-                    rows.extend(range(flat, flat + end - start))
+                    flat_rows.extend(range(flat, flat + end - start))
                     targets.extend(seq.prompt_token_ids[start + 1 : end + 1])
                 if end >= seq.num_prompt_tokens - 1:
-                    collecting.discard(seq.seq_id)
+                    row.scoring_prompt = False
             flat += item.num_new_tokens
         if not chunks:
             return None
         pin = device.type == "cuda"
-        host = torch.tensor([rows, targets], dtype=torch.int64, pin_memory=pin)
+        host = torch.tensor([flat_rows, targets], dtype=torch.int64, pin_memory=pin)
         on_device = host.to(device, non_blocking=True)
         return cls(chunks, on_device[0], on_device[1])
 
@@ -129,6 +137,7 @@ class StepPromptLogprobs:
                                     cat(top_id_parts) if max_k else None, cat(top_value_parts) if max_k else None)
 
 
+@dataclass(eq=False)
 class PromptLogprobsOutput:
     """One step's prompt scores, on the device until copied (`tensors` / `with_tensors`, as
     `SamplerOutput` does) and read on the host (`to_chunks`).
@@ -138,14 +147,12 @@ class PromptLogprobsOutput:
         (1 = the most likely token); top_ids, top_logprobs: [M, max k], best first, or None (k = 0).
     """
 
-    def __init__(self, chunks: list[_Chunk], targets: torch.Tensor, chosen: torch.Tensor, ranks: torch.Tensor,
-                 top_ids: torch.Tensor | None, top_logprobs: torch.Tensor | None) -> None:
-        self.chunks = chunks
-        self.targets = targets
-        self.chosen = chosen
-        self.ranks = ranks
-        self.top_ids = top_ids
-        self.top_logprobs = top_logprobs
+    chunks: list[_Chunk]
+    targets: torch.Tensor
+    chosen: torch.Tensor
+    ranks: torch.Tensor
+    top_ids: torch.Tensor | None
+    top_logprobs: torch.Tensor | None
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.targets, self.chosen, self.ranks, self.top_ids, self.top_logprobs) if t is not None]

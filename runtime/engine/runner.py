@@ -118,9 +118,8 @@ class ModelRunner:
         on the device), runs the model and samples the sequences that reached their end; the
         sampled ids start their copy to the host, which `PendingOutput.result()` waits for.
         """
-        self.sampler.forget(scheduler_output.finished_seq_ids)
-        self.input_batch.release(scheduler_output.finished_seq_ids)
-        self.input_batch.release(scheduler_output.preempted_seq_ids)
+        self.input_batch.release(scheduler_output.finished)  # their rows; the rest went with them
+        self.input_batch.release(scheduler_output.preempted)
         if self.host_tier is not None:  # this step's evictions out, its host hits in, before the forward
             self.host_tier.run_transfers(self.kv_caches)
         if scheduler_output.is_empty:

@@ -9,13 +9,15 @@ Order of operations per row (vLLM's):
   6. temperature 0: argmax — exactly `logits.argmax()` on float32 when nothing above applies;
   7. otherwise: divide by temperature, min_p, top_k, top_p, then draw with the row's generator.
 A request with a seed owns a `torch.Generator` seeded with it (completion i of n gets seed + i),
-and its noise is drawn from that generator alone, so the same seed gives the same tokens
-whatever else is batched. Requests without a seed share the engine's generator.
+kept on its sequence (`Sequence.generator`, made at its first draw, gone with the sequence), and
+its noise is drawn from that generator alone, so the same seed gives the same tokens whatever else
+is batched. Requests without a seed share the engine's generator.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -49,12 +51,6 @@ class Sampler:
         self.device = torch.device(device)
         self._shared_generator = torch.Generator(device=self.device)
         self._shared_generator.manual_seed(seed)
-        self._generators: dict[str, torch.Generator] = {}
-
-    def forget(self, seq_ids: Iterable[str]) -> None:
-        """Drop per-sequence generators of finished sequences."""
-        for seq_id in seq_ids:
-            self._generators.pop(seq_id, None)
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, sequences: Sequence[EngineSequence]) -> list[SampledToken]:
@@ -188,11 +184,11 @@ class Sampler:
         return self._generator_for(seq) if seq.params.seed is not None else self._shared_generator
 
     def _generator_for(self, seq: EngineSequence) -> torch.Generator:
-        generator = self._generators.get(seq.seq_id)
+        """The seeded sequence's own generator (`Sequence.generator`), made at its first draw."""
+        generator: torch.Generator | None = seq.generator
         if generator is None:
-            generator = torch.Generator(device=self.device)
+            generator = seq.generator = torch.Generator(device=self.device)
             generator.manual_seed(seq.params.seed)
-            self._generators[seq.seq_id] = generator
         return generator
 
     def _column(self, values: list[float]) -> torch.Tensor:
@@ -216,6 +212,7 @@ def _plain_greedy(seq: EngineSequence) -> bool:
             and params.frequency_penalty == 0.0)
 
 
+@dataclass(eq=False)
 class SamplerOutput:
     """One step's choices, still on the device: [N] token ids and, when asked, their logprobs.
 
@@ -227,14 +224,11 @@ class SamplerOutput:
         top_ids, top_logprobs: [N, max k] the best alternatives, best first, or None when max k is 0.
     """
 
-    def __init__(self, token_ids: torch.Tensor, logprob_ks: list[int] | None = None,
-                 chosen_logprobs: torch.Tensor | None = None, top_ids: torch.Tensor | None = None,
-                 top_logprobs: torch.Tensor | None = None) -> None:
-        self.token_ids = token_ids
-        self.logprob_ks = logprob_ks
-        self.chosen_logprobs = chosen_logprobs
-        self.top_ids = top_ids
-        self.top_logprobs = top_logprobs
+    token_ids: torch.Tensor
+    logprob_ks: list[int] | None = None
+    chosen_logprobs: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
 
     def tensors(self) -> list[torch.Tensor]:
         """The device tensors to copy to the host, in `from_host` order."""

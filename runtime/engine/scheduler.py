@@ -26,10 +26,10 @@ output (EOS, a stop token or string) costs that one scheduled token's compute, n
 
 from __future__ import annotations
 
-import bisect
 import logging
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from itertools import chain
 
 from sits.runtime.config import SchedulerConfig, SpeculativeConfig
 from sits.runtime.engine.kv_cache import KVCacheManager, PrefixHit
@@ -43,6 +43,7 @@ from sits.runtime.engine.scheduler_output import (
 )
 from sits.runtime.engine.scheduling_policy import (
     FCFSPolicy,
+    KeyedSequences,
     OrderedWaitingQueue,
     SchedulingPolicy,
     WaitingQueue,
@@ -50,6 +51,7 @@ from sits.runtime.engine.scheduling_policy import (
 from sits.runtime.engine.sequence import PENDING_TOKEN_ID, Sequence, SequenceStatus
 from sits.runtime.engine.speculative import Speculator
 from sits.runtime.engine.stats import EngineStats
+from sits.runtime.engine.stopping import StopChecker
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +62,8 @@ class Scheduler(SchedulerInterface):
     Args:
         config: token and sequence budgets, chunked prefill on/off.
         kv_cache: the block tables; the scheduler is its only caller.
-        max_model_len: a sequence finishes (length) when it holds this many tokens.
-        eos_token_ids: tokens that end a sequence unless its params say ignore_eos.
+        max_model_len, eos_token_ids: when a sequence stops (`stopping.StopChecker`: EOS, stop
+            token ids, max_tokens, max_model_len, a grammar that ended).
         policy: admission and preemption order (FCFS by default).
         speculative: n-gram speculative decoding (`speculative.py`); None: off. A decode that
             speculates computes [its token + drafts] and keeps the drafts the target accepted.
@@ -77,25 +79,26 @@ class Scheduler(SchedulerInterface):
         waiting_queue: WaitingQueue | None = None,
         speculative: SpeculativeConfig | None = None,
     ) -> None:
-        self.config = config
-        self.kv_cache = kv_cache
-        self.max_model_len = max_model_len
-        self.eos_token_ids = frozenset(eos_token_ids)
+        self.config, self.kv_cache, self.max_model_len = config, kv_cache, max_model_len
+        self.stops = StopChecker(eos_token_ids, max_model_len)
         self.policy = policy if policy is not None else FCFSPolicy()
         self.waiting = waiting_queue if waiting_queue is not None else OrderedWaitingQueue(self.policy)
-        self.running: list[Sequence] = []  # in admission-key order (a sequence's key never changes)
-        self._running_keys: list[tuple] = []
-        # Completions 1..n-1 of a request wait here until completion 0 has computed (and cached)
-        # the prompt's full blocks, so they hit them instead of computing them again.
-        self._held_siblings: dict[str, list[Sequence]] = {}  # leader seq_id -> held siblings
-        self._sequences: dict[str, Sequence] = {}
-        self._finished_since_step: list[str] = []
+        self._running = KeyedSequences(self.policy)  # admission-key order (a sequence's key never changes)
+        # Completions 1..n-1 of a request are held by completion 0 (`Sequence.held_siblings`) until
+        # it has computed (and cached) the prompt's full blocks, so they hit them instead.
+        self._sequences: dict[str, Sequence] = {}  # the one index of unfinished sequences, by seq_id
+        self._finished_since_step: list[Sequence] = []
         self.num_preemptions = 0
         self.preemptions_by_tenant: Counter[str] = Counter()
         self.speculator = Speculator(speculative, max_model_len) if speculative is not None else None
         cap = config.prefill_cap_with_decodes
         logger.info("decode latency budget: %s", f"at most {cap} prompt tokens per step beside decodes" if cap else
                     "off (prompts may fill a step's max_num_batched_tokens; --max-prefill-tokens-with-decodes sets one)")
+
+    @property
+    def running(self) -> list[Sequence]:
+        """The running sequences in admission-key order (read it, never change it)."""
+        return self._running.items
 
     # -- requests in and out ---------------------------------------------------------------
     def add_request(self, seq: Sequence) -> None:
@@ -105,7 +108,8 @@ class Scheduler(SchedulerInterface):
         self._sequences[seq.seq_id] = seq
         leader = self._prompt_leader(seq)
         if leader is not None:
-            self._held_siblings.setdefault(leader.seq_id, []).append(seq)
+            leader.held_siblings.append(seq)
+            seq.held_by = leader
         else:
             self.waiting.push(seq)
 
@@ -119,10 +123,6 @@ class Scheduler(SchedulerInterface):
             seq = self._sequences.get(seq_id)
             if seq is None:
                 continue
-            if seq.status is SequenceStatus.RUNNING:
-                self._remove_running(seq)
-            elif not self.waiting.remove(seq):
-                self._unhold(seq)
             self._finish(seq, status)
             finished.append(seq)
         return finished
@@ -160,13 +160,13 @@ class Scheduler(SchedulerInterface):
         return SchedulerOutput(
             scheduled=list(step.scheduled.values()),  # insertion order: decodes, then prefills
             num_batched_tokens=self.config.max_num_batched_tokens - step.budget,
-            preempted_seq_ids=step.preempted,
-            finished_seq_ids=finished,
+            preempted=step.preempted,
+            finished=finished,
         )
 
     def _schedule_running(self, seq: Sequence, step: _StepPlan) -> None:
         num_new = min(seq.num_uncomputed_tokens, step.prefill_room)  # a decode's room is the whole budget
-        if num_new <= 0 or (seq.num_pending_tokens and self._pending_token_is_last(seq)):
+        if num_new <= 0 or (seq.num_pending_tokens and self.stops.pending_token_is_last(seq)):
             return
         drafts = self.speculator.drafts_for(seq, step.budget) if self.speculator is not None else []
         if drafts and self.kv_cache.allocate(seq, 1 + len(drafts)) is not None:
@@ -208,7 +208,7 @@ class Scheduler(SchedulerInterface):
             seq.num_computed_tokens = prefix.num_tokens
             if seq.num_preemptions == 0:
                 seq.num_cached_prompt_tokens = prefix.num_tokens
-            self._add_running(seq)
+            self._running.insert(seq)
             step.add(self._scheduled(seq, num_new))
 
     # -- completions of one request share the prompt ---------------------------------------
@@ -221,7 +221,7 @@ class Scheduler(SchedulerInterface):
         """The completion 0 that `seq` should wait for, or None to queue `seq` at once."""
         if seq.index == 0 or not seq.sibling_ids or not self.kv_cache.enable_prefix_caching:
             return None
-        leader = next((self._sequences.get(i) for i in seq.sibling_ids if i in self._sequences), None)
+        leader = next((self._sequences[i] for i in seq.sibling_ids if i in self._sequences), None)
         if leader is None or leader.index != 0 or leader.finished:
             return None
         if leader.num_computed_tokens >= self._shareable_prompt_tokens(seq) or leader.num_preemptions:
@@ -230,26 +230,11 @@ class Scheduler(SchedulerInterface):
 
     def _release_siblings(self, leader: Sequence, force: bool = False) -> None:
         """Queue the siblings held for `leader` once its prompt blocks are cached (or it left)."""
-        held = self._held_siblings.get(leader.seq_id)
-        if not held:
-            return
-        if force or leader.num_computed_tokens >= self._shareable_prompt_tokens(leader):
-            for sibling in self._held_siblings.pop(leader.seq_id):
+        if leader.held_siblings and (force or leader.num_computed_tokens >= self._shareable_prompt_tokens(leader)):
+            held, leader.held_siblings = leader.held_siblings, []
+            for sibling in held:
+                sibling.held_by = None
                 self.waiting.push(sibling)
-
-    def _unhold(self, seq: Sequence) -> None:
-        for leader_id, held in list(self._held_siblings.items()):
-            if seq in held:
-                held.remove(seq)
-                if not held:
-                    del self._held_siblings[leader_id]
-
-    def _pending_token_is_last(self, seq: Sequence) -> bool:
-        """The token still on its way to the host will end the sequence by length (max_tokens or
-        max_model_len), so scheduling another would compute a token nobody gets."""
-        pending = seq.num_pending_tokens
-        return (seq.num_output_tokens + pending >= seq.max_tokens
-                or len(seq.all_token_ids) + pending >= self.max_model_len)
 
     def _scheduled(self, seq: Sequence, num_new: int, drafts: list[int] | None = None) -> ScheduledSequence:
         """The step's share of `seq`; counts its tokens as computed (they are from now on being
@@ -273,29 +258,19 @@ class Scheduler(SchedulerInterface):
             sequence=seq,
             token_ids=token_ids,
             start_position=start,
-            block_ids=self.kv_cache.block_table(seq.seq_id),
+            block_ids=seq.block_ids,
             samples=samples,
             draft_token_ids=drafts or [],
         )
 
-    def _add_running(self, seq: Sequence) -> None:
-        key = self.policy.admission_key(seq)
-        index = bisect.bisect_right(self._running_keys, key)
-        self._running_keys.insert(index, key)
-        self.running.insert(index, seq)
-
-    def _remove_running(self, seq: Sequence) -> None:
-        index = self.running.index(seq)  # Sequence compares by identity
-        del self.running[index]
-        del self._running_keys[index]
-
     def _preempt(self, seq: Sequence, step: _StepPlan) -> None:
-        self._remove_running(seq)
+        """Take `seq`'s blocks (it recomputes later); the runner gives its row back this step."""
+        self._running.remove(seq)
         self.kv_cache.free(seq)
         scheduled = step.remove(seq.seq_id)
         if scheduled is not None and scheduled.samples:
             seq.num_pending_tokens -= 1  # it will not sample this step after all
-        step.preempted.append(seq.seq_id)
+        step.preempted.append(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
@@ -319,7 +294,7 @@ class Scheduler(SchedulerInterface):
                 self.speculator.record(len(scheduled.draft_token_ids), len(accepted))
             if seq.status is SequenceStatus.RUNNING:  # (else preempted after this step was launched)
                 self.kv_cache.cache_computed_blocks(seq)
-                if self._held_siblings:
+                if seq.held_siblings:
                     self._release_siblings(seq)
             if not scheduled.samples:
                 continue
@@ -331,36 +306,28 @@ class Scheduler(SchedulerInterface):
             for token_id in [*accepted, sampled.token_id]:  # a stop inside the accepted run ends it there
                 seq.append_output_token(token_id)
                 appended.append(token_id)
-                status, by_token = self._check_stop(seq, token_id)
+                status, by_token = self.stops.check(seq, token_id)
                 if status is not None:
+                    self._finish(seq, status)
                     break
-            if status is not None:
-                if seq.status is SequenceStatus.RUNNING:
-                    self._remove_running(seq)
-                else:
-                    self.waiting.remove(seq)
-                self._finish(seq, status)
             logprobs = [sampled.logprob] if sampled.logprob is not None else None
             updates.append(SequenceUpdate(seq, appended, logprobs, finished_by_token=by_token))
         return updates
 
-    def _check_stop(self, seq: Sequence, token_id: int) -> tuple[SequenceStatus | None, bool]:
-        params = seq.params
-        if seq.num_output_tokens >= params.min_tokens:
-            if token_id in self.eos_token_ids and not params.ignore_eos:
-                return SequenceStatus.FINISHED_STOPPED, True
-            if token_id in params.stop_token_ids:
-                seq.stop_reason = token_id
-                return SequenceStatus.FINISHED_STOPPED, True
-        if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
-            return SequenceStatus.FINISHED_LENGTH, False
-        return None, False
-
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """The one place a sequence ends: out of its queue, its blocks freed, out of the index, its
+        held siblings queued; the next step hands it to the runner, which gives its row back."""
+        if seq.status is SequenceStatus.RUNNING:
+            self._running.remove(seq)
+        elif seq.held_by is not None:
+            seq.held_by.held_siblings.remove(seq)
+            seq.held_by = None
+        else:
+            self.waiting.remove(seq)
         self.kv_cache.free(seq)
         seq.status = status
         del self._sequences[seq.seq_id]
-        self._finished_since_step.append(seq.seq_id)
+        self._finished_since_step.append(seq)
         self._release_siblings(seq, force=True)
 
     # -- observation -----------------------------------------------------------------------
@@ -368,7 +335,7 @@ class Scheduler(SchedulerInterface):
         pool = self.kv_cache.pool
         return EngineStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting) + sum(len(h) for h in self._held_siblings.values()),
+            num_waiting=len(self.waiting) + sum(1 for _ in self._held()),
             kv_blocks_total=pool.num_blocks,
             kv_blocks_used=pool.num_used_blocks,
             kv_blocks_cached=pool.num_cached_blocks,
@@ -388,9 +355,12 @@ class Scheduler(SchedulerInterface):
         )
 
 
+    def _held(self) -> Iterator[Sequence]:
+        """Sequences held for their leader (leaders are running or waiting)."""
+        return (seq for leader in chain(self.running, self.waiting) for seq in leader.held_siblings)
+
     def _waiting_sequences(self) -> list[Sequence]:
-        held = [seq for siblings in self._held_siblings.values() for seq in siblings]
-        return list(self.waiting) + held
+        return list(self.waiting) + list(self._held())
 
 
 class _StepPlan:
@@ -401,7 +371,7 @@ class _StepPlan:
         self.prefill_budget: int | None = None  # prompt tokens left under the decodes' latency budget
         self._capped: set[str] = set()  # scheduled after the latency budget was set: counted against it
         self.scheduled: dict[str, ScheduledSequence] = {}
-        self.preempted: list[str] = []
+        self.preempted: list[Sequence] = []
 
     @property
     def prefill_room(self) -> int:

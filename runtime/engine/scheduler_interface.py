@@ -41,8 +41,9 @@ class SchedulerInterface(ABC):
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[SequenceUpdate]:
         """Record the step: append sampled tokens, cache full blocks, finish sequences that hit
-        EOS, a stop token id, max_tokens or max_model_len. Steps are recorded in the order they
-        were scheduled, at most one step behind `schedule`.
+        EOS, a stop token id, max_tokens or max_model_len, or whose grammar ended (decided in
+        `stopping.py`). Steps are recorded in the order they were scheduled, at most one step
+        behind `schedule`.
 
         Returns one update per sequence that received a token, finished ones included.
         """

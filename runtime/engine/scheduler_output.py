@@ -53,19 +53,27 @@ class SchedulerOutput:
     Attributes:
         scheduled: decodes first, then prefill chunks (the runner reorders for the back end).
         num_batched_tokens: sum of the new tokens, <= max_num_batched_tokens.
-        preempted_seq_ids: sequences that lost their KV this step (they recompute later).
-        finished_seq_ids: sequences that finished or were aborted since the previous step; the
-            runner drops per-sequence state (seeded generators) for them.
+        preempted: sequences that lost their KV this step (they recompute later).
+        finished: sequences that finished or were aborted since the previous step.
+        The runner gives the rows of both back (`InputBatch.release`) before it builds the step.
     """
 
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     num_batched_tokens: int = 0
-    preempted_seq_ids: list[str] = field(default_factory=list)
-    finished_seq_ids: list[str] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    finished: list[Sequence] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+    @property
+    def preempted_seq_ids(self) -> list[str]:
+        return [seq.seq_id for seq in self.preempted]
+
+    @property
+    def finished_seq_ids(self) -> list[str]:
+        return [seq.seq_id for seq in self.finished]
 
 
 @dataclass

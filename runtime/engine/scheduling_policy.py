@@ -98,6 +98,41 @@ class WaitingQueue(ABC):
         self.pop()
 
 
+class KeyedSequences:
+    """Sequences kept sorted by `policy.admission_key` (stable for equal keys); the scheduler's
+    running list and the default waiting queue.
+
+    Attributes:
+        items: the sequences in key order (read it; change it through this class only).
+    """
+
+    def __init__(self, policy: SchedulingPolicy) -> None:
+        self.policy = policy
+        self._keys: list[tuple] = []
+        self.items: list[Sequence] = []
+
+    def insert(self, seq: Sequence, front: bool = False) -> None:
+        """Add `seq` after the sequences of equal key (before them with `front`)."""
+        key = self.policy.admission_key(seq)
+        index = (bisect.bisect_left if front else bisect.bisect_right)(self._keys, key)
+        self._keys.insert(index, key)
+        self.items.insert(index, seq)
+
+    def pop_first(self) -> Sequence:
+        self._keys.pop(0)
+        return self.items.pop(0)
+
+    def remove(self, seq: Sequence) -> bool:
+        """Take `seq` out (compared by identity); False if it is not here."""
+        try:
+            index = self.items.index(seq)  # a Sequence compares by identity
+        except ValueError:
+            return False
+        del self.items[index]
+        del self._keys[index]
+        return True
+
+
 class OrderedWaitingQueue(WaitingQueue):
     """Waiting sequences sorted by `policy.admission_key` (stable for equal keys).
 
@@ -107,38 +142,25 @@ class OrderedWaitingQueue(WaitingQueue):
 
     def __init__(self, policy: SchedulingPolicy) -> None:
         self.policy = policy
-        self._keys: list[tuple] = []
-        self._items: list[Sequence] = []
+        self._sorted = KeyedSequences(policy)
 
     def push(self, seq: Sequence) -> None:
-        key = self.policy.admission_key(seq)
-        index = bisect.bisect_right(self._keys, key)
-        self._keys.insert(index, key)
-        self._items.insert(index, seq)
+        self._sorted.insert(seq)
 
     def push_front(self, seq: Sequence) -> None:
-        key = self.policy.admission_key(seq)
-        index = bisect.bisect_left(self._keys, key)
-        self._keys.insert(index, key)
-        self._items.insert(index, seq)
+        self._sorted.insert(seq, front=True)
 
     def peek(self) -> Sequence:
-        return self._items[0]
+        return self._sorted.items[0]
 
     def pop(self) -> Sequence:
-        self._keys.pop(0)
-        return self._items.pop(0)
+        return self._sorted.pop_first()
 
     def remove(self, seq: Sequence) -> bool:
-        for index, item in enumerate(self._items):
-            if item is seq:
-                del self._items[index]
-                del self._keys[index]
-                return True
-        return False
+        return self._sorted.remove(seq)
 
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self._sorted.items)
 
     def __iter__(self) -> Iterator[Sequence]:
-        return iter(list(self._items))
+        return iter(list(self._sorted.items))

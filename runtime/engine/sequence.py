@@ -1,16 +1,30 @@
-"""One sequence as the scheduler and the KV cache track it: plain Python state, no tensors.
+"""One sequence, the owner of its engine-side state, and one request as the engine tracks it.
 
 A request with `n` completions becomes `n` sequences ("children") that share the prompt; each
 is scheduled, preempted and finished on its own, and the output processor gathers them back into
-one `RequestOutput`.
+one `RequestOutput`. The engine keeps each request as a `RequestState` (its sequences and what the
+step loop asks of it), in one index by request id.
+
+A `Sequence` owns what the engine holds for it, so that nothing keyed by its id has to be cleaned
+up in step with anything else: its KV blocks and block table (`kv_cache.py` fills and frees them),
+its row of the runner's persistent batch (`input_batch.py`), its seeded random generator
+(`sampler.py`), its grammar matcher (`structured_output.py`) and the siblings held back until it
+computed the shared prompt (`scheduler.py`). Finishing or preempting a sequence is one call on the
+scheduler (`Scheduler._finish` / `_preempt`), which frees its blocks at once and hands it to the
+runner in the next `SchedulerOutput` to give its row back; what else it holds goes with it.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from sits.runtime.engine.request import FinishReason, SamplingParams
+
+if TYPE_CHECKING:
+    from sits.runtime.engine.eviction import KVBlock
+    from sits.runtime.engine.structured_output import SequenceGrammar
 
 
 class SequenceStatus(enum.Enum):
@@ -72,6 +86,19 @@ class Sequence:
             and its input token is taken from the previous step's sampled ids on the device.
         block_hashes: prefix hashes of the full blocks of all_token_ids, extended lazily.
         sibling_ids: seq_ids of the other completions of the same request (n > 1).
+
+    What it holds (each written by one owner, all dropped with the sequence):
+        blocks, block_ids: its KV block table, as blocks and as physical ids in token order
+            (`KVCacheManager`; `block_ids` is grown in place while the sequence holds blocks, and
+            is a new list after `free`, so a reader can tell a new table by identity).
+        num_cached_blocks: leading blocks of the table already made findable by prefix hashes.
+        batch_row: its row of the runner's persistent batch (`InputBatch`), None when it has none.
+        generator: its own torch.Generator when its params give a seed (`Sampler`, made on its
+            first draw); it lives across preemption and goes with the sequence.
+        grammar: its matcher under a response_format (`StructuredOutputs`), None otherwise.
+        held_siblings, held_by: completions 1..n-1 wait on completion 0 (the leader) until it has
+            computed the shared prompt's full blocks (`Scheduler`); the leader lists them, each
+            names its leader.
     """
 
     seq_id: str
@@ -97,6 +124,14 @@ class Sequence:
     stop_reason: str | int | None = None
     sibling_ids: tuple[str, ...] = ()
     arrival_order: int = 0  # tie-breaker: the order add_request saw requests
+    blocks: list[KVBlock] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    num_cached_blocks: int = 0
+    batch_row: Any = None
+    generator: Any = None
+    grammar: SequenceGrammar | None = None
+    held_siblings: list[Sequence] = field(default_factory=list)
+    held_by: Sequence | None = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -137,3 +172,21 @@ class Sequence:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+
+@dataclass(eq=False)
+class RequestState:
+    """One request in the engine: its sequences and what the step loop needs to know of it.
+
+    Attributes:
+        request_id: the client's id (the engine's one index is keyed by it).
+        sequences: its n completions, in index order.
+        needs_history: sampling needs every output token on the host (penalties, a grammar, bad
+            words of several tokens): the engine does not run a step ahead while it runs.
+        scheduled: a step has scheduled one of its sequences (first_scheduled_time is stamped).
+    """
+
+    request_id: str
+    sequences: list[Sequence]
+    needs_history: bool = False
+    scheduled: bool = False

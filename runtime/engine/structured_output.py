@@ -18,12 +18,14 @@ Costs, and where they are paid:
     (`sits.runtime.server.grammar_compiler`: a schema, regex or grammar xgrammar refuses, or one
     too deep, too large or too slow to compile, is a 400 naming the field it came from), so the
     engine finds it cached.
-  - `StructuredOutputs` keeps one matcher per constrained sequence (n > 1: one per completion);
-    a step without constrained sequences does no work for them at all.
+  - `StructuredOutputs` gives each constrained sequence its own matcher (`Sequence.grammar`;
+    n > 1: one per completion); a step without constrained sequences does no work for them at all.
+    The stop check (`stopping.py`) advances a matcher with each token and ends the sequence when
+    its grammar ended.
   - A matcher needs the previous token before it can build the next mask, so the engine does not
     run ahead (async scheduling) while a constrained request runs, as for penalties.
 
-A matcher counts the tokens it accepted, and `advance` feeds it only the sequence's output tokens
+A matcher counts the tokens it accepted, and `catch_up` feeds it only the sequence's output tokens
 past that count: a sequence that was preempted and recomputes its context (its output tokens go
 through the model again) never advances its matcher twice.
 """
@@ -38,7 +40,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from sits.runtime.engine.request import SamplingParamsError, StructuredOutputSpec
-from sits.runtime.engine.scheduler_output import SequenceUpdate
+from sits.runtime.engine.sequence import Sequence as EngineSequence
 
 logger = logging.getLogger(__name__)
 
@@ -211,14 +213,16 @@ def _reason(error: Exception) -> str:
 
 
 class SequenceGrammar:
-    """One sequence's matcher and how many of its output tokens it accepted."""
+    """One sequence's matcher, how many of its output tokens it accepted, and the width of the
+    logits its bitmask covers (`vocab_size`)."""
 
-    __slots__ = ("matcher", "num_accepted", "ended")
+    __slots__ = ("matcher", "num_accepted", "ended", "vocab_size")
 
-    def __init__(self, compiled: Any) -> None:
+    def __init__(self, compiled: Any, vocab_size: int) -> None:
         import xgrammar
 
         self.matcher = xgrammar.GrammarMatcher(compiled, max_rollback_tokens=_MAX_ROLLBACK_TOKENS)
+        self.vocab_size = vocab_size
         self.num_accepted = 0
         self.ended = False  # the matcher terminated or refused a token: it allows nothing more
 
@@ -241,48 +245,33 @@ class SequenceGrammar:
 
 
 class StructuredOutputs:
-    """The engine's structured-output state: the grammar cache and the constrained sequences'
-    matchers (keyed by seq_id; a preempted sequence keeps its matcher)."""
+    """The engine's structured-output state: the grammar cache, and the matchers it gave to
+    constrained sequences (each on its sequence, `Sequence.grammar`; a preempted sequence keeps
+    its matcher). It counts the matchers live, so `bool()` says whether any constrained sequence
+    runs."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, capacity: int = 64) -> None:
         self.cache = GrammarCache(tokenizer, vocab_size, capacity)
         self.vocab_size = vocab_size
-        self._grammars: dict[str, SequenceGrammar] = {}
+        self._num_live = 0
 
     def __bool__(self) -> bool:
-        """Whether any constrained sequence is live (the per-step path checks this first)."""
-        return bool(self._grammars)
+        """Whether any constrained sequence is live."""
+        return self._num_live > 0
 
     def __len__(self) -> int:
-        return len(self._grammars)
+        return self._num_live
 
-    def get(self, seq_id: str) -> SequenceGrammar | None:
-        return self._grammars.get(seq_id)
-
-    def add(self, seq_ids: Iterable[str], spec: StructuredOutputSpec) -> None:
+    def add(self, sequences: Iterable[EngineSequence], spec: StructuredOutputSpec) -> None:
         """Give each sequence its own matcher (raises StructuredOutputError for a bad spec)."""
         compiled = self.cache.compile(spec)
-        for seq_id in seq_ids:
-            self._grammars[seq_id] = SequenceGrammar(compiled)
+        for seq in sequences:
+            seq.grammar = SequenceGrammar(compiled, self.vocab_size)
+            self._num_live += 1
 
-    def release(self, seq_ids: Iterable[str]) -> None:
-        for seq_id in seq_ids:
-            self._grammars.pop(seq_id, None)
-
-    def advance(self, updates: Sequence[SequenceUpdate]) -> list[str]:
-        """Feed the step's new tokens to the matchers of constrained, unfinished sequences.
-
-        Returns the seq_ids whose grammar ended with this step while the scheduler did not stop
-        them (a stop token under ignore_eos, a refused token): the caller finishes them ("stop").
-        Their last token is marked as the one that ended them, so its text is not returned.
-        """
-        ended = []
-        for update in updates:
-            sequence = update.sequence
-            grammar = self._grammars.get(sequence.seq_id)
-            if grammar is None or sequence.finished:
-                continue
-            if grammar.catch_up(sequence.output_token_ids):
-                update.finished_by_token = True
-                ended.append(sequence.seq_id)
-        return ended
+    def release(self, sequences: Iterable[EngineSequence]) -> None:
+        """Drop the matchers of sequences whose request finished (a sequence without one is skipped)."""
+        for seq in sequences:
+            if seq.grammar is not None:
+                seq.grammar = None
+                self._num_live -= 1

@@ -152,7 +152,7 @@ def test_the_input_batch_gathers_masks_of_the_rows_it_samples_only():
     assert [s.seq_id for s in step.sample_sequences] == ["masked", "plain"]
     assert step.token_mask.allowed_rows.tolist() == [0] and step.token_mask.kept_ids.tolist() == [2, 9]
     assert step.token_mask.banned_rows.tolist() == [0] and step.token_mask.banned_ids.tolist() == [7]
-    batch.release(["masked"])
+    batch.release([masked])
     step = batch.prepare([ScheduledSequence(plain, [8], 6, [0, 1], samples=True)])
     assert step.token_mask is None and batch.num_rows_in_use == 1
 

@@ -112,7 +112,7 @@ def test_released_rows_are_reused_and_a_returning_sequence_gets_its_new_table():
     a, b, c = sequence("a", 9), sequence("b", 3), sequence("c", 2)
     first = [ScheduledSequence(a, list(range(9)), 0, [7, 8, 9], True), ScheduledSequence(b, [1, 2, 3], 0, [5], True)]
     batch.prepare(first)
-    batch.release(["a"])  # finished or preempted
+    batch.release([a])  # finished or preempted
     again = [ScheduledSequence(b, [4], 3, first[1].block_ids, True), ScheduledSequence(c, [1, 2], 0, [11], True)]
     assert actual_layout(batch.prepare(again)) == expected_layout(again)
     assert batch.num_rows_in_use == 2

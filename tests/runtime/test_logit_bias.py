@@ -132,7 +132,7 @@ def test_the_input_batch_gathers_biases_of_the_biased_rows_it_samples_only():
     step = batch.prepare([ScheduledSequence(plain, [9], 7, [0, 1], samples=True),
                           ScheduledSequence(biased, [6], 6, [2, 3], samples=True)])
     assert step.logit_bias.rows.tolist() == [1, 1]  # both decode, in the scheduled order
-    batch.release(["biased"])
+    batch.release([biased])
     step = batch.prepare([ScheduledSequence(plain, [10], 8, [0, 1, 4], samples=True)])
     assert step.logit_bias is None and batch.num_rows_in_use == 1
 

@@ -151,10 +151,11 @@ def test_logprobs_are_log_softmax_of_the_raw_logits_with_top_alternatives():
     assert sampler(logits[:1], [seq(temperature=0.0)])[0].logprob is None  # not asked for
 
 
-def test_forget_drops_generators_of_finished_sequences():
+def test_a_seeded_sequence_owns_its_generator_and_a_new_sequence_starts_from_the_seed():
     sampler = Sampler([EOS])
     logits = fixed_logits()
     sequence = seq("gone", temperature=1.0, seed=3)
     first = sampler(logits, [sequence])[0].token_id
-    sampler.forget(["gone"])
-    assert sampler(logits, [sequence])[0].token_id == first  # a fresh generator from the same seed
+    assert isinstance(sequence.generator, torch.Generator)  # on the sequence: it goes with it
+    again = seq("gone", temperature=1.0, seed=3)  # the same id and seed, a new sequence
+    assert sampler(logits, [again])[0].token_id == first  # a fresh generator from the same seed

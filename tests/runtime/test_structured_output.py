@@ -70,7 +70,8 @@ def test_preempted_constrained_sequences_accept_each_token_once_and_stay_valid(s
             break
         finals.update({o.request_id: o for o in engine.step() if o.finished})
         for seq_id in ("schema", "sampled#0", "sampled#1"):  # a matcher has seen each output token once
-            seq, grammar = engine.scheduler.get_sequence(seq_id), engine.structured_outputs.get(seq_id)
+            seq = engine.scheduler.get_sequence(seq_id)
+            grammar = seq.grammar if seq is not None else None
             if seq is not None and grammar is not None:
                 assert grammar.num_accepted == len(seq.output_token_ids), seq_id
     assert set(finals) == {"schema", "sampled"}
