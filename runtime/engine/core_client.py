@@ -25,22 +25,20 @@ import logging
 import multiprocessing
 import os
 import threading
-from collections.abc import AsyncIterator, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from multiprocessing.connection import Connection
 from typing import Any
 
 from sits.runtime.config import EngineConfig
 from sits.runtime.engine import core_wire as wire
-from sits.runtime.engine.client import ModelInfo
+from sits.runtime.engine.client_base import StreamingClient
 from sits.runtime.engine.errors import (
     DuplicateRequestError,
     EngineDeadError,
     EngineDiedError,
     EngineShuttingDownError,
 )
-from sits.runtime.engine.request import RequestOutput, SamplingParams
-from sits.runtime.engine.stats import EngineStats
+from sits.runtime.engine.request_stream import RequestStream
 from sits.runtime.engine.structured_output import GrammarCache
 from sits.runtime.lora.config import LoraModule
 from sits.runtime.lora.usage import AdapterUsage
@@ -58,16 +56,7 @@ class EngineStartError(Exception):
         self.user_error = user_error
 
 
-@dataclass
-class _Stream:
-    """One request's outputs: a queue on the event loop, and the decoder that rebuilds snapshots."""
-
-    decoder: wire.OutputDecoder
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    received: bool = False  # an output reached the client's stream already
-
-
-class MultiprocessEngineClient:
+class MultiprocessEngineClient(StreamingClient):
     """The engine in a child process, as an `EngineClient` (see the module docstring).
 
     Args:
@@ -81,13 +70,14 @@ class MultiprocessEngineClient:
         self._process = process
         self._conn = conn
         self._ready = ready
+        self._adopt(ready.facts)
         self._tenancy = tenancy
         self.lora_usage = AdapterUsage()
         self._lora_modules = dict(ready.lora_modules)
         self._room = ready.room
         self._stats = ready.stats
         self._tenancy_usage: Any = None
-        self._streams: dict[str, _Stream] = {}  # event-loop only
+        self._streams: dict[str, RequestStream] = {}  # event-loop only
         self._calls: dict[int, asyncio.Future] = {}  # LoRA calls awaiting the engine's answer
         self._call_ids = itertools.count()
         self._lock = threading.Lock()  # guards _outbox and _flush_scheduled
@@ -141,26 +131,6 @@ class MultiprocessEngineClient:
         return self._process.pid
 
     @property
-    def tokenizer(self) -> Any:
-        return self._ready.tokenizer
-
-    @property
-    def model_name(self) -> str:
-        return self._ready.model_name
-
-    @property
-    def max_model_len(self) -> int:
-        return self._ready.max_model_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self._ready.vocab_size
-
-    @property
-    def model_info(self) -> ModelInfo:
-        return self._ready.model_info
-
-    @property
     def lora_modules(self) -> dict[str, LoraModule]:
         return dict(self._lora_modules)
 
@@ -168,15 +138,8 @@ class MultiprocessEngineClient:
     def is_healthy(self) -> bool:
         return self._healthy
 
-    @property
-    def is_accepting(self) -> bool:
-        return self._accepting and self._healthy
-
     def max_tokens_for(self, tenant: str) -> int:
         return self._room.max_tokens_for(tenant)
-
-    def stats(self) -> EngineStats:
-        return self._stats
 
     @property
     def grammar_cache(self) -> GrammarCache:
@@ -227,38 +190,27 @@ class MultiprocessEngineClient:
             self._reader.join(timeout_s)
 
     # -- requests --------------------------------------------------------------------------
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, *,
-                       tenant: str = "default", priority: int = 0, cache_salt: str | None = None,
-                       stream_text: bool = True, lora: str | None = None) -> AsyncIterator[RequestOutput]:
-        """As `AsyncEngine.generate` (see `EngineClient`); bad requests are refused by the engine
-        process and raised here at the first iteration."""
+    def _submit(self, stream: RequestStream, *, priority: int, cache_salt: str | None, lora: str | None) -> None:
+        """Bad requests are refused by the engine process and raised at the stream's first output."""
         if not self._healthy:
             raise EngineDeadError("the engine process died and accepts no requests")
         if not self._accepting:
             raise EngineShuttingDownError("the engine is shutting down and accepts no new requests")
-        if request_id in self._streams:
-            raise DuplicateRequestError(f"request id {request_id!r} is already in the engine")
-        prompt = list(prompt_token_ids)
+        if stream.request_id in self._streams:
+            raise DuplicateRequestError(f"request id {stream.request_id!r} is already in the engine")
         self.lora_usage.enter(lora)  # InvalidRequestError while the adapter is being unloaded
-        stream = _Stream(wire.OutputDecoder(request_id, prompt, tenant))
-        self._streams[request_id] = stream
-        self._send(wire.AddRequest(request_id, prompt, params, tenant, priority, cache_salt, stream_text, lora))
-        finished = False
-        try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True  # the engine refused it or is gone: nothing to abort
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            self._streams.pop(request_id, None)
-            self.lora_usage.leave(lora)
-            if not finished and self._healthy:
-                self._send(wire.AbortRequests([request_id]))
+        self._streams[stream.request_id] = stream
+        self._send(wire.AddRequest(stream.request_id, stream.prompt_token_ids, stream.params, stream.tenant,
+                                   priority, cache_salt, stream.stream_text, lora))
+
+    def _release(self, stream: RequestStream, lora: str | None) -> None:
+        self._streams.pop(stream.request_id, None)
+        self.lora_usage.leave(lora)
+        if not stream.done and self._healthy:
+            self._send(wire.AbortRequests([stream.request_id]))
+
+    def _stop_completions(self, request_id: str, indices: list[int]) -> None:
+        self._send(wire.StopCompletions(request_id, indices))
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
@@ -327,15 +279,11 @@ class MultiprocessEngineClient:
 
     def _dispatch(self, batch: wire.CoreBatch) -> None:
         """On the event loop: one step's outputs to their streams, and the engine's figures."""
-        for output in batch.outputs:
-            stream = self._streams.get(output.request_id)
-            if stream is not None:
-                stream.received = True
-                stream.queue.put_nowait(stream.decoder.decode(output))
+        self._fan_out(map(wire.decode_output, batch.outputs))
         for request_id, error in batch.errors:
             stream = self._streams.get(request_id)
             if stream is not None:
-                stream.queue.put_nowait(wire.error_from_wire(error))
+                stream.fail(wire.error_from_wire(error))
         for result in batch.results:
             self._lora_modules = result.lora_modules
             future = self._calls.pop(result.call_id, None)
@@ -358,7 +306,7 @@ class MultiprocessEngineClient:
         self._stopped.set()
         if self._stopping:
             for stream in self._streams.values():
-                stream.queue.put_nowait(stream.decoder.aborted())
+                stream.abort()
             return
         code = self._process.exitcode
         if code is None:
@@ -370,7 +318,10 @@ class MultiprocessEngineClient:
         self._accepting = False
         error = f"the engine process died (exit code {code}) while serving this request"
         for stream in self._streams.values():
-            stream.queue.put_nowait(stream.decoder.aborted() if stream.received else EngineDiedError(error))
+            if stream.received:
+                stream.abort()
+            else:
+                stream.fail(EngineDiedError(error))
         for future in self._calls.values():
             if not future.done():
                 future.set_exception(EngineDiedError("the engine process died"))

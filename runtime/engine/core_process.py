@@ -9,7 +9,8 @@ protocol 5 (`core_wire.py`). Why not ZMQ + msgspec as vLLM uses: neither is inst
 the GPU machines, and a single reader and writer per side need none of ZMQ's patterns; pickle
 carries the engine's own dataclasses (SamplingParams, EngineStats, the TenantTable) without a
 second schema to keep in step, and protocol 5 frames large buffers without extra copies. The cost
-that matters, pickling per-step outputs, is kept small by sending deltas (`OutputEncoder`). Both
+that matters, pickling per-step outputs, is kept small by sending token deltas as plain tuples
+(`OutputEncoder`); the text is decoded in the server (`request_stream.py`). Both
 directions are batched: the server sends what one event-loop turn gathered, the engine one
 `CoreBatch` per step.
 
@@ -44,7 +45,7 @@ from typing import Any
 
 from sits.runtime.config import ConfigError, EngineConfig
 from sits.runtime.engine import core_wire as wire
-from sits.runtime.engine.async_engine import model_info_of
+from sits.runtime.engine.client_base import EngineFacts
 from sits.runtime.engine.engine import LLMEngine
 from sits.runtime.engine.errors import EngineError, EngineShuttingDownError
 from sits.runtime.lora.manager import LoraAdapter, LoraManager
@@ -131,6 +132,7 @@ class EngineCore:
         self.engine = engine
         self.conn = conn
         self.tenancy = tenancy
+        engine.output_processor.detokenize = False  # the server decodes the text and applies stop strings
         self._cond = threading.Condition()
         self._inbox: list = []  # guarded by _cond: commands from the server and from helper threads
         self._parent_gone = False
@@ -141,8 +143,7 @@ class EngineCore:
 
     def ready(self) -> wire.Ready:
         engine = self.engine
-        return wire.Ready(engine.tokenizer, engine.model_name, engine.max_model_len, engine.vocab_size,
-                          model_info_of(engine), self._lora_modules(), self._room(), engine.stats())
+        return wire.Ready(EngineFacts.of(engine), self._lora_modules(), self._room(), engine.stats())
 
     # -- receiving ---------------------------------------------------------------------------
     def _receive(self) -> None:
@@ -227,6 +228,8 @@ class EngineCore:
                 self._add(command, batch)
             elif isinstance(command, wire.AbortRequests):
                 self._deliver(self.engine.abort_request(command.request_ids), batch)
+            elif isinstance(command, wire.StopCompletions):
+                self._deliver(self.engine.stop_completions(command.request_id, command.indices), batch)
             elif isinstance(command, wire.CallResult):  # an adapter that could not be read
                 batch.results.append(command)
             elif isinstance(command, _AdapterRead):

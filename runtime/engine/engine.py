@@ -34,7 +34,13 @@ from sits.runtime.engine.kv_cache import KVCacheManager
 from sits.runtime.engine.nvtx import nvtx_range
 from sits.runtime.engine.output_processor import OutputProcessor
 from sits.runtime.engine.pending_output import PendingOutput
-from sits.runtime.engine.request import RequestMetrics, RequestOutput, SamplingParams, SamplingParamsError
+from sits.runtime.engine.request import (
+    FinishReason,
+    RequestMetrics,
+    RequestOutput,
+    SamplingParams,
+    SamplingParamsError,
+)
 from sits.runtime.engine.runner import ModelRunner
 from sits.runtime.engine.sampler import Sampler
 from sits.runtime.engine.scheduler import Scheduler
@@ -283,6 +289,25 @@ class LLMEngine:
             self._counters["aborted"] += 1
             self._counters["finished"] += 1
         return finals
+
+    def stop_completions(self, request_id: str, indices: Iterable[int]) -> list[RequestOutput]:
+        """Finish completions that a stop string ended in a client that decodes the text
+        (`OutputProcessor(detokenize=False)`): their sequences stop now and their blocks are freed.
+        Returns their snapshot (the request's final one once no completion runs); unknown ids are ignored."""
+        seq_ids = self._children.get(request_id)
+        if seq_ids is None:
+            return []
+        indices = [i for i in indices if 0 <= i < len(seq_ids)]
+        self.structured_outputs.release(seq_ids[i] for i in indices)
+        self.scheduler.finish_requests([seq_ids[i] for i in indices], SequenceStatus.FINISHED_STOPPED)
+        output = self.output_processor.end(request_id, indices, FinishReason.STOP)
+        if output is None:
+            return []
+        if output.finished:
+            self._children.pop(request_id, None)
+            self._history_requests.discard(request_id)
+            self._counters["finished"] += 1
+        return [output]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._children)
