@@ -1,10 +1,12 @@
 """`AsyncEngine`: the step loop on a background thread, outputs delivered to asyncio streams.
 
 Model steps block for milliseconds to seconds, so they run on one dedicated thread that owns the
-`LLMEngine`; the event loop never touches it. Client calls become commands (add, abort) queued
-under a lock; the thread applies them between steps, runs a step, and hands each request's
-`RequestOutput` to its stream's event loop with `loop.call_soon_threadsafe`. With nothing to do
-the thread sleeps on a condition variable (no polling) until a command arrives.
+`LLMEngine`; the event loop never touches it. Client calls become commands (add, abort, stop a
+completion a stop string ended) queued under a lock; the thread applies them between steps, runs a
+step, and hands the step's token deltas to the consumers' event loop in one
+`loop.call_soon_threadsafe` call, where the requests' `RequestStream`s decode them and apply stop
+strings (`client_base.py`: the same code as for the engine process). With nothing to do the thread
+sleeps on a condition variable (no polling) until a command arrives.
 
 Periodic work that must read engine state on its own thread (the tenancy layer publishing its
 eviction index) is registered with `add_periodic`: it runs between steps when due, and once more

@@ -5,10 +5,12 @@
 
 The server process never loads the weights: the child sends its tokenizer with its Ready message
 (a model loaded with a custom tokenizer serves with that same tokenizer). Commands (add, abort,
-LoRA, new tenant tables, shutdown) gathered during one event-loop turn go out as one message; one
-reader thread receives the engine's per-step `CoreBatch`es, unpickles them and hands each batch to
-the event loop in one call, where it is fanned out to the per-request asyncio queues. The wire
-format and why pickle over a pipe: `core_wire.py` and `core_process.py`.
+LoRA, stops of completions a stop string ended, new tenant tables, shutdown) gathered during one
+event-loop turn go out as one message; one reader thread receives the engine's per-step
+`CoreBatch`es, unpickles them and hands each batch to the event loop in one call, where its token
+deltas are fanned out to the requests' `RequestStream`s, which decode the text and apply stop
+strings (`client_base.py`). The wire format and why pickle over a pipe: `core_wire.py` and
+`core_process.py`.
 
 Failure: if the engine process dies (killed, crashed), the pipe closes; the reader marks the
 engine dead (`is_healthy` False: liveness 503), every stream that already got output ends with a

@@ -14,8 +14,9 @@ that matters, pickling per-step outputs, is kept small by sending token deltas a
 directions are batched: the server sends what one event-loop turn gathered, the engine one
 `CoreBatch` per step.
 
-Threads here: the loop thread owns the engine (commands, a step, one batch out; the main thread
-only builds the engine and waits);
+Threads here: the loop thread owns the engine (commands, a step, one batch pickled; the main
+thread only builds the engine and waits); a sender thread writes the batches to the pipe, so a
+server that is slow to read (its event loop busy with SSE) never holds up a step;
 a receiver thread reads the pipe (so a command never waits for a step to end to be read), compiles
 a request's grammar before the request reaches the loop (xgrammar's compile can take tens of ms;
 the cache is thread-safe), and reads LoRA adapters from disk off the loop.
@@ -33,6 +34,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import queue
 import signal
 import sys
 import threading
@@ -54,6 +56,7 @@ logger = logging.getLogger("sits.engine_core")
 
 _BACK_OFF_S = 0.05  # wait after a step that could schedule nothing
 _PR_SET_PDEATHSIG = 1
+STOP_FLUSH_S = 10.0  # how long the last batches may take to be written once the loop ended
 EVICTION_INDEX_INTERVAL_S = 1.0  # how often the eviction index and tenancy figures go to the server
 
 
@@ -137,6 +140,7 @@ class EngineCore:
         self._inbox: list = []  # guarded by _cond: commands from the server and from helper threads
         self._parent_gone = False
         self._encoder = wire.OutputEncoder()
+        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()  # pickled batches; None: stop
         self._stop_deadline: float | None = None  # monotonic time by which a Shutdown aborts what runs
         self._dirty = False  # engine state changed since the tenancy figures last went out
         self._next_publish = 0.0
@@ -180,7 +184,23 @@ class EngineCore:
 
     # -- the loop ----------------------------------------------------------------------------
     def run(self) -> None:
+        """The loop until told to stop or the server is gone; what it sent is flushed before it returns."""
         threading.Thread(target=self._receive, name="sits-engine-core-receiver", daemon=True).start()
+        sender = threading.Thread(target=self._send_queued, name="sits-engine-core-sender", daemon=True)
+        sender.start()
+        try:
+            self._loop()
+        finally:
+            self._outbox.put(None)
+            sender.join(STOP_FLUSH_S)
+
+    def _send_queued(self) -> None:
+        """The sender thread: writes the loop's batches, so a server slow to read never stalls a step."""
+        while (data := self._outbox.get()) is not None:
+            with contextlib.suppress(OSError, ValueError):  # the server is gone: the receiver notices
+                self.conn.send_bytes(data)
+
+    def _loop(self) -> None:
         while True:
             commands, gone = self._wait_for_work()
             if gone:
@@ -201,7 +221,7 @@ class EngineCore:
             self._publish_tenancy(batch, idle=not self.engine.has_unfinished_requests())
             if commands or busy or batch.stopped or batch.tenancy_usage is not None:
                 batch.stats = self.engine.stats()
-                self.conn.send_bytes(wire.encode(batch))
+                self._outbox.put(wire.encode(batch))
             if batch.stopped:
                 return
 

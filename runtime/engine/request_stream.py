@@ -47,7 +47,7 @@ class RequestStream:
         self._min_tokens = params.min_tokens
         self._pending: dict[int, Delta] | None = None  # merged deltas the consumer has not read
         self._error: BaseException | None = None
-        self._wakeup = asyncio.Event()
+        self._waiter: asyncio.Future | None = None  # the consumer waiting in `next`
         self.received = False  # the engine sent an output for this request
         self.done = False  # the consumer got the final snapshot, or the error
 
@@ -91,7 +91,7 @@ class RequestStream:
         """End the stream with `error`, raised to the consumer after the outputs it has not read."""
         if self._error is None:
             self._error = error
-            self._wakeup.set()
+            self._wake()
 
     async def next(self) -> RequestOutput:
         """The request now, with every delta since the last call; waits for one. Raises the stream's error."""
@@ -99,8 +99,11 @@ class RequestStream:
             if self._error is not None:
                 self.done = True
                 raise self._error
-            self._wakeup.clear()
-            await self._wakeup.wait()
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
         deltas, self._pending = self._pending, None
         output = self._state.snapshot(deltas, time.time())
         self.done = output.finished
@@ -110,6 +113,11 @@ class RequestStream:
         pending = self._pending
         if pending is None:
             self._pending = {index: delta}
-            self._wakeup.set()
+            self._wake()
         else:
             pending[index] = merge_deltas(pending[index], delta) if index in pending else delta
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
