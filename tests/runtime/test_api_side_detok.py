@@ -43,6 +43,7 @@ async def client(request, tiny, tiny_llama_dir) -> AsyncIterator[AsyncEngine | M
         engine: AsyncEngine | MultiprocessEngineClient = AsyncEngine.from_engine(LLMEngine.from_loaded(tiny, config()))
     else:
         engine = MultiprocessEngineClient.spawn(config(str(tiny_llama_dir)), log_level="warning")
+        engine.event_loop_niceness = 0  # the test process's own thread: leave its priority to the later tests
     await engine.start()
     yield engine
     await engine.shutdown()
