@@ -48,9 +48,10 @@ from sits.runtime.lora.usage import AdapterUsage
 
 logger = logging.getLogger("sits.engine_client")
 
-STOP_TIMEOUT_S = 30.0
-# Niceness of the thread that runs the server's event loop (HTTP, detokenization, SSE), see `start`.
-EVENT_LOOP_NICENESS = 10  # after the drain, how long the engine process may take to exit before it is killed
+STOP_TIMEOUT_S = 30.0  # after the drain, how long the engine process may take to exit before it is killed
+# Added to the niceness of the thread that runs the server's event loop (HTTP, detokenization, SSE):
+# `_yield_to_the_engine`.
+EVENT_LOOP_NICENESS = 10
 
 
 class EngineStartError(Exception):
@@ -375,10 +376,12 @@ def _yield_to_the_engine(niceness: int) -> None:
     limit), the engine's step loop, which every stream waits on, then gets the CPU first, and the
     event loop falls behind instead: its streams' chunks then merge the steps they missed
     (`RequestStream`), so each chunk carries more tokens and the server's work per token drops.
-    Measured on 2 loaded cores at 128 streams: the API process's CPU per output token fell from
-    0.11-0.12 ms to 0.07 ms and the served throughput rose 1.2-1.9x. With CPU to spare nothing
-    changes. The reader thread, started before, keeps its priority, so the engine's batches are
-    still read at once.
+    Measured on 2 shared cores at 128 streams (`benchmarks/bench_served_vs_offline.py`): the API
+    process's CPU per output token fell from 0.10 ms to 0.05 ms and served throughput went from
+    0.25-0.56x of offline to 0.90-0.93x, at the price of coarser chunks (ITL p50 0.09 s -> 0.4-0.5 s,
+    each chunk carrying ~13 tokens); niceness 5 was not enough to change either. With CPU to spare
+    nothing changes. The reader thread, started before, keeps its priority, so the engine's batches
+    are still read at once.
     """
     if niceness <= 0 or not sys.platform.startswith("linux"):
         return
