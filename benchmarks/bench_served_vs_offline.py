@@ -4,8 +4,10 @@ A small random model (`--config`, default `tiny`: the engine's step is short, so
 work shows) is measured three or more ways, one after another, each with the machine to itself:
   - offline: `sits bench --config C --batch B` (B prompts at once, B = the largest stream count),
     and once more at every other stream count;
-  - served: `sits bench serve --launch "--load-format dummy --config C"` with B streams
-    (`--max-concurrency B`, B prompts: the same work as the offline batch), for each B in --streams.
+  - served: `sits bench serve` against `sits serve --load-format dummy --config C` (started here) with B
+    streams (`--max-concurrency B`, B prompts: the same work as the offline batch), for each B in --streams,
+    with the CPU time the API process and the engine process spent per output token (from /proc: these
+    hold on a loaded machine, where the throughputs are noisy).
 Every request has exactly --input-len prompt tokens and --output-len output tokens (EOS ignored).
 The table prints output tok/s served, offline, and their ratio (the issue's target: >= 0.85 on CPU).
 
@@ -21,9 +23,12 @@ import argparse
 import json
 import os
 import platform
+import socket
 import subprocess
 import sys
 import tempfile
+import time
+import urllib.request
 from pathlib import Path
 
 THREADS_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
@@ -50,17 +55,67 @@ def offline_tok_s(config: str, batch: int, input_len: int, output_len: int, work
 
 def served_tok_s(config: str, streams: int, input_len: int, output_len: int, vocab: int, workdir: Path,
                  threads: int) -> dict:
+    """`sits bench serve` against a `sits serve --load-format dummy` started here, and the CPU seconds its two
+    processes spent on the run (from /proc, so the figures hold on a loaded machine too)."""
     out = workdir / f"served-{streams}.json"
-    serve = (f"--load-format dummy --config {config} --max-num-seqs {streams} --max-waiting-requests {streams} "
-             f"--max-model-len {input_len + output_len} --log-level warning")
-    sits("bench", "serve", "--launch", serve, "--num-prompts", str(streams), "--max-concurrency", str(streams),
-         "--random-input-len", str(input_len), "--random-output-len", str(output_len), "--vocab-size", str(vocab),
-         "--no-progress", "--json", str(out), threads=threads)
+    env = {**os.environ, **{name: str(threads) for name in THREADS_ENV}}
+    port = free_port()
+    serve = ["--load-format", "dummy", "--config", config, "--max-num-seqs", str(streams), "--max-waiting-requests",
+             str(streams), "--max-model-len", str(input_len + output_len), "--log-level", "warning", "--port", str(port)]
+    server = subprocess.Popen([sys.executable, "-m", "sits.runtime.cli", "serve", *serve], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_healthy(server, f"http://127.0.0.1:{port}/health")
+        processes = {"api": server.pid, "engine": engine_child(server.pid)}
+        before = {name: cpu_seconds(pid) for name, pid in processes.items()}
+        sits("bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--num-prompts", str(streams),
+             "--max-concurrency", str(streams), "--random-input-len", str(input_len), "--random-output-len",
+             str(output_len), "--vocab-size", str(vocab), "--no-progress", "--json", str(out), threads=threads)
+        cpu_ms = {name: 1e3 * (cpu_seconds(pid) - before[name]) / (streams * output_len)
+                  for name, pid in processes.items()}
+    finally:
+        server.terminate()
+        server.wait(60)
     result = json.loads(out.read_text())["results"]
     if result["failed"]:
         raise SystemExit(f"served run at {streams} streams: {result['failed_by_status']} failed requests")
     return {"output_tok_s": result["output_throughput"], "itl_p50_ms": result["itl_ms"]["median"],
-            "itl_p99_ms": result["itl_ms"]["p99"], "ttft_p50_ms": result["ttft_ms"]["median"]}
+            "itl_p99_ms": result["itl_ms"]["p99"], "ttft_p50_ms": result["ttft_ms"]["median"],
+            "api_cpu_ms_per_token": cpu_ms["api"], "engine_cpu_ms_per_token": cpu_ms["engine"]}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_healthy(server: subprocess.Popen, url: str, timeout_s: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=10):
+                return
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"sits serve did not come up (exit code {server.poll()})") from None
+            time.sleep(0.2)
+
+
+def engine_child(pid: int) -> int:
+    """The engine process the server at `pid` spawned (its child running multiprocessing's spawn_main)."""
+    for task in os.listdir(f"/proc/{pid}/task"):
+        for child in Path(f"/proc/{pid}/task/{task}/children").read_text().split():
+            command = Path(f"/proc/{child}/cmdline").read_bytes()
+            if b"spawn_main" in command and b"resource_tracker" not in command:
+                return int(child)
+    raise SystemExit(f"no engine process under the server {pid}")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid`, all its threads (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,12 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nserved vs offline: random {args.config} weights, {args.input_len} in / {args.output_len} out, "
           f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {args.threads} torch thread(s), load average {load[0]:.1f} at the end")
     print(f"{'streams':>8} {'offline tok/s':>14} {'served tok/s':>13} {'ratio':>7} {'ITL p50/p99 offline ms':>24} "
-          f"{'ITL p50/p99 served ms':>23}")
+          f"{'ITL p50/p99 served ms':>23} {'CPU ms/token API / engine':>26}")
     for row in rows:
         off, srv = row["offline"], row["served"]
         print(f"{row['streams']:>8} {off['output_tok_s']:>14.0f} {srv['output_tok_s']:>13.0f} {row['ratio']:>6.2f}x "
               f"{off['itl_p50_ms']:>11.1f} / {off['itl_p99_ms']:<10.1f} {srv['itl_p50_ms']:>10.1f} / "
-              f"{srv['itl_p99_ms']:<10.1f}")
+              f"{srv['itl_p99_ms']:<10.1f} {srv['api_cpu_ms_per_token']:>12.3f} / {srv['engine_cpu_ms_per_token']:.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"config": args.config, "threads": args.threads, "input_len": args.input_len,
                                                "output_len": args.output_len, "load_average": load, "rows": rows},

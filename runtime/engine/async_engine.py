@@ -1,10 +1,12 @@
 """`AsyncEngine`: the step loop on a background thread, outputs delivered to asyncio streams.
 
 Model steps block for milliseconds to seconds, so they run on one dedicated thread that owns the
-`LLMEngine`; the event loop never touches it. Client calls become commands (add, abort) queued
-under a lock; the thread applies them between steps, runs a step, and hands each request's
-`RequestOutput` to its stream's event loop with `loop.call_soon_threadsafe`. With nothing to do
-the thread sleeps on a condition variable (no polling) until a command arrives.
+`LLMEngine`; the event loop never touches it. Client calls become commands (add, abort, stop a
+completion a stop string ended) queued under a lock; the thread applies them between steps, runs a
+step, and hands the step's token deltas to the consumers' event loop in one
+`loop.call_soon_threadsafe` call, where the requests' `RequestStream`s decode them and apply stop
+strings (`client_base.py`: the same code as for the engine process). With nothing to do the thread
+sleeps on a condition variable (no polling) until a command arrives.
 
 Stats are built on the same thread, only when asked: `stats()` hands the loop a ticket and waits
 for the figures it builds after the step in flight (`StatsAnswers`); no step builds any otherwise.
@@ -25,12 +27,12 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from sits.runtime.config import EngineConfig
-from sits.runtime.engine.client import ModelInfo
+from sits.runtime.engine.client_base import EngineFacts, StreamingClient
 from sits.runtime.engine.engine import LLMEngine
 from sits.runtime.engine.errors import (
     DuplicateRequestError,
@@ -39,6 +41,7 @@ from sits.runtime.engine.errors import (
     EngineShuttingDownError,
 )
 from sits.runtime.engine.request import RequestOutput, SamplingParams
+from sits.runtime.engine.request_stream import RequestStream
 from sits.runtime.engine.stats import EngineStats, StatsAnswers
 from sits.runtime.engine.structured_output import GrammarCache, StructuredOutputs
 from sits.runtime.lora.config import LoraConfigError, LoraModule
@@ -48,18 +51,6 @@ from sits.runtime.lora.usage import AdapterUsage
 logger = logging.getLogger(__name__)
 
 _BACK_OFF_S = 0.05  # wait after a step that could schedule nothing
-
-
-@dataclass
-class _Stream:
-    """Where one request's outputs go: a queue owned by the consumer's event loop."""
-
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-
-    def put(self, item: RequestOutput | BaseException) -> None:
-        with contextlib.suppress(RuntimeError):  # the consumer's loop is already closed
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
 @dataclass
@@ -80,9 +71,18 @@ class _Abort:
 
 
 @dataclass
+class _Stop:  # completions a stop string ended in the client (`LLMEngine.stop_completions`)
+    request_id: str
+    indices: list[int]
+
+
+@dataclass
 class _Call:  # run on the engine thread between steps (call_between_steps)
     function: Callable[[], Any]
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+_Command = _Add | _Abort | _Stop | _Call
 
 
 @dataclass
@@ -95,7 +95,7 @@ class _Periodic:
     dirty: bool = False  # the engine changed since the last run
 
 
-class AsyncEngine:
+class AsyncEngine(StreamingClient):
     """An `LLMEngine` served to asyncio code, in this process (an `EngineClient`).
 
     Args:
@@ -104,9 +104,12 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
+        engine.output_processor.detokenize = False  # the streams decode the text and apply stop strings
+        self._adopt(EngineFacts.of(engine))
         self._cond = threading.Condition()
-        self._commands: list[_Add | _Abort | _Call] = []
-        self._streams: dict[str, _Stream] = {}  # guarded by _cond
+        self._commands: list[_Command] = []
+        self._streams: dict[str, RequestStream] = {}  # guarded by _cond
+        self._loops: dict[str, asyncio.AbstractEventLoop] = {}  # request_id -> its consumer's loop; under _cond
         self.lora_usage = AdapterUsage()  # requests in flight per LoRA adapter (runtime unloads)
         self._thread: threading.Thread | None = None
         self._stop = False
@@ -130,30 +133,14 @@ class AsyncEngine:
 
     # -- read-only facts -------------------------------------------------------------------
     @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
-    @property
     def loaded_model(self):
         """The LoadedModel (device, dtype, source) the engine serves."""
         return self.engine.loaded_model
 
     @property
-    def model_name(self) -> str:
-        return self.engine.model_name
-
-    @property
     def lora_modules(self) -> dict[str, LoraModule]:
         """The LoRA adapters served (name -> module), empty without --enable-lora."""
         return dict(self.engine.lora.modules) if self.engine.lora is not None else {}
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
-
-    @property
-    def model_info(self) -> ModelInfo:
-        return model_info_of(self.engine)
 
     @property
     def grammar_cache(self) -> GrammarCache:
@@ -165,11 +152,6 @@ class AsyncEngine:
         """The engine's grammar cache and matchers (its cache is safe to use from any thread)."""
         return self.engine.structured_outputs
 
-    @property
-    def vocab_size(self) -> int:
-        """Width of the model's logits (token ids at or above it do not exist)."""
-        return self.engine.vocab_size
-
     def max_tokens_for(self, tenant: str) -> int:
         """The longest sequence `tenant` can hold in the KV cache, in tokens (its shard's room)."""
         return self.engine.kv_cache.max_tokens_for(tenant)
@@ -178,10 +160,6 @@ class AsyncEngine:
     def is_healthy(self) -> bool:
         """False once a step crashed or the loop stopped unexpectedly."""
         return self._healthy and (self._thread is None or self._thread.is_alive() or self._stop)
-
-    @property
-    def is_accepting(self) -> bool:
-        return self._accepting and self._healthy
 
     def stats(self) -> EngineStats:
         """The engine's figures now: built by the loop thread after the step in flight (this waits
@@ -241,37 +219,14 @@ class AsyncEngine:
         self.engine.shutdown()
 
     # -- requests --------------------------------------------------------------------------
-    async def generate(
-        self,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        request_id: str,
-        *,
-        tenant: str = "default",
-        priority: int = 0,
-        cache_salt: str | None = None,
-        stream_text: bool = True,
-        lora: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Submit a request and yield its snapshot after every step that produced tokens.
-
-        Leaving early (break, aclose, cancellation) aborts the request and frees its KV blocks.
-        `cache_salt` (the tenant's prefix-cache salt) keeps its cached prefix blocks private.
-        `stream_text=False`: only the final snapshot carries text (see `LLMEngine.add_request`).
-        `lora`: the LoRA adapter to run with (a `--lora-modules` name); None: the base model.
-
-        Raises:
-            PromptTooLongError, InvalidRequestError, SamplingParamsError: bad request (400).
-            EngineShuttingDownError: draining or stopped (503).
-            EngineDeadError / EngineError: the engine crashed before or while serving it.
-        """
+    def _submit(self, stream: RequestStream, *, priority: int, cache_salt: str | None, lora: str | None) -> None:
         if not self._healthy:
             raise EngineDeadError("the engine stopped after an error and accepts no requests")
         if not self._accepting:
             raise EngineShuttingDownError("the engine is shutting down and accepts no new requests")
+        request_id = stream.request_id
         lora_slot(self.engine.lora, lora)  # an adapter not served: InvalidRequestError, before queueing
         self._ensure_started()
-        stream = _Stream(asyncio.get_running_loop())
         with self._cond:  # re-checked under the lock: a crash or shutdown may have just happened
             if not self._healthy:
                 raise EngineDeadError("the engine stopped after an error and accepts no requests")
@@ -281,27 +236,25 @@ class AsyncEngine:
                 raise DuplicateRequestError(f"request id {request_id!r} is already in the engine")
             self.lora_usage.enter(lora)  # InvalidRequestError while the adapter is being unloaded
             self._streams[request_id] = stream
-            self._commands.append(_Add(request_id, list(prompt_token_ids), params, tenant, priority, cache_salt,
-                                       stream_text, lora))
+            self._loops[request_id] = asyncio.get_running_loop()
+            self._commands.append(_Add(request_id, stream.prompt_token_ids, stream.params, stream.tenant, priority,
+                                       cache_salt, stream.stream_text, lora))
             self._idle.clear()
             self._cond.notify()
-        finished = False
-        try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            with self._cond:
-                self._streams.pop(request_id, None)
-                self.lora_usage.leave(lora)
-                if not finished:
-                    self._commands.append(_Abort([request_id]))
-                    self._cond.notify()
+
+    def _release(self, stream: RequestStream, lora: str | None) -> None:
+        with self._cond:
+            self._streams.pop(stream.request_id, None)
+            self._loops.pop(stream.request_id, None)
+            self.lora_usage.leave(lora)
+            if not stream.done:
+                self._commands.append(_Abort([stream.request_id]))
+                self._cond.notify()
+
+    def _stop_completions(self, request_id: str, indices: list[int]) -> None:
+        with self._cond:
+            self._commands.append(_Stop(request_id, indices))
+            self._cond.notify()
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
         """Abort requests; their streams end with a final snapshot, finish_reason "abort"."""
@@ -394,7 +347,7 @@ class AsyncEngine:
             if not (self._commands or self._stop):
                 self._cond.wait(timeout=_BACK_OFF_S)
 
-    def _apply(self, commands: list[_Add | _Abort | _Call]) -> None:
+    def _apply(self, commands: list[_Command]) -> None:
         for command in commands:
             if isinstance(command, _Call):
                 try:
@@ -404,6 +357,9 @@ class AsyncEngine:
                 continue
             if isinstance(command, _Abort):
                 self._deliver(self.engine.abort_request(command.request_ids))
+                continue
+            if isinstance(command, _Stop):
+                self._deliver(self.engine.stop_completions(command.request_id, command.indices))
                 continue
             try:
                 self.engine.add_request(
@@ -415,14 +371,24 @@ class AsyncEngine:
                 self._send(command.request_id, exc)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        for output in outputs:
-            self._send(output.request_id, output)
-
-    def _send(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        """A step's outputs to their consumers' loops: one call per loop, fanned out there."""
+        if not outputs:
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list[RequestOutput]] = {}
         with self._cond:
-            stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.put(item)
+            for output in outputs:
+                loop = self._loops.get(output.request_id)
+                if loop is not None:
+                    by_loop.setdefault(loop, []).append(output)
+        for loop, items in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # the consumer's loop is already closed
+                loop.call_soon_threadsafe(self._fan_out, items)
+
+    def _send(self, request_id: str, error: BaseException) -> None:
+        with self._cond:
+            stream, loop = self._streams.get(request_id), self._loops.get(request_id)
+        if stream is not None and loop is not None:
+            _fail_on(loop, stream, error)
 
     def _abort_all(self) -> None:
         self._deliver(self.engine.abort_request(list(self.engine.output_processor.request_ids())))
@@ -438,11 +404,11 @@ class AsyncEngine:
         with self._cond:
             self._healthy = False
             self._accepting = False
-            streams = list(self._streams.values())
+            streams = [(self._loops[rid], stream) for rid, stream in self._streams.items()]
             _drop_commands(self._commands)
             waiters, self._death_waiters = self._death_waiters, []
-        for stream in streams:
-            stream.put(error)
+        for loop, stream in streams:
+            _fail_on(loop, stream, error)
         for loop, future in waiters:
             with contextlib.suppress(RuntimeError):  # that loop is already closed
                 loop.call_soon_threadsafe(_resolve, future)
@@ -451,15 +417,9 @@ class AsyncEngine:
         self._idle.set()
 
 
-def model_info_of(engine: LLMEngine) -> ModelInfo:
-    """What `engine` loaded and how it runs it."""
-    config, loaded, lora = engine.config, engine.loaded_model, engine.lora
-    return ModelInfo(source=str(loaded.source), device=str(loaded.device),
-                     dtype=str(loaded.dtype).removeprefix("torch."),
-                     max_num_seqs=config.scheduler.max_num_seqs,
-                     max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
-                     lora_runtime_updates=lora is not None and config.lora.allow_runtime_updating,
-                     lora_num_slots=lora.num_slots if lora is not None else 0)
+def _fail_on(loop: asyncio.AbstractEventLoop, stream: RequestStream, error: BaseException) -> None:
+    with contextlib.suppress(RuntimeError):  # the consumer's loop is already closed
+        loop.call_soon_threadsafe(stream.fail, error)
 
 
 def _resolve(future: asyncio.Future) -> None:
@@ -467,7 +427,7 @@ def _resolve(future: asyncio.Future) -> None:
         future.set_result(None)
 
 
-def _drop_commands(commands: list[_Add | _Abort | _Call]) -> None:
+def _drop_commands(commands: list[_Command]) -> None:
     for command in commands:
         if isinstance(command, _Call):
             command.future.set_exception(EngineShuttingDownError("the engine stopped before the call ran"))

@@ -9,12 +9,14 @@ protocol 5 (`core_wire.py`). Why not ZMQ + msgspec as vLLM uses: neither is inst
 the GPU machines, and a single reader and writer per side need none of ZMQ's patterns; pickle
 carries the engine's own dataclasses (SamplingParams, EngineStats, the TenantTable) without a
 second schema to keep in step, and protocol 5 frames large buffers without extra copies. The cost
-that matters, pickling per-step outputs, is kept small by sending deltas (`OutputEncoder`). Both
+that matters, pickling per-step outputs, is kept small by sending token deltas as plain tuples
+(`OutputEncoder`); the text is decoded in the server (`request_stream.py`). Both
 directions are batched: the server sends what one event-loop turn gathered, the engine one
 `CoreBatch` per step.
 
-Threads here: the loop thread owns the engine (commands, a step, one batch out; the main thread
-only builds the engine and waits);
+Threads here: the loop thread owns the engine (commands, a step, one batch pickled; the main
+thread only builds the engine and waits); a sender thread writes the batches to the pipe, so a
+server that is slow to read (its event loop busy with SSE) never holds up a step;
 a receiver thread reads the pipe (so a command never waits for a step to end to be read), compiles
 a request's grammar before the request reaches the loop (xgrammar's compile can take tens of ms;
 the cache is thread-safe), and reads LoRA adapters from disk off the loop. The engine's stats go
@@ -34,6 +36,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import queue
 import signal
 import sys
 import threading
@@ -46,7 +49,7 @@ from typing import Any
 
 from sits.runtime.config import ConfigError, EngineConfig
 from sits.runtime.engine import core_wire as wire
-from sits.runtime.engine.async_engine import model_info_of
+from sits.runtime.engine.client_base import EngineFacts
 from sits.runtime.engine.engine import LLMEngine
 from sits.runtime.engine.errors import EngineError, EngineShuttingDownError
 from sits.runtime.lora.manager import LoraAdapter, LoraManager
@@ -55,6 +58,7 @@ logger = logging.getLogger("sits.engine_core")
 
 _BACK_OFF_S = 0.05  # wait after a step that could schedule nothing
 _PR_SET_PDEATHSIG = 1
+STOP_FLUSH_S = 10.0  # how long the last batches may take to be written once the loop ended
 EVICTION_INDEX_INTERVAL_S = 1.0  # how often the eviction index and tenancy figures go to the server
 
 
@@ -133,18 +137,19 @@ class EngineCore:
         self.engine = engine
         self.conn = conn
         self.tenancy = tenancy
+        engine.output_processor.detokenize = False  # the server decodes the text and applies stop strings
         self._cond = threading.Condition()
         self._inbox: list = []  # guarded by _cond: commands from the server and from helper threads
         self._parent_gone = False
         self._encoder = wire.OutputEncoder()
+        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()  # pickled batches; None: stop
         self._stop_deadline: float | None = None  # monotonic time by which a Shutdown aborts what runs
         self._dirty = False  # engine state changed since the tenancy figures last went out
         self._next_publish = 0.0
 
     def ready(self) -> wire.Ready:
         engine = self.engine
-        return wire.Ready(engine.tokenizer, engine.model_name, engine.max_model_len, engine.vocab_size,
-                          model_info_of(engine), self._lora_modules(), self._room(), engine.stats())
+        return wire.Ready(EngineFacts.of(engine), self._lora_modules(), self._room(), engine.stats())
 
     # -- receiving ---------------------------------------------------------------------------
     def _receive(self) -> None:
@@ -181,7 +186,23 @@ class EngineCore:
 
     # -- the loop ----------------------------------------------------------------------------
     def run(self) -> None:
+        """The loop until told to stop or the server is gone; what it sent is flushed before it returns."""
         threading.Thread(target=self._receive, name="sits-engine-core-receiver", daemon=True).start()
+        sender = threading.Thread(target=self._send_queued, name="sits-engine-core-sender", daemon=True)
+        sender.start()
+        try:
+            self._loop()
+        finally:
+            self._outbox.put(None)
+            sender.join(STOP_FLUSH_S)
+
+    def _send_queued(self) -> None:
+        """The sender thread: writes the loop's batches, so a server slow to read never stalls a step."""
+        while (data := self._outbox.get()) is not None:
+            with contextlib.suppress(OSError, ValueError):  # the server is gone: the receiver notices
+                self.conn.send_bytes(data)
+
+    def _loop(self) -> None:
         while True:
             commands, gone = self._wait_for_work()
             if gone:
@@ -202,7 +223,7 @@ class EngineCore:
                 batch.stopped = True
             self._publish_tenancy(batch, idle=not self.engine.has_unfinished_requests())
             if commands or busy or batch.stopped or batch.tenancy_usage is not None:
-                self.conn.send_bytes(wire.encode(batch))
+                self._outbox.put(wire.encode(batch))
             if batch.stopped:
                 return
 
@@ -212,7 +233,7 @@ class EngineCore:
         tickets = [command.ticket for command in commands if isinstance(command, wire.StatsRequest)]
         if not tickets:
             return commands
-        self.conn.send_bytes(wire.encode(wire.CoreBatch(stats=self.engine.stats(), stats_ticket=max(tickets))))
+        self._outbox.put(wire.encode(wire.CoreBatch(stats=self.engine.stats(), stats_ticket=max(tickets))))
         return [command for command in commands if not isinstance(command, wire.StatsRequest)]
 
     def _wait_for_work(self) -> tuple[list, bool]:
@@ -238,6 +259,8 @@ class EngineCore:
                 self._add(command, batch)
             elif isinstance(command, wire.AbortRequests):
                 self._deliver(self.engine.abort_request(command.request_ids), batch)
+            elif isinstance(command, wire.StopCompletions):
+                self._deliver(self.engine.stop_completions(command.request_id, command.indices), batch)
             elif isinstance(command, wire.CallResult):  # an adapter that could not be read
                 batch.results.append(command)
             elif isinstance(command, _AdapterRead):

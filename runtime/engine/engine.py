@@ -34,7 +34,13 @@ from sits.runtime.engine.kv_cache import KVCacheManager
 from sits.runtime.engine.nvtx import nvtx_range
 from sits.runtime.engine.output_processor import OutputProcessor
 from sits.runtime.engine.pending_output import PendingOutput
-from sits.runtime.engine.request import RequestMetrics, RequestOutput, SamplingParams, SamplingParamsError
+from sits.runtime.engine.request import (
+    FinishReason,
+    RequestMetrics,
+    RequestOutput,
+    SamplingParams,
+    SamplingParamsError,
+)
 from sits.runtime.engine.runner import ModelRunner
 from sits.runtime.engine.sampler import Sampler
 from sits.runtime.engine.scheduler import Scheduler
@@ -315,6 +321,23 @@ class LLMEngine:
             self._counters["aborted"] += 1
         self.structured_outputs.release(request.sequences)
         self._counters["finished"] += 1
+
+    def stop_completions(self, request_id: str, indices: Iterable[int]) -> list[RequestOutput]:
+        """Finish completions that a stop string ended in a client that decodes the text
+        (`OutputProcessor(detokenize=False)`): their sequences stop now and their blocks are freed.
+        Returns their snapshot (the request's final one once no completion runs); unknown ids are ignored."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return []
+        chosen = [request.sequences[i] for i in indices if 0 <= i < len(request.sequences)]
+        self.scheduler.finish_requests([seq.seq_id for seq in chosen if not seq.finished],
+                                       SequenceStatus.FINISHED_STOPPED)
+        output = self.output_processor.end(request_id, [seq.index for seq in chosen], FinishReason.STOP)
+        if output is None:
+            return []
+        if output.finished:
+            self._release(request)
+        return [output]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)

@@ -12,9 +12,13 @@ SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 DONE = "data: [DONE]\n\n"
 
 
+# One encoder for every event: json.dumps with non-default options builds a new one per call.
+_COMPACT_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+
+
 def sse(payload: dict[str, Any]) -> str:
     """One server-sent event carrying a JSON object."""
-    return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
+    return f"data: {_COMPACT_JSON.encode(payload)}\n\n"
 
 
 def finish_text(reason: Any) -> str | None:

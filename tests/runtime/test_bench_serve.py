@@ -74,7 +74,9 @@ def test_a_stream_is_ids_separated_by_spaces(client):
     stream = client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=5, stream=True,
                                        temperature=0.0, extra_body={"ignore_eos": True})
     pieces = [chunk.choices[0].text for chunk in stream if chunk.choices and chunk.choices[0].text]
-    assert len(pieces) == 5 and all(p.startswith(" ") and p[1:].isdigit() for p in pieces)
+    # one id per chunk, or several when the client fell behind the engine (the missed steps come merged)
+    assert all(p.startswith(" ") and all(part.isdigit() for part in p.split()) for p in pieces)
+    assert len("".join(pieces).split()) == 5
     whole = client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=5, temperature=0.0,
                                       extra_body={"ignore_eos": True})
     assert "".join(pieces) == whole.choices[0].text
@@ -119,7 +121,8 @@ def test_random_dataset_counts_exact_lengths_and_metric_math(dummy_server, tmp_p
                    "--random-input-len", "24", "--random-output-len", "10", "--goodput", "ttft:60000", "tpot:60000")
     figures, records = result["results"], [RequestRecord(**r) for r in result["requests"]]
     assert figures["completed"] == 12 and figures["failed"] == 0 and len(records) == 12
-    assert all(r.output_tokens == 10 and len(r.chunk_times_s) == 10 and r.prompt_tokens == 24 for r in records)
+    # a chunk per token, fewer when the client fell behind the engine (the server merges the steps it missed)
+    assert all(r.output_tokens == 10 and 1 <= len(r.chunk_times_s) <= 10 and r.prompt_tokens == 24 for r in records)
     assert figures["total_output_tokens"] == 120 and figures["total_input_tokens"] == 288
     duration = figures["duration_s"]
     assert duration >= max(r.e2el_s for r in records)
@@ -130,7 +133,8 @@ def test_random_dataset_counts_exact_lengths_and_metric_math(dummy_server, tmp_p
     tpots = [(r.end_s - r.chunk_times_s[0]) / 9 for r in records]
     assert figures["tpot_ms"]["median"] == pytest.approx(1000 * percentile(tpots, 50))
     gaps = [b - a for r in records for a, b in zip(r.chunk_times_s, r.chunk_times_s[1:], strict=False)]
-    assert len(gaps) == 12 * 9 and figures["itl_ms"]["p99"] == pytest.approx(1000 * percentile(gaps, 99))
+    assert len(gaps) == sum(len(r.chunk_times_s) - 1 for r in records) > 0
+    assert figures["itl_ms"]["p99"] == pytest.approx(1000 * percentile(gaps, 99))
     assert figures["good_requests"] == 12 and figures["request_goodput"] == pytest.approx(12 / duration)
     assert figures["preemptions"] == 0 and figures["prefix_cache_hit_rate"] is not None
     assert result["setup"]["max_concurrency"] == 4 and result["setup"]["dataset"] == "random"
