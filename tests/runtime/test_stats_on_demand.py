@@ -94,7 +94,7 @@ async def test_steps_build_no_snapshot_until_a_scrape_asks_and_it_sees_the_per_s
     try:
         prompt = tiny.tokenizer.encode(PROMPT)
         outputs = [output async for output in engine.generate(prompt, greedy(NEW_TOKENS), "r")]
-        assert outputs[-1].finished and len(outputs) == NEW_TOKENS
+        assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == NEW_TOKENS  # steps may merge
         assert counter.builds == 0, "a step built a stats snapshot nobody asked for"
         scraped = await asyncio.to_thread(exported, metrics)
         assert counter.builds == 1
@@ -149,7 +149,7 @@ def test_the_engine_core_sends_figures_only_in_answer_to_an_ask(tiny):
         prompt = tiny.tokenizer.encode(PROMPT)
         ours.send_bytes(wire.encode([wire.AddRequest("r", prompt, greedy(NEW_TOKENS), "default", 0, None, True,
                                                      None)]))
-        batches = receive_until(ours, lambda batch: any(output.finished for output in batch.outputs))
+        batches = receive_until(ours, lambda batch: any(wire.decode_output(output).finished for output in batch.outputs))
         assert counter.builds == 0 and all(batch.stats is None for batch in batches)
         ours.send_bytes(wire.encode([wire.StatsRequest(1), wire.StatsRequest(2)]))
         (answer,) = receive_until(ours, lambda batch: batch.stats is not None)
