@@ -7,6 +7,7 @@ import logging
 import os
 import socket
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sits.runtime.commands.engine_args import (
@@ -161,15 +162,35 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run(args: argparse.Namespace) -> int:
-    configure_logging(args.log_level)
+@dataclass
+class CheckedFlags:
+    """What `sits serve`'s flags give once checked: the configs, and the sockets already bound."""
+
+    engine_config: EngineConfig
+    server_config: ServerConfig
+    api_keys: tuple[str, ...]
+    tracer: Any
+    security: Any  # ServerSecurity
+    tenancy: Tenancy
+    sock: socket.socket
+    metrics_listener: Any  # MetricsListener | None
+
+    def close(self) -> None:
+        """Let go of the sockets (serving never started)."""
+        self.sock.close()
+        if self.metrics_listener is not None:
+            self.metrics_listener.stop()
+
+
+def check_flags(args: argparse.Namespace) -> CheckedFlags | int:
+    """Every flag checked without torch (a GPU's own limits are read after the first line) and the ports
+    bound; an int is the exit code (a user error, said in one line; a torchrun worker rank's end)."""
     from sits.runtime.hardware import CPU_DEFAULTS
     from sits.runtime.parallel.ranks import torchrun_rank_info
     from sits.runtime.tenancy.service import Tenancy
     from sits.runtime.tracing import build_tracer
 
     try:
-        # Every flag is checked first, without torch (a GPU's own limits are read after the first line).
         engine_config = with_chat_template(engine_config_from_args(args, CPU_DEFAULTS), args)
         server_config = server_config_from_args(args)
         api_keys = api_keys_from_args(args)
@@ -187,50 +208,62 @@ def run(args: argparse.Namespace) -> int:
             raise
     except (ConfigError, TenantConfigError, SecurityConfigError) as error:
         return fail(PROG, str(error))
+    return CheckedFlags(engine_config, server_config, api_keys, tracer, security, tenancy, sock, metrics_listener)
+
+
+def run(args: argparse.Namespace) -> int:
+    configure_logging(args.log_level)
+    checked = check_flags(args)
+    if isinstance(checked, int):
+        return checked
     # The first line comes as soon as the flags are checked (within a second): loading takes seconds to
     # minutes, and silence looks like a hang.
-    logger.info("sits serve: loading %s, then serving on %s:%d", engine_config.model.model
-                or engine_config.model.config_name or "the embedded SmolLM2-135M-Instruct", *sock.getsockname()[:2])
+    model = checked.engine_config.model
+    logger.info("sits serve: loading %s, then serving on %s:%d", model.model or model.config_name
+                or "the embedded SmolLM2-135M-Instruct", *checked.sock.getsockname()[:2])
     if not surely_cpu(args.device):  # the GPU's memory and rates pick the limits the flags leave unset (torch)
         try:
-            engine_config = with_chat_template(engine_config_from_args(args), args)
+            checked.engine_config = with_chat_template(engine_config_from_args(args), args)
         except ConfigError as error:
-            sock.close()
-            if metrics_listener is not None:
-                metrics_listener.stop()
+            checked.close()
             return fail(PROG, str(error))
     from sits.runtime.engine.core_client import MultiprocessEngineClient
-    from sits.runtime.server.app import build_app
     from sits.runtime.server.runner import run_server
+
+    engine = build_engine(checked.engine_config, checked.tenancy, args)
+    if isinstance(engine, int):
+        checked.close()
+        return engine
+    app = build_serving_app(engine, checked, args)
+    try:
+        with serving_metrics(checked.metrics_listener, app):
+            return run_server(app, engine, checked.sock, checked.server_config.drain_timeout_s, args.log_level)
+    finally:
+        checked.tracer.shutdown()  # exports the spans still batched: the last requests' traces are not lost
+        if isinstance(engine, MultiprocessEngineClient):  # its process goes, also when the server never started
+            engine.close()
+
+
+def build_serving_app(engine: Any, checked: CheckedFlags, args: argparse.Namespace) -> Any:
+    """The FastAPI app around the engine, and the lines that say how it serves."""
+    from sits.runtime.server.app import build_app
     from sits.runtime.server.tenant import ApiKeyResolver
 
-    engine = build_engine(engine_config, tenancy, args)
-    if isinstance(engine, int):
-        sock.close()
-        if metrics_listener is not None:
-            metrics_listener.stop()
-        return engine
-    app = build_app(engine, server_config, served_model_name=engine_config.model.served_model_name,
+    config, tenancy, api_keys = checked.server_config, checked.tenancy, checked.api_keys
+    app = build_app(engine, config, served_model_name=checked.engine_config.model.served_model_name,
                     tenancy=tenancy, max_waiting_requests=args.max_waiting_requests,
-                    tenant_resolver=ApiKeyResolver(api_keys) if api_keys else None, security=security)
-    app.state.ctx.tracer = tracer
-    host, port = sock.getsockname()[:2]
+                    tenant_resolver=ApiKeyResolver(api_keys) if api_keys else None, security=checked.security)
+    app.state.ctx.tracer = checked.tracer
+    host, port = checked.sock.getsockname()[:2]
     url_host = f"[{host}]" if ":" in host else host
-    logger.info("serving %s at http://%s:%d/v1 (track %s)", app.state.ctx.model_name, url_host, port,
-                server_config.track)
+    logger.info("serving %s at http://%s:%d/v1 (track %s)", app.state.ctx.model_name, url_host, port, config.track)
     if app.state.admission is not None:
         logger.info("admission: %d sequences running + %d waiting, then 503 with Retry-After",
                     app.state.admission.max_running, app.state.admission.max_waiting)
     mode = f"api_key ({len(api_keys)} key(s))" if api_keys else tenancy.authenticator.mode.value  # never the keys
     logger.info("tenancy: %s, %d tenant(s), state store %s (deployment %s)", mode, len(tenancy.table),
                 redact_url(tenancy.config.state_store), tenancy.config.deployment)
-    try:
-        with serving_metrics(metrics_listener, app):
-            return run_server(app, engine, sock, server_config.drain_timeout_s, args.log_level)
-    finally:
-        tracer.shutdown()  # exports the spans still batched: the last requests' traces are not lost
-        if isinstance(engine, MultiprocessEngineClient):  # its process goes, also when the server never started
-            engine.close()
+    return app
 
 
 def engine_in_process(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> bool:
