@@ -5,7 +5,7 @@ directory (config.json, tokenizer.json, tokenizer_config.json, chat_template.jin
 loads in well under a second. It lives under `$SITS_CACHE_DIR` (default `~/.cache/sits`) in
 `gguf/<name>-<sha256 prefix>/`. A conversion is written to a temporary directory beside it and
 renamed into place, so parallel processes never see half a directory: the first rename wins and
-the others discard their copy. The file's hash is remembered beside them, in `gguf/digests/`, while
+the others discard their copy. The file's hash is remembered beside them, in `gguf-digests/`, while
 the file is unchanged (`file_digest`), so a later start does not read the whole file again.
 """
 
@@ -46,12 +46,12 @@ def file_digest(path: Path, chunk_bytes: int = 8 << 20) -> str:
     """sha256 of the file's bytes, hex.
 
     Remembered on disk while the file is unchanged (same resolved path, size and mtime_ns), under
-    `cache_root()/gguf/digests/`, so later loads, in this process or another, do not read a
+    `cache_root()/gguf-digests/`, so later loads, in this process or another, do not read a
     multi-GB file again only to name its cache entry. A memo that cannot be written is skipped.
     """
     stat = path.stat()
     key = f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"
-    memo = cache_root() / "gguf" / "digests" / hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
+    memo = cache_root() / "gguf-digests" / hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
     with contextlib.suppress(OSError):
         remembered = memo.read_text(encoding="ascii").strip()
         if re.fullmatch(r"[0-9a-f]{64}", remembered):

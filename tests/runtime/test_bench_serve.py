@@ -221,8 +221,9 @@ def test_launch_serves_text_prompts_on_the_embedded_model_and_leaves_no_process(
 def test_interrupting_a_launched_run_stops_its_server(signum):
     marker = f"interrupted-{uuid.uuid4().hex[:8]}"
     argv = [sys.executable, "-m", "sits.runtime.cli", "bench", "serve", "--launch",
-            f"--load-format dummy --config tiny --served-model-name {marker}", "--num-prompts", "100",
-            "--max-concurrency", "2", "--random-input-len", "8", "--random-output-len", "32", "--no-progress"]
+            f"--load-format dummy --config tiny --served-model-name {marker}", "--num-prompts", "1000",
+            "--max-concurrency", "2", "--random-input-len", "8", "--random-output-len", "64", "--no-progress"]
+    # the first progress line comes at a tenth of the prompts; the other nine tenths outlast the signal
     bench_process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         first = bench_process.stderr.readline()  # the first progress line: the load is running

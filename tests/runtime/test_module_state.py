@@ -24,7 +24,7 @@ def test_a_file_digest_is_remembered_on_disk_while_the_file_is_unchanged(tmp_pat
     model = tmp_path / "model.gguf"
     model.write_bytes(b"weights")
     assert file_digest(model) == hashlib.sha256(b"weights").hexdigest()
-    (memo,) = (tmp_path / "cache" / "gguf" / "digests").iterdir()
+    (memo,) = (tmp_path / "cache" / "gguf-digests").iterdir()
     memo.write_text("ab" * 32)  # what a later call reads instead of hashing the file again
     assert file_digest(model) == "ab" * 32
     model.write_bytes(b"new weights")  # another size: another key
