@@ -62,21 +62,20 @@ def _config(block_m, block_n, warps, stages):
     return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps, num_stages=stages)
 
 
+_GPU_TILES_BY_SCHEDULE = {  # (num_warps, num_stages): its (BLOCK_M, BLOCK_N) tiles
+    (8, 3): ((128, 128), (128, 64)),
+    (8, 2): ((128, 128), (64, 64)),
+    (8, 4): ((128, 64),),
+    # Paged tiles load their block ids first, which costs the pipeliner two stages: 5 stages give
+    # the paged path the K/V buffering the contiguous one gets at 3.
+    (8, 5): ((128, 64), (128, 128)),
+    (4, 4): ((128, 32), (64, 32)),
+    (4, 3): ((64, 64), (32, 64), (16, 64)),  # (16, 64) last: the fallback when pruning keeps none
+}
 _GPU_CONFIGS = [
-    _config(128, 128, 8, 3),
-    _config(128, 128, 8, 2),
-    _config(128, 64, 8, 3),
-    _config(128, 64, 8, 4),
-    # Paged tiles load their block ids first, which costs the pipeliner two stages: these configs
-    # give the paged path the K/V buffering the contiguous one gets at 3 stages.
-    _config(128, 64, 8, 5),
-    _config(128, 128, 8, 5),
-    _config(128, 32, 4, 4),
-    _config(64, 64, 4, 3),
-    _config(64, 32, 4, 4),
-    _config(64, 64, 8, 2),
-    _config(32, 64, 4, 3),
-    _config(16, 64, 4, 3),
+    _config(block_m, block_n, warps, stages)
+    for (warps, stages), tiles in _GPU_TILES_BY_SCHEDULE.items()
+    for block_m, block_n in tiles
 ]
 _INTERPRETER_CONFIG = _config(16, 32, 4, 1)  # block 16: several pages per key tile; block 64: one
 

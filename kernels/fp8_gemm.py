@@ -22,6 +22,7 @@ import triton.language as tl
 from sits.kernels.fp8_quantize import quantize_fp8_per_token
 from sits.kernels.gemm_common import (
     gemm_config,
+    gemm_configs,
     grouped_tile_coordinates,
     split_k_configs,
     split_k_grid,
@@ -55,12 +56,9 @@ SMALL_M = 128
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-_LARGE_M_POINTER_CONFIGS = [
-    gemm_config(128, 128, 128, 8, 4),
-    gemm_config(128, 128, 128, 4, 4),
-    gemm_config(128, 64, 128, 4, 4),
-    gemm_config(64, 128, 128, 4, 4),
-]
+_LARGE_M_POINTER_CONFIGS = gemm_configs(
+    {(8, 4): ((128, 128, 128),), (4, 4): ((128, 128, 128), (128, 64, 128), (64, 128, 128))}
+)
 _SMALL_M_CONFIGS = split_k_configs((32, 64, 128), ((1, 5), (2, 5), (4, 4), (8, 4)))
 _INTERPRETER_CONFIG = gemm_config(16, 32, 32, 4, 1)
 _INTERPRETER_SPLIT_CONFIG = gemm_config(16, 32, 32, 4, 1, split_k=2, atomic=True)
@@ -124,23 +122,11 @@ def _set_tma_blocks(nargs):
     nargs["w_desc"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
 
 
-def _tma_config(bm, bn, bk, warps, stages, group_m=8):
-    return triton.Config(
-        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m},
-        num_warps=warps,
-        num_stages=stages,
-        pre_hook=_set_tma_blocks,
-    )
-
-
-_TMA_CONFIGS = [
-    _tma_config(128, 256, 128, 8, 3),
-    _tma_config(128, 256, 128, 8, 4),
-    _tma_config(256, 128, 128, 8, 3),
-    _tma_config(128, 128, 128, 8, 4),
-    _tma_config(128, 128, 128, 4, 4),
-    _tma_config(64, 128, 128, 4, 5),
-]
+_TMA_CONFIGS = gemm_configs(
+    {(8, 3): ((128, 256, 128), (256, 128, 128)), (8, 4): ((128, 256, 128), (128, 128, 128)),
+     (4, 4): ((128, 128, 128),), (4, 5): ((64, 128, 128),)},
+    split_k=None, pre_hook=_set_tma_blocks,
+)
 
 
 @triton.autotune(configs=_TMA_CONFIGS, key=list(_KEY))

@@ -16,16 +16,31 @@ def zero_output_before_launch(nargs: dict) -> None:
     nargs["c_ptr"].zero_()
 
 
-def gemm_config(bm, bn, bk, warps, stages, split_k=1, group_m=8, atomic=False, **flags) -> triton.Config:
+def gemm_config(bm, bn, bk, warps, stages, split_k: int | None = 1, group_m=8, atomic=False, pre_hook=None,
+                **flags) -> triton.Config:
     """One autotune config of a (split-K) GEMM kernel: BLOCK_M x BLOCK_N output tiles over BLOCK_K
     slices of K, SPLIT_K programs per tile along K (atomic adds into a zeroed float32 output when
-    `atomic`), GROUP_M row tiles per group; `flags` are the kernel's further constexpr switches."""
+    `atomic`; None: a kernel without SPLIT_K), GROUP_M row tiles per group; `pre_hook` runs before
+    each launch (atomic configs zero the output instead); `flags` are the kernel's further constexpr
+    switches."""
+    split = {} if split_k is None else {"SPLIT_K": split_k}
     return triton.Config(
-        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split_k, "GROUP_M": group_m, **flags},
+        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, **split, "GROUP_M": group_m, **flags},
         num_warps=warps,
         num_stages=stages,
-        pre_hook=zero_output_before_launch if atomic else None,
+        pre_hook=zero_output_before_launch if atomic else pre_hook,
     )
+
+
+def gemm_configs(tiles_by_schedule: dict[tuple[int, int], tuple[tuple[int, int, int], ...]],
+                 **options) -> list[triton.Config]:
+    """The large-M configs of a GEMM kernel: `gemm_config` of each (BLOCK_M, BLOCK_N, BLOCK_K) tile
+    under its (num_warps, num_stages) schedule, in table order; `options` go to every config."""
+    return [
+        gemm_config(bm, bn, bk, warps, stages, **options)
+        for (warps, stages), tiles in tiles_by_schedule.items()
+        for bm, bn, bk in tiles
+    ]
 
 
 def split_k_configs(block_ns, splits_and_stages, **flags) -> list[triton.Config]:

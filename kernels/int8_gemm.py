@@ -17,7 +17,14 @@ import torch
 import triton
 import triton.language as tl
 
-from sits.kernels.gemm_common import gemm_config, split_k_configs, split_k_grid, split_k_tile, store_tile
+from sits.kernels.gemm_common import (
+    gemm_config,
+    gemm_configs,
+    split_k_configs,
+    split_k_grid,
+    split_k_tile,
+    store_tile,
+)
 from sits.kernels.launch_utils import (
     HALF_DTYPES,
     autotune,
@@ -37,13 +44,10 @@ MIN_GROUP = 32
 
 
 _config = functools.partial(gemm_config, SWAP_AB=False)
-_LARGE_M_CONFIGS = [
-    _config(128, 256, 64, 8, 3),
-    _config(128, 128, 64, 8, 4),
-    _config(128, 128, 128, 8, 3),
-    _config(128, 64, 64, 4, 4),
-    _config(64, 128, 64, 4, 4),
-]
+_LARGE_M_CONFIGS = gemm_configs(
+    {(8, 3): ((128, 256, 64), (128, 128, 128)), (8, 4): ((128, 128, 64),), (4, 4): ((128, 64, 64), (64, 128, 64))},
+    SWAP_AB=False,
+)
 _SMALL_M_CONFIGS = split_k_configs((64, 128), ((1, 4), (2, 4), (4, 4), (8, 3)), SWAP_AB=False) + split_k_configs(
     # Swapped operands: the weight tile is the dot's M side (64 or 128 rows, the tensor cores'
     # natural height) and the few activation rows its N side.

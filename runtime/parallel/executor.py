@@ -19,6 +19,7 @@ import contextlib
 import logging
 import multiprocessing
 import threading
+from dataclasses import dataclass, field
 from multiprocessing import connection
 from multiprocessing.process import BaseProcess
 
@@ -55,27 +56,30 @@ COMMAND_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 10.0
 
 
+@dataclass(eq=False, repr=False)
 class TensorParallelExecutor:
     """The workers, channels and process group of one replica, seen from rank 0.
 
     Attributes:
         loaded: rank 0's model (already sharded), tokenizer and shape.
         world_size: ranks in the replica.
-        processes: spawned worker processes (empty under torchrun).
+        groups: the replica's process groups.
+        channel: rank 0's command channel to the workers.
+        processes: spawned worker processes (empty under torchrun); a watchdog thread watches them.
     """
 
-    def __init__(self, loaded: LoadedModel, world_size: int, groups: ProcessGroups, channel: CommandChannel,
-                 processes: list[BaseProcess]) -> None:
-        self.loaded = loaded
-        self.world_size = world_size
-        self.groups = groups
-        self.channel = channel
-        self.processes = processes
-        self._stopping = threading.Event()
-        self._worker_died = threading.Event()
-        self._closed = False
-        self._watchdog = None
-        if processes:
+    loaded: LoadedModel
+    world_size: int
+    groups: ProcessGroups
+    channel: CommandChannel
+    processes: list[BaseProcess]
+    _stopping: threading.Event = field(default_factory=threading.Event, init=False)
+    _worker_died: threading.Event = field(default_factory=threading.Event, init=False)
+    _closed: bool = field(default=False, init=False)
+    _watchdog: threading.Thread | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if self.processes:
             self._watchdog = threading.Thread(target=self._watch, name="sits-tp-watchdog", daemon=True)
             self._watchdog.start()
         atexit.register(self.shutdown)

@@ -9,6 +9,7 @@ other OpenAI-compatible servers keep working. Range checks that SamplingParams a
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -26,6 +27,27 @@ __all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "NamedTo
 
 MAX_LOGPROBS = 20
 _TOKEN_ID = re.compile(r"-?[0-9]+")  # a token id as a JSON key spells it (SamplingParams refuses a negative one)
+
+
+def _logprobs_count(value: int | None, info: ValidationInfo) -> int | None:
+    """Field validator of a logprobs count (prompt_logprobs, top_logprobs, completions' logprobs):
+    None or 0..MAX_LOGPROBS; a 400 naming the field otherwise."""
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise ValueError(f"{info.field_name} must be between 0 and {MAX_LOGPROBS}, got {value}")
+    return value
+
+
+def _token_limit(least: int) -> Callable[[int | None, ValidationInfo], int | None]:
+    """Field validator of a token limit (max_tokens, max_completion_tokens): None or at least
+    `least`; a 400 saying the field must be at least 1 otherwise (max_tokens lets 0 through to
+    `check_combination`, which allows it only with echo)."""
+
+    def check(value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and value < least:
+            raise ValueError(f"{info.field_name} must be at least 1, got {value}")
+        return value
+
+    return check
 
 
 class StreamOptions(_Strict):
@@ -130,20 +152,9 @@ class _SamplingFields(_Strict):
             check_bad_words(value)
         return value
 
-    @field_validator("max_tokens")
-    @classmethod
-    def _max_tokens(cls, value: int | None) -> int | None:
-        """0 passes here: /v1/completions allows it with echo (`check_combination` says where)."""
-        if value is not None and value < 0:
-            raise ValueError(f"max_tokens must be at least 1, got {value}")
-        return value
-
-    @field_validator("prompt_logprobs")
-    @classmethod
-    def _prompt_logprobs_range(cls, value: int | None) -> int | None:
-        if value is not None and not 0 <= value <= MAX_LOGPROBS:
-            raise ValueError(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {value}")
-        return value
+    # 0 passes here: /v1/completions allows it with echo (`check_combination` says where)
+    _max_tokens = field_validator("max_tokens")(_token_limit(0))
+    _prompt_logprobs_range = field_validator("prompt_logprobs")(_logprobs_count)
 
     @field_validator("logit_bias", mode="before")
     @classmethod
@@ -230,19 +241,8 @@ class ChatCompletionRequest(ChatTemplateOptions, PromptTruncation, _SamplingFiel
     # None: "auto" when tools are given, else "none" (`effective_tool_choice`)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
-    @field_validator("max_completion_tokens")
-    @classmethod
-    def _max_completion_tokens(cls, value: int | None) -> int | None:
-        if value is not None and value < 1:
-            raise ValueError(f"max_completion_tokens must be at least 1, got {value}")
-        return value
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _top_logprobs_range(cls, value: int | None) -> int | None:
-        if value is not None and not 0 <= value <= MAX_LOGPROBS:
-            raise ValueError(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {value}")
-        return value
+    _max_completion_tokens = field_validator("max_completion_tokens")(_token_limit(1))
+    _top_logprobs_range = field_validator("top_logprobs")(_logprobs_count)
 
     @field_validator("tools", mode="wrap")
     @classmethod
@@ -324,12 +324,7 @@ class CompletionRequest(PromptTruncation, _SamplingFields):
         raise ValueError("prompt must be a string, a non-empty list of strings, "
                          "a non-empty list of token ids, or a list of token-id lists")
 
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs_range(cls, value: int | None) -> int | None:
-        if value is not None and not 0 <= value <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {value}")
-        return value
+    _logprobs_range = field_validator("logprobs")(_logprobs_count)
 
     @field_validator("suffix")
     @classmethod
