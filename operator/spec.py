@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from sits.operator.fields import Fields, SpecError
+from sits.operator.fields import Fields, SpecError, spec_field
 from sits.operator.spec_autoscaling import AutoscalingSpec, parse_autoscaling
 from sits.operator.spec_lora import ENGINE_FIELDS as LORA_ENGINE_FIELDS
 from sits.operator.spec_lora import LoraSpec, parse_lora
@@ -50,12 +50,14 @@ class ModelSpec:
 class EngineSpec:
     """Engine limits (the runtime's flags); tokens and sequences per engine step."""
 
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    gpu_memory_utilization: float = 0.9
-    kv_block_size: int = 16
-    cuda_graphs: bool = True
-    host_kv_cache_gb: float = 0.0  # host-memory tier for evicted prefix-cache blocks, GiB (0: off)
+    max_num_seqs: int = spec_field("maxNumSeqs", "integer", 256, minimum=1)
+    max_num_batched_tokens: int = spec_field("maxNumBatchedTokens", "integer", 2048, minimum=1)
+    gpu_memory_utilization: float = spec_field("gpuMemoryUtilization", "number", 0.9, minimum=0.0, maximum=1.0,
+                                               exclusive_minimum=True)
+    kv_block_size: int = 16  # kvBlockSize, one of BLOCK_SIZES
+    cuda_graphs: bool = spec_field("cudaGraphs", "boolean", True)
+    # host-memory tier for evicted prefix-cache blocks, GiB (0: off)
+    host_kv_cache_gb: float = spec_field("hostKvCacheGb", "number", 0.0, minimum=0.0, maximum=65536.0)
 
 
 @dataclass(frozen=True)
@@ -208,15 +210,7 @@ def parse_workload(data: Any, path: str, *, default_model_name: str | None = Non
     block_size = engine_fields.integer("kvBlockSize", 16)
     if block_size not in BLOCK_SIZES:
         raise SpecError(engine_fields.at("kvBlockSize"), f"must be a power of two up to 256, got {block_size}")
-    engine = EngineSpec(
-        max_num_seqs=engine_fields.integer("maxNumSeqs", 256, minimum=1),
-        max_num_batched_tokens=engine_fields.integer("maxNumBatchedTokens", 2048, minimum=1),
-        gpu_memory_utilization=engine_fields.number("gpuMemoryUtilization", 0.9, minimum=0.0, maximum=1.0,
-                                                    exclusive_minimum=True),
-        kv_block_size=block_size,
-        cuda_graphs=engine_fields.boolean("cudaGraphs", True),
-        host_kv_cache_gb=engine_fields.number("hostKvCacheGb", 0.0, minimum=0.0, maximum=65536.0),
-    )
+    engine = engine_fields.parse_into(EngineSpec, kv_block_size=block_size)
     nccl_fields = fields.child("nccl", {"socketNThreads", "minChannels", "env"}) or Fields({}, fields.at("nccl"))
     nccl = NcclSpec(
         socket_nthreads=nccl_fields.integer("socketNThreads", 8, minimum=1),
