@@ -16,7 +16,7 @@ from typing import Any
 from sits.operator.fields import Fields, SpecError, spec_field
 from sits.operator.spec_autoscaling import AutoscalingSpec, parse_autoscaling
 from sits.operator.spec_lora import ENGINE_FIELDS as LORA_ENGINE_FIELDS
-from sits.operator.spec_lora import LoraSpec, parse_lora
+from sits.operator.spec_lora import MODEL_URI, MODEL_URI_FORM, LoraSpec, parse_lora
 from sits.operator.spec_rollout import HTTP_URL, MonitoringSpec, RolloutSpec, parse_monitoring, parse_rollout
 from sits.operator.spec_router import FIELDS as ROUTER_FIELDS
 from sits.operator.spec_router import RouterSpec, check_router_model, parse_router
@@ -26,7 +26,6 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATIONS = ("none", "fp8", "int8")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-MODEL_URI = re.compile(r"^(pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?|hf://[^/\s]+(/[^/\s]+)?|file:///\S*)$")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 RESOURCE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
 REDIS_URL = re.compile(r"^(redis|rediss|unix)://\S+$")
@@ -121,8 +120,8 @@ class WorkloadSpec:
 class SecretKeyRef:
     """A key of a Secret in the resource's namespace (the tenant's API key)."""
 
-    name: str
-    key: str
+    name: str = spec_field("name", "string", pattern=RESOURCE_NAME, what="a Secret name")
+    key: str = spec_field("key", "string")
 
 
 @dataclass(frozen=True)
@@ -199,8 +198,7 @@ def parse_workload(data: Any, path: str, *, default_model_name: str | None = Non
     assert model_fields is not None  # required=True raised otherwise
     model = ModelSpec(
         name=model_fields.string("name", default_model_name, required=default_model_name is None),
-        uri=model_fields.string("uri", required=True, pattern=MODEL_URI,
-                                what="pvc://claim/path, hf://org/name[@revision] or file:///path"),
+        uri=model_fields.string("uri", required=True, pattern=MODEL_URI, what=MODEL_URI_FORM),
         dtype=model_fields.string("dtype", "auto", choices=DTYPES),
         quantization=model_fields.string("quantization", "none", choices=QUANTIZATIONS),
         max_model_len=model_fields.integer("maxModelLen", None, minimum=1),
@@ -224,7 +222,7 @@ def parse_workload(data: Any, path: str, *, default_model_name: str | None = Non
         tenants_file = fields.boolean("tenantsFile", False)
     gpus_per_replica = fields.integer("gpusPerReplica", 1, minimum=0)
     assert gpus_per_replica is not None  # a default
-    lora = parse_lora(model_fields, engine_fields, model_name=str(model.name), uri_pattern=MODEL_URI,
+    lora = parse_lora(model_fields, engine_fields, model_name=str(model.name),
                       quantization=model.quantization or "none", gpus_per_replica=gpus_per_replica)
     return WorkloadSpec(
         model=model,
@@ -273,9 +271,7 @@ def _parse_tenancy(fields: Fields | None) -> TenancySpec:
         tenants.append(TenantSpec(
             name=tenant.string("name", required=True, pattern=TENANT_NAME,
                                what="letters, digits, '.', '_' or '-' (at most 63)"),
-            api_key_secret_ref=SecretKeyRef(
-                name=ref.string("name", required=True, pattern=RESOURCE_NAME, what="a Secret name"),
-                key=ref.string("key", required=True)),
+            api_key_secret_ref=ref.parse_into(SecretKeyRef),
             priority=tenant.integer("priority", 0, minimum=0, maximum=3),
             kv_cache_share=tenant.number("kvCacheShare", 0.0, minimum=0.0, maximum=1.0),
             requests_per_minute=limits.integer("requestsPerMinute", None, minimum=1),
