@@ -34,6 +34,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from sits.runtime.engine.stats import PrefixCacheCounts
 from sits.runtime.router.prompt import PromptHasher, load_tokenizer
 from sits.runtime.tenancy.tenants import load_tenants_file
 
@@ -66,15 +67,22 @@ class Args:
 
 @dataclass
 class Phase:
+    """One policy's run: TTFTs (s), tokens out, failed requests, wall time (s), and the replicas'
+    prefix-cache figures summed (prompt tokens), beside the ideal hit rate and the router's decisions."""
+
     policy: str
     ttft_s: list[float] = field(default_factory=list)
     output_tokens: int = 0
     failures: int = 0
     wall_s: float = 0.0
-    hit_rate: float = 0.0
-    cross_tenant_hits: float = 0.0
+    prefix: PrefixCacheCounts = field(default_factory=PrefixCacheCounts)
     ideal_hit_rate: float = 0.0
     decisions: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def hit_rate(self) -> float:
+        """Hit tokens / prompt tokens looked up, over all replicas (0 before any lookup)."""
+        return self.prefix.hits / self.prefix.queries if self.prefix.queries else 0.0
 
 
 def free_port() -> int:
@@ -251,10 +259,10 @@ def run_policy(policy: str, args: Args, workdir: Path, tenants_file: Path, keys:
         prompts: list[Prompt] = []
         asyncio.run(run_workload(router_url, keys, args, phase, prompts))
         # with --tenants a replica serves /metrics on its --metrics-port only
-        queries = sum(metric_sum(u, "sits_prefix_cache_queries_total") for u in metrics_urls)
-        phase.hit_rate = (sum(metric_sum(u, "sits_prefix_cache_hits_total") for u in metrics_urls) / queries
-                          if queries else 0)
-        phase.cross_tenant_hits = sum(metric_sum(u, "sits_prefix_cache_cross_tenant_hits_total") for u in metrics_urls)
+        phase.prefix = PrefixCacheCounts(
+            queries=int(sum(metric_sum(u, "sits_prefix_cache_queries_total") for u in metrics_urls)),
+            hits=int(sum(metric_sum(u, "sits_prefix_cache_hits_total") for u in metrics_urls)),
+            cross_tenant_hits=int(sum(metric_sum(u, "sits_prefix_cache_cross_tenant_hits_total") for u in metrics_urls)))
         phase.ideal_hit_rate = ideal_hit_rate(prompts, hasher, salts)
         phase.decisions = decisions(router_url)
     finally:
@@ -279,7 +287,7 @@ def report(phases: list[Phase], args: Args) -> str:
         decided = ", ".join(f"{k} {int(v)}" for k, v in sorted(p.decisions.items()))
         lines.append(f"| {p.policy} | {percentile(p.ttft_s, 50):.2f} | {percentile(p.ttft_s, 90):.2f} | "
                      f"{p.output_tokens / p.wall_s if p.wall_s else 0:.1f} | {p.hit_rate:.3f} | {p.ideal_hit_rate:.3f} "
-                     f"| {int(p.cross_tenant_hits)} | {p.failures} | {decided} |")
+                     f"| {p.prefix.cross_tenant_hits} | {p.failures} | {decided} |")
     return "\n".join(lines)
 
 

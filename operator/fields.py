@@ -8,10 +8,13 @@ the resource's `InvalidSpec` condition.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
+
+_Spec = TypeVar("_Spec")
 
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
 _DURATION = re.compile(r"^(?:\d+(?:\.\d+)?(?:ms|h|m|s))+$")
@@ -51,6 +54,18 @@ def format_duration(seconds: float) -> str:
     if whole % 60 == 0:
         return f"{whole // 60}m"
     return f"{whole}s"
+
+
+def spec_field(key: str, kind: str, default: Any = dataclasses.MISSING, **checks: Any) -> Any:
+    """A dataclass field read from the camelCase `key` by `Fields.parse_into`.
+
+    Args:
+        key: the field's name in the CR (`maxNumSeqs`).
+        kind: the `Fields` getter that reads it: "string", "integer", "number", "duration" or "boolean".
+        default: the value when the key is absent (also the dataclass default); left out, the key is required.
+        checks: the getter's keyword checks (`minimum=1`, `choices=...`).
+    """
+    return dataclasses.field(default=default, metadata={"key": key, "kind": kind, "checks": checks})
 
 
 class Fields:
@@ -140,6 +155,25 @@ class Fields:
         if minimum is not None and seconds < minimum:
             raise SpecError(self.at(key), f"must be at least {minimum:g}s, got {value!r}")
         return seconds
+
+    def parse_into(self, cls: type[_Spec], **given: Any) -> _Spec:
+        """An instance of the dataclass `cls`, each `spec_field` of it read from this mapping in field order.
+
+        `given`: values of fields read elsewhere (a nested object's, or one with a check of its own).
+        Raises SpecError for the first invalid field, as the getters do.
+        """
+        values = dict(given)
+        for item in dataclasses.fields(cls):  # type: ignore[arg-type]
+            if item.name in given or "key" not in item.metadata:
+                continue
+            key, getter = item.metadata["key"], getattr(self, item.metadata["kind"])
+            if item.metadata["kind"] == "boolean":
+                values[item.name] = getter(key, item.default)
+                continue
+            required = item.default is dataclasses.MISSING
+            values[item.name] = getter(key, None if required else item.default, required=required,
+                                       **item.metadata["checks"])
+        return cls(**values)
 
     def child(self, key: str, known: set[str] | None = None, *, required: bool = False) -> Fields | None:
         """The nested object at key (None when absent and not required)."""

@@ -13,10 +13,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from sits.operator.fields import Fields, SpecError
+from sits.operator.fields import Fields, SpecError, spec_field
 from sits.operator.spec_autoscaling import AutoscalingSpec, parse_autoscaling
 from sits.operator.spec_lora import ENGINE_FIELDS as LORA_ENGINE_FIELDS
-from sits.operator.spec_lora import LoraSpec, parse_lora
+from sits.operator.spec_lora import MODEL_URI, MODEL_URI_FORM, LoraSpec, parse_lora
 from sits.operator.spec_rollout import HTTP_URL, MonitoringSpec, RolloutSpec, parse_monitoring, parse_rollout
 from sits.operator.spec_router import FIELDS as ROUTER_FIELDS
 from sits.operator.spec_router import RouterSpec, check_router_model, parse_router
@@ -26,7 +26,6 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATIONS = ("none", "fp8", "int8")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-MODEL_URI = re.compile(r"^(pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?|hf://[^/\s]+(/[^/\s]+)?|file:///\S*)$")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 RESOURCE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
 REDIS_URL = re.compile(r"^(redis|rediss|unix)://\S+$")
@@ -50,12 +49,14 @@ class ModelSpec:
 class EngineSpec:
     """Engine limits (the runtime's flags); tokens and sequences per engine step."""
 
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    gpu_memory_utilization: float = 0.9
-    kv_block_size: int = 16
-    cuda_graphs: bool = True
-    host_kv_cache_gb: float = 0.0  # host-memory tier for evicted prefix-cache blocks, GiB (0: off)
+    max_num_seqs: int = spec_field("maxNumSeqs", "integer", 256, minimum=1)
+    max_num_batched_tokens: int = spec_field("maxNumBatchedTokens", "integer", 2048, minimum=1)
+    gpu_memory_utilization: float = spec_field("gpuMemoryUtilization", "number", 0.9, minimum=0.0, maximum=1.0,
+                                               exclusive_minimum=True)
+    kv_block_size: int = 16  # kvBlockSize, one of BLOCK_SIZES
+    cuda_graphs: bool = spec_field("cudaGraphs", "boolean", True)
+    # host-memory tier for evicted prefix-cache blocks, GiB (0: off)
+    host_kv_cache_gb: float = spec_field("hostKvCacheGb", "number", 0.0, minimum=0.0, maximum=65536.0)
 
 
 @dataclass(frozen=True)
@@ -119,8 +120,8 @@ class WorkloadSpec:
 class SecretKeyRef:
     """A key of a Secret in the resource's namespace (the tenant's API key)."""
 
-    name: str
-    key: str
+    name: str = spec_field("name", "string", pattern=RESOURCE_NAME, what="a Secret name")
+    key: str = spec_field("key", "string")
 
 
 @dataclass(frozen=True)
@@ -197,8 +198,7 @@ def parse_workload(data: Any, path: str, *, default_model_name: str | None = Non
     assert model_fields is not None  # required=True raised otherwise
     model = ModelSpec(
         name=model_fields.string("name", default_model_name, required=default_model_name is None),
-        uri=model_fields.string("uri", required=True, pattern=MODEL_URI,
-                                what="pvc://claim/path, hf://org/name[@revision] or file:///path"),
+        uri=model_fields.string("uri", required=True, pattern=MODEL_URI, what=MODEL_URI_FORM),
         dtype=model_fields.string("dtype", "auto", choices=DTYPES),
         quantization=model_fields.string("quantization", "none", choices=QUANTIZATIONS),
         max_model_len=model_fields.integer("maxModelLen", None, minimum=1),
@@ -208,15 +208,7 @@ def parse_workload(data: Any, path: str, *, default_model_name: str | None = Non
     block_size = engine_fields.integer("kvBlockSize", 16)
     if block_size not in BLOCK_SIZES:
         raise SpecError(engine_fields.at("kvBlockSize"), f"must be a power of two up to 256, got {block_size}")
-    engine = EngineSpec(
-        max_num_seqs=engine_fields.integer("maxNumSeqs", 256, minimum=1),
-        max_num_batched_tokens=engine_fields.integer("maxNumBatchedTokens", 2048, minimum=1),
-        gpu_memory_utilization=engine_fields.number("gpuMemoryUtilization", 0.9, minimum=0.0, maximum=1.0,
-                                                    exclusive_minimum=True),
-        kv_block_size=block_size,
-        cuda_graphs=engine_fields.boolean("cudaGraphs", True),
-        host_kv_cache_gb=engine_fields.number("hostKvCacheGb", 0.0, minimum=0.0, maximum=65536.0),
-    )
+    engine = engine_fields.parse_into(EngineSpec, kv_block_size=block_size)
     nccl_fields = fields.child("nccl", {"socketNThreads", "minChannels", "env"}) or Fields({}, fields.at("nccl"))
     nccl = NcclSpec(
         socket_nthreads=nccl_fields.integer("socketNThreads", 8, minimum=1),
@@ -230,7 +222,7 @@ def parse_workload(data: Any, path: str, *, default_model_name: str | None = Non
         tenants_file = fields.boolean("tenantsFile", False)
     gpus_per_replica = fields.integer("gpusPerReplica", 1, minimum=0)
     assert gpus_per_replica is not None  # a default
-    lora = parse_lora(model_fields, engine_fields, model_name=str(model.name), uri_pattern=MODEL_URI,
+    lora = parse_lora(model_fields, engine_fields, model_name=str(model.name),
                       quantization=model.quantization or "none", gpus_per_replica=gpus_per_replica)
     return WorkloadSpec(
         model=model,
@@ -279,9 +271,7 @@ def _parse_tenancy(fields: Fields | None) -> TenancySpec:
         tenants.append(TenantSpec(
             name=tenant.string("name", required=True, pattern=TENANT_NAME,
                                what="letters, digits, '.', '_' or '-' (at most 63)"),
-            api_key_secret_ref=SecretKeyRef(
-                name=ref.string("name", required=True, pattern=RESOURCE_NAME, what="a Secret name"),
-                key=ref.string("key", required=True)),
+            api_key_secret_ref=ref.parse_into(SecretKeyRef),
             priority=tenant.integer("priority", 0, minimum=0, maximum=3),
             kv_cache_share=tenant.number("kvCacheShare", 0.0, minimum=0.0, maximum=1.0),
             requests_per_minute=limits.integer("requestsPerMinute", None, minimum=1),

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sits.operator.fields import Fields, SpecError
+from sits.operator.fields import Fields, SpecError, spec_field
 
 # metric type -> the runtime's per-pod gauge (runtime/server/metrics.py), read as a Pods metric
 POD_METRICS = {
@@ -45,9 +45,9 @@ class ScalingMetric:
 class ScalingPolicy:
     """At most `value` pods (or percent of the current replicas) per `period_s` seconds."""
 
-    type: str
-    value: int
-    period_s: int
+    type: str = spec_field("type", "string", choices=POLICY_TYPES)
+    value: int = spec_field("value", "integer", minimum=1)
+    period_s: int = spec_field("periodSeconds", "integer", minimum=1, maximum=MAX_POLICY_PERIOD_S)
 
 
 @dataclass(frozen=True)
@@ -139,22 +139,13 @@ def _parse_rules(fields: Fields | None) -> ScalingRules | None:
             raise SpecError(fields.at("policies"), "needs at least one policy (leave it out for the HPA's default)")
         for path, item in items:
             policy = Fields(item, path, {"type", "value", "periodSeconds"})
-            policies.append(ScalingPolicy(
-                type=str(policy.string("type", required=True, choices=POLICY_TYPES)),
-                value=_required_int(policy, "value", 1, None),
-                period_s=_required_int(policy, "periodSeconds", 1, MAX_POLICY_PERIOD_S)))
+            policies.append(policy.parse_into(ScalingPolicy))
     return ScalingRules(
         stabilization_window_s=fields.integer("stabilizationWindowSeconds", None, minimum=0,
                                               maximum=MAX_STABILIZATION_S),
         select_policy=fields.string("selectPolicy", None, choices=SELECT_POLICIES),
         policies=None if policies is None else tuple(policies),
     )
-
-
-def _required_int(fields: Fields, key: str, minimum: int, maximum: int | None) -> int:
-    value = fields.integer(key, required=True, minimum=minimum, maximum=maximum)
-    assert value is not None  # required=True raised otherwise
-    return value
 
 
 def rules_to_dict(rules: ScalingRules) -> dict[str, Any]:

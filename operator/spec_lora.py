@@ -12,10 +12,13 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from sits.operator.fields import Fields, SpecError
+from sits.operator.fields import Fields, SpecError, spec_field
 
 # An OpenAI model id that is also a directory name and a `--lora-modules NAME=PATH` name (no '=').
 LORA_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+# Where a checkpoint is read from, the base model's (spec.model.uri) as an adapter's.
+MODEL_URI = re.compile(r"^(pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?|hf://[^/\s]+(/[^/\s]+)?|file:///\S*)$")
+MODEL_URI_FORM = "pvc://claim/path, hf://org/name[@revision] or file:///path"
 DEFAULT_MAX_LORA_RANK = 16  # the runtime's --max-lora-rank default
 MAX_ADAPTERS = 64  # every adapter holds a slot on the GPU; the CRD's maxItems
 ADAPTER_FIELDS = {"name", "uri"}
@@ -26,8 +29,9 @@ ENGINE_FIELDS = {"maxLoras", "maxLoraRank"}
 class LoraAdapterSpec:
     """One adapter: `name` (the model id requests send) and `uri` (pvc://, hf:// or file:///, a PEFT directory)."""
 
-    name: str
-    uri: str
+    name: str = spec_field("name", "string", pattern=LORA_NAME,
+                           what="an OpenAI model id: letters, digits, '.', '_' or '-' (at most 63)")
+    uri: str = spec_field("uri", "string", pattern=MODEL_URI, what=MODEL_URI_FORM)
 
 
 @dataclass(frozen=True)
@@ -59,8 +63,8 @@ class LoraSpec:
         return data
 
 
-def parse_lora(model: Fields, engine: Fields, *, model_name: str, uri_pattern: re.Pattern[str],
-               quantization: str, gpus_per_replica: int) -> LoraSpec:
+def parse_lora(model: Fields, engine: Fields, *, model_name: str, quantization: str,
+               gpus_per_replica: int) -> LoraSpec:
     """The LoRA block of a spec: adapters from `model` (spec.model), slots and rank from `engine` (spec.engine).
 
     Raises:
@@ -70,10 +74,8 @@ def parse_lora(model: Fields, engine: Fields, *, model_name: str, uri_pattern: r
     adapters: list[LoraAdapterSpec] = []
     for path, item in model.items("loraAdapters"):
         fields = Fields(item, path, ADAPTER_FIELDS)
-        name = str(fields.string("name", required=True, pattern=LORA_NAME,
-                                 what="an OpenAI model id: letters, digits, '.', '_' or '-' (at most 63)"))
-        uri = str(fields.string("uri", required=True, pattern=uri_pattern,
-                                what="pvc://claim/path, hf://org/name[@revision] or file:///path"))
+        adapter = fields.parse_into(LoraAdapterSpec)
+        name, uri = adapter.name, adapter.uri
         if name == model_name:
             raise SpecError(fields.at("name"), f"{name!r} is the base model's name (spec.model.name); "
                                                "an adapter needs a model id of its own")
@@ -81,7 +83,7 @@ def parse_lora(model: Fields, engine: Fields, *, model_name: str, uri_pattern: r
             raise SpecError(fields.at("name"), f"adapter {name!r} appears twice")
         if uri.startswith("pvc://") and ".." in uri[len("pvc://"):].split("/"):
             raise SpecError(fields.at("uri"), f"a pvc:// path must not contain '..', got {uri!r}")
-        adapters.append(LoraAdapterSpec(name, uri))
+        adapters.append(adapter)
     if len(adapters) > MAX_ADAPTERS:
         raise SpecError(model.at("loraAdapters"), f"at most {MAX_ADAPTERS} adapters, got {len(adapters)}")
     max_loras = engine.integer("maxLoras", None, minimum=1)

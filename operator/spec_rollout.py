@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from sits.operator.fields import Fields, SpecError
+from sits.operator.fields import Fields, SpecError, spec_field
 
 HTTP_URL = re.compile(r"^https?://[^\s/]+(/\S*)?$")
 RESOURCE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
@@ -34,14 +34,15 @@ class CanaryStep:
 class AnalysisSpec:
     """The P95-delta check: canary quantile minus stable quantile, in milliseconds, every interval."""
 
-    prometheus_url: str
-    max_delta_ms: float
-    quantile: float = 0.95
-    interval_s: float = 60.0
-    failure_limit: int = 2
-    inconclusive_limit: int = 3
-    window_s: float = 300.0
-    timeout_s: float = 10.0
+    prometheus_url: str  # analysis.prometheus.url
+    max_delta_ms: float = spec_field("maxDeltaMs", "number", minimum=0.0)
+    quantile: float = spec_field("quantile", "number", 0.95, minimum=0.0, maximum=1.0,
+                                 exclusive_minimum=True, exclusive_maximum=True)
+    interval_s: float = spec_field("interval", "duration", 60.0, minimum=1.0)
+    failure_limit: int = spec_field("failureLimit", "integer", 2, minimum=1)
+    inconclusive_limit: int = spec_field("inconclusiveLimit", "integer", 3, minimum=1)
+    window_s: float = spec_field("window", "duration", 300.0, minimum=1.0)
+    timeout_s: float = spec_field("timeout", "duration", 10.0, minimum=0.1)
 
 
 @dataclass(frozen=True)
@@ -117,17 +118,8 @@ def _parse_analysis(fields: Fields | None) -> AnalysisSpec | None:
         return None
     prometheus = fields.child("prometheus", {"url"}, required=True)
     assert prometheus is not None
-    return AnalysisSpec(
-        prometheus_url=prometheus.string("url", required=True, pattern=HTTP_URL, what="an http(s):// URL"),
-        max_delta_ms=fields.number("maxDeltaMs", required=True, minimum=0.0),
-        quantile=fields.number("quantile", 0.95, minimum=0.0, maximum=1.0,
-                               exclusive_minimum=True, exclusive_maximum=True),
-        interval_s=fields.duration("interval", 60.0, minimum=1.0),
-        failure_limit=fields.integer("failureLimit", 2, minimum=1),
-        inconclusive_limit=fields.integer("inconclusiveLimit", 3, minimum=1),
-        window_s=fields.duration("window", 300.0, minimum=1.0),
-        timeout_s=fields.duration("timeout", 10.0, minimum=0.1),
-    )
+    url = prometheus.string("url", required=True, pattern=HTTP_URL, what="an http(s):// URL")
+    return fields.parse_into(AnalysisSpec, prometheus_url=url)
 
 
 def _parse_gateway(fields: Fields | None) -> GatewayAPISpec | None:
