@@ -87,17 +87,30 @@ class GenerationGate:
             await self.app(scope, receive, send)
             return
         if self.lifecycle.draining:
+            self.metrics.observe_request(UNRESOLVED_TENANT, 503, 0.0)  # counted before the client reads it
             await send_error(send, service_unavailable("The server is shutting down; retry on another replica."))
-            self.metrics.observe_request(UNRESOLVED_TENANT, 503, 0.0)
             return
         started = time.perf_counter()
         status = 500
+        observed = False
         state: dict[str, Any] = scope.setdefault("state", {})
+
+        def observe() -> None:
+            nonlocal observed
+            if observed:
+                return
+            observed = True
+            tenant: RequestTenant | None = state.get("tenant")
+            self.metrics.observe_request(UNRESOLVED_TENANT if tenant is None else tenant.name,
+                                         CLIENT_CLOSED_STATUS if state.get("client_gone") else status,
+                                         time.perf_counter() - started)
 
         async def tracking_send(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                observe()  # counted before the client can read the response's end (and then scrape)
             await send(message)
 
         self.lifecycle.enter()
@@ -107,8 +120,4 @@ class GenerationGate:
             self.lifecycle.exit()
             if self.admission is not None:
                 self.admission.release(state)
-            if state.get("client_gone"):
-                status = CLIENT_CLOSED_STATUS
-            tenant: RequestTenant | None = state.get("tenant")
-            self.metrics.observe_request(UNRESOLVED_TENANT if tenant is None else tenant.name, status,
-                                         time.perf_counter() - started)
+            observe()  # a response that never ended (the client left, an error): counted here

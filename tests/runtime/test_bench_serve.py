@@ -224,7 +224,9 @@ def test_interrupting_a_launched_run_stops_its_server(signum):
             f"--load-format dummy --config tiny --served-model-name {marker}", "--num-prompts", "1000",
             "--max-concurrency", "2", "--random-input-len", "8", "--random-output-len", "64", "--no-progress"]
     # the first progress line comes at a tenth of the prompts; the other nine tenths outlast the signal
-    bench_process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # Ctrl-C's default action in the child even when this run inherited SIGINT ignored (a background job)
+    bench_process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         first = bench_process.stderr.readline()  # the first progress line: the load is running
         assert "requests done" in first, first
