@@ -76,8 +76,10 @@ def sync_greedy(tiny: LoadedModel, prompt: list[int], max_tokens: int) -> list[i
 async def test_generate_streams_each_step_and_matches_the_sync_engine(engine, tiny):
     prompt = tiny.tokenizer.encode(PROMPTS[1])
     outputs = await collect(engine, prompt, greedy(6), "stream")
-    assert len(outputs) == 6 and [o.finished for o in outputs] == [False] * 5 + [True]
-    assert [len(o.outputs[0].token_ids_delta) for o in outputs] == [1] * 6
+    # one snapshot per step while the consumer keeps up; steps it fell behind on arrive merged into one
+    assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
+    deltas = [len(o.outputs[0].token_ids_delta) for o in outputs]
+    assert all(n >= 1 for n in deltas) and sum(deltas) == 6
     final = outputs[-1].outputs[0]
     assert final.token_ids == sync_greedy(tiny, prompt, 6)
     assert "".join(o.outputs[0].text_delta for o in outputs) == final.text
