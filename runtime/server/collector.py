@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-LABELS = ("model", "track")
-
 
 class ScrapeCollector:
     """A prometheus_client custom collector labelled (model, track); subclasses implement `collect()`,

@@ -39,7 +39,8 @@ from typing import Any, TypeVar
 
 from sits.runtime.engine.request import StructuredOutputSpec
 from sits.runtime.engine.structured_output import GrammarCache, StructuredOutputError
-from sits.runtime.server.collector import LABELS, ScrapeCollector
+from sits.runtime.metrics_collector import SERVER_LABELS
+from sits.runtime.server.collector import ScrapeCollector
 from sits.runtime.server.errors import OpenAIError
 from sits.runtime.server.limits_config import GrammarLimits
 from sits.runtime.tasks import wait_first
@@ -291,7 +292,7 @@ class GrammarCompileCollector(ScrapeCollector):
     def collect(self) -> Any:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        compiler, labels = self._compiler, LABELS
+        compiler, labels = self._compiler, SERVER_LABELS
         in_flight = GaugeMetricFamily("sits_grammar_compiles_in_flight", "Output grammars compiling or waiting for "
                                       "their turn (requests that hold no admission slot yet).", labels=labels)
         in_flight.add_metric(self._labels, float(sum(compiler._in_flight.values())))

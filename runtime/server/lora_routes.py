@@ -35,7 +35,8 @@ from sits.runtime.engine.client import EngineClient
 from sits.runtime.engine.errors import EngineDeadError, EngineDiedError, EngineShuttingDownError
 from sits.runtime.lora.config import LoraConfigError, LoraFileError, LoraModule
 from sits.runtime.lora.roots import AdapterPathRefused, checked_adapter_path, is_hub_id
-from sits.runtime.server.collector import LABELS, ScrapeCollector
+from sits.runtime.metrics_collector import SERVER_LABELS
+from sits.runtime.server.collector import ScrapeCollector
 from sits.runtime.server.errors import OpenAIError, invalid_request
 from sits.runtime.server.tenant import request_tenant, tenant_of
 
@@ -158,7 +159,7 @@ class LoraAdaptersCollector(ScrapeCollector):
         loaded = len(self._engine.lora_modules)
         for name, doc, value in (("sits_lora_adapters_loaded", "LoRA adapters served now.", loaded),
                                  ("sits_lora_slots", "LoRA adapter slots (--max-loras).", self._num_slots)):
-            family = GaugeMetricFamily(name, doc, labels=LABELS)
+            family = GaugeMetricFamily(name, doc, labels=SERVER_LABELS)
             family.add_metric(self._labels, value)
             yield family
 

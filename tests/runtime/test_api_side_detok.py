@@ -70,6 +70,7 @@ async def settled(client, timeout_s: float = 30.0) -> None:
     while client.stats().num_requests or client.stats().kv_blocks_used:
         assert time.monotonic() < deadline, "the engine still holds the request"
         await asyncio.sleep(0.01)
+    await asyncio.sleep(0)  # the deliveries the engine queued on this loop before it answered run now
 
 
 def stop_string_in(text: str, avoid: str = "") -> str:
