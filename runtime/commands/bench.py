@@ -223,8 +223,11 @@ def benchmark(args: argparse.Namespace, config, loaded) -> int:
         begin = time.perf_counter()
         run_engine(engine, warmup, min(args.warmup_output_len, args.output_len), "warmup")
         logger.info("warm-up batch (compiles and autotunes kernels): %.1f s", time.perf_counter() - begin)
+    from sits.runtime.gc_heap import frozen_startup_heap
+
     hits_before = engine.stats().prefix_cache_hits
-    result = run_engine(engine, prompts, args.output_len, "bench")
+    with frozen_startup_heap(PROG):  # as the engine process does before serving (gc_heap.py)
+        result = run_engine(engine, prompts, args.output_len, "bench")
     result.system = _system_label(engine, config)
     hits = engine.stats().prefix_cache_hits - hits_before
     result.notes = f"prefix-cache hits during the timed run: {hits}"

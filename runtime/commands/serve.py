@@ -235,8 +235,10 @@ def run(args: argparse.Namespace) -> int:
         checked.close()
         return engine
     app = build_serving_app(engine, checked, args)
-    try:
-        with serving_metrics(checked.metrics_listener, app):
+    from sits.runtime.gc_heap import frozen_startup_heap
+
+    try:  # full collections would stall streams (gc_heap.py)
+        with frozen_startup_heap("sits serve"), serving_metrics(checked.metrics_listener, app):
             return run_server(app, engine, checked.sock, checked.server_config.drain_timeout_s, args.log_level)
     finally:
         checked.tracer.shutdown()  # exports the spans still batched: the last requests' traces are not lost

@@ -52,6 +52,7 @@ from sits.runtime.engine import core_wire as wire
 from sits.runtime.engine.client_base import EngineFacts
 from sits.runtime.engine.engine import LLMEngine
 from sits.runtime.engine.errors import EngineError, EngineShuttingDownError
+from sits.runtime.gc_heap import freeze_startup_heap
 from sits.runtime.lora.manager import LoraAdapter, LoraManager
 
 logger = logging.getLogger("sits.engine_core")
@@ -101,6 +102,7 @@ def run_engine_core(conn: Connection, config: EngineConfig, tenancy_spec: Any, p
                                                      f"{error}", user_error)))
         return
     core = EngineCore(engine, conn, tenancy)
+    freeze_startup_heap("engine process")  # full collections would stall steps (gc_heap.py)
     conn.send_bytes(wire.encode(core.ready()))
     # The loop runs on its own thread, as AsyncEngine's does in-process: torch's intra-op (OpenMP)
     # pool then behaves as it does there (on a busy CPU the main thread's team of spinning OpenMP

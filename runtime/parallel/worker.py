@@ -16,6 +16,7 @@ from multiprocessing import connection
 
 import torch
 
+from sits.runtime.gc_heap import freeze_startup_heap
 from sits.runtime.models.loading import LoadedModel
 from sits.runtime.parallel.channel import GroupWorkerEndpoint, PipeWorkerEndpoint, WorkerEndpoint
 from sits.runtime.parallel.commands import (
@@ -78,6 +79,7 @@ def serve_commands(rank: int, world_size: int, recipe: ModelRecipe, groups: Proc
             endpoint.reply()
         elif isinstance(command, AllocateKVCache):
             runner.allocate_kv_cache(command.num_blocks)
+            freeze_startup_heap(f"tensor-parallel rank {rank}")  # a pause on one rank stalls all (gc_heap.py)
             endpoint.reply()
         elif isinstance(command, ProfileMemory):
             endpoint.reply(runner.profile_memory(command.max_num_batched_tokens, command.max_num_seqs,

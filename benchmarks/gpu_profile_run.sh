@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Diagnostics on one CUDA machine, in one go: where decode time goes (torch profiler) and where the
+# served ITL tail comes from (the offline engine's steps, one by one, in a closed loop).
+#
+#   benchmarks/gpu_profile_run.sh [LOG_DIR]          (default: $OUT, else ./gpu-profile-logs)
+#   STEPS="prof1 prof32" benchmarks/gpu_profile_run.sh
+#
+# Steps:
+#   prof1, prof32  benchmarks/profile_decode.py: Llama-3-8B shape, bf16, 2,048-token context, batch 1 / 32
+#   trace256       benchmarks/bench_step_trace.py: 256 in flight, 1,024 / 512, 512 prompts, default budget
+#   trace256-capN  the same with --max-prefill-tokens-with-decodes N (e.g. trace256-cap2048)
+set -u
+LOG_DIR=${1:-${OUT:-gpu-profile-logs}}
+mkdir -p "$LOG_DIR"
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+export PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1
+if ! python3 -c "import sits.runtime.engine.engine" 2>/dev/null; then
+  SHIM=$(mktemp -d)
+  mkdir -p "$SHIM/sits" && touch "$SHIM/sits/__init__.py"
+  ln -s "$ROOT/kernels" "$SHIM/sits/kernels" && ln -s "$ROOT/runtime" "$SHIM/sits/runtime"
+  export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
+fi
+STEPS=${STEPS:-"prof1 prof32 trace256"}
+COMMON="--config ${BENCH_CONFIG:-llama-3-8b} --peer none --log-level warning"
+for step in $STEPS; do
+  start=$(date +%s)
+  case $step in
+    prof1) timeout 200 python3 benchmarks/profile_decode.py $COMMON --batch 1 --input-len 2048 ;;
+    prof32) timeout 200 python3 benchmarks/profile_decode.py $COMMON --batch 32 --input-len 2048 ;;
+    trace256) timeout 300 python3 benchmarks/bench_step_trace.py $COMMON --batch 256 --input-len 1024 \
+      --output-len 512 --prompts 512 ;;
+    trace256-cap*) timeout 300 python3 benchmarks/bench_step_trace.py $COMMON --batch 256 --input-len 1024 \
+      --output-len 512 --prompts 512 --max-prefill-tokens-with-decodes "${step#trace256-cap}" ;;
+    *) echo "unknown step $step" ;;
+  esac >"$LOG_DIR/$step.log" 2>&1
+  echo "== $step: exit $? in $(( $(date +%s) - start )) s" | tee -a "$LOG_DIR/summary.md"
+  tail -45 "$LOG_DIR/$step.log" >>"$LOG_DIR/summary.md"
+done
+cat "$LOG_DIR/summary.md"

@@ -1,0 +1,103 @@
+"""Where a decode step's time goes on the GPU: torch profiler over steady decode steps.
+
+    python benchmarks/profile_decode.py --config llama-3-8b --batch 1 --input-len 2048 [--steps 30]
+
+Prefills `--batch` random prompts of `--input-len` tokens, warms up, then profiles `--steps` decode-only
+steps of the engine as users run it (CUDA graphs, async scheduling unless flagged off). Prints:
+- wall ms per step (host clock, the loop as `sits bench` runs it) and GPU-busy ms per step (the union
+  of kernel intervals): their difference is time the GPU sat idle waiting for the host;
+- the kernels by total GPU time, with calls per step and µs per call, and the launches per step;
+- the floor: the bytes a step must read (weights + live KV) at the GPU's HBM bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import defaultdict
+
+
+def _busy_ms(events) -> float:
+    """Union of the kernels' [start, end) intervals, ms."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events)
+    busy, current_start, current_end = 0.0, None, None
+    for start, end in spans:
+        if current_end is None or start > current_end:
+            if current_end is not None:
+                busy += current_end - current_start
+            current_start, current_end = start, end
+        else:
+            current_end = max(current_end, end)
+    if current_end is not None:
+        busy += current_end - current_start
+    return busy / 1e3
+
+
+def main(argv=None) -> int:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from sits.runtime.commands import bench
+    from sits.runtime.commands.engine_args import configure_logging
+    from sits.runtime.engine.engine import LLMEngine
+    from sits.runtime.engine.request import SamplingParams
+    from sits.runtime.hardware import detect_gpu
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    bench.add_bench_arguments(parser)
+    parser.add_argument("--steps", type=int, default=30, help="decode steps profiled")
+    args = parser.parse_args(argv)
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    args.output_len = max(args.output_len, args.steps + 64)
+    configure_logging(args.log_level)
+    config = bench.build_config(args)
+    loaded = bench.load(args, config)
+    engine = LLMEngine.from_loaded(loaded, config)
+    vocab = loaded.config.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, min_tokens=args.output_len, ignore_eos=True)
+    for index, prompt in enumerate(bench.random_prompts(args.batch, args.input_len, vocab, 7)):
+        engine.add_request(f"p{index}", prompt, params)
+    for _ in range(40):  # prefills, then graph warm-up decodes
+        engine.step()
+    sync()
+    begin = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    sync()
+    wall_ms = (time.perf_counter() - begin) * 1e3 / args.steps
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for _ in range(args.steps):
+            engine.step()
+        sync()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    if not kernels:  # CPU: the operators instead
+        kernels = [e for e in prof.events() if e.name.startswith("aten::")]
+    by_name: dict[str, list[float]] = defaultdict(list)
+    for event in kernels:
+        by_name[event.name].append(event.device_time or (event.time_range.end - event.time_range.start))
+    total_us = sum(sum(v) for v in by_name.values())
+    busy = _busy_ms(kernels) / args.steps
+    print(f"\nbatch {args.batch}, context {args.input_len}: wall {wall_ms:.3f} ms/step (unprofiled), GPU busy "
+          f"{busy:.3f} ms/step, kernel sum {total_us / 1e3 / args.steps:.3f} ms/step, "
+          f"{len(kernels) / args.steps:.0f} kernels/step")
+    model = loaded.model
+    weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
+    shape = loaded.config
+    kv_bytes = (2 * shape.num_hidden_layers * shape.num_key_value_heads * shape.head_dim
+                * engine.runner.kv_shape.dtype.itemsize * args.batch * (args.input_len + 64))
+    gpu = detect_gpu(loaded.device) if loaded.device.type == "cuda" else None
+    if gpu is not None:
+        floor = (weight_bytes + kv_bytes) / gpu.hbm_bytes_per_s * 1e3
+        print(f"floor: {weight_bytes / 2**30:.2f} GiB weights + {kv_bytes / 2**30:.2f} GiB KV at "
+              f"{gpu.hbm_bytes_per_s / 1e12:.2f} TB/s = {floor:.3f} ms; wall/floor {wall_ms / floor:.2f}")
+    print("\n| kernel | ms/step | share | calls/step | us/call |")
+    print("|---|---|---|---|---|")
+    for name, times in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:30]:
+        print(f"| {name[:90]} | {sum(times) / 1e3 / args.steps:.3f} | {sum(times) / total_us:.1%} | "
+              f"{len(times) / args.steps:.1f} | {sum(times) / len(times):.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
