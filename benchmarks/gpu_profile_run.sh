@@ -8,7 +8,8 @@
 # Steps:
 #   prof1, prof32  benchmarks/profile_decode.py: Llama-3-8B shape, bf16, 2,048-token context, batch 1 / 32
 #   trace256       benchmarks/bench_step_trace.py: 256 in flight, 1,024 / 512, 512 prompts, default budget
-#   trace256-capN  the same with --max-prefill-tokens-with-decodes N (e.g. trace256-cap2048)
+#   trace256-capN[-minM]  the same with --max-prefill-tokens-with-decodes N [--prefill-cap-min-decodes M]
+#                  (e.g. trace256-cap2048, trace256-cap1024-min64; cap0 turns the device's default off)
 set -u
 LOG_DIR=${1:-${OUT:-gpu-profile-logs}}
 mkdir -p "$LOG_DIR"
@@ -30,8 +31,10 @@ for step in $STEPS; do
     prof32) timeout 200 python3 benchmarks/profile_decode.py $COMMON --batch 32 --input-len 2048 ;;
     trace256) timeout 300 python3 benchmarks/bench_step_trace.py $COMMON --batch 256 --input-len 1024 \
       --output-len 512 --prompts 512 ;;
-    trace256-cap*) timeout 300 python3 benchmarks/bench_step_trace.py $COMMON --batch 256 --input-len 1024 \
-      --output-len 512 --prompts 512 --max-prefill-tokens-with-decodes "${step#trace256-cap}" ;;
+    trace256-cap*) budget=${step#trace256-cap}; cap=${budget%%-min*}; least=0
+      [ "$budget" != "$cap" ] && least=${budget##*-min}
+      timeout 300 python3 benchmarks/bench_step_trace.py $COMMON --batch 256 --input-len 1024 \
+      --output-len 512 --prompts 512 --max-prefill-tokens-with-decodes "$cap" --prefill-cap-min-decodes "$least" ;;
     *) echo "unknown step $step" ;;
   esac >"$LOG_DIR/$step.log" 2>&1
   echo "== $step: exit $? in $(( $(date +%s) - start )) s" | tee -a "$LOG_DIR/summary.md"

@@ -177,12 +177,18 @@ class SchedulerConfig:
             capped at this many, so a long prompt is chunked instead of stalling every decode of
             the step; a step without decodes still takes max_num_batched_tokens. 0: no cap. Needs
             chunked prefill (without it a prompt is never split, so the cap does not apply).
+        prefill_cap_min_decodes: the cap applies only to a step that runs at least this many
+            decodes. A burst of new prompts with few decodes running (the start of a batch) still
+            prefills at full speed, which is what its time to first token and the batch's
+            throughput need; a large decode batch, where a stall costs many streams a token each,
+            gets the bound. 0 or 1: any step with decodes.
     """
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     max_prefill_tokens_with_decodes: int = 0
+    prefill_cap_min_decodes: int = 0
 
     def validate(self) -> None:
         if self.max_num_seqs < 1:
@@ -192,6 +198,8 @@ class SchedulerConfig:
         if self.max_prefill_tokens_with_decodes < 0:
             raise ConfigError("--max-prefill-tokens-with-decodes must be >= 0 (0: no cap), got "
                               f"{self.max_prefill_tokens_with_decodes}")
+        if self.prefill_cap_min_decodes < 0:
+            raise ConfigError(f"--prefill-cap-min-decodes must be >= 0, got {self.prefill_cap_min_decodes}")
 
     @property
     def prefill_cap_with_decodes(self) -> int | None:

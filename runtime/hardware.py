@@ -90,6 +90,7 @@ class EngineDefaults:
         reason: one line for the log.
         max_prefill_tokens_with_decodes: prompt tokens a step may add to running decodes (the
             decodes' latency budget, `SchedulerConfig`); 0: no cap beyond max_num_batched_tokens.
+        prefill_cap_min_decodes: the budget applies to steps with at least this many decodes.
     """
 
     max_num_batched_tokens: int
@@ -97,6 +98,7 @@ class EngineDefaults:
     cuda_graph_max_batch_size: int
     reason: str
     max_prefill_tokens_with_decodes: int = 0
+    prefill_cap_min_decodes: int = 0
 
 
 CPU_DEFAULTS = EngineDefaults(512, 32, 32, "CPU: a few cores, small steps")
@@ -128,6 +130,6 @@ def log_defaults(defaults: EngineDefaults, overridden: dict[str, object]) -> Non
     """One info line: the chosen limits, which flags overrode them, and why."""
     chosen = (f"max_num_batched_tokens {defaults.max_num_batched_tokens}, max_num_seqs {defaults.max_num_seqs}, "
               f"CUDA graphs up to batch {defaults.cuda_graph_max_batch_size}, max_prefill_tokens_with_decodes "
-              f"{defaults.max_prefill_tokens_with_decodes}")
+              f"{defaults.max_prefill_tokens_with_decodes} beside {defaults.prefill_cap_min_decodes}+ decodes")
     flags = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in overridden.items() if v is not None)
     logger.info("hardware defaults for %s: %s%s", defaults.reason, chosen, f" (overridden: {flags})" if flags else "")

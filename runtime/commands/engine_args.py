@@ -64,7 +64,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="reuse KV blocks of earlier prompts")
     engine.add_argument("--max-prefill-tokens-with-decodes", type=int, default=None, metavar="N",
                         help="latency budget of running decodes: a step that runs decodes adds at most N prompt "
-                             "tokens (longer prompts are chunked across steps); 0 (the default): no cap")
+                             "tokens (longer prompts are chunked across steps); 0: no cap; default: the device's")
+    engine.add_argument("--prefill-cap-min-decodes", type=int, default=None, metavar="M",
+                        help="apply --max-prefill-tokens-with-decodes only to steps running at least M decodes "
+                             "(a burst of new prompts beside few decodes prefills at full speed); default: the "
+                             "device's")
     engine.add_argument("--host-kv-cache-gb", type=float, default=CacheConfig.host_kv_cache_gb,
                         help="host-memory tier for evicted prefix-cache blocks, GiB (0: off)")
     engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
@@ -162,7 +166,8 @@ def engine_config_from_args(args: argparse.Namespace, chosen=None) -> EngineConf
         log_defaults(chosen, {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                               "cuda_graph_max_batch_size": graph_max,
                               "max_prefill_tokens_with_decodes": getattr(args, "max_prefill_tokens_with_decodes",
-                                                                         None)})
+                                                                         None),
+                              "prefill_cap_min_decodes": getattr(args, "prefill_cap_min_decodes", None)})
     config = EngineConfig(
         model=ModelConfig(model=args.model, served_model_name=args.served_model_name, dtype=args.dtype,
                           device=args.device, max_model_len=args.max_model_len, quantization=args.quantization,
@@ -177,7 +182,8 @@ def engine_config_from_args(args: argparse.Namespace, chosen=None) -> EngineConf
             max_num_batched_tokens=(args.max_num_batched_tokens if args.max_num_batched_tokens is not None
                                     else defaults["max_num_batched_tokens"]),
             enable_chunked_prefill=args.enable_chunked_prefill,
-            max_prefill_tokens_with_decodes=_prefill_cap(args, chosen)),
+            max_prefill_tokens_with_decodes=_flag_or_default(args, chosen, "max_prefill_tokens_with_decodes"),
+            prefill_cap_min_decodes=_flag_or_default(args, chosen, "prefill_cap_min_decodes")),
         parallel=parallel_config_from_args(args),
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
@@ -191,10 +197,11 @@ def engine_config_from_args(args: argparse.Namespace, chosen=None) -> EngineConf
     return config
 
 
-def _prefill_cap(args: argparse.Namespace, chosen) -> int:
-    """--max-prefill-tokens-with-decodes, else the device's default (the decodes' latency budget)."""
-    flagged = getattr(args, "max_prefill_tokens_with_decodes", None)
-    return flagged if flagged is not None else chosen.max_prefill_tokens_with_decodes
+def _flag_or_default(args: argparse.Namespace, chosen, name: str) -> int:
+    """The flag `--name` when given, else the device's `EngineDefaults` field of that name (the decodes'
+    latency budget)."""
+    flagged = getattr(args, name, None)
+    return flagged if flagged is not None else getattr(chosen, name)
 
 
 def _speculative_config(value: str | None) -> SpeculativeConfig | None:

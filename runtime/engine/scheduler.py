@@ -5,9 +5,10 @@ Each step fills a budget of `max_num_batched_tokens` new tokens and `max_num_seq
   2. running sequences still prefilling (the next chunk of their prompt);
   3. waiting sequences, in admission order, each starting after its cached prefix.
 The decodes' latency budget (`max_prefill_tokens_with_decodes`, as SGLang's chunked-prefill size
-and vLLM's long-prefill threshold bound it): in a step that runs decodes, 2 and 3 together get at
-most that many tokens, so a long prompt goes in chunks instead of stalling the decodes that share
-its step; the oldest prefill goes first, so every prompt still finishes.
+and vLLM's long-prefill threshold bound it): in a step that runs decodes (at least
+`prefill_cap_min_decodes` of them), 2 and 3 together get at most that many tokens, so a long prompt
+goes in chunks instead of stalling the decodes that share its step; the oldest prefill goes first,
+so every prompt still finishes.
 A running sequence that cannot get a block preempts the lowest-ranked running sequence (lowest
 priority, latest arrival) among those whose blocks it may take (a shard-aware eviction policy
 rules out tenants within their guarantee), possibly itself: the victim's blocks are freed and it
@@ -91,9 +92,9 @@ class Scheduler(SchedulerInterface):
         self.num_preemptions = 0
         self.preemptions_by_tenant: Counter[str] = Counter()
         self.speculator = Speculator(speculative, max_model_len) if speculative is not None else None
-        cap = config.prefill_cap_with_decodes
-        logger.info("decode latency budget: %s", f"at most {cap} prompt tokens per step beside decodes" if cap else
-                    "off (prompts may fill a step's max_num_batched_tokens; --max-prefill-tokens-with-decodes sets one)")
+        cap, least = config.prefill_cap_with_decodes, max(config.prefill_cap_min_decodes, 1)
+        logger.info("decode latency budget: %s", f"at most {cap} prompt tokens per step beside {least}+ decodes" if cap
+                    else "off (prompts may fill a step's max_num_batched_tokens; --max-prefill-tokens-with-decodes sets one)")
 
     @property
     def running(self) -> list[Sequence]:
@@ -147,7 +148,8 @@ class Scheduler(SchedulerInterface):
             if seq.status is SequenceStatus.RUNNING and seq.seq_id not in step.scheduled:
                 self._schedule_running(seq, step)
         cap = self.config.prefill_cap_with_decodes
-        if cap is not None and step.scheduled:  # decodes run this step: bound what they wait for
+        if cap is not None and step.scheduled and len(step.scheduled) >= self.config.prefill_cap_min_decodes:
+            # enough decodes run this step: bound what they wait for
             step.prefill_budget = cap
         for seq in prefills:
             if step.prefill_room == 0:

@@ -20,9 +20,9 @@ from tests.runtime.test_scheduler import EOS, make_seq, run_step
 CAP = 8
 
 
-def capped_scheduler(cap: int = CAP, max_tokens: int = 64, chunked: bool = True) -> Scheduler:
+def capped_scheduler(cap: int = CAP, max_tokens: int = 64, chunked: bool = True, min_decodes: int = 0) -> Scheduler:
     config = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_tokens, enable_chunked_prefill=chunked,
-                             max_prefill_tokens_with_decodes=cap)
+                             max_prefill_tokens_with_decodes=cap, prefill_cap_min_decodes=min_decodes)
     return Scheduler(config, KVCacheManager(256, 4), 512, eos_token_ids=[EOS])
 
 
@@ -48,6 +48,18 @@ def test_a_long_prompt_is_chunked_to_the_budget_while_decodes_run_and_still_fini
         assert prompt_tokens <= CAP
         prompt_steps += 1
     assert prompt_steps == -(-50 // CAP)  # 7 steps of at most 8 tokens: no starvation, no wasted step
+
+
+def test_the_budget_binds_only_beside_enough_decodes():
+    """With prefill_cap_min_decodes=4, a prompt beside 3 decodes fills the step; beside 4 it is chunked."""
+    scheduler = capped_scheduler(min_decodes=4)
+    for i in range(3):
+        scheduler.add_request(make_seq(f"d{i}", 4, max_tokens=40))
+    run_step(scheduler)
+    scheduler.add_request(make_seq("burst", 40, max_tokens=40))
+    assert split(run_step(scheduler)) == (3, 40)  # few decodes: the whole prompt at once
+    scheduler.add_request(make_seq("long", 40, max_tokens=2))
+    assert split(run_step(scheduler)) == (4, CAP)  # four decodes now: the budget holds
 
 
 def test_the_budget_is_shared_by_running_prefills_and_new_prompts_oldest_first():
