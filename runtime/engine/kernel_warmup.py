@@ -10,8 +10,9 @@ launches of `tuning_plan`, on dummy inputs that read the real cache and write no
 
 Triton's on-disk autotune cache (TRITON_CACHE_AUTOTUNING) is switched on for the engine unless the
 user set the variable, so the next start on the same machine and Triton cache reads the results
-back instead of benchmarking (`enable_autotune_disk_cache`). CUDA only; the CPU interpreter has
-one config per kernel and nothing to tune.
+back instead of benchmarking (`enable_autotune_disk_cache`); the choices it cannot keep (configs
+with pre-launch hooks: the GEMMs) go to records of their own (`tuning_records.py`). CUDA only; the
+CPU interpreter has one config per kernel and nothing to tune.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from triton.runtime.autotuner import Autotuner
 from sits.kernels.launch_utils import cdiv, is_interpreter, num_sms
 from sits.runtime.attention.backend import AttentionMetadata
 from sits.runtime.engine.tuning_plan import DecodeShape, KernelLimits, PrefillShape, TuningPlan, tuning_plan
+from sits.runtime.engine.tuning_records import load_choices, save_choices
 
 if TYPE_CHECKING:
     from sits.runtime.config import SchedulerConfig
@@ -115,9 +117,14 @@ def pretune_kernels(runner: ModelRunner, dtype: torch.dtype, scheduler: Schedule
         return None
     disk_cache = enable_autotune_disk_cache()
     start = time.perf_counter()
+    tuners, gpu = kernel_autotuners(), torch.cuda.get_device_name(runner.device)
+    if disk_cache:  # choices Triton's disk cache cannot keep (configs with pre-launch hooks)
+        load_choices(tuners, gpu)
     plan = tuning_plan(kernel_limits(runner, scheduler, max_model_len))
     shapes = run_attention_plan(runner, dtype, plan) + run_gemm_plan(runner.model, dtype, plan.gemm_rows)
     torch.cuda.synchronize(runner.device)
+    if disk_cache:
+        save_choices(tuners, gpu)
     report = WarmupReport(shapes, time.perf_counter() - start, disk_cache)
     where = ("cached on disk for the next start" if disk_cache
              else f"{AUTOTUNE_CACHE_ENV} is off: tuned again at every start")

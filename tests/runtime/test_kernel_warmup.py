@@ -14,6 +14,8 @@ import random
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from sits.kernels.attention_decode import plan_decode_splits
 from sits.kernels.attention_prefill import prefill_len_bucket
@@ -36,6 +38,13 @@ from sits.runtime.engine.tuning_plan import (
     int_specialization,
     tuning_plan,
 )
+
+
+@triton.jit
+def _fill_kernel(out_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offsets, 1.0, mask=offsets < n)
+
 
 LIMITS = {
     "llama-3-8b on an H200": KernelLimits(8192, 256, 8192, 16, 8, 132, 150_000 * 16),
@@ -213,3 +222,40 @@ def _scheduler(max_num_batched_tokens: int, max_num_seqs: int):
     from sits.runtime.config import SchedulerConfig
 
     return SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+
+
+def _zero_output(nargs):
+    nargs["out_ptr"].zero_()
+
+
+def _hooked_tuner(block_sizes=(16, 32)):
+    """An autotuner whose configs carry a pre-launch hook, like the GEMMs' split-K configs."""
+    configs = [triton.Config({"BLOCK": block}, num_warps=4, pre_hook=_zero_output) for block in block_sizes]
+    return triton.autotune(configs=configs, key=["n"])(_fill_kernel)
+
+
+def test_choices_triton_cannot_keep_survive_a_restart(tmp_path, monkeypatch):
+    from sits.runtime.engine.tuning_records import (
+        RECORD_FILE,
+        load_choices,
+        save_choices,
+        unrecorded_by_triton,
+    )
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    first = _hooked_tuner()
+    assert unrecorded_by_triton([first]) == [first]
+    first.cache[(64, "torch.float16")] = first.configs[1]
+    first.cache[(8, "torch.float32")] = first.configs[0]
+    assert save_choices([first], "GPU A") == 2
+
+    restarted = _hooked_tuner()
+    assert load_choices([restarted], "GPU A") == 2
+    assert restarted.cache == {(64, "torch.float16"): restarted.configs[1], (8, "torch.float32"): restarted.configs[0]}
+    assert load_choices([_hooked_tuner()], "GPU B") == 0  # another GPU: tuned afresh
+    assert load_choices([_hooked_tuner((16, 64))], "GPU A") == 0  # other configs: tuned afresh
+
+    for record in tmp_path.rglob(RECORD_FILE):
+        record.write_text('[["(64,", 1]]')  # damaged: skipped, the keys are tuned again
+    damaged = _hooked_tuner()
+    assert load_choices([damaged], "GPU A") == 0 and damaged.cache == {}
