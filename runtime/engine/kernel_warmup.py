@@ -146,7 +146,7 @@ def run_attention_plan(runner: ModelRunner, dtype: torch.dtype, plan: TuningPlan
     Nothing runs (0) for back ends whose kernels do not autotune (the torch reference).
     """
     backend = getattr(runner.model, "backend", None)
-    if getattr(backend, "name", None) not in TUNED_BACKENDS:
+    if backend is None or getattr(backend, "name", None) not in TUNED_BACKENDS:
         return 0
     k_cache, v_cache = runner.kv_caches[0]
     config = runner.model.config
@@ -208,8 +208,8 @@ def run_gemm_plan(model: torch.nn.Module, dtype: torch.dtype, rows: Iterable[int
         return 0
     launches = 0
     for layer in quantized_layers(model):
-        device = layer.weight.device
-        inputs = torch.randn(rows[-1], layer.in_features, dtype=dtype, device=device)
+        device = layer.weight.device  # type: ignore[union-attr]  # a tensor: quantized_layers checked it
+        inputs = torch.randn(rows[-1], int(layer.in_features), dtype=dtype, device=device)  # type: ignore[arg-type]
         for count in rows:
             layer(inputs[:count])
             launches += 1

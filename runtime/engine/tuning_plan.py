@@ -15,10 +15,11 @@ Pure host code: the same bucket functions the kernel launchers call, no device.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from sits.kernels.attention_decode import plan_decode_splits, split_count
+from sits.kernels.attention_decode import DecodeSplitPlan, plan_decode_splits, split_count
 from sits.kernels.attention_prefill import prefill_len_bucket
 from sits.kernels.launch_utils import cdiv, length_bucket
 
@@ -137,7 +138,11 @@ def _prefill_shapes(limits: KernelLimits) -> tuple[PrefillShape, ...]:
                      | {prefill_len_bucket(longest)})
     shapes = []
     for bucket in buckets:
-        query_len = _last_true(1, longest, lambda q, b=bucket: prefill_len_bucket(q) <= b)
+
+        def within(query_len: int, bucket: int = bucket) -> bool:
+            return prefill_len_bucket(query_len) <= bucket
+
+        query_len = _last_true(1, longest, within)
         context_len = min(limits.context_limit, max(query_len, PREFILL_MIN_CONTEXT))
         num_seqs = min(limits.max_num_seqs, limits.max_num_batched_tokens // query_len,
                        limits.cache_tokens // context_len)
@@ -167,18 +172,24 @@ def _decode_shapes(limits: KernelLimits) -> tuple[DecodeShape, ...]:
 def _context_witnesses(num_seqs: int, limits: KernelLimits) -> list[int]:
     """The longest context of each (split count, split bucket) that num_seqs decodes can have."""
 
-    def plan(max_context: int):
+    def plan(max_context: int) -> DecodeSplitPlan:
         return plan_decode_splits(num_seqs, limits.num_kv_heads, max_context, limits.num_sms)
+
+    def same_splits(max_context: int, splits: int) -> bool:
+        return plan(max_context).requested_splits == splits
+
+    def within(max_context: int, bucket: int) -> bool:
+        return plan(max_context).split_bucket <= bucket
 
     witnesses = []
     low, limit = 1, limits.context_limit
     while low <= limit:
         splits = plan(low).requested_splits
-        high = _last_true(low, limit, lambda c, s=splits: plan(c).requested_splits == s)
+        high = _last_true(low, limit, functools.partial(same_splits, splits=splits))
         start = low
         while start <= high:  # tokens per split grow with the context inside one split count
             bucket = plan(start).split_bucket
-            end = _last_true(start, high, lambda c, b=bucket: plan(c).split_bucket <= b)
+            end = _last_true(start, high, functools.partial(within, bucket=bucket))
             witnesses.append(end)
             start = end + 1
         low = high + 1
