@@ -208,7 +208,7 @@ def run_gemm_plan(model: torch.nn.Module, dtype: torch.dtype, rows: Iterable[int
         return 0
     launches = 0
     for layer in quantized_layers(model):
-        device = layer.weight.device  # type: ignore[union-attr]  # a tensor: quantized_layers checked it
+        device = layer.weight.device  # a tensor: quantized_layers checked it
         inputs = torch.randn(rows[-1], int(layer.in_features), dtype=dtype, device=device)  # type: ignore[arg-type]
         for count in rows:
             layer(inputs[:count])
