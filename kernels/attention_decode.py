@@ -19,6 +19,8 @@ upcast to q's dtype for the dot and the scales fold into the softmax scale and t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -35,7 +37,14 @@ from sits.kernels.launch_utils import autotune, cdiv, length_bucket, next_power_
 from sits.kernels.paged_kv import paged_tile_blocks
 from sits.kernels.reference import paged_decode_attention_reference
 
-__all__ = ["choose_num_splits", "paged_decode_attention", "paged_decode_attention_reference"]
+__all__ = [
+    "DecodeSplitPlan",
+    "choose_num_splits",
+    "paged_decode_attention",
+    "paged_decode_attention_reference",
+    "plan_decode_splits",
+    "split_count",
+]
 
 LOG2_E = 1.4426950408889634
 SPLIT_GRANULE = 128  # tokens; every split length is a multiple of every BLOCK_N below
@@ -69,9 +78,18 @@ def _prune_configs(configs, named_args, **kwargs):
     return kept or configs[:1]
 
 
+# Arguments that change from step to step without changing the code are not specialized, so a
+# step never recompiles what the start-up pre-tune built: the block-table row stride (the widest
+# table of the batch), the partial buffers' strides (they follow the split count) and the
+# addresses of per-sequence rows (a mixed step's decodes start after its prefills).
+_VARYING_INTS = ["stride_block_table", "stride_po_seq", "stride_po_head", "stride_po_split", "stride_pl_seq",
+                 "stride_pl_head", "tokens_per_split", "split_bucket"]
+_VARYING_POINTERS = ["block_tables_ptr", "seq_lens_ptr", "k_scale_ptr", "v_scale_ptr"]
+
+
 @autotune(_GPU_CONFIGS, _INTERPRETER_CONFIG, ["HEAD_DIM", "PAGE_SIZE", "BLOCK_G", "FP8_KV", "SINGLE_SPLIT", "split_bucket"],
           _prune_configs)
-@triton.jit
+@triton.jit(do_not_specialize=_VARYING_INTS, do_not_specialize_on_alignment=_VARYING_POINTERS)
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, partial_out_ptr, partial_lse_ptr, k_scale_ptr, v_scale_ptr,
@@ -150,7 +168,8 @@ def _decode_split_kernel(
         tl.store(partial_lse_ptr + seq * stride_pl_seq + q_heads * stride_pl_head + split, lse, mask=head_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_pl_seq", "stride_pl_head", "tokens_per_split"],
+            do_not_specialize_on_alignment=["seq_lens_ptr"])
 def _decode_merge_kernel(
     partial_out_ptr, partial_lse_ptr, seq_lens_ptr, out_ptr,
     stride_po_seq, stride_po_head, stride_po_split,
@@ -184,19 +203,75 @@ def _decode_merge_kernel(
     tl.store(out_ptr + seq * stride_o_seq + head * stride_o_head + offs_d, merged.to(out_ptr.dtype.element_ty))
 
 
-def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
-    """Context splits: none when sequences x KV heads fill the GPU, else about 4 programs per multiprocessor.
+def split_count(num_seqs: int, num_kv_heads: int, max_context: int, sms: int) -> int:
+    """Context splits: none when sequences x KV heads fill the GPU's `sms` multiprocessors, else
+    about 4 programs per multiprocessor.
 
     Each split keeps at least MIN_TOKENS_PER_SPLIT tokens, so short contexts are not split into
-    pieces whose merge costs more than it saves.
+    pieces whose merge costs more than it saves. Non-decreasing in max_context.
     """
     programs = max(num_seqs * num_kv_heads, 1)
-    sms = num_sms(device)
     if programs >= sms:
         return 1  # on an H200, splitting a batch that already fills the GPU only added the merge's cost
     wanted = 4 * sms // programs
     most = max(1, max_context // MIN_TOKENS_PER_SPLIT)
     return max(1, min(wanted, most, MAX_SPLITS))
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+    """`split_count` on this device's multiprocessors."""
+    return split_count(num_seqs, num_kv_heads, max_context, num_sms(device))
+
+
+@dataclass(frozen=True)
+class DecodeSplitPlan:
+    """How one launch cuts its contexts, and the compile / autotune keys that follow.
+
+    Attributes:
+        requested_splits: the split count asked for (`split_count`, or the caller's num_splits).
+        num_splits: splits launched: ceil(max_context / tokens_per_split).
+        tokens_per_split: tokens per split, a multiple of SPLIT_GRANULE (the whole context with one split).
+    """
+
+    requested_splits: int
+    num_splits: int
+    tokens_per_split: int
+
+    @property
+    def single(self) -> bool:
+        """One split: the split kernel writes the output and no merge runs."""
+        return self.num_splits == 1
+
+    @property
+    def split_bucket(self) -> int:
+        """The split kernel's autotune bucket (a power of two >= tokens_per_split)."""
+        return length_bucket(self.tokens_per_split, cap=1 << 20)
+
+    @property
+    def merge_block(self) -> int:
+        """The merge kernel's BLOCK_S (a compile-time size), 0 when no merge runs.
+
+        It follows the requested count, which is constant over a range of context lengths, so
+        fewer sizes get compiled; splits past num_splits are masked."""
+        return 0 if self.single else max(2, next_power_of_2(self.requested_splits))
+
+    @property
+    def key(self) -> tuple[bool, int, int]:
+        """(single, split_bucket, merge_block): what selects the launch's compiled kernels."""
+        return self.single, self.split_bucket, self.merge_block
+
+
+def plan_decode_splits(num_seqs: int, num_kv_heads: int, max_context: int, sms: int,
+                       num_splits: int | None = None) -> DecodeSplitPlan:
+    """The split plan of a launch over num_seqs sequences whose contexts are at most max_context
+    tokens, on a GPU of `sms` multiprocessors (num_splits: the caller's count, else `split_count`)."""
+    requested = split_count(num_seqs, num_kv_heads, max_context, sms) if num_splits is None else int(num_splits)
+    require(requested >= 1, f"num_splits must be >= 1, got {num_splits}")
+    tokens_per_split = max(SPLIT_GRANULE, cdiv(cdiv(max(max_context, 1), requested), SPLIT_GRANULE) * SPLIT_GRANULE)
+    launched = max(1, cdiv(max_context, tokens_per_split))
+    if launched == 1:
+        tokens_per_split = max(tokens_per_split, max_context)
+    return DecodeSplitPlan(requested, launched, tokens_per_split)
 
 
 def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out, k_scale, v_scale):
@@ -247,15 +322,10 @@ def paged_decode_attention(
         return out
     max_context = block_tables.shape[1] * page_size if max_seq_len is None else int(max_seq_len)
     require(max_context >= 0, f"max_seq_len must be >= 0, got {max_seq_len}")
-    if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context, q.device)
-    require(int(num_splits) >= 1, f"num_splits must be >= 1, got {num_splits}")
     require(num_seqs <= MAX_GRID_Y, f"at most {MAX_GRID_Y} sequences per launch, got {num_seqs}")
-    tokens_per_split = max(SPLIT_GRANULE, cdiv(cdiv(max(max_context, 1), int(num_splits)), SPLIT_GRANULE) * SPLIT_GRANULE)
-    num_splits = max(1, cdiv(max_context, tokens_per_split))
-    single = num_splits == 1
+    plan = plan_decode_splits(num_seqs, num_kv_heads, max_context, num_sms(q.device), num_splits)
+    num_splits, tokens_per_split, single = plan.num_splits, plan.tokens_per_split, plan.single
     if single:
-        tokens_per_split = max(tokens_per_split, max_context)
         partial_out = partial_lse = out  # unused
     else:
         partial_out = torch.empty(num_seqs, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
@@ -273,7 +343,7 @@ def paged_decode_attention(
         block_tables.stride(0),
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2) if not single else 0,
         partial_lse.stride(0), partial_lse.stride(1),
-        tokens_per_split, group, length_bucket(tokens_per_split, cap=1 << 20),
+        tokens_per_split, group, plan.split_bucket,
         HEAD_DIM=head_dim, BLOCK_G=max(16, next_power_of_2(group)), PAGE_SIZE=page_size,
         SINGLE_SPLIT=single, FP8_KV=fp8,
     )  # fmt: skip
@@ -284,7 +354,7 @@ def paged_decode_attention(
             partial_lse.stride(0), partial_lse.stride(1),
             out.stride(0), out.stride(1),
             tokens_per_split,
-            HEAD_DIM=head_dim, BLOCK_S=max(2, next_power_of_2(num_splits)),
+            HEAD_DIM=head_dim, BLOCK_S=plan.merge_block,
             num_warps=4,
         )  # fmt: skip
     return out

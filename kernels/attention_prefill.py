@@ -50,6 +50,7 @@ from sits.kernels.reference import paged_prefill_attention_reference, varlen_att
 
 __all__ = [
     "paged_prefill_attention",
+    "prefill_len_bucket",
     "paged_prefill_attention_reference",
     "varlen_attention_reference",
     "varlen_prefill_attention",
@@ -83,7 +84,7 @@ _INTERPRETER_CONFIG = _config(16, 32, 4, 1)  # block 16: several pages per key t
 def _prune_configs(configs, named_args, **kwargs):
     """Keep tiles that fit the head size in registers and do not dwarf the longest query."""
     head_dim = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM"))
-    max_query = kwargs.get("LEN_BUCKET", named_args.get("LEN_BUCKET"))
+    max_query = named_args["len_bucket"]
     kept = []
     for config in configs:
         block_m, block_n = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
@@ -148,9 +149,19 @@ def _attend_key_tiles(
     return acc, l_i, m_i
 
 
-@autotune(_GPU_CONFIGS, _INTERPRETER_CONFIG, ["HEAD_DIM", "PAGED", "PAGE_SIZE", "CAUSAL", "FP8_KV", "LEN_BUCKET"],
+def prefill_len_bucket(max_query_len: int) -> int:
+    """The autotune bucket of a launch: the power of two >= its longest query chunk (capped at 8192)."""
+    return length_bucket(max_query_len)
+
+
+# `len_bucket` only keys the autotuner and its pruning, so it is a plain argument: one binary per
+# config serves every bucket. The block-table row stride (the batch's widest table) and the
+# addresses of the fp8 scales vary from step to step; they are not specialized either, so no
+# step recompiles a kernel the start-up pre-tune already built.
+@autotune(_GPU_CONFIGS, _INTERPRETER_CONFIG, ["HEAD_DIM", "PAGED", "PAGE_SIZE", "CAUSAL", "FP8_KV", "len_bucket"],
           _prune_configs)
-@triton.jit
+@triton.jit(do_not_specialize=["stride_block_table", "len_bucket"],
+            do_not_specialize_on_alignment=["k_scale_ptr", "v_scale_ptr"])
 def _prefill_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr,
     cu_seqlens_q_ptr, kv_lengths_ptr, block_tables_ptr, k_scale_ptr, v_scale_ptr,
@@ -160,9 +171,9 @@ def _prefill_attention_kernel(
     stride_v_block, stride_v_token, stride_v_head,
     stride_o_token, stride_o_head,
     stride_block_table,
-    num_q_heads, group_size,
+    num_q_heads, group_size, len_bucket,
     HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
-    FP8_KV: tl.constexpr, LEN_BUCKET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    FP8_KV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     head = tl.program_id(0) % num_q_heads
     seq = tl.program_id(0) // num_q_heads
@@ -261,9 +272,8 @@ def _launch(
         v_block_stride, v_token_stride, v_head_stride,
         out.stride(0), out.stride(1),
         block_tables.stride(0),
-        num_q_heads, group,
+        num_q_heads, group, prefill_len_bucket(max_query_len),
         HEAD_DIM=head_dim, PAGED=paged, PAGE_SIZE=k.shape[1] if paged else 1, CAUSAL=causal, FP8_KV=fp8,
-        LEN_BUCKET=length_bucket(max_query_len),
     )  # fmt: skip
     return out
 

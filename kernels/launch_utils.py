@@ -30,12 +30,27 @@ def pick_configs(gpu_configs: Sequence, interpreter_config) -> list:
     return [interpreter_config] if is_interpreter() else list(gpu_configs)
 
 
+# Timing budget of one config while autotuning (Triton's default: 25 ms warm-up, 100 ms of runs).
+# A kernel of 10 us to 2 ms still gets 12 to 2,500 timed runs, and the start-up pre-tune of every
+# bucket (runtime/engine/kernel_warmup.py) takes a quarter of the time.
+AUTOTUNE_WARMUP_MS = 5
+AUTOTUNE_REP_MS = 25
+
+
+def _bench_config(kernel_call: Callable[[], None], quantiles: Sequence[float]) -> list[float]:
+    """Milliseconds of one config at `quantiles` (the autotuner's benchmark)."""
+    from triton.testing import do_bench
+
+    return do_bench(kernel_call, warmup=AUTOTUNE_WARMUP_MS, rep=AUTOTUNE_REP_MS, quantiles=list(quantiles))
+
+
 def autotune(gpu_configs: Sequence, interpreter_config, key: Sequence[str], prune: Callable | None = None):
     """`triton.autotune` over this process's configs (`pick_configs`), re-tuned for each new value
     of the `key` arguments; `prune(configs, named_args, **kwargs)` drops the configs that cannot
-    run a call's shapes before any is timed."""
+    run a call's shapes before any is timed. Each config is timed for AUTOTUNE_REP_MS."""
     return triton.autotune(configs=pick_configs(gpu_configs, interpreter_config), key=list(key),
-                           prune_configs_by=None if prune is None else {"early_config_prune": prune})
+                           prune_configs_by=None if prune is None else {"early_config_prune": prune},
+                           do_bench=_bench_config)
 
 
 def require(condition: bool, message: str) -> None:

@@ -1,6 +1,6 @@
-"""Putting a loaded model to work before the engine's first step: quantization, torch.compile and
-CUDA-graph capture (with the reason in the log when graphs are off), and the checkpoint's head size
-that picks the attention back end.
+"""Putting a loaded model to work before the engine's first step: quantization, torch.compile, the
+kernels' pre-tune (`kernel_warmup.py`) and CUDA-graph capture (with the reason in the log when
+graphs are off), and the checkpoint's head size that picks the attention back end.
 """
 
 from __future__ import annotations
@@ -32,13 +32,19 @@ def quantize(loaded: LoadedModel, method: str) -> None:
 
 
 def prepare_execution(runner: ModelRunner, loaded: LoadedModel, config: EngineConfig, max_model_len: int) -> None:
-    """torch.compile (--compile) and CUDA-graph capture of decode steps, with the reason when graphs are off."""
+    """torch.compile (--compile), the pre-tune of every kernel key the steps can reach (on CUDA, with
+    or without --enforce-eager: eager steps launch the same kernels) and CUDA-graph capture of decode
+    steps, with the reason when graphs are off."""
     from sits.runtime.engine.cuda_graphs import decode_batch_sizes
 
     if config.compile:
         from sits.runtime.engine.compilation import compile_non_attention
 
         compile_non_attention(loaded.model)
+    if loaded.device.type == "cuda":
+        from sits.runtime.engine.kernel_warmup import pretune_kernels
+
+        pretune_kernels(runner, loaded.dtype, config.scheduler, max_model_len)
     backend = getattr(loaded.model, "backend", None)
     if loaded.device.type != "cuda":
         reason = "not on CUDA"

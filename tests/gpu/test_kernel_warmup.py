@@ -1,0 +1,133 @@
+"""No autotune and no kernel compile after start-up: the engine's pre-tune reaches every key.
+
+An engine over SmolLM2-135M (bf16, Triton attention; and fp8 weights without CUDA graphs) starts,
+its kernels pre-tuned; then a workload of varied prompt lengths (1 to 1,900 tokens, chunked
+across steps), shared prefixes (prefix-cache hits: short chunks over long contexts), decodes that
+cross every power of two up to the 2,048-token context and arrivals in the middle of decoding
+(mixed steps), with decode batches both inside and above the CUDA-graph sizes. Afterwards no
+autotuner of `sits.kernels` holds a key it did not hold after start-up, and the attention and GEMM
+kernels compiled no new binary (any other kernel's new binaries are printed). RESULT lines give
+the pre-tune's count and time.
+
+The model file: $SITS_SMOLLM2_GGUF, else the embedded one. Skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from sits.runtime.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from sits.runtime.engine.engine import LLMEngine
+from sits.runtime.engine.kernel_warmup import kernel_autotuners
+from sits.runtime.engine.request import SamplingParams
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+MAX_MODEL_LEN = 2048
+PRETUNED_MODULES = ("attention_prefill.", "attention_decode.", "fp8_gemm.", "int8_gemm.", "fp8_quantize.")
+CONFIGS = {  # name: (quantization, enforce_eager)
+    "bf16, CUDA graphs": ("none", False),
+    "fp8 weights, eager": ("fp8", True),
+}
+
+
+def gguf_path() -> Path:
+    if os.environ.get("SITS_SMOLLM2_GGUF"):
+        return Path(os.environ["SITS_SMOLLM2_GGUF"])
+    from sits.runtime.models.embedded import embedded_gguf_path
+
+    return embedded_gguf_path()
+
+
+def jit_functions() -> dict[str, object]:
+    """Every Triton JIT function of sits.kernels (unwrapping autotuners and heuristics), by name."""
+    import importlib
+    import pkgutil
+
+    from triton.runtime.jit import JITFunction
+
+    import sits.kernels
+
+    found: dict[str, object] = {}
+    for info in pkgutil.iter_modules(sits.kernels.__path__):
+        module = importlib.import_module(f"sits.kernels.{info.name}")
+        for value in vars(module).values():
+            while not isinstance(value, JITFunction) and hasattr(value, "fn"):
+                value = value.fn
+            if isinstance(value, JITFunction):
+                found[f"{info.name}.{value.__name__}"] = value
+    return found
+
+
+def compiled_binaries() -> dict[str, int]:
+    """Compiled binaries per JIT function (each device's kernel cache)."""
+    return {name: sum(len(caches[0]) for caches in fn.device_caches.values())
+            for name, fn in jit_functions().items()}
+
+
+def tuned_keys() -> dict[str, set]:
+    return {f"{t.base_fn.__name__}@{id(t)}": set(t.cache) for t in kernel_autotuners()}
+
+
+def workload(llm: LLMEngine, seed: int) -> int:
+    """Varied requests, some arriving while others decode; returns the steps run."""
+    rng = random.Random(seed)
+    vocab = llm.vocab_size
+    shared = [rng.randrange(3, vocab) for _ in range(700)]
+    lengths = [1, 2, 3, 15, 17, 100, 129, 255, 257, 600, 1000, 1023, 1025, 1500, 1900]
+    requests = []
+    for index, length in enumerate(lengths * 3):
+        prompt = [rng.randrange(3, vocab) for _ in range(length)]
+        if index % 4 == 0 and length > 10:
+            prompt = shared + prompt[: max(1, length - len(shared))]  # a prefix-cache hit after the first
+        room = MAX_MODEL_LEN - len(prompt)
+        tokens = max(1, min(room, rng.choice([1, 8, 64, 300, 1100])))
+        requests.append((f"r{index}", prompt, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)))
+    steps = 0
+    while requests or llm.has_unfinished_requests():
+        if requests and (steps % 7 == 0 or not llm.has_unfinished_requests()):
+            for _ in range(rng.randint(1, 6)):
+                if requests:
+                    llm.add_request(*requests.pop())
+        llm.step()
+        steps += 1
+    return steps
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_no_autotune_or_compile_after_start(name, caplog):
+    quantization, eager = CONFIGS[name]
+    config = EngineConfig(
+        model=ModelConfig(model=str(gguf_path()), device="cuda", dtype="bfloat16", quantization=quantization,
+                          max_model_len=MAX_MODEL_LEN),
+        cache=CacheConfig(block_size=16, gpu_memory_utilization=0.5),
+        scheduler=SchedulerConfig(max_num_seqs=48, max_num_batched_tokens=1024),
+        attention_backend="triton", enforce_eager=eager, cuda_graph_max_batch_size=16,
+    )
+    start = time.perf_counter()
+    with caplog.at_level(logging.INFO, logger="sits.runtime.engine.kernel_warmup"):
+        llm = LLMEngine.from_config(config, progress=False)
+    started = time.perf_counter() - start
+    tuned_line = next((r.getMessage() for r in caplog.records if "kernels tuned" in r.getMessage()), None)
+    print(f"RESULT {name}: engine ready in {started:.1f} s; {tuned_line}")
+    assert tuned_line is not None
+    keys, binaries = tuned_keys(), compiled_binaries()
+    run_start = time.perf_counter()
+    steps = workload(llm, seed=len(name))
+    print(f"RESULT {name}: {steps} steps of the varied workload in {time.perf_counter() - run_start:.1f} s")
+    new_keys = {tuner: sorted(map(str, tuned_keys()[tuner] - seen)) for tuner, seen in keys.items()}
+    new_keys = {tuner: added for tuner, added in new_keys.items() if added}
+    new_binaries = {fn: count - binaries.get(fn, 0) for fn, count in compiled_binaries().items()
+                    if count != binaries.get(fn, 0)}
+    print(f"RESULT {name}: new autotune keys {new_keys or 'none'}; new compiled binaries {new_binaries or 'none'}")
+    assert not new_keys
+    # The pre-tune's kernels compile nothing more; the element-wise ones (RMSNorm, SiLU-mul, RoPE +
+    # KV write) compile during the start-up forwards and are reported above if a step adds one.
+    assert not {fn: count for fn, count in new_binaries.items() if fn.startswith(PRETUNED_MODULES)}
