@@ -141,11 +141,12 @@ def _on_cpu(device: str) -> bool:
     return False
 
 
-def device_defaults(device: str):
-    """The limits (`sits.runtime.hardware.EngineDefaults`) that suit the device the engine will run on."""
+def device_defaults(device: str, quantization: str = "none", kv_cache_dtype: str = "auto"):
+    """The limits (`sits.runtime.hardware.EngineDefaults`) that suit the device the engine will run on
+    (fp8 weights with an fp8 KV cache on an H200-class GPU: throughput mode)."""
     from sits.runtime.hardware import CPU_DEFAULTS, detect_gpu, engine_defaults
 
-    return CPU_DEFAULTS if _on_cpu(device) else engine_defaults(detect_gpu())
+    return CPU_DEFAULTS if _on_cpu(device) else engine_defaults(detect_gpu(), quantization, kv_cache_dtype)
 
 
 def engine_config_from_args(args: argparse.Namespace, chosen=None) -> EngineConfig:
@@ -155,7 +156,7 @@ def engine_config_from_args(args: argparse.Namespace, chosen=None) -> EngineConf
     (`device_defaults`, which imports torch and probes CUDA unless the engine surely runs on the CPU)."""
     from sits.runtime.hardware import CPU_DEFAULTS, log_defaults
 
-    chosen = chosen or device_defaults(args.device)
+    chosen = chosen or device_defaults(args.device, args.quantization, getattr(args, "kv_cache_dtype", None) or "auto")
     defaults = {"max_num_seqs": chosen.max_num_seqs, "max_num_batched_tokens": chosen.max_num_batched_tokens}
     graph_max = getattr(args, "cuda_graph_max_batch_size", None)
     if chosen is not CPU_DEFAULTS:
