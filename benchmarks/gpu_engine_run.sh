@@ -32,6 +32,10 @@
 #   fp8-b32   the same at batch 32, 2,048 / 512; beside the issue's 4,600 target
 #          (the three fp8 steps print a RESULT line each: a published figure, not measured in this run;
 #          without --kv-cache-dtype in this build they run with the model-dtype cache and say so)
+#   fp8-wo    batch 32, 2,048 / 512 with --fp8-mode weight-only (bf16 activations, fp8 weights dequantized in
+#          the GEMM's load: the path of GPUs without fp8 tensor cores), beside the fp8-b32 and bf16 steps
+#   fp8-wo-gemm  benchmarks/bench_fp8_weight_only.py: that GEMM at M = 1, 8, 16, 32 on Llama-3-8B's
+#          projections against bf16 cuBLAS (F.linear) in the same run; RESULT: ratio per M
 #   host   benchmarks/bench_engine_host_overhead.py: the engine's host work per decode step on this
 #          machine's CPU (tiny model, batch 1 / 32 / 256, async off and on), phase by phase
 # The summary (every table, the tests' RESULT lines, each step's exit code) is printed last and
@@ -56,18 +60,24 @@ SUMMARY="$LOG_DIR/summary.md"
 # --kv-cache-dtype fp8 when this build has the flag (the fp8 KV cache), else nothing.
 KV_FP8=$(python3 benchmarks/bench_e2e.py --help 2>/dev/null | grep -q -- "--kv-cache-dtype" && echo "--kv-cache-dtype fp8")
 FP8_BENCH="$BENCH --quantization fp8 $KV_FP8 --peer none --warmup-output-len 4"
-# One RESULT line in a step's log: its output tok/s beside a published figure (not measured here).
-published() {
-  python3 - "$LOG_DIR/$1.json" "$1" "$2" "$3" "${KV_FP8:-model-dtype KV cache (no --kv-cache-dtype in this build)}" \
+# One RESULT line in a step's log: its output tok/s beside another figure (LABEL says whose).
+result_line() {
+  python3 - "$LOG_DIR/$1.json" "$1" "$2" "$3" "${4:-${KV_FP8:-model-dtype KV cache (no --kv-cache-dtype in this build)}}" \
     >>"$LOG_DIR/$1.log" 2>&1 <<'PY'
 import json, sys
 path, step, figure, label, cache = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4], sys.argv[5]
 run = json.load(open(path))
 tok_s, setup = run["results"][0]["output_tok_s"], run["setup"]
 print(f"RESULT {step}: batch {setup['batch']}, {setup['input_len']} / {setup['output_len']}, {cache}: "
-      f"{tok_s:,.0f} output tok/s vs {label} {figure:,.0f} (published, not measured here): {tok_s / figure:.2f}x")
+      f"{tok_s:,.0f} output tok/s vs {label} {figure:,.0f}: {tok_s / figure:.2f}x")
 PY
 }
+# SITS's output tok/s in an earlier step's JSON (empty when that step did not run).
+sits_tok_s() {
+  python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['results'][0]['output_tok_s'])" \
+    "$LOG_DIR/$1.json" 2>/dev/null
+}
+PUBLISHED="TensorRT-LLM Llama-3.1-8B FP8 H200 (published, not measured here)"
 # transformers' output tok/s from an earlier step's JSON, so a later step need not measure it again.
 peer_flag() {
   local peer
@@ -102,15 +112,29 @@ for step in $STEPS; do
     fp8-2k2k)
       timeout "${FP8_2K2K_TIMEOUT:-240}" $FP8_BENCH --batch "${FP8_2K2K_BATCH:-448}" --input-len 2048 \
         --output-len 2048 --json "$LOG_DIR/fp8-2k2k.json" >"$LOG_DIR/fp8-2k2k.log" 2>&1 \
-        && published fp8-2k2k 12194 "TensorRT-LLM Llama-3.1-8B FP8 H200" ;;
+        && result_line fp8-2k2k 12194 "$PUBLISHED" ;;
     fp8-1k1k)
       timeout "${FP8_1K1K_TIMEOUT:-200}" $FP8_BENCH --batch 1024 --max-num-seqs 512 --input-len 1000 \
         --output-len 1000 --json "$LOG_DIR/fp8-1k1k.json" >"$LOG_DIR/fp8-1k1k.log" 2>&1 \
-        && published fp8-1k1k 17744 "TensorRT-LLM Llama-3.1-8B FP8 H200" ;;
+        && result_line fp8-1k1k 17744 "$PUBLISHED" ;;
     fp8-b32)
       timeout "${FP8_B32_TIMEOUT:-120}" $FP8_BENCH --batch 32 --input-len 2048 --output-len 512 \
         --json "$LOG_DIR/fp8-b32.json" >"$LOG_DIR/fp8-b32.log" 2>&1 \
-        && published fp8-b32 4600 "issue 14's target" ;;
+        && result_line fp8-b32 4600 "issue 14's target" ;;
+    fp8-wo)
+      timeout "${FP8_WO_TIMEOUT:-150}" $BENCH --quantization fp8 --fp8-mode weight-only --peer none \
+        --warmup-output-len 4 --batch 32 --input-len 2048 --output-len 512 --json "$LOG_DIR/fp8-wo.json" \
+        >"$LOG_DIR/fp8-wo.log" 2>&1
+      rc=$?
+      for ref in fp8-b32 bf16; do
+        figure=$(sits_tok_s $ref)
+        [ -n "$figure" ] && [ $rc -eq 0 ] && result_line fp8-wo "$figure" "the $ref step (this run)" \
+          "weight-only fp8, model-dtype KV cache"
+      done
+      (exit $rc) ;;
+    fp8-wo-gemm)
+      timeout "${FP8_WO_GEMM_TIMEOUT:-240}" python3 benchmarks/bench_fp8_weight_only.py \
+        --json "$LOG_DIR/fp8-wo-gemm.json" >"$LOG_DIR/fp8-wo-gemm.log" 2>&1 ;;
     itl)
       timeout "${ITL_TIMEOUT:-90}" $BENCH --batch 1 --input-len 2048 --output-len 128 \
         --json "$LOG_DIR/itl.json" >"$LOG_DIR/itl.log" 2>&1 ;;

@@ -15,6 +15,7 @@ import sys
 from sits.runtime.config import (
     ATTENTION_BACKENDS,
     DTYPES,
+    FP8_MODES,
     LOAD_FORMATS,
     QUANTIZATIONS,
     CacheConfig,
@@ -49,6 +50,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
                        help="fp8: e4m3 weights with per-channel scales and per-token activation scales; "
                             "int8: weight-only with per-group scales")
+    model.add_argument("--fp8-mode", default="auto", choices=FP8_MODES,
+                       help="with --quantization fp8: w8a8 (activations quantized per token, fp8 tensor cores), "
+                            "weight-only (bf16 activations, fp8 weights dequantized in the GEMM's load) or auto "
+                            "(weight-only on GPUs without fp8 tensor cores, before SM 8.9)")
     model.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
     engine = parser.add_argument_group("engine")
     engine.add_argument("--max-num-seqs", type=int, default=None,
@@ -167,6 +172,7 @@ def engine_config_from_args(args: argparse.Namespace, chosen=None) -> EngineConf
     config = EngineConfig(
         model=ModelConfig(model=args.model, served_model_name=args.served_model_name, dtype=args.dtype,
                           device=args.device, max_model_len=args.max_model_len, quantization=args.quantization,
+                          fp8_mode=getattr(args, "fp8_mode", "auto"),
                           seed=args.seed, load_format=getattr(args, "load_format", None) or "auto",
                           config_name=getattr(args, "config", None)),
         cache=CacheConfig(block_size=args.block_size, kv_cache_gb=args.kv_cache_gb,
