@@ -25,6 +25,8 @@
 #   hosttier  benchmarks/bench_host_kv_tier.py: Llama-3-8B shape, 64 tenants x 8k-token prefixes, 4x what
 #          the GPU cache holds, follow-ups; host tier off and on in one run (TTFT, tok/s, hits per tier)
 #   fp8    the bf16 run's batch with fp8 weights; transformers' figure is the bf16 step's, same run
+# Issue 14's fp8 steps run by name (cheapest first, so the GEMM benches' autotuning cache serves the rest):
+#   STEPS="fp8-modes fp8-wo-gemm fp8-b32 fp8-wo fp8-2k2k fp8-1k1k" benchmarks/gpu_engine_run.sh
 #   fp8-2k2k  fp8 weights + fp8 KV cache, 2,048 in / 2,048 out at batch $FP8_2K2K_BATCH (448: ~112 GiB of
 #          fp8 cache at 64 KiB/token holds 448 sequences of 4,096 tokens beside ~8 GiB of weights),
 #          throughput-mode defaults; output tok/s beside TensorRT-LLM's published 12,194 (Done when: 0.8x)
@@ -36,6 +38,9 @@
 #          the GEMM's load: the path of GPUs without fp8 tensor cores), beside the fp8-b32 and bf16 steps
 #   fp8-wo-gemm  benchmarks/bench_fp8_weight_only.py: that GEMM at M = 1, 8, 16, 32 on Llama-3-8B's
 #          projections against bf16 cuBLAS (F.linear) in the same run; RESULT: ratio per M
+#   fp8-modes  benchmarks/bench_fp8_accum.py: fp8_gemm with precise and fast accumulation (error against
+#          float32 sums, speed) beside torch._scaled_mm, Llama-3-8B projections at M = 32, 256, 4,096;
+#          writes LOG_DIR/fp8_accum_table.json (copy to kernels/fp8_accum_table.json to use it)
 #   host   benchmarks/bench_engine_host_overhead.py: the engine's host work per decode step on this
 #          machine's CPU (tiny model, batch 1 / 32 / 256, async off and on), phase by phase
 # The summary (every table, the tests' RESULT lines, each step's exit code) is printed last and
@@ -58,7 +63,11 @@ STEPS=${STEPS:-"bf16 itl sync itl-sync tests parity fp8 host"}
 BENCH="python3 benchmarks/bench_e2e.py --config ${BENCH_CONFIG:-llama-3-8b} --log-level info"
 SUMMARY="$LOG_DIR/summary.md"
 # --kv-cache-dtype fp8 when this build has the flag (the fp8 KV cache), else nothing.
-KV_FP8=$(python3 benchmarks/bench_e2e.py --help 2>/dev/null | grep -q -- "--kv-cache-dtype" && echo "--kv-cache-dtype fp8")
+KV_FP8=""
+case " $STEPS " in *" fp8-"*)
+  KV_FP8=$(python3 benchmarks/bench_e2e.py --help 2>/dev/null | grep -q -- "--kv-cache-dtype" \
+    && echo "--kv-cache-dtype fp8") ;;
+esac
 FP8_BENCH="$BENCH --quantization fp8 $KV_FP8 --peer none --warmup-output-len 4"
 # One RESULT line in a step's log: its output tok/s beside another figure (LABEL says whose).
 result_line() {
@@ -133,8 +142,11 @@ for step in $STEPS; do
       done
       (exit $rc) ;;
     fp8-wo-gemm)
-      timeout "${FP8_WO_GEMM_TIMEOUT:-240}" python3 benchmarks/bench_fp8_weight_only.py \
+      timeout "${FP8_WO_GEMM_TIMEOUT:-180}" python3 benchmarks/bench_fp8_weight_only.py \
         --json "$LOG_DIR/fp8-wo-gemm.json" >"$LOG_DIR/fp8-wo-gemm.log" 2>&1 ;;
+    fp8-modes)
+      timeout "${FP8_MODES_TIMEOUT:-240}" python3 benchmarks/bench_fp8_accum.py --json "$LOG_DIR/fp8-modes.json" \
+        --table "$LOG_DIR/fp8_accum_table.json" >"$LOG_DIR/fp8-modes.log" 2>&1 ;;
     itl)
       timeout "${ITL_TIMEOUT:-90}" $BENCH --batch 1 --input-len 2048 --output-len 128 \
         --json "$LOG_DIR/itl.json" >"$LOG_DIR/itl.log" 2>&1 ;;

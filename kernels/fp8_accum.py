@@ -31,7 +31,8 @@ from pathlib import Path
 
 from sits.kernels.launch_utils import length_bucket
 
-__all__ = ["DEFAULT_TABLE_PATH", "AccumEntry", "AccumTable", "choose_fast", "fast_at", "load_accum_table"]
+__all__ = ["DEFAULT_TABLE_PATH", "AccumEntry", "AccumTable", "choose_fast", "fast_at", "load_accum_table", "m_bucket",
+           "parse_accum_table"]
 
 MIN_SPEEDUP = 1.05
 MAX_FAST_ERROR = 2e-3  # relative Frobenius error of a float32 output against float32 sums; bf16 rounds by 2^-9
