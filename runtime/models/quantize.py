@@ -29,7 +29,7 @@ import logging
 import torch
 from torch import nn
 
-from sits.kernels.fp8_accum import AccumTable, fast_at, load_accum_table
+from sits.kernels.fp8_accum import DEFAULT_TABLE_PATH, AccumTable, fast_at, load_accum_table
 from sits.kernels.fp8_weight_only_gemm import fp8_weight_only_gemm_reference
 from sits.kernels.quantization import quantize_weight_fp8_per_channel, quantize_weight_int8
 from sits.kernels.reference import (
@@ -37,7 +37,7 @@ from sits.kernels.reference import (
     int8_weight_only_gemm_reference,
     quantize_fp8_per_token_reference,
 )
-from sits.runtime.config import FP8_MODES
+from sits.runtime.config import FP8_MODES, ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -208,9 +208,12 @@ def _fp8_setup(targets: list[tuple[str, nn.Linear]], fp8_mode: str, accum: Accum
     measured table of this GPU when one is installed, else the default rule)."""
     device = targets[0][1].weight.device if targets else torch.device("cpu")
     mode = resolve_fp8_mode(fp8_mode, device)
-    if accum is None:
-        accum = load_accum_table(device_name=torch.cuda.get_device_name(device)) if device.type == "cuda" \
-            else AccumTable()
+    if accum is None and device.type == "cuda":
+        try:
+            accum = load_accum_table(device_name=torch.cuda.get_device_name(device))
+        except ValueError as error:
+            raise ConfigError(f"{DEFAULT_TABLE_PATH}: {error}") from None
+    accum = accum or AccumTable()
     reason = f"forced by --fp8-mode {fp8_mode}" if fp8_mode != "auto" else (
         "no fp8 tensor cores" if mode == "weight-only" else "fp8 tensor cores" if device.type == "cuda"
         else "the PyTorch reference on the CPU")
