@@ -26,7 +26,9 @@
 #          the GPU cache holds, follow-ups; host tier off and on in one run (TTFT, tok/s, hits per tier)
 #   fp8    the bf16 run's batch with fp8 weights; transformers' figure is the bf16 step's, same run
 # Issue 14's fp8 steps run by name (cheapest first, so the GEMM benches' autotuning cache serves the rest):
-#   STEPS="fp8-modes fp8-wo-gemm fp8-b32 fp8-wo fp8-2k2k fp8-1k1k" benchmarks/gpu_engine_run.sh
+#   STEPS="fp8-tests fp8-modes fp8-wo-gemm fp8-b32 fp8-wo fp8-2k2k fp8-1k1k" benchmarks/gpu_engine_run.sh
+#   fp8-tests  the GPU cases of the fp8 weight-only GEMM, the SiLU·mul kernels (plain and with the fused
+#          e4m3 quantization) and the fp8 modes (fused MLP against unfused on the GPU)
 #   fp8-2k2k  fp8 weights + fp8 KV cache, 2,048 in / 2,048 out at batch $FP8_2K2K_BATCH (448: ~112 GiB of
 #          fp8 cache at 64 KiB/token holds 448 sequences of 4,096 tokens beside ~8 GiB of weights),
 #          throughput-mode defaults; output tok/s beside TensorRT-LLM's published 12,194 (Done when: 0.8x)
@@ -144,6 +146,10 @@ for step in $STEPS; do
     fp8-wo-gemm)
       timeout "${FP8_WO_GEMM_TIMEOUT:-180}" python3 benchmarks/bench_fp8_weight_only.py \
         --json "$LOG_DIR/fp8-wo-gemm.json" >"$LOG_DIR/fp8-wo-gemm.log" 2>&1 ;;
+    fp8-tests)
+      PYTHONSAFEPATH=1 timeout "${FP8_TESTS_TIMEOUT:-300}" python3 -m pytest tests/kernels/test_fp8_weight_only_gemm.py \
+        tests/kernels/test_silu_mul_quant.py tests/kernels/test_silu_mul.py tests/runtime/test_fp8_modes.py \
+        -q -p no:cacheprovider --confcutdir=tests --durations=5 >"$LOG_DIR/fp8-tests.log" 2>&1 ;;
     fp8-modes)
       timeout "${FP8_MODES_TIMEOUT:-240}" python3 benchmarks/bench_fp8_accum.py --json "$LOG_DIR/fp8-modes.json" \
         --table "$LOG_DIR/fp8_accum_table.json" >"$LOG_DIR/fp8-modes.log" 2>&1 ;;

@@ -29,8 +29,6 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sits.kernels.launch_utils import length_bucket
-
 __all__ = ["DEFAULT_TABLE_PATH", "AccumEntry", "AccumTable", "choose_fast", "fast_at", "load_accum_table", "m_bucket",
            "parse_accum_table"]
 
@@ -41,8 +39,9 @@ DEFAULT_TABLE_PATH = Path(__file__).with_name("fp8_accum_table.json")
 
 
 def m_bucket(m: int) -> int:
-    """The table's row key: M rounded up to a power of two (the GEMM's own autotune bucket)."""
-    return length_bucket(m, cap=M_BUCKET_CAP)
+    """The table's row key: M rounded up to a power of two, at most M_BUCKET_CAP (the fp8 GEMM's own
+    autotune bucket, launch_utils.length_bucket; computed here so the engine needs no Triton to read it)."""
+    return min(1 << max(int(m) - 1, 0).bit_length(), M_BUCKET_CAP)
 
 
 def choose_fast(precise_error: float, fast_error: float, precise_ms: float, fast_ms: float) -> bool:

@@ -23,6 +23,7 @@ from sits.kernels import gemm_common as common
 from sits.kernels.gemm_common import split_k_tile, store_tile
 from sits.kernels.launch_utils import HALF_DTYPES, autotune, check_inner_contiguous, check_tensor, require
 from sits.kernels.launch_utils import length_bucket as bucket_of
+from sits.kernels.reference import fp8_weight_only_gemm_reference
 
 __all__ = ["fp8_weight_only_gemm", "fp8_weight_only_gemm_reference"]
 
@@ -96,12 +97,6 @@ _even_k = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] 
 _KEY = ("M_BUCKET", "N", "K")
 _small_m_kernel = autotune(_SMALL_M_CONFIGS, _INTERPRETER_SMALL_M, _KEY, _prune_small_m)(_even_k)
 _large_m_kernel = autotune(_LARGE_M_CONFIGS, _INTERPRETER_LARGE_M, _KEY)(_even_k)
-
-
-def fp8_weight_only_gemm_reference(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ (w_fp8 [N, K] * w_scale [N])^T with float32 sums -> x's dtype (the kernel's function)."""
-    acc = x.float() @ w_fp8.float().t()
-    return (acc * w_scale.float().reshape(1, -1)).to(x.dtype)
 
 
 def _check_inputs(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor) -> tuple[int, int, int]:

@@ -30,12 +30,13 @@ import torch
 from torch import nn
 
 from sits.kernels.fp8_accum import DEFAULT_TABLE_PATH, AccumTable, fast_at, load_accum_table
-from sits.kernels.fp8_weight_only_gemm import fp8_weight_only_gemm_reference
 from sits.kernels.quantization import quantize_weight_fp8_per_channel, quantize_weight_int8
 from sits.kernels.reference import (
     fp8_gemm_reference,
+    fp8_weight_only_gemm_reference,
     int8_weight_only_gemm_reference,
     quantize_fp8_per_token_reference,
+    silu_mul_quant_fp8_reference,
 )
 from sits.runtime.config import FP8_MODES, ConfigError
 
@@ -47,12 +48,21 @@ DEFAULT_SKIP = ("lm_head",)
 INT8_GROUP_SIZES = (128, 64, 32)  # the largest that divides in_features is used
 
 
-def _fp8_matmul_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fast_accum: bool) -> torch.Tensor:
+def _fp8_gemm_triton(x_fp8, x_scale, weight, scale, out_dtype, fast_accum):
     from sits.kernels.fp8_gemm import fp8_gemm
+
+    return fp8_gemm(x_fp8, x_scale, weight, scale, out_dtype=out_dtype, fast_accum=fast_accum)
+
+
+def _fp8_gemm_reference(x_fp8, x_scale, weight, scale, out_dtype, fast_accum):
+    return fp8_gemm_reference(x_fp8, x_scale, weight, scale, out_dtype=out_dtype)  # float32 sums: either mode
+
+
+def _fp8_matmul_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fast_accum: bool) -> torch.Tensor:
     from sits.kernels.fp8_quantize import quantize_fp8_per_token
 
     x_fp8, x_scale = quantize_fp8_per_token(x)
-    return fp8_gemm(x_fp8, x_scale, weight, scale, out_dtype=x.dtype, fast_accum=fast_accum)
+    return _fp8_gemm_triton(x_fp8, x_scale, weight, scale, x.dtype, fast_accum)
 
 
 def _fp8_matmul_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fast_accum: bool) -> torch.Tensor:
@@ -131,6 +141,7 @@ class Fp8Linear(nn.Module):
             self._matmul = _fp8_weight_only_triton if weight.is_cuda else _fp8_weight_only_reference
         else:
             self._matmul = _fp8_matmul_triton if weight.is_cuda else _fp8_matmul_reference
+        self._gemm = _fp8_gemm_triton if weight.is_cuda else _fp8_gemm_reference
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, weight_only: bool = False, accum: AccumTable | None = None) -> Fp8Linear:
@@ -146,9 +157,77 @@ class Fp8Linear(nn.Module):
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
 
+    def forward_quantized(self, x_fp8: torch.Tensor, x_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """The w8a8 product of activations an earlier kernel already quantized per token.
+
+        Args:
+            x_fp8: [M, in_features] float8_e4m3fn.
+            x_scale: [M, 1] float32.
+            out_dtype: the model dtype.
+        Returns:
+            [M, out_features] in out_dtype.
+        """
+        out = self._gemm(x_fp8, x_scale, self.weight, self.weight_scale, out_dtype,
+                         fast_at(self.accum_steps, x_fp8.shape[0]))
+        return out if self.bias is None else out + self.bias
+
     def extra_repr(self) -> str:
         mode = "weight-only" if self.weight_only else "w8a8"
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3 per-channel, {mode}"
+
+
+def _silu_mul_quant_triton(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    from sits.kernels.silu_mul import silu_mul_quant_fp8
+
+    return silu_mul_quant_fp8(gate_up)
+
+
+class Fp8SwiGLU(nn.Module):
+    """A Llama MLP, down(silu(gate(x)) * up(x)), whose projections are fp8 w8a8.
+
+    The SiLU·mul kernel quantizes its product per token in its epilogue (e4m3 values and one scale
+    per row), so the down projection runs on them directly instead of reading the bf16 product back
+    for its own quantization pass. Same function as the unfused MLP: the product is rounded to the
+    model dtype before it is quantized, as silu_mul stores it.
+
+    Args:
+        gate_up_proj: [2F, hidden] Fp8Linear (gate rows first).
+        down_proj: [hidden, F] Fp8Linear, w8a8.
+    """
+
+    def __init__(self, gate_up_proj: Fp8Linear, down_proj: Fp8Linear) -> None:
+        super().__init__()
+        self.gate_up_proj = gate_up_proj
+        self.down_proj = down_proj
+        self.intermediate_size = down_proj.in_features
+        self._activation = _silu_mul_quant_triton if down_proj.weight.is_cuda else silu_mul_quant_fp8_reference
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., hidden] → [..., hidden] in x's dtype."""
+        gate_up = self.gate_up_proj(x)
+        product_fp8, product_scale = self._activation(gate_up.reshape(-1, gate_up.shape[-1]))
+        out = self.down_proj.forward_quantized(product_fp8, product_scale, x.dtype)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def fuse_fp8_activation_quant(model: nn.Module) -> int:
+    """Replace each Llama MLP whose projections are both fp8 w8a8 by an Fp8SwiGLU; returns how many.
+
+    MLPs of another kind (tensor-parallel shards, weight-only or unconverted projections) are kept.
+    """
+    from sits.runtime.models.llama import LlamaMLP
+
+    fused = 0
+    for name, module in list(model.named_modules()):
+        gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+        if not (isinstance(module, LlamaMLP) and isinstance(gate_up, Fp8Linear) and isinstance(down, Fp8Linear)):
+            continue
+        if gate_up.weight_only or down.weight_only or gate_up.out_features != 2 * down.in_features:
+            continue
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, Fp8SwiGLU(gate_up, down))
+        fused += 1
+    return fused
 
 
 class Int8Linear(nn.Module):
@@ -224,7 +303,7 @@ def _fp8_setup(targets: list[tuple[str, nn.Linear]], fp8_mode: str, accum: Accum
 
 @torch.no_grad()
 def quantize_model(model: nn.Module, method: str, skip: tuple[str, ...] = DEFAULT_SKIP, fp8_mode: str = "auto",
-                   accum: AccumTable | None = None) -> int:
+                   accum: AccumTable | None = None, fuse_activation_quant: bool = True) -> int:
     """Replace the model's nn.Linear layers in place; returns how many were converted.
 
     Args:
@@ -234,6 +313,8 @@ def quantize_model(model: nn.Module, method: str, skip: tuple[str, ...] = DEFAUL
         fp8_mode: with fp8, "auto", "w8a8" or "weight-only" (resolve_fp8_mode).
         accum: with fp8 w8a8, the accumulation mode per shape; None: the installed table of this
             GPU (sits.kernels.fp8_accum.load_accum_table), else precise everywhere.
+        fuse_activation_quant: with fp8 w8a8, quantize the MLP's SiLU·mul product in that kernel's
+            epilogue (Fp8SwiGLU) instead of in a pass of its own before the down projection.
     Raises:
         ValueError: an unknown method or fp8 mode.
     """
@@ -256,8 +337,10 @@ def quantize_model(model: nn.Module, method: str, skip: tuple[str, ...] = DEFAUL
         converted += 1
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the bf16 weights just released
-    logger.info("quantization %s: %d linear layers converted%s", method, converted,
-                f"; kept in the model dtype (shape unsupported): {', '.join(kept)}" if kept else "")
+    fused = fuse_fp8_activation_quant(model) if mode == "w8a8" and fuse_activation_quant else 0
+    logger.info("quantization %s: %d linear layers converted%s%s", method, converted,
+                f"; kept in the model dtype (shape unsupported): {', '.join(kept)}" if kept else "",
+                f"; {fused} MLPs quantize the SiLU·mul product in its epilogue" if fused else "")
     return converted
 
 

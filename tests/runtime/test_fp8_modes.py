@@ -23,11 +23,19 @@ from sits.kernels.fp8_accum import (
     load_accum_table,
     parse_accum_table,
 )
+from sits.runtime.attention.torch_ref import TorchAttentionBackend
 from sits.runtime.commands.engine_args import add_engine_arguments, engine_config_from_args
 from sits.runtime.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SchedulerConfig
 from sits.runtime.engine.engine import LLMEngine
 from sits.runtime.engine.request import SamplingParams
-from sits.runtime.models.quantize import Fp8Linear, fp8_mode_of, quantize_model, resolve_fp8_mode
+from sits.runtime.models.quantize import (
+    Fp8Linear,
+    Fp8SwiGLU,
+    fp8_mode_of,
+    quantization_of,
+    quantize_model,
+    resolve_fp8_mode,
+)
 from tests.runtime.test_quantize import TINY, all_logits, compare, tiny
 
 CPU = torch.device("cpu")
@@ -142,3 +150,47 @@ def test_fp8_linear_takes_the_steps_of_its_own_shape():
     assert not fast_at(layer.accum_steps, 200) and not fast_at(layer.accum_steps, 100000)
     assert Fp8Linear.from_linear(linear, weight_only=True, accum=table).accum_steps == ()
     assert Fp8Linear.from_linear(linear).accum_steps == ()
+
+
+def test_the_table_bucket_is_the_gemms_autotune_bucket():
+    from sits.kernels.fp8_accum import M_BUCKET_CAP, m_bucket
+    from sits.kernels.launch_utils import length_bucket
+
+    for m in [0, 1, 2, 3, 31, 32, 33, 255, 256, 257, 4097, 65535, 65536, 65537, 1 << 20]:
+        assert m_bucket(m) == length_bucket(m, cap=M_BUCKET_CAP), m
+
+
+def _fused_and_unfused(device: str, dtype: torch.dtype):
+    from sits.runtime.models.random_model import random_loaded_model
+
+    loaded = random_loaded_model(TINY, TorchAttentionBackend(), device, dtype, seed=0)
+    unfused = copy.deepcopy(loaded.model)
+    quantize_model(loaded.model, "fp8", fp8_mode="w8a8")
+    quantize_model(unfused, "fp8", fp8_mode="w8a8", fuse_activation_quant=False)
+    return loaded.model, unfused
+
+
+def test_w8a8_mlps_quantize_the_silu_mul_product_in_its_epilogue():
+    fused, unfused = _fused_and_unfused("cpu", torch.float32)
+    assert all(isinstance(layer.mlp, Fp8SwiGLU) for layer in fused.model.layers)
+    assert isinstance(fused.model.layers[0].mlp.down_proj, Fp8Linear) and quantization_of(fused) == "fp8"
+    assert not any(isinstance(m, Fp8SwiGLU) for m in unfused.modules())
+    tokens = [(5 * i + 1) % TINY.vocab_size for i in range(40)]
+    torch.testing.assert_close(all_logits(fused, tokens), all_logits(unfused, tokens), atol=0, rtol=0)
+    weight_only = tiny().model
+    quantize_model(weight_only, "fp8", fp8_mode="weight-only")
+    assert not any(isinstance(m, Fp8SwiGLU) for m in weight_only.modules())  # bf16 activations: nothing to fuse
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs fp8 tensor cores")
+def test_fused_activation_quant_is_the_unfused_function_on_the_gpu():
+    fused, unfused = _fused_and_unfused("cuda", torch.bfloat16)
+    x = torch.randn(37, TINY.hidden_size, device="cuda", dtype=torch.bfloat16)
+    layer_fused, layer_unfused = fused.model.layers[0].mlp, unfused.model.layers[0].mlp
+    with torch.no_grad():
+        got, expected = layer_fused(x).float(), layer_unfused(x).float()
+    # the same kernels' arithmetic but silu_mul's: the unfused model may run PyTorch's (its exp rounds
+    # a product's last bit differently now and then, which can move one e4m3 value a step)
+    assert ((got - expected).norm() / expected.norm()).item() < 2e-3
