@@ -39,7 +39,8 @@
 #   fp8-wo    batch 32, 2,048 / 512 with --fp8-mode weight-only (bf16 activations, fp8 weights dequantized in
 #          the GEMM's load: the path of GPUs without fp8 tensor cores), beside the fp8-b32 and bf16 steps
 #   fp8-wo-gemm  benchmarks/bench_fp8_weight_only.py: that GEMM at M = 1, 8, 16, 32 on Llama-3-8B's
-#          projections against bf16 cuBLAS (F.linear) in the same run; RESULT: ratio per M
+#          projections against bf16 cuBLAS (F.linear) in the same run, with the H200's native e4m3
+#          conversion and with the A100's integer decoding; RESULT: ratio per decoding and M
 #   fp8-modes  benchmarks/bench_fp8_accum.py: fp8_gemm with precise and fast accumulation (error against
 #          float32 sums, speed) beside torch._scaled_mm, Llama-3-8B projections at M = 32, 256, 4,096;
 #          writes LOG_DIR/fp8_accum_table.json (copy to kernels/fp8_accum_table.json to use it)
@@ -144,7 +145,7 @@ for step in $STEPS; do
       done
       (exit $rc) ;;
     fp8-wo-gemm)
-      timeout "${FP8_WO_GEMM_TIMEOUT:-180}" python3 benchmarks/bench_fp8_weight_only.py \
+      timeout "${FP8_WO_GEMM_TIMEOUT:-240}" python3 benchmarks/bench_fp8_weight_only.py \
         --json "$LOG_DIR/fp8-wo-gemm.json" >"$LOG_DIR/fp8-wo-gemm.log" 2>&1 ;;
     fp8-tests)
       PYTHONSAFEPATH=1 timeout "${FP8_TESTS_TIMEOUT:-300}" python3 -m pytest tests/kernels/test_fp8_weight_only_gemm.py \

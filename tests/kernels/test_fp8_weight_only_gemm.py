@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sits.kernels.fp8_weight_only_gemm import fp8_weight_only_gemm, fp8_weight_only_gemm_reference
+from sits.kernels.fp8_weight_only_gemm import DECODES, fp8_weight_only_gemm, fp8_weight_only_gemm_reference
 from sits.kernels.quantization import quantize_weight_fp8_per_channel
 from tests.kernels.helpers import DEVICE, HALF_DTYPES, assert_close, randn
 
@@ -23,20 +23,34 @@ def _weights(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_weight_fp8_per_channel(randn(n, k, dtype=torch.float32, scale=0.05))
 
 
+@pytest.mark.parametrize("decode", DECODES)
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
 @pytest.mark.parametrize(
     "m,n,k",
     [(1, 64, 128), (8, 96, 256), (32, 64, 80), (70, 64, 128), (130, 48, 96)],
     ids=["decode_m1", "decode_m8_split_k", "decode_m32_ragged_k", "prefill", "prefill_ragged"],
 )
-def test_fp8_weight_only_gemm_matches_reference(dtype, m, n, k):
+def test_fp8_weight_only_gemm_matches_reference(decode, dtype, m, n, k):
     torch.manual_seed(m + n + k)
     x = randn(m, k, dtype=dtype)
     w_fp8, w_scale = _weights(n, k)
-    out = fp8_weight_only_gemm(x, w_fp8, w_scale)
+    out = fp8_weight_only_gemm(x, w_fp8, w_scale, decode=decode)
     expected = fp8_weight_only_gemm_reference(x, w_fp8, w_scale)
     assert out.shape == (m, n) and out.dtype == dtype and not out.isnan().any()
     assert_close(out, expected, dtype, scale=2.0)
+
+
+@pytest.mark.parametrize("decode", DECODES)
+@pytest.mark.parametrize("rows", [8, 256], ids=["split_k", "large_m"])
+def test_every_e4m3_code_decodes_exactly(decode, rows):
+    """The identity times a weight holding all 254 finite e4m3 codes (and two zeros for the NaNs)
+    gives each code's value back, exactly in float16: normals, subnormals, signs."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes[codes & 0x7F == 0x7F] = 0
+    w_fp8 = codes.view(torch.float8_e4m3fn).reshape(16, 16).repeat(1, 16).contiguous().to(DEVICE)  # [16, 256]
+    x = torch.eye(256, dtype=torch.float16, device=DEVICE)[:rows]
+    out = fp8_weight_only_gemm(x, w_fp8, torch.ones(16, device=DEVICE), decode=decode)
+    assert torch.equal(out, w_fp8.float().t()[:rows].to(torch.float16))
 
 
 def test_the_reference_is_the_dequantized_product_and_close_to_full_precision():
@@ -60,6 +74,8 @@ def test_empty_batch_and_bad_input():
         fp8_weight_only_gemm(randn(2, 64, dtype=torch.float16), w_fp8.float(), w_scale)
     with pytest.raises(ValueError, match="w_scale must be"):
         fp8_weight_only_gemm(randn(2, 64, dtype=torch.float16), w_fp8, w_scale[:5])
+    with pytest.raises(ValueError, match="decode must be one of"):
+        fp8_weight_only_gemm(randn(2, 64, dtype=torch.float16), w_fp8, w_scale, decode="lut")
     assert DEVICE.type in ("cpu", "cuda")
 
 
@@ -72,6 +88,8 @@ def test_fp8_weight_only_gemm_llama_shapes_gpu(m, n, k):
     w = randn(n, k, dtype=torch.float32, scale=0.02)
     x = randn(m, k, dtype=torch.bfloat16)
     w_fp8, w_scale = quantize_weight_fp8_per_channel(w)
-    got = fp8_weight_only_gemm(x, w_fp8, w_scale).float()
-    assert _relative_error(got, fp8_weight_only_gemm_reference(x, w_fp8, w_scale)) < 5e-3
-    assert _relative_error(got, x.float() @ w.t()) < 0.05  # e4m3 weights against the unquantized product
+    expected = fp8_weight_only_gemm_reference(x, w_fp8, w_scale)
+    for decode in DECODES if torch.cuda.get_device_capability() >= (8, 9) else ("bits",):
+        got = fp8_weight_only_gemm(x, w_fp8, w_scale, decode=decode).float()
+        assert _relative_error(got, expected) < 5e-3, decode
+        assert _relative_error(got, x.float() @ w.t()) < 0.05  # e4m3 weights against the unquantized product
