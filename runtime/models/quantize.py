@@ -287,6 +287,10 @@ def _fp8_setup(targets: list[tuple[str, nn.Linear]], fp8_mode: str, accum: Accum
     measured table of this GPU when one is installed, else the default rule)."""
     device = targets[0][1].weight.device if targets else torch.device("cpu")
     mode = resolve_fp8_mode(fp8_mode, device)
+    if mode == "w8a8" and device.type == "cuda" and not has_fp8_tensor_cores(device):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ConfigError(f"--fp8-mode w8a8 needs fp8 tensor cores (SM 8.9 or later); this GPU is SM {major}.{minor}: "
+                          "use --fp8-mode weight-only (or auto, which picks it)")
     if accum is None and device.type == "cuda":
         try:
             accum = load_accum_table(device_name=torch.cuda.get_device_name(device))

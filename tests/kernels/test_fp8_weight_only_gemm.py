@@ -80,7 +80,7 @@ def test_empty_batch_and_bad_input():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 8, 16, 32, 64, 512, 2048])
+@pytest.mark.parametrize("m", [1, 16, 32, 512])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (1000, 4000)])
 def test_fp8_weight_only_gemm_llama_shapes_gpu(m, n, k):
     """bf16 on the GPU: float32 sums in another order than the reference's, one bf16 rounding."""
