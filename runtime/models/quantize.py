@@ -24,6 +24,7 @@ per step like any layer, but its rounding errors land directly on the logits.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -70,13 +71,13 @@ def _fp8_matmul_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Te
     return fp8_gemm_reference(x_fp8, x_scale, weight, scale, out_dtype=x.dtype)
 
 
-def _fp8_weight_only_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fast_accum: bool
-                            ) -> torch.Tensor:
+def _fp8_weight_only_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fast_accum: bool,
+                            decode: str) -> torch.Tensor:
     from sits.kernels.fp8_weight_only_gemm import fp8_weight_only_gemm
 
     if x.dtype not in (torch.bfloat16, torch.float16):  # a float32 model: no half tensor cores to feed
         return fp8_weight_only_gemm_reference(x, weight, scale)
-    return fp8_weight_only_gemm(x, weight, scale)
+    return fp8_weight_only_gemm(x, weight, scale, decode)
 
 
 def _fp8_weight_only_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fast_accum: bool
@@ -137,8 +138,13 @@ class Fp8Linear(nn.Module):
         self.register_buffer("bias", bias)
         self.weight_only = weight_only
         self.accum_steps = () if weight_only else (accum or AccumTable()).steps(self.out_features, self.in_features)
-        if weight_only:
-            self._matmul = _fp8_weight_only_triton if weight.is_cuda else _fp8_weight_only_reference
+        if weight_only and weight.is_cuda:  # the e4m3 decoding this GPU supports, picked once
+            from sits.kernels.fp8_weight_only_gemm import native_decode_supported
+
+            decode = "native" if native_decode_supported(weight.device) else "bits"
+            self._matmul = functools.partial(_fp8_weight_only_triton, decode=decode)
+        elif weight_only:
+            self._matmul = _fp8_weight_only_reference
         else:
             self._matmul = _fp8_matmul_triton if weight.is_cuda else _fp8_matmul_reference
         self._gemm = _fp8_gemm_triton if weight.is_cuda else _fp8_gemm_reference
@@ -291,7 +297,7 @@ def _fp8_setup(targets: list[tuple[str, nn.Linear]], fp8_mode: str, accum: Accum
         major, minor = torch.cuda.get_device_capability(device)
         raise ConfigError(f"--fp8-mode w8a8 needs fp8 tensor cores (SM 8.9 or later); this GPU is SM {major}.{minor}: "
                           "use --fp8-mode weight-only (or auto, which picks it)")
-    if accum is None and device.type == "cuda":
+    if accum is None and device.type == "cuda" and mode == "w8a8":
         try:
             accum = load_accum_table(device_name=torch.cuda.get_device_name(device))
         except ValueError as error:
