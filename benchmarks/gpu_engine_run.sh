@@ -30,14 +30,15 @@
 #   fp8-tests  the GPU cases of the fp8 weight-only GEMM, the SiLU·mul kernels (plain and with the fused
 #          e4m3 quantization) and the fp8 modes (fused MLP against unfused on the GPU)
 #   fp8-2k2k  fp8 weights + fp8 KV cache, 2,048 in / 2,048 out at batch $FP8_2K2K_BATCH (448: ~112 GiB of
-#          fp8 cache at 64 KiB/token holds 448 sequences of 4,096 tokens beside ~8 GiB of weights),
+#          fp8 cache at 64 KiB/token holds 448 sequences of 4,096 tokens beside ~8 GiB of weights; 224
+#          with a bf16 cache, where this build has no --kv-cache-dtype),
 #          throughput-mode defaults; output tok/s beside TensorRT-LLM's published 12,194 (Done when: 0.8x)
 #   fp8-1k1k  the same at 1,000 / 1,000: 1,024 prompts, 512 running at once; beside TensorRT-LLM's 17,744
 #   fp8-b32   the same at batch 32, 2,048 / 512; beside the issue's 4,600 target
 #          (the three fp8 steps print a RESULT line each: a published figure, not measured in this run;
 #          without --kv-cache-dtype in this build they run with the model-dtype cache and say so)
-#   fp8-wo    batch 32, 2,048 / 512 with --fp8-mode weight-only (bf16 activations, fp8 weights dequantized in
-#          the GEMM's load: the path of GPUs without fp8 tensor cores), beside the fp8-b32 and bf16 steps
+#   fp8-wo    fp8-b32 with --fp8-mode weight-only (bf16 activations, fp8 weights dequantized in the GEMM's
+#          load: the path of GPUs without fp8 tensor cores), beside the fp8-b32 and bf16 steps
 #   fp8-wo-gemm  benchmarks/bench_fp8_weight_only.py: that GEMM at M = 1, 8, 16, 32 on Llama-3-8B's
 #          projections against bf16 cuBLAS (F.linear) in the same run, with the H200's native e4m3
 #          conversion and with the A100's integer decoding; RESULT: ratio per decoding and M
@@ -72,10 +73,12 @@ case " $STEPS " in *" fp8-"*)
     && echo "--kv-cache-dtype fp8") ;;
 esac
 FP8_BENCH="$BENCH --quantization fp8 $KV_FP8 --peer none --warmup-output-len 4"
+# The largest 2,048 / 2,048 batch the cache holds: 448 in fp8 (64 KiB/token), 224 in bf16.
+FP8_2K2K_BATCH=${FP8_2K2K_BATCH:-$([ -n "$KV_FP8" ] && echo 448 || echo 224)}
 # One RESULT line in a step's log: its output tok/s beside another figure (LABEL says whose).
 result_line() {
-  python3 - "$LOG_DIR/$1.json" "$1" "$2" "$3" "${4:-${KV_FP8:-model-dtype KV cache (no --kv-cache-dtype in this build)}}" \
-    >>"$LOG_DIR/$1.log" 2>&1 <<'PY'
+  local cache=${4:-${KV_FP8:-model-dtype KV cache (no --kv-cache-dtype in this build)}}
+  python3 - "$LOG_DIR/$1.json" "$1" "$2" "$3" "$cache" >>"$LOG_DIR/$1.log" 2>&1 <<'PY'
 import json, sys
 path, step, figure, label, cache = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4], sys.argv[5]
 run = json.load(open(path))
@@ -122,7 +125,7 @@ for step in $STEPS; do
       timeout "${FP8_TIMEOUT:-150}" $BENCH --batch 32 --input-len 2048 --output-len 512 --quantization fp8 \
         $(peer_flag bf16) --json "$LOG_DIR/fp8.json" >"$LOG_DIR/fp8.log" 2>&1 ;;
     fp8-2k2k)
-      timeout "${FP8_2K2K_TIMEOUT:-240}" $FP8_BENCH --batch "${FP8_2K2K_BATCH:-448}" --input-len 2048 \
+      timeout "${FP8_2K2K_TIMEOUT:-240}" $FP8_BENCH --batch "$FP8_2K2K_BATCH" --input-len 2048 \
         --output-len 2048 --json "$LOG_DIR/fp8-2k2k.json" >"$LOG_DIR/fp8-2k2k.log" 2>&1 \
         && result_line fp8-2k2k 12194 "$PUBLISHED" ;;
     fp8-1k1k)
@@ -134,22 +137,22 @@ for step in $STEPS; do
         --json "$LOG_DIR/fp8-b32.json" >"$LOG_DIR/fp8-b32.log" 2>&1 \
         && result_line fp8-b32 4600 "issue 14's target" ;;
     fp8-wo)
-      timeout "${FP8_WO_TIMEOUT:-150}" $BENCH --quantization fp8 --fp8-mode weight-only --peer none \
-        --warmup-output-len 4 --batch 32 --input-len 2048 --output-len 512 --json "$LOG_DIR/fp8-wo.json" \
-        >"$LOG_DIR/fp8-wo.log" 2>&1
+      timeout "${FP8_WO_TIMEOUT:-150}" $FP8_BENCH --fp8-mode weight-only --batch 32 --input-len 2048 \
+        --output-len 512 --json "$LOG_DIR/fp8-wo.json" >"$LOG_DIR/fp8-wo.log" 2>&1
       rc=$?
       for ref in fp8-b32 bf16; do
         figure=$(sits_tok_s $ref)
         [ -n "$figure" ] && [ $rc -eq 0 ] && result_line fp8-wo "$figure" "the $ref step (this run)" \
-          "weight-only fp8, model-dtype KV cache"
+          "weight-only fp8 weights, ${KV_FP8:-model-dtype KV cache}"
       done
       (exit $rc) ;;
     fp8-wo-gemm)
       timeout "${FP8_WO_GEMM_TIMEOUT:-240}" python3 benchmarks/bench_fp8_weight_only.py \
         --json "$LOG_DIR/fp8-wo-gemm.json" >"$LOG_DIR/fp8-wo-gemm.log" 2>&1 ;;
     fp8-tests)
-      PYTHONSAFEPATH=1 timeout "${FP8_TESTS_TIMEOUT:-300}" python3 -m pytest tests/kernels/test_fp8_weight_only_gemm.py \
-        tests/kernels/test_silu_mul_quant.py tests/kernels/test_silu_mul.py tests/runtime/test_fp8_modes.py \
+      PYTHONSAFEPATH=1 timeout "${FP8_TESTS_TIMEOUT:-300}" python3 -m pytest \
+        tests/kernels/test_fp8_weight_only_gemm.py tests/kernels/test_silu_mul_quant.py \
+        tests/kernels/test_silu_mul.py tests/runtime/test_fp8_modes.py \
         -q -p no:cacheprovider --confcutdir=tests --durations=5 >"$LOG_DIR/fp8-tests.log" 2>&1 ;;
     fp8-modes)
       timeout "${FP8_MODES_TIMEOUT:-240}" python3 benchmarks/bench_fp8_accum.py --json "$LOG_DIR/fp8-modes.json" \
