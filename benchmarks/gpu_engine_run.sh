@@ -26,7 +26,7 @@
 #          the GPU cache holds, follow-ups; host tier off and on in one run (TTFT, tok/s, hits per tier)
 #   fp8    the bf16 run's batch with fp8 weights; transformers' figure is the bf16 step's, same run
 # Issue 14's fp8 steps run by name (cheapest first, so the GEMM benches' autotuning cache serves the rest):
-#   STEPS="fp8-tests fp8-modes fp8-wo-gemm fp8-b32 fp8-wo fp8-2k2k fp8-1k1k" benchmarks/gpu_engine_run.sh
+#   STEPS="fp8-tests fp8-modes fp8-act fp8-wo-gemm fp8-b32 fp8-wo fp8-2k2k fp8-1k1k" benchmarks/gpu_engine_run.sh
 #   fp8-tests  the GPU cases of the fp8 weight-only GEMM, the SiLU·mul kernels (plain and with the fused
 #          e4m3 quantization) and the fp8 modes (fused MLP against unfused on the GPU)
 #   fp8-2k2k  fp8 weights + fp8 KV cache, 2,048 in / 2,048 out at batch $FP8_2K2K_BATCH (448: ~112 GiB of
@@ -42,6 +42,8 @@
 #   fp8-wo-gemm  benchmarks/bench_fp8_weight_only.py: that GEMM at M = 1, 8, 16, 32 on Llama-3-8B's
 #          projections against bf16 cuBLAS (F.linear) in the same run, with the H200's native e4m3
 #          conversion and with the A100's integer decoding; RESULT: ratio per decoding and M
+#   fp8-act   benchmarks/bench_silu_mul_quant.py: SiLU·mul with the fused e4m3 quantization against the
+#          unfused kernels and eager PyTorch at 32 / 512 / 8,192 tokens x 14,336; RESULT: speed-up per shape
 #   fp8-modes  benchmarks/bench_fp8_accum.py: fp8_gemm with precise and fast accumulation (error against
 #          float32 sums, speed) beside torch._scaled_mm, Llama-3-8B projections at M = 32, 256, 4,096;
 #          writes LOG_DIR/fp8_accum_table.json (copy to kernels/fp8_accum_table.json to use it)
@@ -154,6 +156,9 @@ for step in $STEPS; do
         tests/kernels/test_fp8_weight_only_gemm.py tests/kernels/test_silu_mul_quant.py \
         tests/kernels/test_silu_mul.py tests/runtime/test_fp8_modes.py \
         -q -p no:cacheprovider --confcutdir=tests --durations=5 >"$LOG_DIR/fp8-tests.log" 2>&1 ;;
+    fp8-act)
+      timeout "${FP8_ACT_TIMEOUT:-90}" python3 benchmarks/bench_silu_mul_quant.py --json "$LOG_DIR/fp8-act.json" \
+        >"$LOG_DIR/fp8-act.log" 2>&1 ;;
     fp8-modes)
       timeout "${FP8_MODES_TIMEOUT:-240}" python3 benchmarks/bench_fp8_accum.py --json "$LOG_DIR/fp8-modes.json" \
         --table "$LOG_DIR/fp8_accum_table.json" >"$LOG_DIR/fp8-modes.log" 2>&1 ;;
