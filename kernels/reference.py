@@ -224,6 +224,17 @@ def fp8_gemm_reference(
     return (acc * a_scale.float().reshape(-1, 1) * w_scale.float().reshape(1, -1)).to(out_dtype)
 
 
+def fp8_weight_only_gemm_reference(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ (w_fp8 [N, K] * w_scale [N])^T with float32 sums -> x's dtype (fp8 weight-only, W8A16)."""
+    acc = x.float() @ w_fp8.float().t()
+    return (acc * w_scale.float().reshape(1, -1)).to(x.dtype)
+
+
+def silu_mul_quant_fp8_reference(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """silu_mul_reference, then quantize_fp8_per_token_reference: gate_up [T, 2F] -> ([T, F] e4m3, [T, 1])."""
+    return quantize_fp8_per_token_reference(silu_mul_reference(gate_up))
+
+
 def dequantize_int8_weight(w_int8: torch.Tensor, scales: torch.Tensor, group_size: int, dtype) -> torch.Tensor:
     """w_int8 [N, K] with scales [N, K // group_size] -> [N, K] in `dtype`."""
     expanded = scales.float().repeat_interleave(group_size, dim=1)

@@ -18,6 +18,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 QUANTIZATIONS = ("none", "fp8", "int8")
+FP8_MODES = ("auto", "w8a8", "weight-only")  # --fp8-mode (sits.runtime.models.quantize)
 LOAD_FORMATS = ("auto", "dummy")
 
 
@@ -37,6 +38,7 @@ class ModelConfig:
         device: "auto" is cuda when available, else cpu.
         max_model_len: prompt + output tokens per sequence; None takes the checkpoint's context.
         quantization: weight quantization applied after load (GPU engine).
+        fp8_mode: with fp8, "w8a8", "weight-only" or "auto" (weight-only without fp8 tensor cores).
         seed: seed for random weights and for requests that give none.
         chat_template: `--chat-template`: a jinja2 file, or the template text itself, that replaces
             the model's own chat template (read with `read_chat_template`); None keeps the model's.
@@ -53,6 +55,7 @@ class ModelConfig:
     max_model_len: int | None = None
     quantization: str = "none"
     seed: int = 0
+    fp8_mode: str = "auto"
     chat_template: str | None = None
     load_format: str = "auto"
     config_name: str | None = None
@@ -67,6 +70,8 @@ class ModelConfig:
             raise ConfigError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.fp8_mode not in FP8_MODES:
+            raise ConfigError(f"--fp8-mode must be one of {', '.join(FP8_MODES)}, got {self.fp8_mode!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"--max-model-len must be positive, got {self.max_model_len}")
 

@@ -8,6 +8,11 @@ measured on the project's H200 (BASELINES.md); the others are datasheet figures 
 CUDA-graph batch from the device's memory: a large HBM holds the KV cache of many sequences, and a
 fast one wants big decode batches to turn weight reads into useful work. Every value is logged with
 its reason and a flag overrides it.
+
+Throughput mode: fp8 weights with an fp8 KV cache on an H200-class GPU (SM 9.x, >= 120 GiB free)
+hold several hundred long sequences (Llama-3-8B: ~9 GiB of weights, 64 KiB of KV per token, so
+~110 GiB of cache is ~450 sequences of 4,096 tokens), so the limits grow to match: 512 sequences,
+16,384 batched tokens and CUDA graphs up to batch 512 (`THROUGHPUT_DEFAULTS`).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ class GpuProfile:
         bf16_flops: achievable dense bf16 matrix rate, FLOP/s.
         fp8_flops: achievable dense fp8 matrix rate, FLOP/s (None before Hopper).
         multiprocessors: streaming multiprocessors.
+        capability: CUDA compute capability (major, minor); (0, 0) when unknown.
     """
 
     name: str
@@ -47,6 +53,7 @@ class GpuProfile:
     bf16_flops: float
     fp8_flops: float | None
     multiprocessors: int
+    capability: tuple[int, int] = (0, 0)
 
 
 # family -> (HBM bytes/s, bf16 FLOP/s, fp8 FLOP/s); H200 measured (BASELINES.md), others scaled alike.
@@ -76,7 +83,8 @@ def detect_gpu(device: torch.device | str | int = 0) -> GpuProfile | None:
     free, total = torch.cuda.mem_get_info(device)
     family = _family(props.name)
     hbm, bf16, fp8 = _RATES.get(family, (1.0e12, 100e12, None))
-    return GpuProfile(props.name, family, total, free, hbm, bf16, fp8, props.multi_processor_count)
+    return GpuProfile(props.name, family, total, free, hbm, bf16, fp8, props.multi_processor_count,
+                      (props.major, props.minor))
 
 
 @dataclass(frozen=True)
@@ -103,12 +111,40 @@ class EngineDefaults:
 
 CPU_DEFAULTS = EngineDefaults(512, 32, 32, "CPU: a few cores, small steps")
 
+# (max_num_batched_tokens, max_num_seqs, cuda_graph_max_batch_size) of throughput mode. 512 running
+# decodes leave ~15.9k tokens of each step's budget to prefill chunks, so a batch of 512 prompts of
+# 2,048 tokens is prefilled in ~66 steps; the largest activation (the gate/up output, 16,384 x 28,672
+# bf16) is 0.9 GiB.
+THROUGHPUT_DEFAULTS = (16384, 512, 512)
+THROUGHPUT_MIN_FREE_GIB = 120
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 
-def engine_defaults(profile: GpuProfile | None) -> EngineDefaults:
-    """The limits that suit a device (CPU_DEFAULTS when profile is None)."""
+
+def throughput_mode(profile: GpuProfile | None, quantization: str, kv_cache_dtype: str) -> bool:
+    """Whether the throughput-mode limits apply: fp8 weights and an fp8 KV cache on an SM 9.x GPU
+    with at least THROUGHPUT_MIN_FREE_GIB GiB free (an H200; an 80 GiB H100 holds half the cache)."""
+    return (profile is not None and quantization == "fp8" and kv_cache_dtype in FP8_KV_CACHE_DTYPES
+            and profile.capability[0] == 9 and profile.free_bytes >= THROUGHPUT_MIN_FREE_GIB * GIB)
+
+
+def engine_defaults(profile: GpuProfile | None, quantization: str = "none", kv_cache_dtype: str = "auto"
+                    ) -> EngineDefaults:
+    """The limits that suit a device (CPU_DEFAULTS when profile is None).
+
+    Args:
+        profile: the device (detect_gpu), or None on the CPU.
+        quantization: --quantization ("none", "fp8", "int8").
+        kv_cache_dtype: --kv-cache-dtype ("auto" or "fp8"); with fp8 weights on an H200-class GPU an
+            fp8 cache turns on throughput mode (`throughput_mode`).
+    """
     if profile is None:
         return CPU_DEFAULTS
     free_gib = profile.free_bytes / GIB
+    if throughput_mode(profile, quantization, kv_cache_dtype):
+        tokens, seqs, graphs = THROUGHPUT_DEFAULTS
+        reason = (f"{profile.name} (SM {profile.capability[0]}.{profile.capability[1]}, {free_gib:.0f} GiB free, "
+                  f"{profile.multiprocessors} SMs): throughput mode, fp8 weights with an fp8 KV cache")
+        return EngineDefaults(tokens, seqs, graphs, reason)
     if profile.family in ("H200", "H100") and free_gib >= 60:
         tokens, seqs, graphs = 8192, 256, 256
     elif free_gib >= 60:

@@ -15,6 +15,7 @@ import sys
 from sits.runtime.config import (
     ATTENTION_BACKENDS,
     DTYPES,
+    FP8_MODES,
     LOAD_FORMATS,
     QUANTIZATIONS,
     CacheConfig,
@@ -49,6 +50,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
                        help="fp8: e4m3 weights with per-channel scales and per-token activation scales; "
                             "int8: weight-only with per-group scales")
+    model.add_argument("--fp8-mode", default="auto", choices=FP8_MODES,
+                       help="with --quantization fp8: w8a8 (activations quantized per token, fp8 tensor cores), "
+                            "weight-only (bf16 activations, fp8 weights dequantized in the GEMM's load) or auto "
+                            "(weight-only on GPUs without fp8 tensor cores, before SM 8.9)")
     model.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
     engine = parser.add_argument_group("engine")
     engine.add_argument("--max-num-seqs", type=int, default=None,
@@ -145,11 +150,12 @@ def _on_cpu(device: str) -> bool:
     return False
 
 
-def device_defaults(device: str):
-    """The limits (`sits.runtime.hardware.EngineDefaults`) that suit the device the engine will run on."""
+def device_defaults(device: str, quantization: str = "none", kv_cache_dtype: str = "auto"):
+    """The limits (`sits.runtime.hardware.EngineDefaults`) that suit the device the engine will run on
+    (fp8 weights with an fp8 KV cache on an H200-class GPU: throughput mode)."""
     from sits.runtime.hardware import CPU_DEFAULTS, detect_gpu, engine_defaults
 
-    return CPU_DEFAULTS if _on_cpu(device) else engine_defaults(detect_gpu())
+    return CPU_DEFAULTS if _on_cpu(device) else engine_defaults(detect_gpu(), quantization, kv_cache_dtype)
 
 
 def engine_config_from_args(args: argparse.Namespace, chosen=None) -> EngineConfig:
@@ -159,7 +165,7 @@ def engine_config_from_args(args: argparse.Namespace, chosen=None) -> EngineConf
     (`device_defaults`, which imports torch and probes CUDA unless the engine surely runs on the CPU)."""
     from sits.runtime.hardware import CPU_DEFAULTS, log_defaults
 
-    chosen = chosen or device_defaults(args.device)
+    chosen = chosen or device_defaults(args.device, args.quantization, getattr(args, "kv_cache_dtype", None) or "auto")
     defaults = {"max_num_seqs": chosen.max_num_seqs, "max_num_batched_tokens": chosen.max_num_batched_tokens}
     graph_max = getattr(args, "cuda_graph_max_batch_size", None)
     if chosen is not CPU_DEFAULTS:
@@ -171,6 +177,7 @@ def engine_config_from_args(args: argparse.Namespace, chosen=None) -> EngineConf
     config = EngineConfig(
         model=ModelConfig(model=args.model, served_model_name=args.served_model_name, dtype=args.dtype,
                           device=args.device, max_model_len=args.max_model_len, quantization=args.quantization,
+                          fp8_mode=getattr(args, "fp8_mode", "auto"),
                           seed=args.seed, load_format=getattr(args, "load_format", None) or "auto",
                           config_name=getattr(args, "config", None)),
         cache=CacheConfig(block_size=args.block_size, kv_cache_gb=args.kv_cache_gb,

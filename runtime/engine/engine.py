@@ -99,7 +99,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(loaded.config.eos_token_ids) | frozenset(
             getattr(self.tokenizer, "eos_token_ids", ())
         )
-        quantize(loaded, config.model.quantization)
+        quantize(loaded, config.model.quantization, config.model.fp8_mode)
         sampler = Sampler(self.eos_token_ids, loaded.device, seed=config.model.seed)
         self.runner = runner_factory(loaded.model, loaded.device, loaded.dtype, config.cache.block_size, sampler)
         self.lora = setup_lora(self.runner, loaded.model, loaded.config, config.lora, self.model_name)

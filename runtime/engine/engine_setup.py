@@ -17,8 +17,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def quantize(loaded: LoadedModel, method: str) -> None:
-    """Convert the model's linear layers for --quantization (a no-op when already converted)."""
+def quantize(loaded: LoadedModel, method: str, fp8_mode: str = "auto") -> None:
+    """Convert the model's linear layers for --quantization (and --fp8-mode; a no-op when already converted)."""
     if method == "none":
         return
     from sits.runtime.models.quantize import quantization_of, quantize_model
@@ -28,7 +28,7 @@ def quantize(loaded: LoadedModel, method: str) -> None:
         return
     if current != "none":
         raise ConfigError(f"--quantization {method}: the model is already quantized to {current}")
-    quantize_model(loaded.model, method)
+    quantize_model(loaded.model, method, fp8_mode=fp8_mode)
 
 
 def prepare_execution(runner: ModelRunner, loaded: LoadedModel, config: EngineConfig, max_model_len: int) -> None:

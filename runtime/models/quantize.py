@@ -4,10 +4,16 @@ As gpt-fast's quantize.py: the model stays plain nn.Module code, and quantizatio
 applied to the built (loaded) model, chosen by config (`--quantization fp8|int8`), never by a file
 name.
 
-* fp8 (W8A8): weights to e4m3 with one float32 scale per output channel, at load; activations
-  quantized per token at run time (one scale per row), then the scaled e4m3 GEMM. On CUDA these
-  are the Triton kernels of `sits.kernels` (fp8_quantize, fp8_gemm); elsewhere their plain-PyTorch
-  references, which compute the same function (CPU tests, accuracy checks).
+* fp8: weights to e4m3 with one float32 scale per output channel, at load; then one of two modes
+  (`--fp8-mode`, FP8_MODES):
+  - w8a8: activations quantized per token at run time (one scale per row), then the scaled e4m3
+    GEMM on fp8 tensor cores (fp8_quantize, fp8_gemm), with precise or fast accumulation per shape
+    from the measured table of sits.kernels.fp8_accum.
+  - weight-only: activations stay in the model dtype; each weight tile is converted to it inside
+    the GEMM's load (fp8_weight_only_gemm). The path of GPUs without fp8 tensor cores (SM < 8.9,
+    e.g. the A100), which `auto` picks there; forced elsewhere to test and measure it.
+  On CUDA these are the Triton kernels of `sits.kernels`; elsewhere their plain-PyTorch references,
+  which compute the same function (CPU tests, accuracy checks).
 * int8 (W8A16): weights to int8 with one scale per group of `group_size` input features;
   activations stay in the model dtype and each weight tile is dequantized inside the GEMM
   (sits.kernels.int8_gemm on CUDA, its reference elsewhere).
@@ -18,36 +24,85 @@ per step like any layer, but its rounding errors land directly on the logits.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
 from torch import nn
 
+from sits.kernels.fp8_accum import DEFAULT_TABLE_PATH, AccumTable, fast_at, load_accum_table
 from sits.kernels.quantization import quantize_weight_fp8_per_channel, quantize_weight_int8
 from sits.kernels.reference import (
     fp8_gemm_reference,
+    fp8_weight_only_gemm_reference,
     int8_weight_only_gemm_reference,
     quantize_fp8_per_token_reference,
+    silu_mul_quant_fp8_reference,
 )
+from sits.runtime.config import FP8_MODES, ConfigError
 
 logger = logging.getLogger(__name__)
 
 METHODS = ("none", "fp8", "int8")
+FP8_TENSOR_CORES = (8, 9)  # the first compute capability with fp8 tensor cores (Ada; Hopper is 9.0)
 DEFAULT_SKIP = ("lm_head",)
 INT8_GROUP_SIZES = (128, 64, 32)  # the largest that divides in_features is used
 
 
-def _fp8_matmul_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def _fp8_gemm_triton(x_fp8, x_scale, weight, scale, out_dtype, fast_accum):
     from sits.kernels.fp8_gemm import fp8_gemm
+
+    return fp8_gemm(x_fp8, x_scale, weight, scale, out_dtype=out_dtype, fast_accum=fast_accum)
+
+
+def _fp8_gemm_reference(x_fp8, x_scale, weight, scale, out_dtype, fast_accum):
+    return fp8_gemm_reference(x_fp8, x_scale, weight, scale, out_dtype=out_dtype)  # float32 sums: either mode
+
+
+def _fp8_matmul_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fast_accum: bool) -> torch.Tensor:
     from sits.kernels.fp8_quantize import quantize_fp8_per_token
 
     x_fp8, x_scale = quantize_fp8_per_token(x)
-    return fp8_gemm(x_fp8, x_scale, weight, scale, out_dtype=x.dtype)
+    return _fp8_gemm_triton(x_fp8, x_scale, weight, scale, x.dtype, fast_accum)
 
 
-def _fp8_matmul_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    x_fp8, x_scale = quantize_fp8_per_token_reference(x)
+def _fp8_matmul_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fast_accum: bool) -> torch.Tensor:
+    x_fp8, x_scale = quantize_fp8_per_token_reference(x)  # float32 sums: both accumulation modes' exact result
     return fp8_gemm_reference(x_fp8, x_scale, weight, scale, out_dtype=x.dtype)
+
+
+def _fp8_weight_only_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fast_accum: bool,
+                            decode: str) -> torch.Tensor:
+    from sits.kernels.fp8_weight_only_gemm import fp8_weight_only_gemm
+
+    if x.dtype not in (torch.bfloat16, torch.float16):  # a float32 model: no half tensor cores to feed
+        return fp8_weight_only_gemm_reference(x, weight, scale)
+    return fp8_weight_only_gemm(x, weight, scale, decode)
+
+
+def _fp8_weight_only_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fast_accum: bool
+                               ) -> torch.Tensor:
+    return fp8_weight_only_gemm_reference(x, weight, scale)
+
+
+def has_fp8_tensor_cores(device: torch.device) -> bool:
+    """Whether `device` multiplies fp8 on tensor cores (CUDA compute capability >= 8.9)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= FP8_TENSOR_CORES
+
+
+def resolve_fp8_mode(mode: str, device: torch.device) -> str:
+    """"w8a8" or "weight-only" for `--fp8-mode` on `device`.
+
+    auto: weight-only on a CUDA GPU without fp8 tensor cores (before SM 8.9), w8a8 elsewhere (the
+    CPU runs the w8a8 reference, as before the weight-only path existed).
+    Raises:
+        ValueError: an unknown mode.
+    """
+    if mode not in FP8_MODES:
+        raise ValueError(f"fp8 mode must be one of {', '.join(FP8_MODES)}, got {mode!r}")
+    if mode == "auto":
+        return "weight-only" if device.type == "cuda" and not has_fp8_tensor_cores(device) else "w8a8"
+    return mode
 
 
 def _int8_matmul_triton(x, weight, scales, group_size):
@@ -61,38 +116,124 @@ def _int8_matmul_reference(x, weight, scales, group_size):
 
 
 class Fp8Linear(nn.Module):
-    """y = x Wᵀ + b with W in e4m3 [out, in] and per-channel scales [out]; x quantized per token.
+    """y = x Wᵀ + b with W in e4m3 [out, in] and per-channel scales [out].
+
+    w8a8: x quantized per token, then the scaled e4m3 GEMM (accumulation mode per shape from
+    `accum`); weight-only: x stays in its dtype and W is dequantized inside the GEMM's load.
 
     Args:
         weight: [out_features, in_features] float8_e4m3fn.
         weight_scale: [out_features] float32.
         bias: [out_features] in the model dtype, or None.
+        weight_only: the weight-only mode (default: w8a8).
+        accum: precise or fast accumulation per shape (w8a8 on CUDA); default: precise everywhere.
     """
 
-    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                 weight_only: bool = False, accum: AccumTable | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.register_buffer("weight", weight)
         self.register_buffer("weight_scale", weight_scale.reshape(-1).contiguous())
         self.register_buffer("bias", bias)
-        self._matmul = _fp8_matmul_triton if weight.is_cuda else _fp8_matmul_reference
+        self.weight_only = weight_only
+        self.accum_steps = () if weight_only else (accum or AccumTable()).steps(self.out_features, self.in_features)
+        if weight_only and weight.is_cuda:  # the e4m3 decoding this GPU supports, picked once
+            from sits.kernels.fp8_weight_only_gemm import native_decode_supported
+
+            decode = "native" if native_decode_supported(weight.device) else "bits"
+            self._matmul = functools.partial(_fp8_weight_only_triton, decode=decode)
+        elif weight_only:
+            self._matmul = _fp8_weight_only_reference
+        else:
+            self._matmul = _fp8_matmul_triton if weight.is_cuda else _fp8_matmul_reference
+        self._gemm = _fp8_gemm_triton if weight.is_cuda else _fp8_gemm_reference
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> Fp8Linear:
+    def from_linear(cls, linear: nn.Linear, weight_only: bool = False, accum: AccumTable | None = None) -> Fp8Linear:
         weight, scale = quantize_weight_fp8_per_channel(linear.weight.detach())
         bias = None if linear.bias is None else linear.bias.detach().clone()
-        return cls(weight, scale, bias)
+        return cls(weight, scale, bias, weight_only, accum)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., in_features] → [..., out_features] in x's dtype."""
         rows = x.reshape(-1, self.in_features)
-        out = self._matmul(rows, self.weight, self.weight_scale)
+        out = self._matmul(rows, self.weight, self.weight_scale, fast_at(self.accum_steps, rows.shape[0]))
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
 
+    def forward_quantized(self, x_fp8: torch.Tensor, x_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """The w8a8 product of activations an earlier kernel already quantized per token.
+
+        Args:
+            x_fp8: [M, in_features] float8_e4m3fn.
+            x_scale: [M, 1] float32.
+            out_dtype: the model dtype.
+        Returns:
+            [M, out_features] in out_dtype.
+        """
+        out = self._gemm(x_fp8, x_scale, self.weight, self.weight_scale, out_dtype,
+                         fast_at(self.accum_steps, x_fp8.shape[0]))
+        return out if self.bias is None else out + self.bias
+
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3 per-channel"
+        mode = "weight-only" if self.weight_only else "w8a8"
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3 per-channel, {mode}"
+
+
+def _silu_mul_quant_triton(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    from sits.kernels.silu_mul import silu_mul_quant_fp8
+
+    return silu_mul_quant_fp8(gate_up)
+
+
+class Fp8SwiGLU(nn.Module):
+    """A Llama MLP, down(silu(gate(x)) * up(x)), whose projections are fp8 w8a8.
+
+    The SiLU·mul kernel quantizes its product per token in its epilogue (e4m3 values and one scale
+    per row), so the down projection runs on them directly instead of reading the bf16 product back
+    for its own quantization pass. Same function as the unfused MLP: the product is rounded to the
+    model dtype before it is quantized, as silu_mul stores it.
+
+    Args:
+        gate_up_proj: [2F, hidden] Fp8Linear (gate rows first).
+        down_proj: [hidden, F] Fp8Linear, w8a8.
+    """
+
+    def __init__(self, gate_up_proj: Fp8Linear, down_proj: Fp8Linear) -> None:
+        super().__init__()
+        self.gate_up_proj = gate_up_proj
+        self.down_proj = down_proj
+        self.intermediate_size = down_proj.in_features
+        self._activation = _silu_mul_quant_triton if down_proj.weight.is_cuda else silu_mul_quant_fp8_reference
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., hidden] → [..., hidden] in x's dtype."""
+        gate_up = self.gate_up_proj(x)
+        product_fp8, product_scale = self._activation(gate_up.reshape(-1, gate_up.shape[-1]))
+        out = self.down_proj.forward_quantized(product_fp8, product_scale, x.dtype)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def fuse_fp8_activation_quant(model: nn.Module) -> int:
+    """Replace each Llama MLP whose projections are both fp8 w8a8 by an Fp8SwiGLU; returns how many.
+
+    MLPs of another kind (tensor-parallel shards, weight-only or unconverted projections) are kept.
+    """
+    from sits.runtime.models.llama import LlamaMLP
+
+    fused = 0
+    for name, module in list(model.named_modules()):
+        gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+        if not (isinstance(module, LlamaMLP) and isinstance(gate_up, Fp8Linear) and isinstance(down, Fp8Linear)):
+            continue
+        if gate_up.weight_only or down.weight_only or gate_up.out_features != 2 * down.in_features:
+            continue
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, Fp8SwiGLU(gate_up, down))
+        fused += 1
+    return fused
 
 
 class Int8Linear(nn.Module):
@@ -137,25 +278,55 @@ def int8_group_size(in_features: int) -> int | None:
     return next((g for g in INT8_GROUP_SIZES if in_features % g == 0), None)
 
 
-def _convert(linear: nn.Linear, method: str) -> nn.Module | None:
+def _convert(linear: nn.Linear, method: str, fp8_mode: str, accum: AccumTable) -> nn.Module | None:
     if method == "fp8":
         if linear.in_features % 16:
             return None  # fp8 tensor cores need K % 16 == 0
-        return Fp8Linear.from_linear(linear)
+        return Fp8Linear.from_linear(linear, fp8_mode == "weight-only", accum)
     group_size = int8_group_size(linear.in_features)
     return None if group_size is None else Int8Linear.from_linear(linear, group_size)
 
 
+def _fp8_setup(targets: list[tuple[str, nn.Linear]], fp8_mode: str, accum: AccumTable | None
+               ) -> tuple[str, AccumTable]:
+    """The resolved fp8 mode for the layers' device, and the accumulation table (w8a8 on CUDA: the
+    measured table of this GPU when one is installed, else the default rule)."""
+    device = targets[0][1].weight.device if targets else torch.device("cpu")
+    mode = resolve_fp8_mode(fp8_mode, device)
+    if mode == "w8a8" and device.type == "cuda" and not has_fp8_tensor_cores(device):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ConfigError(f"--fp8-mode w8a8 needs fp8 tensor cores (SM 8.9 or later); this GPU is SM {major}.{minor}: "
+                          "use --fp8-mode weight-only (or auto, which picks it)")
+    if accum is None and device.type == "cuda" and mode == "w8a8":
+        try:
+            accum = load_accum_table(device_name=torch.cuda.get_device_name(device))
+        except ValueError as error:
+            raise ConfigError(f"{DEFAULT_TABLE_PATH}: {error}") from None
+    accum = accum or AccumTable()
+    reason = f"forced by --fp8-mode {fp8_mode}" if fp8_mode != "auto" else (
+        "no fp8 tensor cores" if mode == "weight-only" else "fp8 tensor cores" if device.type == "cuda"
+        else "the PyTorch reference on the CPU")
+    accum_source = f"measured table of {accum.device}" if accum.entries else "precise everywhere (default rule)"
+    logger.info("fp8 %s (%s)%s", mode, reason, "" if mode == "weight-only" else f"; accumulation: {accum_source}")
+    return mode, accum
+
+
 @torch.no_grad()
-def quantize_model(model: nn.Module, method: str, skip: tuple[str, ...] = DEFAULT_SKIP) -> int:
+def quantize_model(model: nn.Module, method: str, skip: tuple[str, ...] = DEFAULT_SKIP, fp8_mode: str = "auto",
+                   accum: AccumTable | None = None, fuse_activation_quant: bool = True) -> int:
     """Replace the model's nn.Linear layers in place; returns how many were converted.
 
     Args:
         model: a built model (weights loaded), on the device it will run on.
         method: "none", "fp8" or "int8".
         skip: module names (last component) kept in the model dtype.
+        fp8_mode: with fp8, "auto", "w8a8" or "weight-only" (resolve_fp8_mode).
+        accum: with fp8 w8a8, the accumulation mode per shape; None: the installed table of this
+            GPU (sits.kernels.fp8_accum.load_accum_table), else precise everywhere.
+        fuse_activation_quant: with fp8 w8a8, quantize the MLP's SiLU·mul product in that kernel's
+            epilogue (Fp8SwiGLU) instead of in a pass of its own before the down projection.
     Raises:
-        ValueError: an unknown method.
+        ValueError: an unknown method or fp8 mode.
     """
     if method not in METHODS:
         raise ValueError(f"quantization must be one of {', '.join(METHODS)}, got {method!r}")
@@ -163,11 +334,12 @@ def quantize_model(model: nn.Module, method: str, skip: tuple[str, ...] = DEFAUL
         return 0
     converted, kept = 0, []
     targets = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    mode, accum = _fp8_setup(targets, fp8_mode, accum) if method == "fp8" else ("", AccumTable())
     for name, linear in targets:
         parent_name, _, child = name.rpartition(".")
         if child in skip:
             continue
-        replacement = _convert(linear, method)
+        replacement = _convert(linear, method, mode, accum)
         if replacement is None:
             kept.append(name)
             continue
@@ -175,9 +347,17 @@ def quantize_model(model: nn.Module, method: str, skip: tuple[str, ...] = DEFAUL
         converted += 1
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the bf16 weights just released
-    logger.info("quantization %s: %d linear layers converted%s", method, converted,
-                f"; kept in the model dtype (shape unsupported): {', '.join(kept)}" if kept else "")
+    fused = fuse_fp8_activation_quant(model) if mode == "w8a8" and fuse_activation_quant else 0
+    logger.info("quantization %s: %d linear layers converted%s%s", method, converted,
+                f"; kept in the model dtype (shape unsupported): {', '.join(kept)}" if kept else "",
+                f"; {fused} MLPs quantize the SiLU·mul product in its epilogue" if fused else "")
     return converted
+
+
+def fp8_mode_of(model: nn.Module) -> str | None:
+    """"w8a8" or "weight-only" for an fp8 model's linear layers; None when they are not fp8."""
+    layer = next((m for m in model.modules() if isinstance(m, Fp8Linear)), None)
+    return None if layer is None else "weight-only" if layer.weight_only else "w8a8"
 
 
 def quantization_of(model: nn.Module) -> str:

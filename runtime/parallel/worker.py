@@ -60,7 +60,7 @@ def load_and_shard(recipe: ModelRecipe, device: torch.device, rank: int, world_s
     if recipe.model.quantization != "none":
         from sits.runtime.models.quantize import quantize_model
 
-        quantize_model(loaded.model, recipe.model.quantization)
+        quantize_model(loaded.model, recipe.model.quantization, fp8_mode=recipe.model.fp8_mode)
     return loaded
 
 
