@@ -312,3 +312,45 @@ def test_sits_serve_with_an_fp8_cache_answers_the_openai_client(tiny_llama_dir):
         log = (server.workdir / "serve.log").read_text(errors="replace")
     assert "KV cache: fp8 e4m3 (calibrated per-head scales" in log and "4x the blocks of float32" in log
     assert "Traceback" not in log
+
+
+# -- tensor parallelism ----------------------------------------------------------------------------
+
+
+def tp_generate(checkpoint_dir, tensor_parallel_size: int) -> list[list[int]]:
+    """Greedy tokens of two prompts on the tiny Llama checkpoint with an fp8 cache, on CPU ranks."""
+    from sits.runtime.parallel.config import ParallelConfig
+
+    config = EngineConfig(
+        model=ModelConfig(model=str(checkpoint_dir), device="cpu", dtype="float32", max_model_len=128),
+        cache=CacheConfig(block_size=4, num_blocks=64, kv_cache_dtype="fp8"),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8),  # chunked beside decodes
+        attention_backend="torch", parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size))
+    engine = LLMEngine.from_config(config, progress=False)
+    try:
+        assert engine.runner.kv_caches[0][0].dtype == FP8_KV_DTYPE
+        done = run(engine, {"r0": ([1, 17, 42, 99, 7, 250, 3, 64, 12, 4001, 77], 12), "r1": ([5, 200, 11], 12)})
+    finally:
+        engine.shutdown()
+    return [done["r0"], done["r1"]]
+
+
+@pytest.mark.timeout(180)
+def test_two_ranks_with_fp8_shards_of_their_kv_heads_generate_what_one_process_does(tiny_llama_dir):
+    assert tp_generate(tiny_llama_dir, 2) == tp_generate(tiny_llama_dir, 1)
+
+
+def test_decode_steps_through_the_padded_graph_buffers_read_the_same_fp8_cache(tiny, plain_fp8):
+    """The buffers CUDA graphs replay (run eagerly on CPU) take the cache with its fixed scale tensors."""
+    engine = engine_for(tiny, num_blocks=96, prefix_caching=False)
+    runner = engine.runner
+    runner.setup_cuda_graphs([1, 2, 4, 8], 128, capture=False)
+    graphs = runner.decode_graphs
+    assert graphs is not None and graphs.kv_caches is runner.kv_caches
+    assert runner.kv_caches[1].k_scale.data_ptr() == runner.kv_scales.k[1].data_ptr()  # a view of the owner's
+    replays = []
+    original_run = graphs.run
+    graphs.run = lambda model_input: replays.append(model_input.metadata.num_decodes) or original_run(model_input)
+    requests = {f"g{i}": (prompt(60 + i, 9 + 4 * i), 10) for i in range(3)}
+    assert run(engine, requests) == {rid: plain_fp8(ids, tokens) for rid, (ids, tokens) in requests.items()}
+    assert replays and max(replays) == 3  # the decode steps went through the padded buffers
