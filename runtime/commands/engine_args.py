@@ -69,12 +69,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "tokens (longer prompts are chunked across steps); 0 (the default): no cap")
     engine.add_argument("--host-kv-cache-gb", type=float, default=CacheConfig.host_kv_cache_gb,
                         help="host-memory tier for evicted prefix-cache blocks, GiB (0: off)")
-    engine.add_argument("--kv-cache-dtype", default=CacheConfig.kv_cache_dtype, choices=KV_CACHE_DTYPES,
-                        help="auto: the model's dtype; fp8 (or fp8_e4m3): float8 e4m3 with per-layer, per-KV-head "
-                             "scales, half the bytes per token, so twice the blocks (docs/fp8-kv-cache.md)")
-    engine.add_argument("--kv-cache-scales", default=CacheConfig.kv_cache_scales, choices=KV_CACHE_SCALES,
-                        help="scales of an fp8 cache: static (1.0 per head, as vLLM without checkpoint scales) or "
-                             "calibrate (each head's amax over a calibration prompt at start-up)")
+    add_kv_cache_dtype_arguments(engine)
     engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                         help="split long prompts across steps")
     engine.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
@@ -93,6 +88,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     add_lora_arguments(parser)
     add_parallel_arguments(parser)
     parser.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS)
+
+
+def add_kv_cache_dtype_arguments(engine: argparse._ArgumentGroup) -> None:
+    """--kv-cache-dtype and --kv-cache-scales (docs/fp8-kv-cache.md)."""
+    engine.add_argument("--kv-cache-dtype", default=CacheConfig.kv_cache_dtype, choices=KV_CACHE_DTYPES,
+                        help="auto: the model's dtype; fp8 (or fp8_e4m3): float8 e4m3 with per-layer, per-KV-head "
+                             "scales, half the bytes per token, so twice the blocks (docs/fp8-kv-cache.md)")
+    engine.add_argument("--kv-cache-scales", default=CacheConfig.kv_cache_scales, choices=KV_CACHE_SCALES,
+                        help="scales of an fp8 cache: static (1.0 per head, as vLLM without checkpoint scales) or "
+                             "calibrate (each head's amax over a calibration prompt at start-up)")
 
 
 def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
