@@ -354,3 +354,56 @@ def test_decode_steps_through_the_padded_graph_buffers_read_the_same_fp8_cache(t
     requests = {f"g{i}": (prompt(60 + i, 9 + 4 * i), 10) for i in range(3)}
     assert run(engine, requests) == {rid: plain_fp8(ids, tokens) for rid, (ids, tokens) in requests.items()}
     assert replays and max(replays) == 3  # the decode steps went through the padded buffers
+
+
+# -- the torch back end against the kernels' references --------------------------------------------
+
+
+def test_the_torch_back_end_writes_and_reads_fp8_as_the_kernel_references_do():
+    """One step of a prefill chunk after a cached prefix and a decode, over a random fp8 cache with
+    per-head scales: the same stored bytes and the same attention output as `sits.kernels.reference`."""
+    from sits.kernels.reference import (
+        paged_decode_attention_reference,
+        paged_prefill_attention_reference,
+        rope_and_cache_write_reference,
+    )
+    from sits.runtime.engine.model_input import build_model_input
+    from sits.runtime.engine.scheduler_output import ScheduledSequence
+    from sits.runtime.engine.sequence import Sequence
+    from sits.runtime.models.rotary import build_cos_sin_cache
+
+    generator = torch.Generator().manual_seed(7)
+    heads, kv_heads, head_dim, block = 4, 2, 32, 8
+    k_scale, v_scale = torch.tensor([0.02, 0.5]), torch.tensor([0.01, 0.003])  # heads far apart
+    shape = (16, block, kv_heads, head_dim)
+    caches = [(torch.randn(shape, generator=generator) * 0.1 / scale[:, None]).to(FP8_KV_DTYPE)
+              for scale in (k_scale, v_scale)]
+    prefill = Sequence("p", "t", 0, list(range(20)), greedy(1), 1, 0.0)
+    decode = Sequence("d", "t", 0, list(range(31)), greedy(1), 1, 0.0)
+    metadata = build_model_input([ScheduledSequence(prefill, list(range(15, 20)), 15, [3, 5, 7], True),
+                                  ScheduledSequence(decode, [30], 30, [0, 1, 2, 4], True)], block, "cpu").metadata
+    q = torch.randn(6, heads, head_dim, generator=generator)
+    k = torch.randn(6, kv_heads, head_dim, generator=generator) * 3
+    v = torch.randn(6, kv_heads, head_dim, generator=generator) * 0.2
+    positions = torch.tensor([15, 16, 17, 18, 19, 30])
+    cos_sin = build_cos_sin_cache(head_dim, 64, 10000.0, None)
+    ours = [cache.clone() for cache in caches]
+    backend = TorchAttentionBackend()
+    q_rot, k_rot = backend.rope_and_cache_write(q, k, v, positions, cos_sin, *ours, metadata.slot_mapping,
+                                                k_scale=k_scale, v_scale=v_scale)
+    out = backend.forward(q_rot, k_rot, v, *ours, metadata, head_dim**-0.5, k_scale=k_scale, v_scale=v_scale)
+
+    expected_caches = [cache.view(torch.uint8).clone().view(FP8_KV_DTYPE) for cache in caches]
+    rope_and_cache_write_reference(q, k, v, positions, cos_sin, *expected_caches, metadata.slot_mapping,
+                                   k_scale, v_scale)
+    for mine, theirs in zip(ours, expected_caches, strict=True):
+        assert torch.equal(mine.view(torch.uint8), theirs.view(torch.uint8))
+    scales = {"k_scale": k_scale, "v_scale": v_scale}
+    tables, lens = metadata.block_tables, metadata.seq_lens
+    expected = torch.cat([
+        paged_prefill_attention_reference(q_rot[:5], *ours, metadata.query_start_loc[:2], lens[:1], tables[:1],
+                                          head_dim**-0.5, **scales),
+        paged_decode_attention_reference(q_rot[5:], *ours, tables[1:], lens[1:], head_dim**-0.5, **scales)])
+    torch.testing.assert_close(out[:6], expected, atol=2e-5, rtol=1e-5)
+    dequantized_wrongly = paged_decode_attention_reference(q_rot[5:], *ours, tables[1:], lens[1:], head_dim**-0.5)
+    assert not torch.allclose(dequantized_wrongly, expected[5:], atol=1e-2)  # the scales matter here
