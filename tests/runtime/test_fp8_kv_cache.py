@@ -58,12 +58,12 @@ class NoFp8Backend(TorchAttentionBackend):
     fp8_kv_cache = False
 
 
-def tiny_model(backend=None, dtype=torch.float32):
+def tiny_model(backend=None, dtype=torch.float32, device="cpu"):
     loaded = random_loaded_model(TINY, backend or TorchAttentionBackend(), "cpu", torch.float32, seed=3)
     with torch.no_grad():
         loaded.model.lm_head.weight.mul_(8.0)  # sharp logits: a greedy tie cannot hide a wrong cache
-    loaded.model.to(dtype=dtype)
-    loaded.dtype = dtype
+    loaded.model.to(device=device, dtype=dtype)
+    loaded.device, loaded.dtype = torch.device(device), dtype
     return loaded
 
 
@@ -74,9 +74,9 @@ def tiny():
 
 def engine_for(loaded, kv_cache_dtype="fp8", *, num_blocks=None, kv_cache_gb=0.01, scales="static",
                max_batched=256, prefix_caching=True, host_gb=0.0, speculative=None, dtype="float32",
-               max_model_len=128) -> LLMEngine:
+               max_model_len=128, device="cpu") -> LLMEngine:
     config = EngineConfig(
-        model=ModelConfig(device="cpu", dtype=dtype, max_model_len=max_model_len),
+        model=ModelConfig(device=device, dtype=dtype, max_model_len=max_model_len),
         cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks, kv_cache_gb=kv_cache_gb,
                           kv_cache_dtype=kv_cache_dtype, kv_cache_scales=scales,
                           enable_prefix_caching=prefix_caching, host_kv_cache_gb=host_gb),
@@ -277,17 +277,20 @@ def test_speculative_decoding_over_an_fp8_cache_keeps_greedy_tokens(tiny, plain_
 
 
 def test_triton_kernels_reading_an_fp8_cache_pick_the_torch_back_ends_tokens():
-    """float16 model, fp8 cache: a mixed step (prefill beside decodes), a chunked prompt and a prefix
-    hit through Triton's decode and prefill kernels give the torch back end's greedy tokens."""
+    """fp8 cache: a mixed step (prefill beside decodes), a chunked prompt and a prefix hit through
+    Triton's decode and prefill kernels give the torch back end's greedy tokens: a float16 model, in the
+    interpreter on CPU, on a GPU with the fused RoPE + fp8 write and CUDA graphs."""
     pytest.importorskip("triton")
     from sits.runtime.attention.triton import TritonAttentionBackend
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
 
     shared = prompt(50, 24)
     requests = {"a": (shared + prompt(51, 3), 6), "b": (prompt(52, 20), 6), "c": (shared + prompt(53, 11), 6)}
     tokens = {}
     for name, backend in (("torch", TorchAttentionBackend()), ("triton", TritonAttentionBackend())):
-        loaded = tiny_model(backend, dtype=torch.float16)
-        engine = engine_for(loaded, num_blocks=48, max_batched=24, dtype="float16", scales="calibrate")
+        loaded = tiny_model(backend, dtype=torch.float16, device=device)
+        engine = engine_for(loaded, num_blocks=48, max_batched=24, dtype="float16", scales="calibrate", device=device)
         tokens[name] = run(engine, {"a": requests["a"]}) | run(engine, {k: requests[k] for k in ("b", "c")})
         assert engine.stats().prefix_cache_hits >= 24
     assert tokens["triton"] == tokens["torch"]
