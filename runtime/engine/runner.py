@@ -47,7 +47,8 @@ class ModelRunner:
     Args:
         model: a decoder with `forward(input_ids, positions, kv_caches, metadata) -> [T, H]`,
             `compute_logits(hidden [N, H]) -> [N, V] float32` and a `config` (LlamaConfig).
-        device, dtype: where the model lives and the KV cache's dtype.
+        device, dtype: where the model lives and its dtype (the KV cache's too, unless
+            `use_kv_cache_dtype` picks fp8 for it).
         block_size: tokens per KV block.
         sampler: picks tokens from the logits.
     """
