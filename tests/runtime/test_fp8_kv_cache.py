@@ -151,6 +151,15 @@ def test_sits_generate_with_a_bad_cache_dtype_exits_2_with_one_line(capsys):
     assert exit_info.value.code == 2 and "invalid choice: 'fp4'" in err and "Traceback" not in err
 
 
+def test_sits_bench_runs_with_an_fp8_cache_and_says_so(capsys):
+    from sits.runtime.cli import main
+
+    code = main(["bench", "--config", "tiny", "--batch", "2", "--input-len", "12", "--output-len", "4", "--device", "cpu",
+                 "--peer", "none", "--log-level", "warning", "--kv-cache-dtype", "fp8"])
+    assert code == 0
+    assert "| SITS float32, fp8 KV cache (static scales), torch attention, eager |" in capsys.readouterr().out
+
+
 # -- memory ----------------------------------------------------------------------------------------
 
 
