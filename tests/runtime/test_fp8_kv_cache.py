@@ -25,26 +25,17 @@ import pytest
 import torch
 
 from sits.runtime.attention.torch_ref import TorchAttentionBackend
-from sits.runtime.commands.engine_args import add_engine_arguments, engine_config_from_args
-from sits.runtime.config import (
-    CacheConfig,
-    ConfigError,
-    EngineConfig,
-    ModelConfig,
-    SchedulerConfig,
-    SpeculativeConfig,
-)
+from sits.runtime.commands.engine_args import ConfigError, add_engine_arguments, engine_config_from_args
+from sits.runtime.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from sits.runtime.engine.engine import LLMEngine
 from sits.runtime.engine.kv_cache_fp8 import FP8_KV_DTYPE
 from sits.runtime.engine.request import SamplingParams
 from sits.runtime.hardware import CPU_DEFAULTS
-from sits.runtime.models.config import LlamaConfig
+from sits.runtime.models.presets import preset_config
 from sits.runtime.models.random_model import random_loaded_model
 from tests.support.services import free_port, started
 
-TINY = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
-                   eos_token_ids=[2])
+TINY = preset_config("tiny")  # 2 layers, 4 heads / 2 KV heads of 16, vocabulary 512
 BLOCK_SIZE = 8
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "Why is the sky blue?",
              "Give me a tip for learning to cook."]
