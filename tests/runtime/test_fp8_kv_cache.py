@@ -6,10 +6,12 @@ the Triton kernels read it in the interpreter. What a user relies on:
     cache picks the same token at nearly every position and its log-probabilities stay close, with
     static scales and better with calibrated ones;
   - the same memory holds twice the blocks of a 16-bit cache, and the start-up log says so;
-  - prefix-cache hits, preemption (recompute), the host tier and speculative decoding give the same
-    greedy tokens as a plain fp8 run (cached blocks are just bytes, the scales never move);
+  - prefix-cache hits, preemption (recompute), the host tier, speculative decoding, the padded decode
+    buffers CUDA graphs replay and two tensor-parallel ranks give the same greedy tokens as a plain
+    fp8 run (cached blocks are just bytes, the scales never move);
+  - the torch back end stores the bytes and computes the attention `sits.kernels.reference` does;
   - bad flags and back ends that cannot read fp8 are one clear error;
-  - `sits serve --kv-cache-dtype fp8` answers the openai client.
+  - `sits serve --kv-cache-dtype fp8` answers the openai client, and `sits bench` names the cache.
 """
 
 from __future__ import annotations
