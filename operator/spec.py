@@ -24,6 +24,8 @@ from sits.runtime.tenancy.tenants_schema import MODEL_ID_RULE, TENANT_NAME, Mode
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATIONS = ("none", "fp8", "int8")
+KV_CACHE_DTYPES = ("auto", "fp8")  # the runtime also takes vLLM's "fp8_e4m3"; the CRD has one spelling
+KV_CACHE_SCALES = ("static", "calibrate")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -57,6 +59,15 @@ class EngineSpec:
     cuda_graphs: bool = spec_field("cudaGraphs", "boolean", True)
     # host-memory tier for evicted prefix-cache blocks, GiB (0: off)
     host_kv_cache_gb: float = spec_field("hostKvCacheGb", "number", 0.0, minimum=0.0, maximum=65536.0)
+    # the paged KV cache's storage: "auto" (the model's dtype) or "fp8" (e4m3, per-head scales: twice the blocks)
+    kv_cache_dtype: str = spec_field("kvCacheDtype", "string", "auto", choices=KV_CACHE_DTYPES)
+    # an fp8 cache's scales: "static" (1.0) or "calibrate" (measured at start-up; one GPU per replica)
+    kv_cache_scales: str = spec_field("kvCacheScales", "string", "static", choices=KV_CACHE_SCALES)
+
+    def fp8_engine_dict(self) -> dict[str, str]:
+        """The fp8-cache keys of the stored spec, only when set: a spec without them keeps its revision."""
+        return {**({"kvCacheDtype": self.kv_cache_dtype} if self.kv_cache_dtype != "auto" else {}),
+                **({"kvCacheScales": self.kv_cache_scales} if self.kv_cache_scales != "static" else {})}
 
 
 @dataclass(frozen=True)
@@ -98,7 +109,8 @@ class WorkloadSpec:
                        "kvBlockSize": self.engine.kv_block_size, "cudaGraphs": self.engine.cuda_graphs,
                        **self.lora.engine_dict(),
                        # only when set: a spec without the tier keeps its stored form (and revision)
-                       **({"hostKvCacheGb": self.engine.host_kv_cache_gb} if self.engine.host_kv_cache_gb else {})},
+                       **({"hostKvCacheGb": self.engine.host_kv_cache_gb} if self.engine.host_kv_cache_gb else {}),
+                       **self.engine.fp8_engine_dict()},
             "nccl": {"socketNThreads": self.nccl.socket_nthreads, "minChannels": self.nccl.min_channels,
                      "env": dict(self.nccl.env)},
             "tenantsFile": self.tenants_file,
@@ -204,11 +216,14 @@ def parse_workload(data: Any, path: str, *, default_model_name: str | None = Non
         max_model_len=model_fields.integer("maxModelLen", None, minimum=1),
     )
     engine_fields = fields.child("engine", {"maxNumSeqs", "maxNumBatchedTokens", "gpuMemoryUtilization",
-                                            "kvBlockSize", "cudaGraphs", "hostKvCacheGb", *LORA_ENGINE_FIELDS}) or Fields({}, fields.at("engine"))
+                                            "kvBlockSize", "cudaGraphs", "hostKvCacheGb", "kvCacheDtype",
+                                            "kvCacheScales", *LORA_ENGINE_FIELDS}) or Fields({}, fields.at("engine"))
     block_size = engine_fields.integer("kvBlockSize", 16)
     if block_size not in BLOCK_SIZES:
         raise SpecError(engine_fields.at("kvBlockSize"), f"must be a power of two up to 256, got {block_size}")
     engine = engine_fields.parse_into(EngineSpec, kv_block_size=block_size)
+    if engine.kv_cache_scales != "static" and engine.kv_cache_dtype != "fp8":
+        raise SpecError(engine_fields.at("kvCacheScales"), "applies to an fp8 cache only: set kvCacheDtype: fp8")
     nccl_fields = fields.child("nccl", {"socketNThreads", "minChannels", "env"}) or Fields({}, fields.at("nccl"))
     nccl = NcclSpec(
         socket_nthreads=nccl_fields.integer("socketNThreads", 8, minimum=1),
@@ -222,6 +237,9 @@ def parse_workload(data: Any, path: str, *, default_model_name: str | None = Non
         tenants_file = fields.boolean("tenantsFile", False)
     gpus_per_replica = fields.integer("gpusPerReplica", 1, minimum=0)
     assert gpus_per_replica is not None  # a default
+    if engine.kv_cache_scales == "calibrate" and gpus_per_replica > 1:
+        raise SpecError(engine_fields.at("kvCacheScales"), "calibrate runs with one GPU per replica only "
+                        f"(gpusPerReplica is {gpus_per_replica}); use static")
     lora = parse_lora(model_fields, engine_fields, model_name=str(model.name),
                       quantization=model.quantization or "none", gpus_per_replica=gpus_per_replica)
     return WorkloadSpec(

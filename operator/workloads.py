@@ -69,6 +69,8 @@ def engine_args(workload: WorkloadSpec, deployment: str) -> list[str]:
         args.append("--enforce-eager")
     if engine.host_kv_cache_gb > 0:
         args += ["--host-kv-cache-gb", f"{engine.host_kv_cache_gb:g}"]
+    if engine.kv_cache_dtype != "auto":
+        args += ["--kv-cache-dtype", engine.kv_cache_dtype, "--kv-cache-scales", engine.kv_cache_scales]
     if workload.tenants_file:
         args += ["--tenants", TENANTS_FILE]
     if workload.redis_url:

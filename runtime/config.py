@@ -20,6 +20,12 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 QUANTIZATIONS = ("none", "fp8", "int8")
 FP8_MODES = ("auto", "w8a8", "weight-only")  # --fp8-mode (sits.runtime.models.quantize)
 LOAD_FORMATS = ("auto", "dummy")
+# --kv-cache-dtype: "auto" is the model's dtype; "fp8" (vLLM also spells it "fp8_e4m3") is e4m3 with
+# per-layer, per-KV-head scales (docs/fp8-kv-cache.md).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+# --kv-cache-scales of an fp8 cache: "static" is 1.0 per head (vLLM's default without checkpoint
+# scales); "calibrate" measures each head's amax on a calibration pass at start-up.
+KV_CACHE_SCALES = ("static", "calibrate")
 
 
 class ConfigError(ValueError):
@@ -145,6 +151,9 @@ class CacheConfig:
         enable_prefix_caching: reuse full blocks of earlier prompts.
         host_kv_cache_gb: host-memory tier under the prefix cache, in GiB (0: off). Evicted
             cached blocks are copied there and copied back on a prefix hit (pinned memory on CUDA).
+        kv_cache_dtype: "auto" (the model's dtype) or "fp8" (float8 e4m3 with per-head scales;
+            "fp8_e4m3" is accepted and stored as "fp8").
+        kv_cache_scales: how an fp8 cache's scales are set: "static" (1.0) or "calibrate".
     """
 
     block_size: int = 16
@@ -153,8 +162,25 @@ class CacheConfig:
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
     host_kv_cache_gb: float = 0.0
+    kv_cache_dtype: str = "auto"
+    kv_cache_scales: str = "static"
+
+    @property
+    def fp8(self) -> bool:
+        """True when the cache is stored as float8 e4m3."""
+        return self.kv_cache_dtype in ("fp8", "fp8_e4m3")
 
     def validate(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "fp8_e4m3":
+            self.kv_cache_dtype = "fp8"
+        if self.kv_cache_scales not in KV_CACHE_SCALES:
+            raise ConfigError(
+                f"--kv-cache-scales must be one of {', '.join(KV_CACHE_SCALES)}, got {self.kv_cache_scales!r}")
+        if self.kv_cache_scales != "static" and not self.fp8:
+            raise ConfigError(f"--kv-cache-scales {self.kv_cache_scales} applies to an fp8 cache only: "
+                              "add --kv-cache-dtype fp8")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise ConfigError(f"--block-size must be a power of two up to 256, got {self.block_size}")
         if not 0.0 < self.kv_cache_gb <= 4096:
@@ -309,6 +335,9 @@ class EngineConfig:
             raise ConfigError("--compile does not run with --tensor-parallel-size > 1 yet (every rank would compile)")
         if self.parallel.tensor_parallel_size > 1 and self.cache.host_kv_cache_gb > 0:
             raise ConfigError("--host-kv-cache-gb does not run with --tensor-parallel-size > 1 yet")
+        if self.parallel.tensor_parallel_size > 1 and self.cache.kv_cache_scales == "calibrate":
+            raise ConfigError("--kv-cache-scales calibrate does not run with --tensor-parallel-size > 1 yet "
+                              "(each rank's heads would need their own calibration pass); use static scales")
         if self.parallel.tensor_parallel_size > 1 and self.async_scheduling:
             raise ConfigError("--async-scheduling does not run with --tensor-parallel-size > 1 yet")
         if self.cuda_graph_max_batch_size is not None and self.cuda_graph_max_batch_size < 1:

@@ -31,7 +31,7 @@ from torch import Tensor
 from sits.runtime.models.kernel_ops import TORCH_OPS, KernelOps
 
 # The contract below, "major.minor". A major bump breaks back ends; a minor bump only adds.
-INTERFACE_VERSION = "1.1"
+INTERFACE_VERSION = "1.2"  # 1.2: an fp8 cache (fp8_kv_cache, k_scale / v_scale keywords)
 # The one cache layout the engine allocates: [num_blocks, block_size, num_kv_heads, head_dim].
 PAGED_NHD = "paged-nhd"
 
@@ -97,6 +97,10 @@ class AttentionBackend(ABC):
     # True when forward() reads only device tensors of fixed shape (never the host lists of the
     # metadata, never a host sync), so a decode step can be captured in a CUDA graph and replayed.
     supports_cuda_graphs: ClassVar[bool] = False
+    # True when the back end reads and writes a float8_e4m3fn cache: rope_and_cache_write and forward
+    # then get `k_scale`, `v_scale` ([num_kv_heads] float32, value = stored * scale) as keywords.
+    # Back ends without it are never called with those keywords.
+    fp8_kv_cache: ClassVar[bool] = False
 
     @classmethod
     def unsupported_reason(cls, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
@@ -140,7 +144,8 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def rope_and_cache_write(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos_sin_cache: Tensor,
-                             k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> tuple[Tensor, Tensor]:
+                             k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
+                             k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Rotate q and k by their positions and write k (rotated) and v into their cache slots.
 
         Args:
@@ -150,13 +155,15 @@ class AttentionBackend(ABC):
             cos_sin_cache: [max_positions, rotary_dim] float32 (cos half, then sin half).
             k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
             slot_mapping: [num_tokens] int64; -1 skips the write.
+            k_scale, v_scale: [num_kv_heads] float32, only with a float8_e4m3fn cache (fp8_kv_cache):
+                a value is stored as clamp(value / scale, ±448).
         Returns:
             (q, k) rotated; implementations may rotate in place and return the same tensors.
         """
 
     @abstractmethod
     def forward(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, metadata: AttentionMetadata,
-                scale: float) -> Tensor:
+                scale: float, k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> Tensor:
         """Causal attention of the new tokens over their whole context in the paged cache.
 
         The new tokens' K/V are already in the cache (rope_and_cache_write ran first); k and v
@@ -168,6 +175,8 @@ class AttentionBackend(ABC):
             k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
             metadata: the step's batch layout.
             scale: softmax scale, usually head_dim ** -0.5.
+            k_scale, v_scale: [num_kv_heads] float32 dequantization scales of a float8_e4m3fn cache
+                (value = stored * scale); None for a cache in the model's dtype.
         Returns:
             [num_tokens, num_heads, head_dim] in q's dtype; padding rows are unspecified.
         """

@@ -11,6 +11,10 @@ a decode step can be captured in a CUDA graph. It runs on CUDA in float16 / bflo
 runs through Triton's interpreter (TRITON_INTERPRET=1, float16 only: the interpreter's bfloat16
 arithmetic is broken) when asked for by name, which is how CPU tests check it against the torch
 back end.
+
+An fp8 (e4m3) cache goes to the same kernels with its per-KV-head scales. The interpreter's
+float32 -> fp8 cast is broken (it loses the exponent carry), so on a CPU the cache write of an fp8
+cache is the torch back end's (the kernel still rotates q and k); the attention kernels read fp8 there.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from sits.kernels.attention_prefill import paged_prefill_attention
 from sits.kernels.rope_kv_write import rope_and_cache_write
 from sits.runtime.attention.backend import AttentionBackend, AttentionMetadata
 from sits.runtime.attention.registry import register_backend
+from sits.runtime.attention.torch_ref import write_kv_cache
 from sits.runtime.models.kernel_ops import KernelOps, TritonKernelOps
 
 _TRITON_OPS = TritonKernelOps()
@@ -47,6 +52,7 @@ class TritonAttentionBackend(AttentionBackend):
     dtypes = (torch.float16, torch.bfloat16)
     head_dims = HEAD_DIMS
     supports_cuda_graphs = True
+    fp8_kv_cache = True
 
     @classmethod
     def unsupported_reason(cls, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
@@ -71,11 +77,19 @@ class TritonAttentionBackend(AttentionBackend):
     def kernel_ops(self) -> KernelOps:
         return _TRITON_OPS
 
-    def rope_and_cache_write(self, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping):
+    def rope_and_cache_write(self, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                             k_scale=None, v_scale=None):
         """See AttentionBackend.rope_and_cache_write; rotates q and k in place."""
-        return rope_and_cache_write(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+        if k_scale is not None and q.device.type == "cpu":  # the interpreter's fp8 cast is wrong: rotate only
+            no_slots = torch.full_like(slot_mapping, -1)
+            rope_and_cache_write(q, k, v, positions, cos_sin_cache, k_cache, v_cache, no_slots, k_scale, v_scale)
+            write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+            return q, k
+        return rope_and_cache_write(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                                    k_scale, v_scale)
 
-    def forward(self, q, k, v, k_cache, v_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, metadata: AttentionMetadata, scale: float,
+                k_scale=None, v_scale=None) -> torch.Tensor:
         """See AttentionBackend.forward. Prefill rows and decode rows each go to their kernel.
 
         Rows past metadata.num_tokens (padding) are left uninitialised.
@@ -88,7 +102,7 @@ class TritonAttentionBackend(AttentionBackend):
                 q[:prefill_tokens], k_cache, v_cache,
                 metadata.query_start_loc[: prefills + 1], metadata.seq_lens[:prefills],
                 metadata.block_tables[:prefills], scale, metadata.max_query_len,
-                out=out[:prefill_tokens],
+                out=out[:prefill_tokens], k_scale=k_scale, v_scale=v_scale,
             )  # fmt: skip
         if metadata.num_decodes:
             rows = slice(prefill_tokens, prefill_tokens + metadata.num_decodes)
@@ -96,6 +110,6 @@ class TritonAttentionBackend(AttentionBackend):
                 q[rows], k_cache, v_cache,
                 metadata.block_tables[prefills: prefills + metadata.num_decodes],
                 metadata.seq_lens[prefills: prefills + metadata.num_decodes], scale,
-                out=out[rows], max_seq_len=metadata.max_seq_len,
+                out=out[rows], max_seq_len=metadata.max_seq_len, k_scale=k_scale, v_scale=v_scale,
             )  # fmt: skip
         return out

@@ -157,7 +157,8 @@ def _system_label(engine, config) -> str:
     model = engine.loaded_model
     graphs = "CUDA graphs" if getattr(engine.runner, "decode_graphs", None) is not None else "eager"
     quant = "" if config.model.quantization == "none" else f" {config.model.quantization} weights"
-    return (f"SITS {str(model.dtype).removeprefix('torch.')}{quant}, {model.model.backend.name} attention, "
+    cache = f", fp8 KV cache ({config.cache.kv_cache_scales} scales)" if config.cache.fp8 else ""
+    return (f"SITS {str(model.dtype).removeprefix('torch.')}{quant}{cache}, {model.model.backend.name} attention, "
             f"{graphs}")
 
 

@@ -16,6 +16,8 @@ from sits.runtime.config import (
     ATTENTION_BACKENDS,
     DTYPES,
     FP8_MODES,
+    KV_CACHE_DTYPES,
+    KV_CACHE_SCALES,
     LOAD_FORMATS,
     QUANTIZATIONS,
     CacheConfig,
@@ -76,6 +78,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "device's")
     engine.add_argument("--host-kv-cache-gb", type=float, default=CacheConfig.host_kv_cache_gb,
                         help="host-memory tier for evicted prefix-cache blocks, GiB (0: off)")
+    add_kv_cache_dtype_arguments(engine)
     engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                         help="split long prompts across steps")
     engine.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
@@ -94,6 +97,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     add_lora_arguments(parser)
     add_parallel_arguments(parser)
     parser.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS)
+
+
+def add_kv_cache_dtype_arguments(engine: argparse._ArgumentGroup) -> None:
+    """--kv-cache-dtype and --kv-cache-scales (docs/fp8-kv-cache.md)."""
+    engine.add_argument("--kv-cache-dtype", default=CacheConfig.kv_cache_dtype, choices=KV_CACHE_DTYPES,
+                        help="auto: the model's dtype; fp8 (or fp8_e4m3): float8 e4m3 with per-layer, per-KV-head "
+                             "scales, half the bytes per token, so twice the blocks (docs/fp8-kv-cache.md)")
+    engine.add_argument("--kv-cache-scales", default=CacheConfig.kv_cache_scales, choices=KV_CACHE_SCALES,
+                        help="scales of an fp8 cache: static (1.0 per head, as vLLM without checkpoint scales) or "
+                             "calibrate (each head's amax over a calibration prompt at start-up)")
 
 
 def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
@@ -183,7 +196,9 @@ def engine_config_from_args(args: argparse.Namespace, chosen=None) -> EngineConf
         cache=CacheConfig(block_size=args.block_size, kv_cache_gb=args.kv_cache_gb,
                           gpu_memory_utilization=args.gpu_memory_utilization, num_blocks=args.num_blocks,
                           enable_prefix_caching=args.enable_prefix_caching,
-                          host_kv_cache_gb=args.host_kv_cache_gb),
+                          host_kv_cache_gb=args.host_kv_cache_gb,
+                          kv_cache_dtype=getattr(args, "kv_cache_dtype", CacheConfig.kv_cache_dtype),
+                          kv_cache_scales=getattr(args, "kv_cache_scales", CacheConfig.kv_cache_scales)),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs if args.max_num_seqs is not None else defaults["max_num_seqs"],
             max_num_batched_tokens=(args.max_num_batched_tokens if args.max_num_batched_tokens is not None

@@ -31,6 +31,7 @@ from sits.runtime.engine.errors import DuplicateRequestError, InvalidRequestErro
 from sits.runtime.engine.eviction import EvictionPolicy
 from sits.runtime.engine.host_tier import build_host_tier
 from sits.runtime.engine.kv_cache import KVCacheManager
+from sits.runtime.engine.kv_cache_fp8 import configure_kv_cache_dtype, prepare_kv_cache_scales
 from sits.runtime.engine.nvtx import nvtx_range
 from sits.runtime.engine.output_processor import OutputProcessor
 from sits.runtime.engine.pending_output import PendingOutput
@@ -125,6 +126,7 @@ class LLMEngine:
         """Size the KV cache (profiling the runner on CUDA unless num_blocks is set), allocate it on
         the runner, prepare execution (CUDA graphs, compilation) and build its manager."""
         config, loaded = self.config, self.loaded_model
+        configure_kv_cache_dtype(self.runner, config.cache, getattr(loaded.model, "backend", None))
         profile = None
         if loaded.device.type == "cuda" and config.cache.num_blocks is None:
             profile = self.runner.profile_memory(
@@ -133,6 +135,7 @@ class LLMEngine:
         num_blocks = num_blocks_for_budget(config.cache, self.runner.kv_shape, loaded.device, profile)
         check_fits_one_sequence(num_blocks, config.cache.block_size, self.max_model_len)
         self.runner.allocate_kv_cache(num_blocks)
+        prepare_kv_cache_scales(self.runner, config.cache, self.tokenizer, self.vocab_size, self.max_model_len)
         prepare_execution(self.runner, loaded, config, self.max_model_len)
         if eviction_policy is not None and not isinstance(eviction_policy, EvictionPolicy):
             eviction_policy = eviction_policy(num_blocks)

@@ -32,6 +32,9 @@ On CPU the same code runs with ordinary memory and synchronous copies, so tests 
 
 Hashes are the GPU cache's (tenant salt and LoRA name included), so a host block is only ever
 found by prompts of the tenant, adapter and prefix that computed it.
+
+An fp8 cache's blocks are kept as their bytes (uint8: torch has no fp8 index ops on CPU); they mean
+the same when they come back because the cache's per-head scales never change after start-up.
 """
 
 from __future__ import annotations
@@ -98,6 +101,16 @@ class _Transfer:
     start: Any = None  # torch.cuda.Event recorded before them (timing)
     seconds: float = 0.0  # measured copy time on CPU
     keep_alive: list[torch.Tensor] = field(default_factory=list)  # staging tensors the copies read
+
+
+def _storage_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype host blocks are kept in: the cache's, or uint8 (its bytes) for an fp8 cache."""
+    return torch.uint8 if dtype == torch.float8_e4m3fn else dtype
+
+
+def _as_stored(cache: torch.Tensor) -> torch.Tensor:
+    """A GPU cache tensor viewed in `_storage_dtype` (no copy)."""
+    return cache.view(_storage_dtype(cache.dtype))
 
 
 def host_blocks_for_gb(gb: float, shape: KVShape, block_size: int) -> int:
@@ -207,8 +220,8 @@ class HostKVTier:
         self.device = torch.device(device)
         self.bytes_per_block = shape.bytes_per_block(block_size)
         self.buffer = _allocate_host_buffer(
-            (num_blocks, shape.num_layers, 2, block_size, shape.num_kv_heads, shape.head_dim), shape.dtype,
-            self.device)
+            (num_blocks, shape.num_layers, 2, block_size, shape.num_kv_heads, shape.head_dim),
+            _storage_dtype(shape.dtype), self.device)
         self._cuda = self.device.type == "cuda"
         if self._cuda:  # unpin before the tensor's memory goes back (weakref callbacks run first)
             weakref.finalize(self, _unregister, self.buffer.data_ptr())
@@ -325,7 +338,8 @@ class HostKVTier:
         transfer = _Transfer(True, host_blocks, [h for _, _, h in offloads], len(offloads) * self.bytes_per_block)
         started = time.perf_counter()
         # [n, layers, 2, block_size, heads, dim]: gathered on the compute stream, in order with the steps
-        staging = torch.stack([torch.stack((k.index_select(0, gpu_ids), v.index_select(0, gpu_ids)), 1)
+        staging = torch.stack([torch.stack((_as_stored(k).index_select(0, gpu_ids),
+                                            _as_stored(v).index_select(0, gpu_ids)), 1)
                                for k, v in kv_caches], 1)
         if self._offload_stream is None:
             host_ids = torch.tensor([b.block_id for b in host_blocks], dtype=torch.long)
@@ -365,8 +379,8 @@ class HostKVTier:
             compute.wait_event(transfer.done)  # a device-side wait: the host goes on
             staging.record_stream(compute)
         for layer, (k, v) in enumerate(kv_caches):
-            k.index_copy_(0, gpu_ids, staging[:, layer, 0])
-            v.index_copy_(0, gpu_ids, staging[:, layer, 1])
+            _as_stored(k).index_copy_(0, gpu_ids, staging[:, layer, 0])
+            _as_stored(v).index_copy_(0, gpu_ids, staging[:, layer, 1])
         if self._onload_stream is None:
             transfer.seconds = time.perf_counter() - started
         self._in_flight.append(transfer)

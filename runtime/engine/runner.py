@@ -10,6 +10,7 @@ prompt tokens of a request asking for prompt logprobs also scores those rows (`p
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
@@ -18,6 +19,7 @@ import torch
 from sits.runtime.engine.cache_sizing import KVShape, MemoryProfile
 from sits.runtime.engine.cuda_graphs import DecodeGraphs
 from sits.runtime.engine.input_batch import InputBatch
+from sits.runtime.engine.kv_cache_fp8 import FP8_KV_DTYPE, KVCacheScales, LayerKVCache
 from sits.runtime.engine.model_input import ModelInput, build_model_input
 from sits.runtime.engine.nvtx import nvtx_range
 from sits.runtime.engine.pending_output import PendingOutput
@@ -45,7 +47,8 @@ class ModelRunner:
     Args:
         model: a decoder with `forward(input_ids, positions, kv_caches, metadata) -> [T, H]`,
             `compute_logits(hidden [N, H]) -> [N, V] float32` and a `config` (LlamaConfig).
-        device, dtype: where the model lives and the KV cache's dtype.
+        device, dtype: where the model lives and its dtype (the KV cache's too, unless
+            `use_kv_cache_dtype` picks fp8 for it).
         block_size: tokens per KV block.
         sampler: picks tokens from the logits.
     """
@@ -67,6 +70,15 @@ class ModelRunner:
         self.input_batch = InputBatch(block_size, self.device)
         self.lora: LoraStepState | None = None  # the adapters' per-step row index, with --enable-lora
         self.host_tier: HostKVTier | None = None  # --host-kv-cache-gb: its copies run before each forward
+        self.kv_scales: KVCacheScales | None = None  # an fp8 cache's per-layer, per-head scales
+
+    def use_kv_cache_dtype(self, dtype: torch.dtype) -> None:
+        """Store K/V as `dtype` (the model's, or float8_e4m3fn with per-layer, per-head scales, 1.0 until
+        calibrated); call before sizing and allocating the cache."""
+        self.kv_shape = dataclasses.replace(self.kv_shape, dtype=dtype)
+        self.kv_scales = None
+        if dtype == FP8_KV_DTYPE:
+            self.kv_scales = KVCacheScales(self.kv_shape.num_layers, self.kv_shape.num_kv_heads, self.device)
 
     def enable_lora(self, step: LoraStepState) -> None:
         """Serve LoRA adapters: each step's batch carries its sequences' adapter slots, and `step`
@@ -80,19 +92,24 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Allocate one (k_cache, v_cache) pair per layer: [num_blocks, block_size, kv_heads, head_dim]."""
-        self.kv_caches = self._new_caches(num_blocks)
+        self.kv_caches = self.new_caches(num_blocks)
         logger.debug(  # `sits serve` / `sits generate` log the cache once, with the scheduler's limits
             "KV cache: %d blocks × %d tokens (%.2f GiB, %s)",
             num_blocks, self.block_size, num_blocks * self.kv_shape.bytes_per_block(self.block_size) / (1 << 30),
-            str(self.dtype).removeprefix("torch."),
+            str(self.kv_shape.dtype).removeprefix("torch."),
         )
 
-    def _new_caches(self, num_blocks: int) -> KVCaches:
+    def new_caches(self, num_blocks: int, dtype: torch.dtype | None = None) -> KVCaches:
+        """One zeroed `LayerKVCache` per layer, [num_blocks, block_size, kv_heads, head_dim] each, in the
+        cache's dtype (or `dtype`: a scratch cache in the model's dtype has no scales)."""
+        dtype = dtype or self.kv_shape.dtype
         shape = (num_blocks, self.block_size, self.kv_shape.num_kv_heads, self.kv_shape.head_dim)
+        scales = self.kv_scales if dtype == FP8_KV_DTYPE else None
         return [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
-            for _ in range(self.kv_shape.num_layers)
+            LayerKVCache(torch.zeros(shape, dtype=dtype, device=self.device),
+                         torch.zeros(shape, dtype=dtype, device=self.device),
+                         *(scales.layer(layer) if scales is not None else (None, None)))
+            for layer in range(self.kv_shape.num_layers)
         ]
 
     def setup_cuda_graphs(self, batch_sizes: list[int], max_model_len: int, capture: bool = True) -> None:
@@ -188,7 +205,7 @@ class ModelRunner:
             seq = Sequence(f"profile-{index}", "profile", 0, [0] * length,
                            SamplingParams(temperature=1.0, top_p=0.9), 1, 0.0)
             scheduled.append(ScheduledSequence(seq, [0] * length, 0, blocks, samples=True))
-        caches = self._new_caches(next_block)
+        caches = self.new_caches(next_block)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         baseline = torch.cuda.memory_allocated(self.device)

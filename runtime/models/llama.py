@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from sits.runtime.attention.backend import AttentionBackend, AttentionMetadata
+from sits.runtime.engine.kv_cache_fp8 import scale_kwargs
 from sits.runtime.models.config import LlamaConfig
 from sits.runtime.models.kernel_ops import TORCH_OPS, KernelOps, logits_float32
 from sits.runtime.models.rotary import build_cos_sin_cache
@@ -86,10 +87,11 @@ class LlamaAttention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
+        scales = scale_kwargs(kv_cache)  # an fp8 cache's per-head k_scale / v_scale, else none
         q, k = self.backend.rope_and_cache_write(
-            q, k, v, positions, cos_sin_cache, k_cache, v_cache, metadata.slot_mapping
+            q, k, v, positions, cos_sin_cache, k_cache, v_cache, metadata.slot_mapping, **scales
         )
-        out = self.backend.forward(q, k, v, k_cache, v_cache, metadata, self.scale)
+        out = self.backend.forward(q, k, v, k_cache, v_cache, metadata, self.scale, **scales)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 

@@ -27,9 +27,11 @@ class ConfigureRunner:
 
 @dataclass(frozen=True)
 class AllocateKVCache:
-    """Allocate the worker's KV cache shard: num_blocks blocks of its own K/V heads."""
+    """Allocate the worker's KV cache shard: num_blocks blocks of its own K/V heads, stored as the torch
+    dtype named cache_dtype (None: the model's; "float8_e4m3fn": with static scales of its own heads)."""
 
     num_blocks: int
+    cache_dtype: str | None = None
 
 
 @dataclass(frozen=True)

@@ -72,7 +72,7 @@ class TensorParallelModelRunner(ModelRunner):
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Every rank allocates num_blocks blocks of its own K/V heads (the block ids are shared)."""
-        self.executor.call(AllocateKVCache(num_blocks))
+        self.executor.call(AllocateKVCache(num_blocks, str(self.kv_shape.dtype).removeprefix("torch.")))
         super().allocate_kv_cache(num_blocks)
 
     def profile_memory(self, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> MemoryProfile:

@@ -78,6 +78,8 @@ def serve_commands(rank: int, world_size: int, recipe: ModelRecipe, groups: Proc
             runner = ShardModelRunner(loaded.model, loaded.device, loaded.dtype, command.block_size)
             endpoint.reply()
         elif isinstance(command, AllocateKVCache):
+            if command.cache_dtype is not None:
+                runner.use_kv_cache_dtype(getattr(torch, command.cache_dtype))
             runner.allocate_kv_cache(command.num_blocks)
             freeze_startup_heap(f"tensor-parallel rank {rank}")  # a pause on one rank stalls all (gc_heap.py)
             endpoint.reply()

