@@ -13,6 +13,7 @@ depend on timing either.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import sys
@@ -24,8 +25,10 @@ import pytest
 import torch
 
 from sits.runtime.attention.torch_ref import TorchAttentionBackend
+from sits.runtime.engine.errors import EngineDiedError
 from sits.runtime.models.config import LlamaConfig
 from sits.runtime.models.random_model import random_loaded_model
+from sits.runtime.server.event_stream import EventStreamResponse
 from sits.runtime.server.http_limits import GuardedH11Protocol, server_backends, uvicorn_options
 from sits.runtime.server.limits_config import HttpLimits
 from tests.support.serving import openai_client, serve_loaded
@@ -114,6 +117,64 @@ def test_the_openai_client_reads_the_whole_stream_on_both_stacks(server):
     chunks = list(completion)
     assert "".join(c.choices[0].text for c in chunks) == " ", backend
     assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def run_response(events, *, leave_after: int | None = None) -> tuple[list[dict], dict]:
+    """Drive an EventStreamResponse of `events` as the ASGI server would, the client leaving once
+    `leave_after` messages went out (None: it stays); the messages sent and the request state."""
+    messages: list[dict] = []
+    state: dict = {}
+
+    async def run() -> None:
+        left = asyncio.Event()
+
+        async def send(message: dict) -> None:
+            messages.append(message)
+            if len(messages) == leave_after:
+                left.set()
+
+        async def receive() -> dict:
+            await left.wait()
+            return {"type": "http.disconnect"}
+
+        response = EventStreamResponse(events, state, {"x-request-id": "cmpl-1"})
+        await response({"type": "http", "asgi": {"spec_version": "2.3"}}, receive, send)
+
+    asyncio.run(run())
+    return messages, state
+
+
+def test_an_error_after_the_200_is_an_error_event_then_done_in_the_last_message():
+    async def events():
+        yield 'data: {"n":1}\n\n'
+        raise EngineDiedError("the engine process exited")
+
+    messages, state = run_response(events())
+    start, first, last = messages
+    assert start["type"] == "http.response.start" and start["status"] == 200
+    assert (b"content-type", b"text/event-stream; charset=utf-8") in start["headers"]
+    assert (b"x-request-id", b"cmpl-1") in start["headers"] and (b"cache-control", b"no-cache") in start["headers"]
+    assert first == {"type": "http.response.body", "body": b'data: {"n":1}\n\n', "more_body": True}
+    assert last["more_body"] is False and last["body"].endswith(b"\n\ndata: [DONE]\n\n")
+    error = json.loads(last["body"].decode().split("\n\n")[0].removeprefix("data: "))["error"]
+    assert error["code"] == "engine_died" and "exited" in error["message"]
+    assert "client_gone" not in state
+
+
+def test_a_client_that_leaves_closes_the_events_and_is_marked_gone():
+    closed = []
+
+    async def events():
+        try:
+            yield "data: 1\n\n"
+            await asyncio.Event().wait()  # the engine has nothing more yet
+            yield "data: 2\n\n"
+        finally:
+            closed.append(True)  # where the engine request is aborted
+
+    messages, state = run_response(events(), leave_after=2)
+    assert closed == [True] and state["client_gone"] is True
+    assert [m.get("more_body") for m in messages] == [None, True]  # no end: the client is gone
 
 
 def test_the_fastest_installed_loop_and_parser_are_chosen_and_missing_ones_fall_back(monkeypatch):
