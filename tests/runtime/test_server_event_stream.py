@@ -102,7 +102,7 @@ def test_the_openai_client_reads_the_whole_stream_on_both_stacks(server):
     gets merged deltas), what they add up to does not."""
     served, backend = server
     loop, http = backend.split("+")
-    assert served.server.config.loop == loop and http in served.server.config.http_protocol_class.__module__
+    assert served.server.config.loop == loop and http in served.server.config.http_protocol_class.__name__.lower()
     client = openai_client(served)
     chunks = list(client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "5 6 7"}], max_tokens=3, stream=True,
