@@ -53,7 +53,7 @@ REQUESTS = {
         "logit_bias": FORCED, "logprobs": True, "top_logprobs": 0}),
 }
 
-# The bodies as the server sent them before the rewrite (`python -m tests.runtime.test_server_event_stream`).
+# The bodies as the server sent them before the rewrite (recorded by running this file as a script, below).
 PINNED: dict[str, str] = json.loads((Path(__file__).parent / "event_stream_pinned.json").read_text())
 
 
