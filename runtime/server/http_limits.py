@@ -196,8 +196,9 @@ def guarded_httptools_protocol_base() -> type[asyncio.Protocol] | None:
         """uvicorn's httptools protocol (llhttp, in C) with the read deadlines and the connection cap.
 
         httptools parses every byte as it arrives, so the phase follows its callbacks: headers
-        complete -> BODY, message complete -> IN_APP, response sent -> IDLE again (unless a
-        pipelined request was parsed meanwhile: its phase stands).
+        complete -> BODY (IN_APP for a websocket upgrade, as h11's protocol-switch state), message
+        complete -> IN_APP, response sent -> IDLE again (unless a pipelined request was parsed
+        meanwhile: its phase stands).
         """
 
         _request_phase = IDLE
@@ -207,7 +208,8 @@ def guarded_httptools_protocol_base() -> type[asyncio.Protocol] | None:
 
         def on_headers_complete(self) -> None:
             super().on_headers_complete()
-            self._request_phase = BODY
+            upgrading = self.parser.should_upgrade() and self._should_upgrade()  # handed to the websocket protocol
+            self._request_phase = IN_APP if upgrading else BODY
 
         def on_message_complete(self) -> None:
             super().on_message_complete()
