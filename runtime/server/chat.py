@@ -133,52 +133,63 @@ class ChatCompletions:
 
     async def _events(self, stream: MergedStream, head: dict[str, Any], body: ChatCompletionRequest,
                       tool_plan: ToolPlan, echo: str) -> AsyncIterator[str]:
-        """The SSE chunks of a streamed chat completion (`guarded_events` adds the error event and DONE)."""
+        """The SSE chunks of a streamed chat completion, those of one engine output joined in one string (one
+        write); `EventStreamResponse` adds the error event and DONE."""
         chunk_head = {**head, "object": "chat.completion.chunk", "system_fingerprint": None}
         continuous = wants_continuous_usage(body.stream_options)
         if body.include_usage or continuous:
             chunk_head["usage"] = None
         started: set[int] = set()
         finished: set[int] = set()
-        tool_streams = {}  # choice index -> ToolCallStream (content or tool-call deltas)
+        tool_streams: dict[int, Any] = {}  # choice index -> ToolCallStream (content or tool-call deltas)
         last: RequestOutput | None = None
         async with contextlib.aclosing(stream):
             async for _, output in stream:
                 last = output
+                chunks: list[str] = []
                 for choice in output.outputs:
-                    if choice.index in finished:
-                        continue
-                    head_of = chunk_head
-                    if continuous:  # this choice's token counts so far in each of its chunks
-                        head_of = {**chunk_head, "usage": running_usage(output, choice)}
-                    if choice.index not in started:
-                        started.add(choice.index)
-                        tool_streams[choice.index] = tool_plan.streamer()
-                        opening = chunk_head if not continuous else {
-                            **chunk_head, "usage": running_usage(output, choice, before_delta=True)}
-                        yield self._chunk(opening, choice.index, {"role": "assistant", "content": ""})
-                        if echo:
-                            yield self._chunk(opening, choice.index, {"content": echo})
-                    tool_stream = tool_streams[choice.index]
-                    if choice.text_delta or choice.logprobs_delta:
-                        logprobs = None
-                        if body.num_logprobs is not None:
-                            logprobs = self.logprobs.chat(choice.logprobs_delta or [], body.num_logprobs)
-                        # a token's logprobs go out even while its text is held (a split tag)
-                        deltas = tool_stream.feed(choice.text_delta) or [{"content": ""}]
-                        for position, delta in enumerate(deltas):
-                            if delta == {"content": ""} and logprobs is None:
-                                continue
-                            yield self._chunk(head_of, choice.index, delta,
-                                              logprobs=logprobs if position == 0 else None)
-                    if choice.finished:
-                        finished.add(choice.index)
-                        for delta in tool_stream.finish():
-                            yield self._chunk(head_of, choice.index, delta)
-                        yield self._chunk(head_of, choice.index, {},
-                                          finish=tool_stream.finish_reason(finish_text(choice.finish_reason)))
+                    if choice.index not in finished:
+                        self._choice_chunks(chunks, output, choice, chunk_head, body, continuous, echo,
+                                            (started, finished, tool_streams, tool_plan))
+                if chunks:
+                    yield "".join(chunks)
         if body.include_usage and last is not None:
             yield sse({**chunk_head, "choices": [], "usage": usage([last])})
+
+    def _choice_chunks(self, chunks: list[str], output: RequestOutput, choice: Any, chunk_head: dict[str, Any],
+                       body: ChatCompletionRequest, continuous: bool, echo: str,
+                       progress: tuple[set[int], set[int], dict[int, Any], ToolPlan]) -> None:
+        """Append to `chunks` those of one choice's delta: the opening (role, echo) the first time, the content
+        or tool-call deltas with their logprobs, and the finish chunk at the end."""
+        started, finished, tool_streams, tool_plan = progress
+        head_of = chunk_head
+        if continuous:  # this choice's token counts so far in each of its chunks
+            head_of = {**chunk_head, "usage": running_usage(output, choice)}
+        if choice.index not in started:
+            started.add(choice.index)
+            tool_streams[choice.index] = tool_plan.streamer()
+            opening = chunk_head if not continuous else {
+                **chunk_head, "usage": running_usage(output, choice, before_delta=True)}
+            chunks.append(self._chunk(opening, choice.index, {"role": "assistant", "content": ""}))
+            if echo:
+                chunks.append(self._chunk(opening, choice.index, {"content": echo}))
+        tool_stream = tool_streams[choice.index]
+        if choice.text_delta or choice.logprobs_delta:
+            logprobs = None
+            if body.num_logprobs is not None:
+                logprobs = self.logprobs.chat(choice.logprobs_delta or [], body.num_logprobs)
+            # a token's logprobs go out even while its text is held (a split tag)
+            deltas = tool_stream.feed(choice.text_delta) or [{"content": ""}]
+            for position, delta in enumerate(deltas):
+                if delta == {"content": ""} and logprobs is None:
+                    continue
+                chunks.append(self._chunk(head_of, choice.index, delta, logprobs=logprobs if position == 0 else None))
+        if choice.finished:
+            finished.add(choice.index)
+            for delta in tool_stream.finish():
+                chunks.append(self._chunk(head_of, choice.index, delta))
+            chunks.append(self._chunk(head_of, choice.index, {},
+                                      finish=tool_stream.finish_reason(finish_text(choice.finish_reason))))
 
     @staticmethod
     def _chunk(chunk_head: dict[str, Any], index: int, delta: dict[str, Any], *, logprobs: Any = None,

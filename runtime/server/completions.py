@@ -134,7 +134,8 @@ class Completions:
 
     async def _events(self, stream: MergedStream, head: dict[str, Any], body: CompletionRequest,
                       echoes: list[str], num_prompts: int) -> AsyncIterator[str]:
-        """The SSE chunks of a streamed completion (`guarded_events` adds the error event and DONE)."""
+        """The SSE chunks of a streamed completion, those of one engine output joined in one string (one write);
+        `EventStreamResponse` adds the error event and DONE."""
         chunk_head = {**head, "system_fingerprint": None}
         continuous = wants_continuous_usage(body.stream_options)
         if body.include_usage or continuous:
@@ -145,6 +146,7 @@ class Completions:
         async with contextlib.aclosing(stream):
             async for prompt_index, output in stream:
                 last[prompt_index] = output
+                chunks: list[str] = []
                 for choice in output.outputs:
                     key = (prompt_index, choice.index)
                     first = body.echo and key not in text_offsets  # the chunk that echoes the prompt
@@ -171,7 +173,9 @@ class Completions:
                         chunk["usage"] = counts = running_usage(output, choice)
                         if body.echo_only:  # the one token the engine ran is dropped, as in _usage
                             counts.update(completion_tokens=0, total_tokens=counts["prompt_tokens"])
-                    yield sse(chunk)
+                    chunks.append(sse(chunk))
+                if chunks:
+                    yield "".join(chunks)
         if body.include_usage and len(last) == num_prompts:
             yield sse({**chunk_head, "choices": [], "usage": self._usage((last[i] for i in range(num_prompts)),
                                                                            body)})

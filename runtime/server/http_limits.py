@@ -3,8 +3,8 @@
 uvicorn times out idle keep-alive connections, but not a connection that sends half its headers
 or its body a byte at a time: such connections stay open for ever, and enough of them use up the
 process's file descriptors (then /health and real requests time out, and asyncio logs a
-traceback per failed accept). So the server runs `guarded_h11_protocol(limits)` — uvicorn's h11
-protocol with:
+traceback per failed accept). So the server runs `guarded_protocol(limits)` — uvicorn's httptools
+protocol (h11's where httptools is not installed) with:
 
 - a **header timeout**: a connection has `header_timeout_s` from when it opens (or from the first
   byte of a next request on a kept-alive connection) to send complete headers; else 408 and close;
@@ -18,7 +18,8 @@ protocol with:
 
 and asyncio's "socket.accept() out of system resource" errors are logged at most once per
 `ACCEPT_ERROR_LOG_INTERVAL_S` with a count of those left out (`AcceptErrorLogFilter`).
-`uvicorn_options(limits)` gives the uvicorn.Config arguments.
+`uvicorn_options(limits)` gives the uvicorn.Config arguments, with uvloop as the event loop where it is
+installed (`server_backends`).
 """
 
 from __future__ import annotations
@@ -60,14 +61,33 @@ class _RefusalLog:
             self._logged_at, self._since_log = now, 0
 
 
-class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with header/body read deadlines and a connection cap (`limits`)."""
+IDLE, BODY, IN_APP = "idle", "body", "in_app"  # where a connection's current request is (`_phase`)
+
+
+class _ReadDeadlines:
+    """The guard over a uvicorn HTTP protocol (h11's or httptools'): header/body read deadlines and the
+    connection cap (`limits`). The protocol class says which phase its request is in (`_phase`)."""
 
     limits: HttpLimits = HttpLimits()
-    refusals: _RefusalLog  # one per server (`guarded_h11_protocol`)
+    refusals: _RefusalLog  # one per server (`guarded_protocol`)
+    # What the uvicorn protocol it is mixed into provides:
+    loop: asyncio.AbstractEventLoop
+    transport: asyncio.Transport
+    connections: set[Any]
+    client: tuple[str, int] | None
+    cycle: Any
+    flow: Any
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+    def _phase(self) -> str:
+        """IDLE (waiting for or reading headers), BODY (reading the body) or IN_APP (read in full)."""
+        raise NotImplementedError
+
+    def _unparsed_bytes(self) -> bool:
+        """Whether bytes of a next request are already buffered (h11 holds them until a response ends)."""
+        return False
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        super().connection_made(transport)  # type: ignore[misc]
         self._deadline_timer: asyncio.TimerHandle | None = None
         self._header_deadline: float | None = None
         self._body_started: float | None = None
@@ -82,26 +102,26 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
-        super().connection_lost(exc)
+        super().connection_lost(exc)  # type: ignore[misc]
 
     def data_received(self, data: bytes) -> None:
-        super().data_received(data)
+        super().data_received(data)  # type: ignore[misc]
         self._follow(len(data))
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()
+        super().on_response_complete()  # type: ignore[misc]
         self._follow(0)
 
     def _follow(self, received: int) -> None:
         """Arm the deadline of the phase the request is in (headers, body) or drop it (done)."""
-        state = self.conn.their_state
+        phase = self._phase()
         now = self.loop.time()
-        if state is h11.IDLE:
+        if phase == IDLE:
             self._body_started = None
-            if self._header_deadline is None and (received or self.conn.trailing_data[0]):
+            if self._header_deadline is None and (received or self._unparsed_bytes()):
                 self._header_deadline = now + self.limits.header_timeout_s
                 self._arm(self._header_deadline)
-        elif state is h11.SEND_BODY:
+        elif phase == BODY:
             self._header_deadline = None
             if self._body_started is None:
                 self._body_started, self._body_bytes = now, 0
@@ -132,8 +152,8 @@ class GuardedH11Protocol(H11Protocol):
         if self.transport.is_closing():
             return
         now = self.loop.time()
-        state = self.conn.their_state
-        if state is h11.IDLE and self._header_deadline is not None:
+        phase = self._phase()
+        if phase == IDLE and self._header_deadline is not None:
             if now < self._header_deadline:
                 self._arm(self._header_deadline)
                 return
@@ -142,7 +162,7 @@ class GuardedH11Protocol(H11Protocol):
             if self.cycle is None or self.cycle.response_complete:
                 self.transport.write(_TIMEOUT_408)
             self.transport.close()
-        elif state is h11.SEND_BODY and self._body_started is not None:
+        elif phase == BODY and self._body_started is not None:
             if self.flow.read_paused:  # our own back-pressure, not the client's slowness
                 self._body_started, self._body_bytes = now, 0
             deadline = self._body_deadline()
@@ -154,14 +174,81 @@ class GuardedH11Protocol(H11Protocol):
             self.transport.close()
 
 
+class GuardedH11Protocol(_ReadDeadlines, H11Protocol):
+    """uvicorn's h11 protocol (pure Python) with the read deadlines and the connection cap."""
+
+    def _phase(self) -> str:
+        state = self.conn.their_state
+        return IDLE if state is h11.IDLE else BODY if state is h11.SEND_BODY else IN_APP
+
+    def _unparsed_bytes(self) -> bool:
+        return bool(self.conn.trailing_data[0])
+
+
+def guarded_httptools_protocol_base() -> type[asyncio.Protocol] | None:
+    """uvicorn's httptools protocol with the read deadlines, or None where httptools is not installed."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:
+        return None
+
+    class GuardedHttpToolsProtocol(_ReadDeadlines, HttpToolsProtocol):
+        """uvicorn's httptools protocol (llhttp, in C) with the read deadlines and the connection cap.
+
+        httptools parses every byte as it arrives, so the phase follows its callbacks: headers
+        complete -> BODY (IN_APP for a websocket upgrade, as h11's protocol-switch state), message
+        complete -> IN_APP, response sent -> IDLE again (unless a pipelined request was parsed
+        meanwhile: its phase stands).
+        """
+
+        _request_phase = IDLE
+
+        def _phase(self) -> str:
+            return self._request_phase
+
+        def on_headers_complete(self) -> None:
+            super().on_headers_complete()
+            upgrading = self.parser.should_upgrade() and self._should_upgrade()  # handed to the websocket protocol
+            self._request_phase = IN_APP if upgrading else BODY
+
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            self._request_phase = IN_APP
+
+        def on_response_complete(self) -> None:
+            if not self.pipeline and self._request_phase == IN_APP:
+                self._request_phase = IDLE
+            super().on_response_complete()
+
+    return GuardedHttpToolsProtocol
+
+
 def _peer(client: tuple[str, int] | None) -> str:
     return f"{client[0]}:{client[1]}" if client else "?"
 
 
-def guarded_h11_protocol(limits: HttpLimits) -> type[GuardedH11Protocol]:
-    """A GuardedH11Protocol class bound to `limits` (uvicorn instantiates the class it is given)."""
+def guarded_protocol(limits: HttpLimits, http: str = "h11") -> type[asyncio.Protocol]:
+    """The guarded protocol class of `http` ("httptools" or "h11") bound to `limits` (uvicorn
+    instantiates the class it is given); h11's where httptools is not installed."""
     limits.validate()
-    return type("GuardedH11Protocol", (GuardedH11Protocol,), {"limits": limits, "refusals": _RefusalLog()})
+    base = guarded_httptools_protocol_base() if http == "httptools" else None
+    base = base or GuardedH11Protocol
+    return type(base.__name__, (base,), {"limits": limits, "refusals": _RefusalLog()})
+
+
+def server_backends() -> tuple[str, str]:
+    """The event loop and HTTP parser uvicorn runs: ("uvloop", "httptools") where they are installed
+    (as `uvicorn[standard]` and vLLM run; a streamed chunk costs the event loop about half as much),
+    else ("asyncio", "h11"), each chosen on its own."""
+    return ("uvloop" if _importable("uvloop") else "asyncio", "httptools" if _importable("httptools") else "h11")
+
+
+def _importable(module: str) -> bool:
+    try:
+        __import__(module)
+    except ImportError:
+        return False
+    return True
 
 
 class AcceptErrorLogFilter(logging.Filter):
@@ -200,8 +287,10 @@ def install_accept_error_filter(target: logging.Logger | None = None) -> AcceptE
 
 
 def uvicorn_options(limits: HttpLimits | None) -> dict[str, Any]:
-    """uvicorn.Config arguments that apply `limits` (none without limits: uvicorn's defaults)."""
+    """uvicorn.Config arguments: the event loop and HTTP protocol (`server_backends`), guarded by
+    `limits` when given (`guarded_protocol`)."""
+    loop, http = server_backends()
     if limits is None:
-        return {}
+        return {"loop": loop, "http": http}
     install_accept_error_filter()
-    return {"http": guarded_h11_protocol(limits), "limit_concurrency": limits.max_connections}
+    return {"loop": loop, "http": guarded_protocol(limits, http), "limit_concurrency": limits.max_connections}

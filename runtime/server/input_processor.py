@@ -13,21 +13,18 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from sits.runtime.engine.request import RequestOutput, StructuredOutputSpec
 from sits.runtime.engine.validated import ValidatedSamplingParams
-from sits.runtime.server.errors import as_openai_error
+from sits.runtime.server.event_stream import EventStreamResponse
 from sits.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
 from sits.runtime.server.request_ids import new_request_id
-from sits.runtime.server.responses import DONE, SSE_HEADERS
 from sits.runtime.server.sampling import output_budget, resolve_bad_words_off_loop, sampling_params
 from sits.runtime.server.serving import ClientGone, ServingContext, collect_unless_disconnected, merge_streams
 from sits.runtime.server.tenant import request_allowed_models, request_cache_salt, request_priority
@@ -117,30 +114,14 @@ async def engine_requests(ctx: ServingContext, body: GenerationRequest, prompts:
 async def respond(request: Request, requests: EngineRequests, stream: MergedStream, *, streaming: bool,
                   events: Callable[[MergedStream], AsyncIterator[str]],
                   whole: Callable[[dict[int, RequestOutput]], dict]) -> Response:
-    """The answer of a generation request: `events` as SSE (`guarded_events` around them), or, once every
-    engine request finished, `whole` of the final outputs (prompt index -> output) as JSON; 499 when the
-    client left first."""
+    """The answer of a generation request: `events` as SSE (`EventStreamResponse`: an error after the 200
+    becomes an error event, then `data: [DONE]`), or, once every engine request finished, `whole` of the final
+    outputs (prompt index -> output) as JSON; 499 when the client left first."""
     headers = {"x-request-id": requests.response_id}
     if streaming:
-        return StreamingResponse(guarded_events(events(stream), request), media_type="text/event-stream",
-                                 headers={**headers, **SSE_HEADERS})
+        return EventStreamResponse(events(stream), request.scope.setdefault("state", {}), headers)
     try:
         finals = await collect_unless_disconnected(stream, request)
     except ClientGone:
         return Response(status_code=499)
     return JSONResponse(whole(finals), headers=headers)
-
-
-async def guarded_events(events: AsyncIterator[str], request: Request) -> AsyncIterator[str]:
-    """SSE events, then `data: [DONE]`. After the 200 went out an error is reported in the stream as an
-    OpenAI error event before the end; a client that leaves marks the request `client_gone`."""
-    try:
-        async with contextlib.aclosing(events):  # type: ignore[type-var]
-            async for event in events:
-                yield event
-    except asyncio.CancelledError:
-        request.state.client_gone = True
-        raise
-    except Exception as error:  # after the 200 went out: report in the stream, then end it
-        yield as_openai_error(error).to_sse()
-    yield DONE
