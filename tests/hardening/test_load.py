@@ -1,7 +1,7 @@
 """Load with admission control: more streaming clients than the server admits, some leaving mid-stream.
 
 `benchmarks/load_test.py` drives a real `sits serve` process (tiny random Llama, 4 running + 8 waiting
-sequences) with 40 clients for ~10 s. What users rely on: every refusal is a 429/503 in OpenAI's
+sequences) with 40 clients for ~5 s. What users rely on: every refusal is a 429/503 in OpenAI's
 shape with Retry-After, no other 5xx, every admitted stream that the client kept ends with a
 finish_reason and [DONE], the server's memory stays bounded, and once the load ends every
 sequence, KV block and admission slot is free again.
@@ -14,7 +14,7 @@ import asyncio
 from benchmarks.load_client import LoadConfig, warm_up
 from benchmarks.load_test import run_load
 
-CLIENTS, DURATION_S = 40, 10.0
+CLIENTS, DURATION_S = 40, 5.0
 RSS_GROWTH_LIMIT_MB = 150  # the tiny model's steady state moves by tens of MB; a leak per request would not stay under
 
 

@@ -221,7 +221,7 @@ def test_launch_serves_text_prompts_on_the_embedded_model_and_leaves_no_process(
 def test_interrupting_a_launched_run_stops_its_server(signum):
     marker = f"interrupted-{uuid.uuid4().hex[:8]}"
     argv = [sys.executable, "-m", "sits.runtime.cli", "bench", "serve", "--launch",
-            f"--load-format dummy --config tiny --served-model-name {marker}", "--num-prompts", "1000",
+            f"--load-format dummy --config tiny --served-model-name {marker}", "--num-prompts", "200",
             "--max-concurrency", "2", "--random-input-len", "8", "--random-output-len", "64", "--no-progress"]
     # the first progress line comes at a tenth of the prompts; the other nine tenths outlast the signal
     # Ctrl-C's default action in the child even when this run inherited SIGINT ignored (a background job)

@@ -1,8 +1,8 @@
 """What standard clients expect and found missing: GET /tokenizer_info (lm-eval's remote tokenizer),
 `stream_options.continuous_usage_stats` (usage in every chunk, as vLLM sends it) and a Retry-After
 within the rate-limit window. Through a real server (a tiny random Llama with SmolLM2's tokenizer),
-the official openai client and httpx; lm-evaluation-harness itself, when installed, against a real
-`sits serve` with no Hub access.
+the official openai client and httpx; lm-evaluation-harness itself, when installed, against that
+server from a process with no Hub access.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from sits.runtime.server.runner import BackgroundServer
 from sits.runtime.tenancy.config import TenancyConfig
 from sits.runtime.tenancy.rate_windows import WINDOW_S
 from sits.runtime.tenancy.service import Tenancy
-from tests.support.services import free_port, started
 
 KEY, ONCE_KEY = "sk-gaps-0a1b2c", "sk-once-3d4e5f"
 TENANTS_YAML = f"""
@@ -157,23 +156,19 @@ DOCS = [{"question": "The sky is", "choices": [" blue", " green"], "answer": 0},
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None, reason="lm-evaluation-harness is not installed")
-def test_lm_eval_local_completions_uses_the_remote_tokenizer_offline(tiny_llama_dir, tmp_path):
+def test_lm_eval_local_completions_uses_the_remote_tokenizer_offline(served, tmp_path):
+    """lm-eval, with no Hub access, against this module's server (the app `sits serve` builds, over HTTP)."""
     (tmp_path / "data.jsonl").write_text("".join(json.dumps(doc) + "\n" for doc in DOCS))
     (tmp_path / "task.yaml").write_text(TASK_YAML.format(data=tmp_path / "data.jsonl"))
-    port = free_port()
-    serve = [sys.executable, "-m", "sits.runtime", "serve", "--model", str(tiny_llama_dir), "--device", "cpu",
-             "--dtype", "float32", "--max-model-len", "256", "--served-model-name", MODEL,
-             "--host", "127.0.0.1", "--port", str(port)]
     offline = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-               "HF_HOME": str(tmp_path / "hf"), "OMP_NUM_THREADS": "1"}
-    with started(serve, port, timeout_s=120, env=offline):
-        model_args = (f"base_url=http://127.0.0.1:{port}/v1/completions,model={MODEL},num_concurrent=1,"
-                      "max_retries=1,tokenized_requests=True")  # tokenizer_backend: the default, auto
-        done = subprocess.run([sys.executable, "-m", "lm_eval", "run", "--model", "local-completions",
-                               "--model_args", model_args, "--tasks", "sits_tiny_choice",
-                               "--include_path", str(tmp_path), "--output_path", str(tmp_path / "out")],
-                              capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                              env={**os.environ, **offline})
+               "HF_HOME": str(tmp_path / "hf"), "OMP_NUM_THREADS": "1", "OPENAI_API_KEY": KEY}
+    # the key: OPENAI_API_KEY for the completions, auth_token for the tokenizer routes (the server has tenants)
+    model_args = (f"base_url={served.url}/v1/completions,model={MODEL},num_concurrent=1,auth_token={KEY},"
+                  "max_retries=1,tokenized_requests=True")  # tokenizer_backend: the default, auto
+    done = subprocess.run([sys.executable, "-m", "lm_eval", "run", "--model", "local-completions",
+                           "--model_args", model_args, "--tasks", "sits_tiny_choice",
+                           "--include_path", str(tmp_path), "--output_path", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env={**os.environ, **offline})
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-4000:]
     assert "Auto-detected remote tokenizer support" in log and "Using remote tokenizer" in log, log[-4000:]

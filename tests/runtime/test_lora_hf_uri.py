@@ -9,6 +9,7 @@ one-line error naming the flag.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -21,6 +22,19 @@ from tests.runtime.test_models_loading_hf_uri import offline_env, seed_cache
 
 GENERATE = ["-m", "sits.runtime", "generate", "Say hi", "--device", "cpu", "--dtype", "float32",
             "--max-tokens", "6", "--temperature", "0", "--max-model-len", "128"]
+RUN_END = "\n<end of run>\n"
+# Runs `sits` (its `main`, as `python -m sits.runtime` does) once per argv in argv[1] (a JSON list), each
+# run's stdout followed by RUN_END; exits non-zero at the first run that fails.
+RUN_EACH = f"""
+import json, sys
+from sits.runtime.cli import main
+for argv in json.loads(sys.argv[1]):
+    code = main(argv)
+    if code:
+        sys.exit(code)
+    sys.stdout.write({RUN_END!r})
+    sys.stdout.flush()
+"""
 
 
 def test_an_hf_adapter_is_checked_for_form_before_the_model_loads():
@@ -34,22 +48,23 @@ def test_an_hf_adapter_is_checked_for_form_before_the_model_loads():
 
 
 def test_an_hf_adapter_serves_from_the_cache_as_its_local_copy_does(tmp_path, tiny_llama_dir, tiny):
-    """`sits generate --lora` answers the same with the adapter from the Hub cache and from its directory."""
+    """`sits generate --lora` answers the same with the adapter from the Hub cache and from its directory.
+
+    The three runs (Hub cache, directory, no adapter) are the `sits` command's own `main`, one after
+    another in one fresh offline interpreter: one interpreter start instead of three.
+    """
     adapter = write_peft_adapter(tmp_path / "sql-lora", tiny.config, rank=4, b_std=1.0)
     hf_home = tmp_path / "hf"
     seed_cache(hf_home, "sits-test/sql-lora", adapter)
-    answers = []
-    for path in ("hf://sits-test/sql-lora", str(adapter)):
-        result = subprocess.run(
-            [sys.executable, *GENERATE, "--model", str(tiny_llama_dir), "--enable-lora",
-             "--lora-modules", f"sql={path}", "--lora", "sql"],
-            capture_output=True, text=True, timeout=180, cwd=tmp_path, env=offline_env(hf_home))
-        assert result.returncode == 0, result.stderr
-        answers.append(result.stdout)
-    base = subprocess.run([sys.executable, *GENERATE, "--model", str(tiny_llama_dir)], capture_output=True,
-                          text=True, timeout=180, cwd=tmp_path, env=offline_env(hf_home))
-    assert base.returncode == 0, base.stderr
-    assert answers[0] == answers[1] != base.stdout  # the adapter took effect, from either source
+    runs = [[*GENERATE[2:], "--model", str(tiny_llama_dir), "--enable-lora", "--lora-modules", f"sql={path}",
+             "--lora", "sql"] for path in ("hf://sits-test/sql-lora", str(adapter))]
+    runs.append([*GENERATE[2:], "--model", str(tiny_llama_dir)])
+    result = subprocess.run([sys.executable, "-c", RUN_EACH, json.dumps(runs)], capture_output=True, text=True,
+                            timeout=300, cwd=tmp_path, env=offline_env(hf_home))
+    assert result.returncode == 0, result.stderr
+    *answers, base, rest = result.stdout.split(RUN_END)
+    assert rest == "" and len(answers) == 2, result.stdout
+    assert answers[0] == answers[1] != base, result.stdout  # the adapter took effect, from either source
 
 
 def test_offline_an_uncached_hf_adapter_is_a_one_line_error(tmp_path, tiny_llama_dir):
