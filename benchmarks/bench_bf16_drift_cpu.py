@@ -130,6 +130,12 @@ def apply_variant(model, knobs: frozenset[str]) -> None:
                     linear.forward = float32_linear(linear)
 
 
+def against(outputs: list[list[int]], reference: list[list[int]]) -> tuple[int, list[int]]:
+    """(how many answers equal the reference's, each answer's common prefix with it)."""
+    pairs = list(zip(outputs, reference, strict=True))
+    return sum(o == r for o, r in pairs), [parity.common_prefix(o, r) for o, r in pairs]
+
+
 def bf16_engine() -> LLMEngine:
     config = EngineConfig(
         model=ModelConfig(model=str(parity.gguf_path()), device="cpu", dtype="bfloat16", max_model_len=512),
@@ -174,10 +180,8 @@ def roundings(free_running: bool, only: list[int] | None) -> None:
         apply_variant(model, knobs)
         identical, mean_prefix = "-", "-"
         if free_running:
-            outputs = [tokens for tokens, _ in parity.generate(engine, prompts, one_at_a_time=False)]
-            prefixes = [parity.common_prefix(o, a) for o, a in zip(outputs, answers, strict=True)]
-            identical = str(sum(o == a for o, a in zip(outputs, answers, strict=True)))
-            mean_prefix = f"{sum(prefixes) / len(prefixes):.1f} {prefixes}"
+            same, prefixes = against([t for t, _ in parity.generate(engine, prompts, one_at_a_time=False)], answers)
+            identical, mean_prefix = str(same), f"{sum(prefixes) / len(prefixes):.1f} {prefixes}"
         print(f"| {name} | {identical} | {mean_prefix} | {teacher_forced(model, prompts, answers, float32)} |",
               flush=True)
     engine.shutdown()
@@ -197,20 +201,20 @@ def peers() -> None:
         "transformers float32": transformers_greedy(torch.float32, prompts),
     }
     for name, answers in systems.items():
-        prefixes = [parity.common_prefix(a, r) for a, r in zip(answers, reference, strict=True)]
-        same = sum(a == r for a, r in zip(answers, reference, strict=True))
+        same, prefixes = against(answers, reference)
         print(f"{name}: {same}/{len(reference)} identical to the float32 engine over {parity.NEW_TOKENS} tokens, "
               f"common prefixes {prefixes}")
 
 
 def main() -> int:
+    """Peers, or with --roundings our engine's variants; prints the comparison and the time taken."""
+    start = time.perf_counter()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--roundings", action="store_true", help="our bf16 engine, one rounding changed at a time")
     parser.add_argument("--teacher-forced-only", action="store_true", help="with --roundings: skip generation")
     parser.add_argument("--only", type=lambda text: [int(i) for i in text.split(",")],
                         help="with --roundings: these variants (indices into VARIANTS, comma-separated)")
     args = parser.parse_args()
-    start = time.perf_counter()
     if args.roundings:
         roundings(free_running=not args.teacher_forced_only, only=args.only)
     else:
