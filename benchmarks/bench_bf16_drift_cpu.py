@@ -1,23 +1,61 @@
-"""How far bf16 drifts from float32 on real weights, for scale: transformers in bf16 and the float32 engine with
-bf16-rounded weights, each against the float32 SITS engine (CPU, SmolLM2-135M-Instruct, the GPU parity prompts).
+"""How far bf16 drifts from float32 on real weights, and which activation roundings cost it (CPU,
+SmolLM2-135M-Instruct, the GPU parity prompts of tests/gpu/test_real_model_parity.py).
 
-    PYTHONSAFEPATH=1 python benchmarks/bench_bf16_drift_cpu.py
+    PYTHONSAFEPATH=1 python benchmarks/bench_bf16_drift_cpu.py              # peers (minutes)
+    PYTHONSAFEPATH=1 python benchmarks/bench_bf16_drift_cpu.py --roundings  # our bf16 engine's roundings
 
-Greedy is the argmax of each system's own logits with EOS masked for 48 tokens, as in
-tests/gpu/test_real_model_parity.py (transformers' `generate` is not used: its processors may pick another token).
-Prints, per system, how many of the 8 answers equal the float32 engine's and each answer's common prefix.
+Greedy is the argmax of each system's own logits with EOS masked for 48 tokens, as in the GPU parity test
+(transformers' `generate` is not used: its processors may pick another token). Everything is compared with
+the float32 SITS engine's answers.
+
+Peers: transformers in bf16 and float32, and the float32 engine with bf16-rounded weights: identical answers
+of 8 and each answer's common prefix.
+
+--roundings: our engine in bf16 with the torch back end, batched, prefix caching off, one activation rounding
+changed at a time (the model edited in place between variants): identical answers / 8, mean common prefix,
+and teacher-forced over prompt + float32 answer (one prefill each): argmax agreement (EOS masked), mean KL
+from float32, mean and max |Δ logprob| of the answer tokens. The roundings:
+  residual  the residual stream between sublayers in float32 (`LlamaForCausalLM.residual_dtype`) or bf16
+  attention attention on float32 copies (softmax probabilities not rounded to bf16 for P·V)
+  norm      RMSNorm's output rounded once (normalized row times weight in float32) instead of twice
+  silu      SiLU·mul in float32, rounded once, instead of SiLU rounded and the product rounded
+  gemm_out  o_proj / down_proj write float32 into the float32 stream (not rounded to bf16 first)
+  gemm_out_all  every projection writes float32 (bf16 operands, float32 accumulation and output, as cuBLAS
+            can): RoPE from float32 q / k, SiLU·mul from float32 gate / up; only GEMM and attention operands
+            (norm outputs, q / k / v, P, attention and SiLU·mul outputs) and the KV cache are rounded to bf16
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(next(i for i, p in enumerate(sys.path) if "site-packages" in p), str(Path(__file__).parents[1]))
 
+from benchmarks.bench_torch_bf16_cpu import prefill_logprobs  # noqa: E402
+from sits.runtime.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
+from sits.runtime.engine.engine import LLMEngine  # noqa: E402
+from sits.runtime.models.kernel_ops import KernelOps  # noqa: E402
 from tests.gpu import test_real_model_parity as parity  # noqa: E402
+
+# name: the roundings kept in float32 (the rest as the engine does by default in bf16, before this change)
+VARIANTS: dict[str, frozenset[str]] = {
+    "all bf16 (the residual stream in bf16)": frozenset(),
+    "residual stream float32": frozenset({"residual"}),
+    "attention P float32": frozenset({"attention"}),
+    "RMSNorm output rounded once": frozenset({"norm"}),
+    "SiLU·mul rounded once": frozenset({"silu"}),
+    "residual float32 + norm once + SiLU·mul once": frozenset({"residual", "norm", "silu"}),
+    "residual float32 + o/down GEMM outputs float32": frozenset({"residual", "gemm_out"}),
+    "residual + attention + norm + SiLU·mul float32": frozenset({"residual", "attention", "norm", "silu"}),
+    "only GEMM / attention operands and the KV cache in bf16": frozenset(
+        {"residual", "attention", "norm", "silu", "gemm_out", "gemm_out_all"}),
+}
 
 
 def transformers_greedy(dtype: torch.dtype, prompts: list[list[int]]) -> list[list[int]]:
@@ -40,7 +78,116 @@ def transformers_greedy(dtype: torch.dtype, prompts: list[list[int]]) -> list[li
     return answers
 
 
-def main() -> int:
+class RoundOnceOps(KernelOps):
+    """KernelOps with RMSNorm's output and/or SiLU·mul computed in float32 and rounded once."""
+
+    def __init__(self, norm: bool, silu: bool) -> None:
+        self.norm, self.silu = norm, silu
+
+    def rms_norm(self, x, weight, eps):
+        if not self.norm:
+            return super().rms_norm(x, weight, eps)
+        xf = x.float()
+        return (weight.float() * xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(weight.dtype)
+
+    def silu_mul(self, gate_up):
+        if not self.silu:
+            return super().silu_mul(gate_up)
+        gate, up = gate_up.float().chunk(2, dim=-1)
+        return (F.silu(gate) * up).to(gate_up.dtype)
+
+
+def float32_linear(module: torch.nn.Linear):
+    """The projection with bf16 operands, float32 accumulation and a float32 output."""
+    bias = None if module.bias is None else module.bias.float()
+    return lambda x: F.linear(x.to(module.weight.dtype).float(), module.weight.float(), bias)
+
+
+def apply_variant(model, knobs: frozenset[str]) -> None:
+    """Set `model` (bf16, torch back end) to the variant's roundings, whatever the previous variant set."""
+    model.residual_dtype = torch.float32 if "residual" in knobs else None
+    ops = RoundOnceOps("norm" in knobs, "silu" in knobs)
+    backend = model.backend
+    backend.__dict__.pop("forward", None)
+    if "attention" in knobs:
+        base = backend.forward
+        dtype = model.model.embed_tokens.weight.dtype  # operands rounded to it, as the kernels' loads are
+        backend.forward = lambda q, k, v, kc, vc, metadata, scale: base(
+            *(t.to(dtype).float() for t in (q, k, v, kc, vc)), metadata, scale).to(dtype)
+    for layer in [*model.model.layers, model.model]:
+        for norm in ("input_layernorm", "post_attention_layernorm", "norm"):
+            if hasattr(layer, norm):
+                getattr(layer, norm).ops = ops
+        if hasattr(layer, "mlp"):
+            layer.mlp.ops = ops
+            for linear in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                linear.__dict__.pop("forward", None)
+                if "gemm_out" in knobs:
+                    linear.forward = float32_linear(linear)
+            for linear in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj):
+                linear.__dict__.pop("forward", None)
+                if "gemm_out_all" in knobs:
+                    linear.forward = float32_linear(linear)
+
+
+def against(outputs: list[list[int]], reference: list[list[int]]) -> tuple[int, list[int]]:
+    """(how many answers equal the reference's, each answer's common prefix with it)."""
+    pairs = list(zip(outputs, reference, strict=True))
+    return sum(o == r for o, r in pairs), [parity.common_prefix(o, r) for o, r in pairs]
+
+
+def bf16_engine() -> LLMEngine:
+    config = EngineConfig(
+        model=ModelConfig(model=str(parity.gguf_path()), device="cpu", dtype="bfloat16", max_model_len=512),
+        cache=CacheConfig(block_size=16, num_blocks=512, enable_prefix_caching=False),
+        scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=1024),
+        attention_backend="torch", enforce_eager=True,
+    )
+    return LLMEngine.from_config(config, progress=False)
+
+
+def answer_logprobs(model, prompts: list[list[int]], answers: list[list[int]]) -> torch.Tensor:
+    """log-softmax rows predicting every answer token (prompt + answer in one prefill each), [8 * 48, vocab]."""
+    return prefill_logprobs(model, [p + a for p, a in zip(prompts, answers, strict=True)], [len(p) for p in prompts])
+
+
+def teacher_forced(model, prompts, answers, float32: torch.Tensor) -> str:
+    """Argmax agreement (EOS masked), KL and answer-token |Δ logprob| against float32's log-softmax rows."""
+    tokens = torch.tensor([t for a in answers for t in a])
+    ours = answer_logprobs(model, prompts, answers)
+    masked = ours.clone()
+    masked[:, parity.EOS_IDS] = float("-inf")
+    agree = int((masked.argmax(-1) == tokens).sum())
+    kl = (float32.exp() * (float32 - ours)).sum(-1).mean()
+    delta = (float32 - ours).gather(1, tokens[:, None]).abs()
+    return f"{agree}/{len(tokens)} ({agree / len(tokens):.2%}) | {kl:.2e} | {delta.mean():.4f} / {delta.max():.4f}"
+
+
+def roundings(free_running: bool, only: list[int] | None) -> None:
+    reference_engine = parity.engine("cpu", "float32", "torch", "none", True)
+    prompts = parity.prompts(reference_engine.tokenizer)
+    answers = [tokens for tokens, _ in parity.generate(reference_engine, prompts, one_at_a_time=False)]
+    float32 = answer_logprobs(reference_engine.loaded_model.model, prompts, answers)
+    reference_engine.shutdown()
+    engine = bf16_engine()
+    model = engine.loaded_model.model
+    print("| bf16 engine, torch back end: kept in float32 | identical / 8 | mean common prefix | teacher-forced "
+          "argmax | mean KL | answer \\|Δ logprob\\| mean / max |")
+    print("|---|---|---|---|---|---|")
+    for index, (name, knobs) in enumerate(VARIANTS.items()):
+        if only is not None and index not in only:
+            continue
+        apply_variant(model, knobs)
+        identical, mean_prefix = "-", "-"
+        if free_running:
+            same, prefixes = against([t for t, _ in parity.generate(engine, prompts, one_at_a_time=False)], answers)
+            identical, mean_prefix = str(same), f"{sum(prefixes) / len(prefixes):.1f} {prefixes}"
+        print(f"| {name} | {identical} | {mean_prefix} | {teacher_forced(model, prompts, answers, float32)} |",
+              flush=True)
+    engine.shutdown()
+
+
+def peers() -> None:
     reference_engine = parity.engine("cpu", "float32", "torch", "none", True)
     prompts = parity.prompts(reference_engine.tokenizer)
     reference = [tokens for tokens, _ in parity.generate(reference_engine, prompts, one_at_a_time=False)]
@@ -54,10 +201,25 @@ def main() -> int:
         "transformers float32": transformers_greedy(torch.float32, prompts),
     }
     for name, answers in systems.items():
-        prefixes = [parity.common_prefix(a, r) for a, r in zip(answers, reference, strict=True)]
-        same = sum(a == r for a, r in zip(answers, reference, strict=True))
+        same, prefixes = against(answers, reference)
         print(f"{name}: {same}/{len(reference)} identical to the float32 engine over {parity.NEW_TOKENS} tokens, "
               f"common prefixes {prefixes}")
+
+
+def main() -> int:
+    """Peers, or with --roundings our engine's variants; prints the comparison and the time taken."""
+    start = time.perf_counter()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--roundings", action="store_true", help="our bf16 engine, one rounding changed at a time")
+    parser.add_argument("--teacher-forced-only", action="store_true", help="with --roundings: skip generation")
+    parser.add_argument("--only", type=lambda text: [int(i) for i in text.split(",")],
+                        help="with --roundings: these variants (indices into VARIANTS, comma-separated)")
+    args = parser.parse_args()
+    if args.roundings:
+        roundings(free_running=not args.teacher_forced_only, only=args.only)
+    else:
+        peers()
+    print(f"({time.perf_counter() - start:.0f} s)")
     return 0
 
 

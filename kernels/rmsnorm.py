@@ -3,10 +3,11 @@
     rms_norm(x [..., N], weight [N], eps)                  -> out [..., N]
     rms_norm(x [..., N], weight [N], eps, residual [..., N]) -> (out, new_residual)
 
-With a residual, `new_residual = x + residual` (rounded to x's dtype, as the unfused model does)
-and `out = norm(new_residual)`: one pass reads x and residual and writes both results, where
-eager PyTorch needs an add and four more kernels. Arithmetic follows HF Llama's RMSNorm: the
-mean of squares in float32, the normalized row rounded to x's dtype, then scaled by the weight.
+With a residual, `new_residual = x + residual` (rounded to residual's dtype: float32 for the model's
+float32 residual stream) and `out = norm(new_residual)`: one pass reads x and residual and writes both
+results, where eager PyTorch needs an add and four more kernels. Arithmetic follows HF Llama's RMSNorm:
+the mean of squares in float32, the normalized row rounded to out's dtype (x's by default), then scaled
+by the weight.
 """
 
 from __future__ import annotations
@@ -78,10 +79,10 @@ def rms_norm(
         x: [..., N] float16 / bfloat16 / float32, last dimension contiguous.
         weight: [N], any float dtype.
         eps: added to the mean of squares.
-        residual: optional [..., N] in x's dtype.
-        out: optional [..., N] output buffer in x's dtype.
+        residual: optional [..., N], any float dtype (new_residual gets it).
+        out: optional [..., N] output buffer, any float dtype; default x's dtype.
     Returns:
-        out [..., N] in x's dtype, or (out, new_residual) when residual is given.
+        out [..., N], or (out, new_residual) when residual is given.
     """
     check_tensor(x, "x", dtypes=FLOAT_DTYPES)
     require(x.dim() >= 1, "x must have at least one dimension")
@@ -94,16 +95,16 @@ def rms_norm(
     x2d = x.reshape(-1, n_cols)
     if out is None:
         out = torch.empty_like(x)
-    check_tensor(out, "out", dtypes=(x.dtype,), device=x.device)
+    check_tensor(out, "out", dtypes=FLOAT_DTYPES, device=x.device)
     check_shape(out, "out", x.shape)
     require(out.is_contiguous(), "out must be contiguous")
     out2d = out.view(-1, n_cols)
     if residual is not None:
-        check_tensor(residual, "residual", dtypes=(x.dtype,), device=x.device)
+        check_tensor(residual, "residual", dtypes=FLOAT_DTYPES, device=x.device)
         check_shape(residual, "residual", x.shape)
         check_inner_contiguous(residual, "residual")
         res2d = residual.reshape(-1, n_cols)
-        new_residual = torch.empty_like(x)
+        new_residual = torch.empty(x.shape, dtype=residual.dtype, device=x.device)
         res_out2d = new_residual.view(-1, n_cols)
     else:
         res2d = res_out2d = x2d  # unused: HAS_RESIDUAL is off

@@ -19,16 +19,19 @@ class KernelOps:
     name = "torch"
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """x: [num_tokens, hidden] → same shape; mean of squares in float32, as HF Llama."""
+        """x: [num_tokens, hidden] (the residual stream: float32, or the model dtype) → same shape in weight's
+        dtype (the model's); mean of squares in float32, the normalized row rounded to weight's dtype before
+        the scale, as HF Llama does for an input in the model dtype."""
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        return weight * xf.to(x.dtype)
+        return weight * xf.to(weight.dtype)
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rms_norm(x + residual), x + residual), the sum rounded to x's dtype first as the unfused model does."""
-        summed = x + residual
+        """(rms_norm(x + residual), x + residual): the sum in residual's dtype (x: a sublayer's output in the
+        model dtype; residual: the stream, float32 or the model dtype), normalized as that rounded sum."""
+        summed = residual + x.to(residual.dtype)
         return self.rms_norm(summed, weight, eps), summed
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -49,12 +52,13 @@ class TritonKernelOps(KernelOps):
     def rms_norm(self, x, weight, eps):
         from sits.kernels.rmsnorm import rms_norm
 
-        return rms_norm(x, weight, eps)
+        return rms_norm(x, weight, eps, out=torch.empty(x.shape, dtype=weight.dtype, device=x.device))
 
     def add_rms_norm(self, x, residual, weight, eps):
         from sits.kernels.rmsnorm import rms_norm
 
-        return rms_norm(x, weight, eps, residual=residual)
+        out = torch.empty(x.shape, dtype=weight.dtype, device=x.device)
+        return rms_norm(x, weight, eps, residual=residual, out=out)
 
     def silu_mul(self, gate_up):
         from sits.kernels.silu_mul import silu_mul

@@ -37,9 +37,10 @@ class RMSNorm(nn.Module):
         self.ops = ops
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """x: [num_tokens, hidden_size] → same shape and dtype.
+        """x: [num_tokens, hidden_size] → same shape in the weight's dtype (the model's).
 
-        With `residual`, returns (norm(x + residual), x + residual): the add fused into the norm.
+        With `residual`, returns (norm(x + residual), x + residual): the add fused into the norm, the sum
+        in residual's dtype (the residual stream's: float32 in a half-precision model).
         """
         if residual is None:
             return self.ops.rms_norm(x, self.weight, self.eps)
@@ -118,6 +119,10 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, ops)
 
     def forward(self, hidden, positions, cos_sin_cache, kv_cache, metadata) -> torch.Tensor:
+        """hidden: [num_tokens, hidden_size], the residual stream (its dtype is kept) → the same, updated.
+
+        The sublayers read its norms in the model dtype and write the model dtype; the two adds run in
+        the stream's dtype."""
         attention = self.self_attn(self.input_layernorm(hidden), positions, cos_sin_cache, kv_cache, metadata)
         normed, hidden = self.post_attention_layernorm(attention, residual=hidden)  # hidden += attention
         return hidden + self.mlp(normed)
@@ -143,7 +148,17 @@ class LlamaForCausalLM(nn.Module):
         config: the model's shape.
         backend: the attention back end every layer calls.
         max_positions: rows of the RoPE table; defaults to config.max_position_embeddings.
+    Attributes:
+        residual_dtype: the residual stream's dtype between the sublayers (None: the model dtype).
+            float32 by default: a bfloat16 stream rounds every layer's two sums to 8 bits of mantissa,
+            the largest single share of bf16's drift from float32 on real weights (benchmarks/RESULTS.md,
+            "Which bf16 activation roundings"). It costs 4 instead of 2 bytes x hidden_size per token of
+            the stream (at prefill: 128 MiB instead of 64 for 8,192 tokens of Llama-3-8B, and the fused
+            add + norm moves 12 bytes an element instead of 8; at decode nothing beside the weights).
+            GEMMs, the KV cache, attention and collectives keep the model dtype. No-op in float32.
     """
+
+    residual_dtype: torch.dtype | None = torch.float32
 
     def __init__(self, config: LlamaConfig, backend: AttentionBackend, max_positions: int | None = None) -> None:
         super().__init__()
@@ -200,6 +215,8 @@ class LlamaForCausalLM(nn.Module):
             [num_tokens, hidden_size] final hidden states (after the last norm), in the model dtype.
         """
         hidden = self.model.embed_tokens(input_ids)
+        if self.residual_dtype is not None:
+            hidden = hidden.to(self.residual_dtype)  # exact: the stream starts as the rows of the embedding
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             hidden = layer(hidden, positions, self.cos_sin_cache, kv_cache, metadata)
         return self.model.norm(hidden)
