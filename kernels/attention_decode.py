@@ -81,7 +81,6 @@ _FP8_CONFIGS = [
     _config(32, 4, 8),
     _config(64, 4, 6),
     _config(64, 4, 8),
-    _config(64, 8, 8),
     _config(128, 4, 6),
     _config(128, 8, 6),
 ]
