@@ -77,13 +77,8 @@ _BF16_CONFIGS = [
 # An fp8 token row of one head is 128 bytes at head_dim 128, half of bf16's, so fp8 tiles keep
 # fewer bytes in flight per stage: its configs lean to larger tiles and deeper pipelines. Few of
 # them, so a first launch (or the benchmark) autotunes quickly. BLOCK_N stays <= SPLIT_GRANULE.
-_FP8_CONFIGS = [
-    _config(32, 4, 8),
-    _config(64, 4, 6),
-    _config(64, 4, 8),
-    _config(128, 4, 6),
-    _config(128, 8, 6),
-]
+_FP8_SCHEDULE_LIST = ((32, 4, 8), (64, 4, 6), (64, 4, 8), (128, 4, 6), (128, 8, 6))  # (BLOCK_N, warps, stages)
+_FP8_CONFIGS = [_config(*schedule) for schedule in _FP8_SCHEDULE_LIST]
 
 
 def _schedule(config):
