@@ -131,6 +131,22 @@ def test_paged_prefill_long_prompts_gpu(head_dim, block_size):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("via_float16", [True, False], ids=["f16-dots", "upcast-to-q"])
+def test_paged_prefill_long_prompts_over_an_fp8_cache_gpu(via_float16):
+    """bf16 queries over an fp8 cache with per-head scales, both conversions, the compiled kernel."""
+    torch.manual_seed(21)
+    seq_lens, q_lens = [2100, 1000, 4097], [2100, 999, 1500]
+    cache = random_paged_cache(seq_lens, 8, 128, 16, torch.bfloat16)
+    scales = {"k_scale": torch.full((8,), 0.01, device=DEVICE), "v_scale": torch.full((8,), 0.02, device=DEVICE)}
+    cache.k_cache = (cache.k_cache.float() / 0.01).clamp(-448, 448).to(torch.float8_e4m3fn)
+    cache.v_cache = (cache.v_cache.float() / 0.02).clamp(-448, 448).to(torch.float8_e4m3fn)
+    q = randn(sum(q_lens), 32, 128, dtype=torch.bfloat16)
+    args = (q, cache.k_cache, cache.v_cache, cumulative(q_lens), cache.seq_lens, cache.block_tables, 128**-0.5)
+    out = paged_prefill_attention(*args, max(q_lens), fp8_via_float16=via_float16, **scales)
+    _close(out, paged_prefill_attention_reference(*args, **scales), torch.bfloat16)
+
+
+@pytest.mark.gpu
 def test_varlen_matches_sdpa_gpu():
     torch.manual_seed(11)
     q = randn(2048, 32, 128, dtype=torch.bfloat16)
