@@ -1,23 +1,37 @@
 """Decode attention on the GPU: SITS's paged split-KV kernel against SDPA over a contiguous cache.
 
-    python benchmarks/bench_attention_decode.py [--json out.json]
+    python benchmarks/bench_attention_decode.py [--json out.json] [--quick]
+    TRITON_CACHE_AUTOTUNING=1 python benchmarks/bench_attention_decode.py --fp8 [--json out.json]
 
 One query token per sequence, GQA 32 query / 8 KV heads, head_dim 128, bf16. The figure is the
 effective bandwidth: bytes of live K and V (B * context * Hkv * D * 2 tensors * 2 bytes) over the
 time. SITS reads them through block tables from a 16-token-block paged cache (blocks shuffled);
 SDPA reads a contiguous [B, Hkv, S, D] cache holding exactly the live tokens (its best case).
+
+--fp8 times SITS's kernel over an fp8 (e4m3, per-KV-head scales) cache instead, in one run: the
+float16 dots (fp8_via_float16=True, the default) against the tiles upcast to bf16 (False, the
+first implementation), beside the bf16 kernel at the same shape. Bandwidth counts the bytes each
+kernel reads (1 byte per fp8 element, 2 per bf16 one) and is also given as a share of the H200's
+4.29 TB/s (HBM_PEAK_GBPS) and of this run's measured copy bandwidth. Small cases rotate over
+several block tables so the timed reads do not come from L2.
 """
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
-from kernel_bench_utils import Measurement, best_peer, parse_args, report, time_ms
+from kernel_bench_utils import Measurement, best_peer, hbm_copy_gbps, parse_args, report, rotating, time_ms
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from sits.kernels.attention_decode import choose_num_splits, paged_decode_attention
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
+HBM_PEAK_GBPS = 4290.0  # H200 HBM3e peak
+FP8_CASES = [(448, 3072), (32, 2048), (1, 2048)]  # (batch, context); 16-token blocks
+MIN_ROTATED_FP8_BYTES = 256 << 20  # K + V fp8 bytes the rotated tables cover at least (> L2)
+DEVICE = "cuda"
 
 
 def _sdpa(q, k, v, backend=None):
@@ -75,8 +89,83 @@ def bench_case(batch, context, block_size, sweep_splits) -> tuple[list[Measureme
     return [row], [note]
 
 
+def _fp8_caches(batch, context, block_size):
+    """bf16 paged K/V, their fp8 copies (torch's cast, per-KV-head scales amax / 448) and `copies`
+    block-table sets over disjoint shuffled blocks. Returns (bf16 pair, fp8 pair, scales, tables)."""
+    blocks_per_seq = context // block_size
+    fp8_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM
+    copies = max(1, -(-MIN_ROTATED_FP8_BYTES // fp8_bytes))
+    num_blocks = copies * batch * blocks_per_seq
+    shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
+    bf16 = [torch.randn(shape, dtype=torch.bfloat16, device=DEVICE) for _ in range(2)]
+    scales, fp8 = [], []
+    for cache in bf16:
+        scale = cache.abs().amax(dim=(0, 1, 3)).float() / 448.0
+        scales.append(scale)
+        fp8.append((cache.float() / scale[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn))
+    perm = torch.randperm(num_blocks, device=DEVICE).to(torch.int32)
+    tables = [t.view(batch, blocks_per_seq) for t in perm.chunk(copies)]
+    return bf16, fp8, scales, tables
+
+
+def bench_fp8_case(batch, context, block_size, copy_gbps) -> tuple[Measurement, str]:
+    """fp8 float16 dots (ours) against fp8 upcast to bf16 (peer), with the bf16 kernel beside."""
+    scale = HEAD_DIM**-0.5
+    (k16, v16), (k8, v8), (ks, vs), tables = _fp8_caches(batch, context, block_size)
+    q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=DEVICE)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=DEVICE)
+    outs = {name: torch.empty_like(q) for name in ("f16", "upcast", "bf16")}
+
+    def kernel(name):
+        def call(i):
+            if name == "bf16":
+                return paged_decode_attention(q, k16, v16, tables[i], seq_lens, scale, out=outs[name])
+            return paged_decode_attention(q, k8, v8, tables[i], seq_lens, scale, out=outs[name], k_scale=ks,
+                                          v_scale=vs, fp8_via_float16=name == "f16")
+        return rotating(call, len(tables))
+
+    ms = {name: time_ms(kernel(name)) for name in outs}
+    for name in outs:  # the last call of each used different tables: recompute on table set 0
+        kernel(name)()
+    fp8_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM
+    gbps = {name: (2 * fp8_bytes if name == "bf16" else fp8_bytes) / (t * 1e-3) / 1e9 for name, t in ms.items()}
+    rel = lambda a, b: ((outs[a].float() - outs[b].float()).norm() / outs[b].float().norm()).item()  # noqa: E731
+    extra = {f"{n}_gbps": round(g, 1) for n, g in gbps.items()} | {
+        f"{n}_of_peak": round(g / HBM_PEAK_GBPS, 3) for n, g in gbps.items()
+    } | {f"{n}_of_copy": round(g / copy_gbps, 3) for n, g in gbps.items()} | {
+        f"{n}_ms": round(t, 4) for n, t in ms.items()
+    } | {"f16_vs_upcast_rel_err": rel("f16", "upcast"), "f16_vs_bf16_rel_err": rel("f16", "bf16"), "copies": len(tables)}
+    case = f"B{batch} ctx{context} block{block_size}"
+    note = (f"{case}: fp8 f16 dots {gbps['f16']:,.0f} GB/s ({gbps['f16'] / HBM_PEAK_GBPS:.2f} of 4.29 TB/s), "
+            f"fp8 upcast to bf16 {gbps['upcast']:,.0f} GB/s ({gbps['upcast'] / HBM_PEAK_GBPS:.2f}), "
+            f"bf16 {gbps['bf16']:,.0f} GB/s ({gbps['bf16'] / HBM_PEAK_GBPS:.2f}); ms {extra['f16_ms']} / "
+            f"{extra['upcast_ms']} / {extra['bf16_ms']}; rel err f16 vs upcast {extra['f16_vs_upcast_rel_err']:.2e}, "
+            f"vs bf16 {extra['f16_vs_bf16_rel_err']:.2e}")  # fmt: skip
+    print(note, flush=True)
+    row = Measurement(case, "GB/s", gbps["f16"], gbps["upcast"], "fp8 upcast to bf16", ms["f16"], ms["upcast"], extra)
+    return row, note
+
+
+def fp8_main(args):
+    copy_gbps = hbm_copy_gbps()
+    rows, notes = [], [f"HBM copy bandwidth in this run: {copy_gbps:,.0f} GB/s"]
+    for batch, context in FP8_CASES[:1] if args.quick else FP8_CASES:
+        row, note = bench_fp8_case(batch, context, 16, copy_gbps)
+        rows.append(row)
+        notes.append(note)
+        torch.cuda.empty_cache()
+    report("Decode attention over an fp8 KV cache, 32 q / 8 kv heads, head_dim 128 (GB/s of bytes read)", rows,
+           args.json, notes)
+
+
 def main():
+    fp8 = "--fp8" in sys.argv
+    if fp8:
+        sys.argv.remove("--fp8")  # the shared parser knows only --json and --quick
     args = parse_args(__doc__)
+    if fp8:
+        fp8_main(args)
+        return
     sweep = (1, 2, 4, 8, 16)
     cases = [(32, 2048, 16), (32, 2048, 64), (32, 8192, 16), (128, 2048, 16), (8, 4096, 16), (1, 16384, 16)]
     if args.quick:

@@ -13,8 +13,13 @@ Rows with seq_len 0 (CUDA-graph padding) read nothing and return zeros. The grid
 shapes (the block-table width bounds the context), so a launch never syncs with the device and can
 be captured in a CUDA graph (after the first call, which autotunes).
 
-An fp8 (e4m3) cache is read with per-KV-head float32 scales k_scale / v_scale [Hkv]: keys are
-upcast to q's dtype for the dot and the scales fold into the softmax scale and the output.
+An fp8 (e4m3) cache is read with per-KV-head float32 scales k_scale / v_scale [Hkv]; the scales
+fold into the softmax scale and the output. By default (fp8_via_float16, the FP8_F16 constexpr)
+the fp8 tiles, P and q run the dots in float16: Hopper converts e4m3 pairs to f16 pairs in one
+instruction (cvt.rn.f16x2.e4m3x2), while Triton's e4m3 -> bf16 adds f16 -> f32 -> bf16 per element
+(five instructions per pair), which at one byte per element makes the loop ALU-bound. q is
+converted once per program (clamped to float16's +-65504); accumulation stays float32. The other
+setting upcasts the tiles to q's dtype (the first implementation), kept for comparison.
 """
 
 from __future__ import annotations
@@ -59,7 +64,7 @@ def _config(block_n, warps, stages):
 
 # Paged loads spend pipeline stages on the block-table read, so deep pipelines keep enough K/V bytes
 # in flight per multiprocessor to stream at HBM speed.
-_GPU_CONFIGS = [
+_BF16_CONFIGS = [
     _config(16, 4, 8),
     _config(32, 2, 8),
     _config(32, 4, 6),
@@ -69,12 +74,30 @@ _GPU_CONFIGS = [
     _config(64, 8, 6),
     _config(128, 8, 4),
 ]
+# An fp8 token row of one head is 128 bytes at head_dim 128, half of bf16's, so fp8 tiles keep
+# fewer bytes in flight per stage: its configs lean to larger tiles and deeper pipelines. Few of
+# them, so a first launch (or the benchmark) autotunes quickly. BLOCK_N stays <= SPLIT_GRANULE.
+_FP8_SCHEDULE_LIST = ((32, 4, 8), (64, 4, 6), (64, 4, 8), (128, 4, 6), (128, 8, 6))  # (BLOCK_N, warps, stages)
+_FP8_CONFIGS = [_config(*schedule) for schedule in _FP8_SCHEDULE_LIST]
+
+
+def _schedule(config):
+    return config.kwargs["BLOCK_N"], config.num_warps, config.num_stages
+
+
+_BF16_SCHEDULES = {_schedule(c) for c in _BF16_CONFIGS}
+_FP8_SCHEDULES = {_schedule(c) for c in _FP8_CONFIGS}
+_GPU_CONFIGS = _BF16_CONFIGS + [c for c in _FP8_CONFIGS if _schedule(c) not in _BF16_SCHEDULES]
 _INTERPRETER_CONFIG = _config(32, 4, 1)  # block 16: gathered pages; block 64: one page
 
 
 def _prune_configs(configs, named_args, **kwargs):
+    """The bf16 list for bf16 caches, the fp8 list for fp8 ones; BLOCK_N <= 64 at head_dim 256."""
     head_dim = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM"))
-    kept = [c for c in configs if not (head_dim >= 256 and c.kwargs["BLOCK_N"] > 64)]
+    fp8 = kwargs.get("FP8_KV", named_args.get("FP8_KV"))
+    own = _FP8_SCHEDULES if fp8 else _BF16_SCHEDULES
+    kept = [c for c in configs if _schedule(c) in own or len(configs) == 1]
+    kept = [c for c in kept if not (head_dim >= 256 and c.kwargs["BLOCK_N"] > 64)]
     return kept or configs[:1]
 
 
@@ -87,7 +110,8 @@ _VARYING_INTS = ["stride_block_table", "stride_po_seq", "stride_po_head", "strid
 _VARYING_POINTERS = ["block_tables_ptr", "seq_lens_ptr", "k_scale_ptr", "v_scale_ptr"]
 
 
-@autotune(_GPU_CONFIGS, _INTERPRETER_CONFIG, ["HEAD_DIM", "PAGE_SIZE", "BLOCK_G", "FP8_KV", "SINGLE_SPLIT", "split_bucket"],
+@autotune(_GPU_CONFIGS, _INTERPRETER_CONFIG, ["HEAD_DIM", "PAGE_SIZE", "BLOCK_G", "FP8_KV", "FP8_F16", "SINGLE_SPLIT",
+           "split_bucket"],
           _prune_configs)
 @triton.jit(do_not_specialize=_VARYING_INTS, do_not_specialize_on_alignment=_VARYING_POINTERS)
 def _decode_split_kernel(
@@ -103,7 +127,7 @@ def _decode_split_kernel(
     stride_pl_seq, stride_pl_head,
     tokens_per_split, group_size, split_bucket,
     HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    SINGLE_SPLIT: tl.constexpr, FP8_KV: tl.constexpr, BLOCK_N: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr, FP8_KV: tl.constexpr, FP8_F16: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     kv_head = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
@@ -127,6 +151,8 @@ def _decode_split_kernel(
     scale = qk_scale
     if FP8_KV:
         scale = scale * tl.load(k_scale_ptr + kv_head)
+        if FP8_F16:  # every `.to(q.dtype)` below is then the native e4m3 -> f16 conversion
+            q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     block_table_row = block_tables_ptr + seq * stride_block_table
     k_base = k_cache_ptr + kv_head * stride_k_head
     v_base = v_cache_ptr + kv_head * stride_v_head
@@ -296,6 +322,7 @@ def paged_decode_attention(
     max_seq_len: int | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    fp8_via_float16: bool = True,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its paged context.
 
@@ -310,6 +337,8 @@ def paged_decode_attention(
         max_seq_len: an upper bound on seq_lens (host int) that tightens the split size; the
             block-table width times the block size when None.
         k_scale, v_scale: [Hkv] float32 dequantization scales of an fp8 cache.
+        fp8_via_float16: with an fp8 cache, run the dots in float16 (native e4m3 -> f16
+            conversion; q clamped to +-65504) instead of upcasting the tiles to q's dtype.
     Returns:
         out [B, Hq, D].
     """
@@ -345,7 +374,7 @@ def paged_decode_attention(
         partial_lse.stride(0), partial_lse.stride(1),
         tokens_per_split, group, plan.split_bucket,
         HEAD_DIM=head_dim, BLOCK_G=max(16, next_power_of_2(group)), PAGE_SIZE=page_size,
-        SINGLE_SPLIT=single, FP8_KV=fp8,
+        SINGLE_SPLIT=single, FP8_KV=fp8, FP8_F16=fp8 and bool(fp8_via_float16),
     )  # fmt: skip
     if not single:
         _decode_merge_kernel[(num_seqs, num_q_heads)](

@@ -15,7 +15,11 @@ Two entries share one kernel:
         Contiguous keys; causal masks align bottom-right (as FlashAttention) when q_len < k_len.
 
 Hq must be a multiple of Hkv; head_dim a power of two from 16 to 256; q, k, v float16 or
-bfloat16. The paged cache may also be float8_e4m3fn with per-KV-head scales (k_scale, v_scale). Softmax is online (base 2, the scale folded into one multiply-add), accumulation float32.
+bfloat16. The paged cache may also be float8_e4m3fn with per-KV-head scales (k_scale, v_scale);
+its dots then run in float16 by default (fp8_via_float16, the FP8_F16 constexpr: q converted once
+and clamped to +-65504, e4m3 -> f16 is one native instruction per pair where e4m3 -> bf16 takes
+five), or with the tiles upcast to q's dtype. Softmax is online (base 2, the scale folded into one
+multiply-add), accumulation float32.
 
 Each program owns one (sequence, query head, BLOCK_M query rows) tile. Key tiles wholly below the
 tile's first query position run without masks; only the diagonal tiles pay for the causal mask.
@@ -158,7 +162,8 @@ def prefill_len_bucket(max_query_len: int) -> int:
 # config serves every bucket. The block-table row stride (the batch's widest table) and the
 # addresses of the fp8 scales vary from step to step; they are not specialized either, so no
 # step recompiles a kernel the start-up pre-tune already built.
-@autotune(_GPU_CONFIGS, _INTERPRETER_CONFIG, ["HEAD_DIM", "PAGED", "PAGE_SIZE", "CAUSAL", "FP8_KV", "len_bucket"],
+@autotune(_GPU_CONFIGS, _INTERPRETER_CONFIG, ["HEAD_DIM", "PAGED", "PAGE_SIZE", "CAUSAL", "FP8_KV", "FP8_F16",
+                                          "len_bucket"],
           _prune_configs)
 @triton.jit(do_not_specialize=["stride_block_table", "len_bucket"],
             do_not_specialize_on_alignment=["k_scale_ptr", "v_scale_ptr"])
@@ -173,7 +178,7 @@ def _prefill_attention_kernel(
     stride_block_table,
     num_q_heads, group_size, len_bucket,
     HEAD_DIM: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
-    FP8_KV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    FP8_KV: tl.constexpr, FP8_F16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     head = tl.program_id(0) % num_q_heads
     seq = tl.program_id(0) // num_q_heads
@@ -202,6 +207,8 @@ def _prefill_attention_kernel(
         mask=row_valid[:, None],
         other=0.0,
     )
+    if FP8_KV and FP8_F16:  # the tiles' `.to(q.dtype)` is then the native e4m3 -> f16 conversion
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     q_pos = offs_m + (k_len - q_len)  # absolute positions, bottom-right aligned
 
     if CAUSAL:
@@ -244,7 +251,7 @@ def _prefill_attention_kernel(
 
 def _launch(
     q, k, v, out, cu_seqlens_q, kv_lengths, block_tables, scale, max_query_len, paged, causal, group,
-    k_scale=None, v_scale=None,
+    k_scale=None, v_scale=None, fp8_via_float16=True,
 ):  # fmt: skip
     num_seqs = cu_seqlens_q.shape[0] - 1
     num_q_heads, head_dim = q.shape[1], q.shape[2]
@@ -274,6 +281,7 @@ def _launch(
         block_tables.stride(0),
         num_q_heads, group, prefill_len_bucket(max_query_len),
         HEAD_DIM=head_dim, PAGED=paged, PAGE_SIZE=k.shape[1] if paged else 1, CAUSAL=causal, FP8_KV=fp8,
+        FP8_F16=fp8 and bool(fp8_via_float16),
     )  # fmt: skip
     return out
 
@@ -290,6 +298,7 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    fp8_via_float16: bool = True,
 ) -> torch.Tensor:
     """Causal attention of a flat batch of new tokens over their whole paged context.
 
@@ -304,6 +313,8 @@ def paged_prefill_attention(
         max_query_len: the largest q_len in the batch (sets the grid; no device sync needed).
         out: optional [T, Hq, D] output buffer in q's dtype.
         k_scale, v_scale: [Hkv] float32 dequantization scales, for a float8_e4m3fn cache only.
+        fp8_via_float16: with an fp8 cache, run the dots in float16 (native e4m3 -> f16
+            conversion; q clamped to +-65504) instead of upcasting the tiles to q's dtype.
     Returns:
         out [T, Hq, D].
     """
@@ -320,7 +331,7 @@ def paged_prefill_attention(
     group = num_q_heads // k_cache.shape[2]
     return _launch(
         q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, scale, int(max_query_len), True, True, group,
-        k_scale, v_scale,
+        k_scale, v_scale, fp8_via_float16,
     )  # fmt: skip
 
 

@@ -54,30 +54,65 @@ def test_automatic_splits_and_head_dim_128():
     _check(cache, q, 128**-0.5, torch.float16)
 
 
-def test_fp8_cache_with_per_head_scales():
-    """fp8 loads and upcasts work in the interpreter; values are quantized on the host."""
-    torch.manual_seed(4)
-    cache = random_paged_cache([50, 200], 2, 64, 16, torch.float16)
-    k_scale = torch.tensor([0.02, 0.05], device=DEVICE)
-    v_scale = torch.tensor([0.03, 0.01], device=DEVICE)
+def _fp8_cache(seq_lens, block_size=16):
+    """A 2-KV-head fp8 cache quantized on the host with torch's cast (the interpreter's is inexact)."""
+    cache = random_paged_cache(seq_lens, 2, 64, block_size, torch.float16)
     cache.k_cache = (cache.k_cache.float() / 0.04).clamp(-448, 448).to(torch.float8_e4m3fn)
     cache.v_cache = (cache.v_cache.float() / 0.02).clamp(-448, 448).to(torch.float8_e4m3fn)
-    q = randn(2, 8, 64, dtype=torch.float16)
+    scales = {"k_scale": torch.tensor([0.02, 0.05], device=DEVICE), "v_scale": torch.tensor([0.03, 0.01], device=DEVICE)}
+    return cache, scales
+
+
+# The float16-dot path does no bf16 arithmetic, so its bf16-query case runs in the interpreter too.
+FP8_CONVERSIONS = [
+    pytest.param(torch.float16, True, id="fp16-f16dots"),
+    pytest.param(torch.float16, False, id="fp16-upcast"),
+    pytest.param(torch.bfloat16, True, id="bf16-f16dots"),
+    pytest.param(torch.bfloat16, False, id="bf16-upcast", marks=pytest.mark.gpu),
+]
+
+
+@pytest.mark.parametrize("dtype,via_float16", FP8_CONVERSIONS)
+def test_fp8_cache_with_per_head_scales(dtype, via_float16):
+    """Both fp8 conversions (float16 dots, tiles upcast to q's dtype) for fp16 and bf16 queries."""
+    torch.manual_seed(4)
+    cache, scales = _fp8_cache([50, 200, 1])
+    q = randn(3, 8, 64, dtype=dtype)
     for splits in (1, 2):
-        _check(cache, q, 0.125, torch.float16, num_splits=splits, k_scale=k_scale, v_scale=v_scale)
+        _check(cache, q, 0.125, dtype, num_splits=splits, fp8_via_float16=via_float16, **scales)
+
+
+def test_fp8_float16_dots_clamp_queries_beyond_float16_range():
+    """A bf16 query past float16's range is clamped to +-65504, not turned into inf / NaN."""
+    torch.manual_seed(5)
+    cache, scales = _fp8_cache([70, 9])
+    q = randn(2, 4, 64, dtype=torch.bfloat16, scale=1e-3)
+    q[0, 1, 3], q[1, 2, 0] = 1e6, -3e5
+    out = _check_clamped(cache, q, scales)
+    assert out.isfinite().all()
+
+
+def _check_clamped(cache, q, scales):
+    out = poisoned(*q.shape, dtype=q.dtype)
+    args = (cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens, 1e-5)
+    paged_decode_attention(q, *args, out=out, num_splits=1, **scales)
+    expected = paged_decode_attention_reference(q.clamp(-65504, 65504), *args, **scales)
+    assert_close(out, expected, q.dtype, scale=2.0)
+    return out
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("block_size", [16, 64])
-@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
-def test_long_contexts_gpu(head_dim, block_size, kv_dtype):
+@pytest.mark.parametrize("kv_dtype,via_float16", [(torch.bfloat16, True), (torch.float8_e4m3fn, True),
+                                                   (torch.float8_e4m3fn, False)], ids=["bf16", "fp8", "fp8-upcast"])
+def test_long_contexts_gpu(head_dim, block_size, kv_dtype, via_float16):
     torch.manual_seed(head_dim + block_size)
     seq_lens = [8191, 1, 2048, 0, 5000, 33]
     cache = random_paged_cache(seq_lens, 8, head_dim, block_size, torch.bfloat16)
     scales = {}
     if kv_dtype == torch.float8_e4m3fn:
-        scales = {"k_scale": torch.full((8,), 0.01, device=DEVICE), "v_scale": torch.full((8,), 0.02, device=DEVICE)}
+        scales = {"fp8_via_float16": via_float16, "k_scale": torch.full((8,), 0.01, device=DEVICE), "v_scale": torch.full((8,), 0.02, device=DEVICE)}
         cache.k_cache = (cache.k_cache.float() / 0.01).clamp(-448, 448).to(torch.float8_e4m3fn)
         cache.v_cache = (cache.v_cache.float() / 0.02).clamp(-448, 448).to(torch.float8_e4m3fn)
     q = randn(len(seq_lens), 32, head_dim, dtype=torch.bfloat16)

@@ -84,18 +84,29 @@ def test_paged_prefill_with_cached_prefix(dtype, num_q_heads, num_kv_heads, bloc
     _close(out, expected, dtype)
 
 
-def test_paged_prefill_reads_an_fp8_cache_with_per_head_scales():
+# The float16-dot path does no bf16 arithmetic, so its bf16-query case runs in the interpreter too.
+@pytest.mark.parametrize("dtype,via_float16", [
+    pytest.param(torch.float16, True, id="fp16-f16dots"),
+    pytest.param(torch.float16, False, id="fp16-upcast"),
+    pytest.param(torch.bfloat16, True, id="bf16-f16dots"),
+    pytest.param(torch.bfloat16, False, id="bf16-upcast", marks=pytest.mark.gpu),
+])
+def test_paged_prefill_reads_an_fp8_cache_with_per_head_scales(dtype, via_float16):
+    """Both fp8 conversions: float16 dots (q converted once) and tiles upcast to q's dtype."""
     torch.manual_seed(9)
     seq_lens, q_lens = [40, 18], [8, 18]
     cache = random_paged_cache(seq_lens, 2, 64, 16, torch.float16)
     cache.k_cache = (cache.k_cache.float() / 0.03).clamp(-448, 448).to(torch.float8_e4m3fn)
     cache.v_cache = (cache.v_cache.float() / 0.01).clamp(-448, 448).to(torch.float8_e4m3fn)
     scales = {"k_scale": torch.tensor([0.03, 0.05], device=DEVICE), "v_scale": torch.tensor([0.01, 0.02], device=DEVICE)}
-    q = randn(sum(q_lens), 4, 64, dtype=torch.float16)
+    q = randn(sum(q_lens), 4, 64, dtype=dtype)
+    if via_float16:
+        q[3, 1, 5] = 2e5  # past float16's range: the kernel clamps it to 65504
     cu_q = cumulative(q_lens)
     args = (q, cache.k_cache, cache.v_cache, cu_q, cache.seq_lens, cache.block_tables, 0.125)
-    out = paged_prefill_attention(*args, max(q_lens), **scales)
-    _close(out, paged_prefill_attention_reference(*args, **scales), torch.float16)
+    out = paged_prefill_attention(*args, max(q_lens), fp8_via_float16=via_float16, **scales)
+    clamped = (q.clamp(-65504, 65504), *args[1:])
+    _close(out, paged_prefill_attention_reference(*clamped, **scales), dtype)
 
 
 @pytest.mark.gpu
@@ -117,6 +128,22 @@ def test_paged_prefill_long_prompts_gpu(head_dim, block_size):
         q, cache.k_cache, cache.v_cache, cu_q, cache.seq_lens, cache.block_tables, head_dim**-0.5
     )
     _close(out, expected, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("via_float16", [True, False], ids=["f16-dots", "upcast-to-q"])
+def test_paged_prefill_long_prompts_over_an_fp8_cache_gpu(via_float16):
+    """bf16 queries over an fp8 cache with per-head scales, both conversions, the compiled kernel."""
+    torch.manual_seed(21)
+    seq_lens, q_lens = [2100, 1000, 4097], [2100, 999, 1500]
+    cache = random_paged_cache(seq_lens, 8, 128, 16, torch.bfloat16)
+    scales = {"k_scale": torch.full((8,), 0.01, device=DEVICE), "v_scale": torch.full((8,), 0.02, device=DEVICE)}
+    cache.k_cache = (cache.k_cache.float() / 0.01).clamp(-448, 448).to(torch.float8_e4m3fn)
+    cache.v_cache = (cache.v_cache.float() / 0.02).clamp(-448, 448).to(torch.float8_e4m3fn)
+    q = randn(sum(q_lens), 32, 128, dtype=torch.bfloat16)
+    args = (q, cache.k_cache, cache.v_cache, cumulative(q_lens), cache.seq_lens, cache.block_tables, 128**-0.5)
+    out = paged_prefill_attention(*args, max(q_lens), fp8_via_float16=via_float16, **scales)
+    _close(out, paged_prefill_attention_reference(*args, **scales), torch.bfloat16)
 
 
 @pytest.mark.gpu
