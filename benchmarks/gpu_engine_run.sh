@@ -52,18 +52,8 @@
 # The summary (every table, the tests' RESULT lines, each step's exit code) is printed last and
 # written to LOG_DIR/summary.md.
 set -u
-LOG_DIR=${1:-${OUT:-gpu-engine-logs}}
-mkdir -p "$LOG_DIR"
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
-cd "$ROOT"
-export PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1
-if ! python3 -c "import sits.runtime.engine.engine" 2>/dev/null; then
-  # No installed package (an offline GPU image): map sits.* onto the repository folders.
-  SHIM=$(mktemp -d)
-  mkdir -p "$SHIM/sits" && touch "$SHIM/sits/__init__.py"
-  ln -s "$ROOT/kernels" "$SHIM/sits/kernels" && ln -s "$ROOT/runtime" "$SHIM/sits/runtime"
-  export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
-fi
+cd "$(dirname "$0")/.."
+. benchmarks/gpu_env.sh "${1:-}" gpu-engine-logs
 python3 -c "import sits.runtime.engine.engine, torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
 STEPS=${STEPS:-"bf16 itl sync itl-sync tests parity fp8 host"}
 BENCH="python3 benchmarks/bench_e2e.py --config ${BENCH_CONFIG:-llama-3-8b} --log-level info"

@@ -11,17 +11,8 @@
 #   trace256-capN[-minM]  the same with --max-prefill-tokens-with-decodes N [--prefill-cap-min-decodes M]
 #                  (e.g. trace256-cap2048, trace256-cap1024-min64; cap0 turns the device's default off)
 set -u
-LOG_DIR=${1:-${OUT:-gpu-profile-logs}}
-mkdir -p "$LOG_DIR"
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
-cd "$ROOT"
-export PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1
-if ! python3 -c "import sits.runtime.engine.engine" 2>/dev/null; then
-  SHIM=$(mktemp -d)
-  mkdir -p "$SHIM/sits" && touch "$SHIM/sits/__init__.py"
-  ln -s "$ROOT/kernels" "$SHIM/sits/kernels" && ln -s "$ROOT/runtime" "$SHIM/sits/runtime"
-  export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
-fi
+cd "$(dirname "$0")/.."
+. benchmarks/gpu_env.sh "${1:-}" gpu-profile-logs
 STEPS=${STEPS:-"prof1 prof32 trace256"}
 COMMON="--config ${BENCH_CONFIG:-llama-3-8b} --peer none --log-level warning"
 for step in $STEPS; do
