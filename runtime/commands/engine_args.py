@@ -34,6 +34,16 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every flag that builds an EngineConfig: the model, the engine, LoRA, parallelism, the log level."""
+    _add_model_arguments(parser)
+    _add_engine_group(parser)
+    add_lora_arguments(parser)
+    add_parallel_arguments(parser)
+    parser.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS)
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """What is loaded and how: checkpoint or dummy shape, dtype, device, quantization."""
     model = parser.add_argument_group("model")
     model.add_argument("--model", default=None, metavar="PATH|URI",
                        help="HF directory, .gguf file or hf://org/name[@revision] "
@@ -57,6 +67,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                             "weight-only (bf16 activations, fp8 weights dequantized in the GEMM's load) or auto "
                             "(weight-only on GPUs without fp8 tensor cores, before SM 8.9)")
     model.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
+
+
+def _add_engine_group(parser: argparse.ArgumentParser) -> None:
+    """How the engine runs the model: budgets, the KV cache, scheduling, graphs, speculation."""
     engine = parser.add_argument_group("engine")
     engine.add_argument("--max-num-seqs", type=int, default=None,
                         help="sequences running at once (CPU: 32; GPU: from the GPU and its free memory)")
@@ -94,9 +108,6 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--speculative-config", default=None, metavar="JSON",
                         help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                              '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (default: off)')
-    add_lora_arguments(parser)
-    add_parallel_arguments(parser)
-    parser.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS)
 
 
 def add_kv_cache_dtype_arguments(engine: argparse._ArgumentGroup) -> None:
