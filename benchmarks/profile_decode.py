@@ -58,7 +58,9 @@ def main(argv=None) -> int:
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, min_tokens=args.output_len, ignore_eos=True)
     for index, prompt in enumerate(bench.random_prompts(args.batch, args.input_len, vocab, 7)):
         engine.add_request(f"p{index}", prompt, params)
-    for _ in range(40):  # prefills, then graph warm-up decodes
+    while engine.scheduler.waiting:  # every prompt admitted (a large batch takes many prefill steps)
+        engine.step()
+    for _ in range(40):  # the last prefill chunks, then graph warm-up decodes
         engine.step()
     sync()
     begin = time.perf_counter()
