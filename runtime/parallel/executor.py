@@ -18,6 +18,8 @@ import atexit
 import contextlib
 import logging
 import multiprocessing
+import os
+import signal
 import threading
 from dataclasses import dataclass, field
 from multiprocessing import connection
@@ -210,8 +212,9 @@ class TensorParallelExecutor:
             if not connection.wait(sentinels, timeout=0.5) or self._stopping.is_set():
                 continue
             self._worker_died.set()
-            dead = [f"rank {rank} (exit code {p.exitcode})" for rank, p in enumerate(self.processes, start=1)
-                    if not p.is_alive()]
+            ended = set(connection.wait(sentinels, timeout=0))
+            dead = [f"rank {rank} ({_exit_without_reaping(p)})" for rank, p in enumerate(self.processes, start=1)
+                    if p.sentinel in ended]
             logger.error("tensor-parallel worker %s exited; the engine cannot run more steps", ", ".join(dead))
             abort_distributed()  # unblocks rank 0 if it waits on the dead rank inside NCCL
             return
@@ -241,6 +244,26 @@ class TensorParallelExecutor:
     @property
     def workers_alive(self) -> list[bool]:
         return [process.is_alive() for process in self.processes]
+
+
+def _exit_without_reaping(process: BaseProcess) -> str:
+    """How an ended worker exited ("exit code N" / "signal NAME"), read without reaping it.
+
+    The watchdog thread only observes (waitid with WNOWAIT): `multiprocessing` processes are not safe to
+    poll from two threads, and a reap here would leave None as the exit code that the thread joining
+    the process reads.
+    """
+    try:
+        info = os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # already reaped by a join: multiprocessing holds the code
+        info = None
+        if process.exitcode is not None:
+            return f"exit code {process.exitcode}"
+    if info is None:
+        return "exit code unknown"
+    if info.si_code == os.CLD_EXITED:
+        return f"exit code {info.si_status}"
+    return f"signal {signal.Signals(info.si_status).name}"
 
 
 def _stop_processes(processes: list[BaseProcess], connections: list[connection.Connection],

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.connection
 import queue
 import time
 import traceback
@@ -36,7 +37,7 @@ from sits.runtime.models.loading import build_random_model
 from sits.runtime.parallel.commands import AllocateKVCache, WorkerFailedError
 from sits.runtime.parallel.config import ParallelConfig
 from sits.runtime.parallel.distributed import apply_nccl_env, free_port
-from sits.runtime.parallel.executor import TensorParallelExecutor
+from sits.runtime.parallel.executor import TensorParallelExecutor, _exit_without_reaping
 from sits.runtime.parallel.recipe import ModelRecipe
 from sits.runtime.parallel.tp import (
     TensorParallelError,
@@ -276,6 +277,33 @@ def test_tensor_parallel_worker_crash_fails_the_step_instead_of_hanging():
     finally:
         executor.shutdown()
     _assert_nothing_left(executor)
+
+
+def _exit_with(code: int) -> None:
+    raise SystemExit(code)
+
+
+def test_the_watchdog_reads_a_dead_workers_exit_without_taking_it_from_whoever_joins_it():
+    """The executor's watchdog thread describes a dead rank; the thread that joins the process must still
+    get its exit code (a reap in the watchdog left `exitcode` None for the joining thread under load)."""
+    context = multiprocessing.get_context("spawn")
+    exits, killed = context.Process(target=_exit_with, args=(3,)), context.Process(target=time.sleep, args=(60,))
+    exits.start()
+    killed.start()
+    try:
+        multiprocessing.connection.wait([exits.sentinel])
+        killed.kill()
+        multiprocessing.connection.wait([killed.sentinel])
+        assert _exit_without_reaping(exits) == "exit code 3"
+        assert _exit_without_reaping(killed) == "signal SIGKILL"
+        exits.join(10)
+        killed.join(10)
+        assert (exits.exitcode, killed.exitcode) == (3, -9)
+        assert _exit_without_reaping(exits) == "exit code 3"  # after the join, from multiprocessing
+    finally:
+        for process in (exits, killed):
+            process.kill()
+            process.join()
 
 
 @pytest.mark.timeout(120)
