@@ -9,6 +9,8 @@ Q/K/V and gate/up projections are fused into one matrix each (one GEMM instead o
 `load_weights` accepts HF tensor names and copies each into its slice; `export_weights` gives them back.
 RMSNorm and SiLU·mul go through the `KernelOps` the attention back end brings (plain PyTorch by
 default, fused Triton kernels with the Triton back end), so the model has no device branches.
+The layers carry the residual stream beside their output (vLLM's layout): every residual add is fused
+into the norm that follows it, so a layer launches two norm kernels and no separate add.
 """
 
 from __future__ import annotations

@@ -34,8 +34,11 @@ def test_in_place_residual_equals_a_new_one(dtype):
     x = randn(5, 320, dtype=dtype)
     residual = randn(5, 320, dtype=torch.float32, scale=4.0)
     weight = randn(320, dtype=dtype) + 1.0
-    expected_out, expected_residual = rms_norm(x, weight, 1e-6, residual=residual.clone(), out=torch.empty_like(x))
+    before = residual.clone()
+    # In place first: on a GPU this call tunes the key (hidden 320 is this test's only), and the timed runs
+    # must leave the stream as it was.
     out, result = rms_norm(x, weight, 1e-6, residual=residual, out=torch.empty_like(x), residual_out=residual)
+    expected_out, expected_residual = rms_norm(x, weight, 1e-6, residual=before, out=torch.empty_like(x))
     assert result is residual
     torch.testing.assert_close(residual, expected_residual, atol=0, rtol=0)
     torch.testing.assert_close(out, expected_out, atol=0, rtol=0)
