@@ -44,13 +44,15 @@ def _bench_config(kernel_call: Callable[[], None], quantiles: Sequence[float]) -
     return do_bench(kernel_call, warmup=AUTOTUNE_WARMUP_MS, rep=AUTOTUNE_REP_MS, quantiles=list(quantiles))
 
 
-def autotune(gpu_configs: Sequence, interpreter_config, key: Sequence[str], prune: Callable | None = None):
+def autotune(gpu_configs: Sequence, interpreter_config, key: Sequence[str], prune: Callable | None = None,
+             restore_value: Sequence[str] = ()):
     """`triton.autotune` over this process's configs (`pick_configs`), re-tuned for each new value
     of the `key` arguments; `prune(configs, named_args, **kwargs)` drops the configs that cannot
-    run a call's shapes before any is timed. Each config is timed for AUTOTUNE_REP_MS."""
+    run a call's shapes before any is timed. Each config is timed for AUTOTUNE_REP_MS. The tensors
+    named in `restore_value` (a kernel that updates one in place) are copied back after every timed run."""
     return triton.autotune(configs=pick_configs(gpu_configs, interpreter_config), key=list(key),
                            prune_configs_by=None if prune is None else {"early_config_prune": prune},
-                           do_bench=_bench_config)
+                           restore_value=list(restore_value) or None, do_bench=_bench_config)
 
 
 def require(condition: bool, message: str) -> None:

@@ -1,13 +1,17 @@
 """RMSNorm with an optional fused residual add, one row per program.
 
-    rms_norm(x [..., N], weight [N], eps)                  -> out [..., N]
-    rms_norm(x [..., N], weight [N], eps, residual [..., N]) -> (out, new_residual)
+    rms_norm(x [..., N], weight [N], eps)                                 -> out [..., N]
+    rms_norm(x [..., N], weight [N], eps, residual [..., N])              -> (out, new_residual)
+    rms_norm(x [..., N], weight [N], eps, residual_out=stream [..., N])   -> (out, stream)
 
 With a residual, `new_residual = x + residual` (rounded to residual's dtype: float32 for the model's
 float32 residual stream) and `out = norm(new_residual)`: one pass reads x and residual and writes both
-results, where eager PyTorch needs an add and four more kernels. Arithmetic follows HF Llama's RMSNorm:
-the mean of squares in float32, the normalized row rounded to out's dtype (x's by default), then scaled
-by the weight.
+results, where eager PyTorch needs an add and four more kernels. `residual_out` names the buffer
+new_residual is written to; it may be `residual` itself (an in-place update of the stream, no
+allocation). With `residual_out` and no residual, the pass starts a stream: it writes x rounded to
+residual_out's dtype (a decoder's embedding rows into its float32 stream) and normalizes that value,
+the cast and the first norm in one launch. Arithmetic follows HF Llama's RMSNorm: the mean of squares
+in float32, the normalized row rounded to out's dtype (x's by default), then scaled by the weight.
 """
 
 from __future__ import annotations
@@ -32,7 +36,9 @@ __all__ = ["rms_norm", "rms_norm_reference"]
 MAX_HIDDEN = 65536  # one row must fit one program's registers
 
 
-@autotune([triton.Config({}, num_warps=w) for w in (4, 8, 16)], triton.Config({}, num_warps=4), ["BLOCK_N", "HAS_RESIDUAL"])
+# residual_out may be residual (an in-place stream): the timed runs of a new key must not add x again and again.
+@autotune([triton.Config({}, num_warps=w) for w in (4, 8, 16)], triton.Config({}, num_warps=4),
+          ["BLOCK_N", "HAS_RESIDUAL", "WRITE_RESIDUAL"], restore_value=["residual_out_ptr"])
 @triton.jit
 def _rms_norm_kernel(
     x_ptr,
@@ -48,15 +54,20 @@ def _rms_norm_kernel(
     eps,
     BLOCK_N: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    WRITE_RESIDUAL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < n_cols
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        res = tl.load(residual_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
-        # Round the sum to the storage dtype first: the unfused model normalizes the rounded value.
-        summed = (x + res).to(residual_out_ptr.dtype.element_ty)
+    if WRITE_RESIDUAL:
+        if HAS_RESIDUAL:
+            # Both loads come before the store: residual_out may be residual (this row, this program).
+            res = tl.load(residual_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
+            x = x + res
+        # Round the sum (or the stream's first value) to the storage dtype first: the unfused model
+        # normalizes the rounded value.
+        summed = x.to(residual_out_ptr.dtype.element_ty)
         tl.store(residual_out_ptr + row * stride_res_out + cols, summed, mask=mask)
         x = summed.to(tl.float32)
     mean_square = tl.sum(x * x, axis=0) / n_cols
@@ -72,6 +83,7 @@ def rms_norm(
     eps: float,
     residual: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm over the last dimension, optionally fused with `residual = x + residual`.
 
@@ -79,10 +91,13 @@ def rms_norm(
         x: [..., N] float16 / bfloat16 / float32, last dimension contiguous.
         weight: [N], any float dtype.
         eps: added to the mean of squares.
-        residual: optional [..., N], any float dtype (new_residual gets it).
+        residual: optional [..., N], any float dtype (new_residual gets it unless residual_out is given).
         out: optional [..., N] output buffer, any float dtype; default x's dtype.
+        residual_out: optional contiguous [..., N] buffer for new_residual, any float dtype; may be
+            `residual` itself (updated in place). Without `residual` it receives x rounded to its dtype
+            (a stream's first value), and out is the norm of that value.
     Returns:
-        out [..., N], or (out, new_residual) when residual is given.
+        out [..., N], or (out, new_residual) when residual or residual_out is given.
     """
     check_tensor(x, "x", dtypes=FLOAT_DTYPES)
     require(x.dim() >= 1, "x must have at least one dimension")
@@ -104,10 +119,17 @@ def rms_norm(
         check_shape(residual, "residual", x.shape)
         check_inner_contiguous(residual, "residual")
         res2d = residual.reshape(-1, n_cols)
-        new_residual = torch.empty(x.shape, dtype=residual.dtype, device=x.device)
-        res_out2d = new_residual.view(-1, n_cols)
+        if residual_out is None:
+            residual_out = torch.empty(x.shape, dtype=residual.dtype, device=x.device)
     else:
-        res2d = res_out2d = x2d  # unused: HAS_RESIDUAL is off
+        res2d = x2d  # unused: HAS_RESIDUAL is off
+    if residual_out is not None:
+        check_tensor(residual_out, "residual_out", dtypes=FLOAT_DTYPES, device=x.device)
+        check_shape(residual_out, "residual_out", x.shape)
+        require(residual_out.is_contiguous(), "residual_out must be contiguous")
+        res_out2d = residual_out.view(-1, n_cols)
+    else:
+        res_out2d = x2d  # unused: WRITE_RESIDUAL is off
     rows = x2d.shape[0]
     if rows > 0:
         block_n = next_power_of_2(n_cols)
@@ -115,6 +137,6 @@ def rms_norm(
             x2d, weight, out2d, res2d, res_out2d,
             x2d.stride(0), out2d.stride(0), res2d.stride(0), res_out2d.stride(0),
             n_cols, float(eps),
-            BLOCK_N=block_n, HAS_RESIDUAL=residual is not None,
+            BLOCK_N=block_n, HAS_RESIDUAL=residual is not None, WRITE_RESIDUAL=residual_out is not None,
         )  # fmt: skip
-    return out if residual is None else (out, new_residual)
+    return out if residual_out is None else (out, residual_out)

@@ -1,5 +1,9 @@
 """The model's element-wise hot ops (RMSNorm, RMSNorm fused with the residual add, SiLU·mul), swappable.
 
+A decoder calls exactly one norm op per norm of the model and no separate add or cast: the stream's first
+norm (`stream_rms_norm`: the embedding rows cast to the stream's dtype and normalized), then one
+`add_rms_norm` per sublayer output (the add fused into the next norm, the final model norm included).
+
 `llama.py` calls these through a `KernelOps` object instead of spelling the math inline, so an
 attention back end can bring fused GPU kernels for them (`AttentionBackend.kernel_ops()`) without
 device branches in the model. `KernelOps` itself is the plain-PyTorch version, written to match HF
@@ -30,9 +34,22 @@ class KernelOps:
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(rms_norm(x + residual), x + residual): the sum in residual's dtype (x: a sublayer's output in the
-        model dtype; residual: the stream, float32 or the model dtype), normalized as that rounded sum."""
+        model dtype; residual: the stream, float32 or the model dtype), normalized as that rounded sum.
+
+        The caller hands `residual` over: an implementation may write the sum into it (the Triton one does)
+        and return it, so the tensor passed must not be read again."""
         summed = residual + x.to(residual.dtype)
         return self.rms_norm(summed, weight, eps), summed
+
+    def stream_rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, stream_dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Start a residual stream: (rms_norm(stream), stream) with stream = x.to(stream_dtype).
+
+        x: [num_tokens, hidden] in the model dtype (the embedding rows); the stream is x itself when
+        stream_dtype is x's dtype, else a new tensor (exact: float32 holds every half-precision value)."""
+        stream = x.to(stream_dtype)
+        return self.rms_norm(stream, weight, eps), stream
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up: [num_tokens, 2F] (gate first) → silu(gate) * up, [num_tokens, F]."""
@@ -41,29 +58,41 @@ class KernelOps:
 
 
 class TritonKernelOps(KernelOps):
-    """The Triton kernels: RMSNorm with the residual add fused into one pass, SiLU·mul in one pass.
+    """The Triton kernels: RMSNorm with the residual add (or the stream's cast) fused into one pass,
+    SiLU·mul in one pass; one launch per op.
 
     They take float16 / bfloat16 / float32 with a contiguous last dimension (what the model's
-    linear layers produce).
+    linear layers produce). `add_rms_norm` writes the new stream into `residual` when it is contiguous
+    (no allocation). The kernel modules are imported once, at construction (they import triton), so an
+    eager call costs no import lookup.
     """
 
     name = "triton"
 
-    def rms_norm(self, x, weight, eps):
+    def __init__(self) -> None:
         from sits.kernels.rmsnorm import rms_norm
-
-        return rms_norm(x, weight, eps, out=torch.empty(x.shape, dtype=weight.dtype, device=x.device))
-
-    def add_rms_norm(self, x, residual, weight, eps):
-        from sits.kernels.rmsnorm import rms_norm
-
-        out = torch.empty(x.shape, dtype=weight.dtype, device=x.device)
-        return rms_norm(x, weight, eps, residual=residual, out=out)
-
-    def silu_mul(self, gate_up):
         from sits.kernels.silu_mul import silu_mul
 
-        return silu_mul(gate_up)
+        self._rms_norm = rms_norm
+        self._silu_mul = silu_mul
+
+    def rms_norm(self, x, weight, eps):
+        return self._rms_norm(x, weight, eps, out=torch.empty(x.shape, dtype=weight.dtype, device=x.device))
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        out = torch.empty(x.shape, dtype=weight.dtype, device=x.device)
+        residual_out = residual if residual.is_contiguous() else None
+        return self._rms_norm(x, weight, eps, residual=residual, out=out, residual_out=residual_out)
+
+    def stream_rms_norm(self, x, weight, eps, stream_dtype):
+        if stream_dtype == x.dtype:
+            return self.rms_norm(x, weight, eps), x
+        out = torch.empty(x.shape, dtype=weight.dtype, device=x.device)
+        stream = torch.empty(x.shape, dtype=stream_dtype, device=x.device)
+        return self._rms_norm(x, weight, eps, out=out, residual_out=stream)
+
+    def silu_mul(self, gate_up):
+        return self._silu_mul(gate_up)
 
 
 TORCH_OPS = KernelOps()

@@ -9,6 +9,8 @@ Q/K/V and gate/up projections are fused into one matrix each (one GEMM instead o
 `load_weights` accepts HF tensor names and copies each into its slice; `export_weights` gives them back.
 RMSNorm and SiLU·mul go through the `KernelOps` the attention back end brings (plain PyTorch by
 default, fused Triton kernels with the Triton back end), so the model has no device branches.
+The layers carry the residual stream beside their output (vLLM's layout): every residual add is fused
+into the norm that follows it, so a layer launches two norm kernels and no separate add.
 """
 
 from __future__ import annotations
@@ -36,15 +38,21 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.ops = ops
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, stream_dtype: torch.dtype | None = None
+    ):
         """x: [num_tokens, hidden_size] → same shape in the weight's dtype (the model's).
 
-        With `residual`, returns (norm(x + residual), x + residual): the add fused into the norm, the sum
-        in residual's dtype (the residual stream's: float32 in a half-precision model).
+        With `residual` (the stream, handed over: it may be updated in place), returns
+        (norm(x + residual), x + residual): the add fused into the norm, the sum in residual's dtype
+        (float32 in a half-precision model). Without it but with `stream_dtype`, starts the stream:
+        (norm(stream), stream) with stream = x.to(stream_dtype), the cast fused into the norm.
         """
-        if residual is None:
-            return self.ops.rms_norm(x, self.weight, self.eps)
-        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+        if residual is not None:
+            return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+        if stream_dtype is not None:
+            return self.ops.stream_rms_norm(x, self.weight, self.eps, stream_dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
 
 class LMHead(nn.Linear):
@@ -111,6 +119,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    """Attention and MLP sublayers over a carried residual stream (vLLM's layout).
+
+    A layer does not add its MLP's output to the stream: it returns it, and the next norm (the next
+    layer's input_layernorm, or the model's final norm) adds it as part of its fused add + norm. So a
+    layer runs two fused norm kernels and no separate add.
+    """
+
     def __init__(self, config: LlamaConfig, backend: AttentionBackend, ops: KernelOps = TORCH_OPS) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
@@ -118,14 +133,36 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.mlp = LlamaMLP(config, ops)
 
-    def forward(self, hidden, positions, cos_sin_cache, kv_cache, metadata) -> torch.Tensor:
-        """hidden: [num_tokens, hidden_size], the residual stream (its dtype is kept) → the same, updated.
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+        stream_dtype: torch.dtype | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer over the flat batch.
 
-        The sublayers read its norms in the model dtype and write the model dtype; the two adds run in
-        the stream's dtype."""
-        attention = self.self_attn(self.input_layernorm(hidden), positions, cos_sin_cache, kv_cache, metadata)
-        normed, hidden = self.post_attention_layernorm(attention, residual=hidden)  # hidden += attention
-        return hidden + self.mlp(normed)
+        Args:
+            hidden: [num_tokens, hidden_size] model dtype: the previous layer's MLP output, not yet in the
+                stream; for the first layer (residual None) the embedding rows, the stream's start.
+            residual: [num_tokens, hidden_size] the residual stream (its dtype is kept), handed over (it may
+                be updated in place); None for the first layer.
+            stream_dtype: the stream's dtype when the first layer starts it (None: hidden's dtype).
+        Returns:
+            (mlp_out, residual): this layer's MLP output [num_tokens, hidden_size] in the model dtype, and
+            the stream with the previous MLP output and this attention output added (not the MLP's: the
+            next norm adds it).
+        """
+        if residual is None:
+            normed, residual = self.input_layernorm(hidden, stream_dtype=stream_dtype or hidden.dtype)
+        else:
+            normed, residual = self.input_layernorm(hidden, residual)  # residual += previous MLP output
+        attention = self.self_attn(normed, positions, cos_sin_cache, kv_cache, metadata)
+        normed, residual = self.post_attention_layernorm(attention, residual)  # residual += attention
+        return self.mlp(normed), residual
 
 
 class LlamaModel(nn.Module):
@@ -213,13 +250,20 @@ class LlamaForCausalLM(nn.Module):
             metadata: the step's batch layout.
         Returns:
             [num_tokens, hidden_size] final hidden states (after the last norm), in the model dtype.
+
+        The residual stream starts as the embedding rows in `residual_dtype` (the cast fused into the
+        first layer's input norm) and is carried from layer to layer; every add is fused into the norm
+        that follows it, the last MLP's into the final norm: 2 norm kernels per layer + 1, no other
+        element-wise kernel outside attention and the MLP.
         """
         hidden = self.model.embed_tokens(input_ids)
-        if self.residual_dtype is not None:
-            hidden = hidden.to(self.residual_dtype)  # exact: the stream starts as the rows of the embedding
+        stream_dtype = self.residual_dtype or hidden.dtype
+        residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            hidden = layer(hidden, positions, self.cos_sin_cache, kv_cache, metadata)
-        return self.model.norm(hidden)
+            hidden, residual = layer(hidden, residual, positions, self.cos_sin_cache, kv_cache, metadata,
+                                     stream_dtype)
+        normed, _ = self.model.norm(hidden, residual, stream_dtype)  # residual += last MLP output
+        return normed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden_size] → logits [N, vocab_size] float32 (computed in float32, see LMHead)."""

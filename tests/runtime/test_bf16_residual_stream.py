@@ -73,9 +73,10 @@ def _answer_logprobs(model, prompts: list[list[int]], answers: list[list[int]]) 
 
 
 def test_the_stream_is_float32_and_the_sublayers_run_in_bf16(bf16):
+    """Each layer hands the next its MLP output (bf16) and the carried stream (float32)."""
     model = bf16.model
     streams, mlp_inputs = [], []
-    hooks = [layer.register_forward_pre_hook(lambda _, args: streams.append(args[0].dtype))
+    hooks = [layer.register_forward_hook(lambda _, args, out: streams.append((out[0].dtype, out[1].dtype)))
              for layer in model.model.layers]
     hooks += [layer.mlp.register_forward_pre_hook(lambda _, args: mlp_inputs.append(args[0].dtype))
               for layer in model.model.layers]
@@ -85,7 +86,7 @@ def test_the_stream_is_float32_and_the_sublayers_run_in_bf16(bf16):
         for hook in hooks:
             hook.remove()
     assert model.residual_dtype == torch.float32
-    assert streams == [torch.float32] * len(model.model.layers)
+    assert streams == [(torch.bfloat16, torch.float32)] * len(model.model.layers)
     assert mlp_inputs == [torch.bfloat16] * len(model.model.layers)  # the norms write the model dtype
     assert logprobs.dtype == torch.float32 and logprobs.shape == (1, model.config.vocab_size)
 
