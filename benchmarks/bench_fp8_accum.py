@@ -45,7 +45,7 @@ from sits.kernels.fp8_quantize import quantize_fp8_per_token
 LLAMA3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 M_VALUES = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 QUICK_M_VALUES = (32, 512, 4096)
-DEVICE = "cuda"
+DEVICE = "cuda"  # tests run the measurement at toy sizes on "cpu" (Triton's interpreter, PyTorch's CPU _scaled_mm)
 L2_DEFEAT_BYTES = 256 << 20
 # Every config of the Triton TMA kernel (M > SMALL_M) sums K in tiles of 128 in the same order, so an
 # output element's rounding does not depend on M; its float32-output error is measured on this many
@@ -186,7 +186,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False  # the float32 reference sums in float32
     rows, entries = [], {}
-    device = torch.cuda.get_device_name()
+    device = torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE
     for m in QUICK_M_VALUES if args.quick else M_VALUES:
         for name, (n, k) in LLAMA3_8B.items():
             row, entry = measure(m, n, k, name)
