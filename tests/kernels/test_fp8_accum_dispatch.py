@@ -57,6 +57,20 @@ def test_every_backend_runs_the_triton_kernel_where_scaled_mm_cannot():
     assert _relative(fp8_gemm_on("triton_fast", a_fp8, a_scale, w_fp8, w_scale, torch.float32), expected) < 1e-5
 
 
+@pytest.mark.parametrize("m", [1, 5, 33])
+def test_the_scaled_mm_call_passes_the_weight_transposed_and_the_scales_rowwise(m):
+    """torch._scaled_mm's own CPU kernel (or the GPU's) on fp8_gemm's operands: the same product."""
+    a_fp8, a_scale, w_fp8, w_scale = _operands(m, 48, 64)
+    expected = fp8_gemm_reference(a_fp8, a_scale, w_fp8, w_scale, out_dtype=torch.float32)
+    for scale in (w_scale, w_scale.reshape(-1, 1)):  # [N] or [N, 1], as fp8_gemm takes it
+        for fast in (False, True):
+            out = fp8_gemm_scaled_mm(a_fp8, a_scale, w_fp8, scale, fast_accum=fast)
+            assert out.dtype == torch.bfloat16 and out.shape == (m, 48)
+            assert _relative(out, expected) < 5e-3  # bf16 rounding (and fast sums over K = 64)
+    if not ON_GPU:  # a float32 output: the sums' own error
+        assert _relative(fp8_gemm_scaled_mm(a_fp8, a_scale, w_fp8, w_scale, torch.float32), expected) < 1e-5
+
+
 def test_an_unknown_backend_is_refused():
     a_fp8, a_scale, w_fp8, w_scale = _operands(2, 16, 32)
     with pytest.raises(ValueError, match="fp8 GEMM backend must be one of triton, scaled_mm"):
