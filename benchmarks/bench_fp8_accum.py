@@ -2,9 +2,9 @@
 
     python benchmarks/bench_fp8_accum.py [--json rows.json] [--table fp8_accum_table.json] [--quick] [--check]
 
-For each Llama-3-8B projection (qkv, o, gate_up, down) at M = 32 (decode batches of 1 to 32: the
-split-K kernel), 64, 128, 256, 512 (throughput-mode decode: 448 rounds up to 512), 1,024 to 16,384
-(prefill chunks), the four backends of sits.kernels.fp8_accum run on the same e4m3 operands:
+For each Llama-3-8B projection (qkv, o, gate_up, down) at M = 16 and 32 (decode batches of 1 to 16
+and 17 to 32: the split-K kernel), 64, 128, 256, 512 (throughput-mode decode: 448 rounds up to
+512), 1,024 to 16,384 (prefill chunks), the four backends of sits.kernels.fp8_accum run on the same e4m3 operands:
 SITS's Triton fp8_gemm with precise (float32 promotion every 128 of K) and fast accumulation, and
 torch._scaled_mm with rowwise scales, use_fast_accum off and on. Error: the relative Frobenius
 error of a float32 output against float32 sums of the same operands (the accumulation's own
@@ -43,7 +43,8 @@ from sits.kernels.fp8_gemm import (
 from sits.kernels.fp8_quantize import quantize_fp8_per_token
 
 LLAMA3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-M_VALUES = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# Decode batches of 1 to 16 (the Triton kernel's 16-row tiles) and 17 to 32 (its 64-row tiles), then one bucket each.
+M_VALUES = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 QUICK_M_VALUES = (32, 512, 4096)
 DEVICE = "cuda"  # tests run the measurement at toy sizes on "cpu" (Triton's interpreter, PyTorch's CPU _scaled_mm)
 L2_DEFEAT_BYTES = 256 << 20
