@@ -140,7 +140,7 @@ def check(table: AccumTable) -> list[str]:
         torch.manual_seed(n + k)
         w, sw = quantize_weight_fp8_per_channel(torch.randn(n, k, device=DEVICE) * 0.02)
         layer = Fp8Linear(w, sw, None, accum=table)
-        for m in (20, 448, 1000, 3000):
+        for m in (1, 5, 20, 448, 1000, 3000):
             x = torch.randn(m, k, dtype=torch.bfloat16, device=DEVICE)
             with torch.no_grad():
                 out = layer(x)
