@@ -190,7 +190,9 @@ class Fp8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         mode = "weight-only" if self.weight_only else "w8a8"
-        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3 per-channel, {mode}"
+        steps = ", ".join(f"{bucket}: {backend}" for bucket, backend in self.gemm_steps)
+        return (f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3 per-channel, {mode}"
+                + (f", GEMM backend per M bucket {{{steps}}}" if steps else ""))
 
 
 def _silu_mul_quant_triton(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

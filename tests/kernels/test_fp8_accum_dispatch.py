@@ -105,6 +105,7 @@ def test_fp8_linear_takes_the_backend_of_each_calls_m_bucket_from_an_installed_t
     assert picks == {1: "triton", 16: "triton", 17: "triton", 40: "scaled_mm", 64: "scaled_mm", 65: "scaled_mm",
                      448: "scaled_mm", 1024: "scaled_mm_fast", 1025: "scaled_mm_fast", 16384: "scaled_mm_fast"}
     assert {down.backend_for(m) for m in (1, 256, 5000)} == {"triton_fast"}
+    assert "GEMM backend per M bucket {16: triton, 64: scaled_mm, 1024: scaled_mm_fast}" in repr(gate_up)
     attention = model.model.layers[0].self_attn
     assert attention.qkv_proj.gemm_steps == () and attention.qkv_proj.backend_for(448) == "triton"  # not measured
 
