@@ -15,7 +15,14 @@ import logging
 import pytest
 import torch
 
-from sits.kernels.fp8_accum import BACKENDS, AccumEntry, AccumTable, load_accum_table
+from sits.kernels.fp8_accum import (
+    BACKENDS,
+    MAX_FAST_ERROR,
+    AccumEntry,
+    AccumTable,
+    choose_backend,
+    load_accum_table,
+)
 from sits.kernels.fp8_gemm import (
     fp8_gemm,
     fp8_gemm_on,
@@ -188,3 +195,6 @@ def test_the_committed_table_if_any_is_valid():
     table = load_accum_table(DEFAULT_TABLE_PATH)
     assert table.device and table.entries
     assert json.loads(DEFAULT_TABLE_PATH.read_text())["version"] == 2
+    for entry in table.entries.values():  # each choice is the rule's on the figures beside it
+        assert entry.backend == choose_backend(entry.ms, entry.error), entry
+        assert entry.error[entry.backend] <= MAX_FAST_ERROR
