@@ -11,6 +11,10 @@ K-major). Three paths, picked by shape:
     enough programs stream the weight; partial sums land in a float32 buffer with atomic adds.
   * Otherwise (and under the interpreter): the same pointer kernel without the split.
 The activation quantizer lives in fp8_quantize.py; weight helpers in quantization.py.
+
+`fp8_gemm_on(backend, ...)` runs the same product on the backend a measured table chose
+(sits.kernels.fp8_accum): this Triton kernel (precise or fast sums) or torch._scaled_mm with rowwise
+scales; operands torch._scaled_mm cannot take as they are fall back to the precise Triton kernel.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sits.kernels.fp8_accum import BACKENDS, SCALED_MM_BACKENDS
 from sits.kernels.fp8_quantize import quantize_fp8_per_token
 from sits.kernels.gemm_common import (
     gemm_config,
@@ -47,6 +52,10 @@ except ImportError:  # pragma: no cover - older Triton: pointer kernels only
 
 __all__ = [
     "fp8_gemm",
+    "fp8_gemm_on",
+    "fp8_gemm_scaled_mm",
+    "scaled_mm_runs",
+    "scaled_mm_usable",
     "fp8_gemm_reference",
     "quantize_fp8_per_token",
     "quantize_weight_fp8_per_channel",
@@ -235,3 +244,90 @@ def fp8_gemm(
             ATOMIC=False, FAST_ACCUM=bool(fast_accum),
         )  # fmt: skip
     return out
+
+
+SCALED_MM_MIN_CAPABILITY = (8, 9)  # rowwise-scaled torch._scaled_mm: SM 8.9 (CUTLASS) and SM 9.0+ (CUTLASS / cuBLASLt)
+SCALED_MM_OUT_DTYPES = (torch.bfloat16,)  # the rowwise output every torch release since 2.4 accepts
+
+
+def scaled_mm_usable(a_fp8: torch.Tensor, a_scale: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
+                     out_dtype: torch.dtype) -> bool:
+    """Whether torch._scaled_mm's rowwise-scaled e4m3 GEMM takes these operands as they are.
+
+    What PyTorch checks (ScaledBlas.cpp, RowwiseScaledMM.cu): a CUDA GPU of SM 8.9 or later; e4m3
+    operands, a row-major [M, K] and a column-major [K, N] (w_fp8.t() of a row-major [N, K]); K and
+    N multiples of 16; float32 scales of M and N elements (passed as [M, 1] and [1, N], contiguous);
+    a bf16 output. The vendor kernels also load rows with 16-byte vectors, so each operand's row
+    stride and base address are multiples of 16 bytes. Host-side checks only: no device sync.
+    """
+    if not (a_fp8.is_cuda and a_fp8.dim() == 2 and w_fp8.dim() == 2 and out_dtype in SCALED_MM_OUT_DTYPES):
+        return False
+    m, k = a_fp8.shape
+    n = w_fp8.shape[0]
+    return (
+        a_fp8.dtype == w_fp8.dtype == torch.float8_e4m3fn
+        and w_fp8.device == a_fp8.device
+        and torch.cuda.get_device_capability(a_fp8.device) >= SCALED_MM_MIN_CAPABILITY
+        and m > 0 and w_fp8.shape[1] == k and k % 16 == 0 and n % 16 == 0
+        and a_fp8.stride(1) == 1 and w_fp8.stride(1) == 1
+        and a_fp8.stride(0) % 16 == 0 and w_fp8.stride(0) % 16 == 0
+        and a_fp8.data_ptr() % 16 == 0 and w_fp8.data_ptr() % 16 == 0
+        and a_scale.dtype == w_scale.dtype == torch.float32
+        and a_scale.numel() == m and w_scale.numel() == n
+        and a_scale.is_contiguous() and w_scale.is_contiguous()
+        and a_scale.device == w_scale.device == a_fp8.device
+    )
+
+
+def fp8_gemm_scaled_mm(a_fp8: torch.Tensor, a_scale: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
+                       out_dtype: torch.dtype = torch.bfloat16, fast_accum: bool = False) -> torch.Tensor:
+    """fp8_gemm's product on torch._scaled_mm with rowwise scales (operands as `scaled_mm_usable` needs).
+
+    Args:
+        a_fp8: [M, K] float8_e4m3fn, row-major; a_scale: [M, 1] (or [M]) float32.
+        w_fp8: [N, K] float8_e4m3fn, row-major (passed as its column-major transpose [K, N]);
+            w_scale: [N] or [N, 1] float32 (passed as [1, N]).
+        out_dtype: the output dtype.
+        fast_accum: torch's use_fast_accum (reduced-precision sums over the whole K).
+    Returns:
+        [M, N] in out_dtype.
+    """
+    return torch._scaled_mm(a_fp8, w_fp8.t(), scale_a=a_scale.reshape(-1, 1), scale_b=w_scale.reshape(1, -1),
+                            out_dtype=out_dtype, use_fast_accum=fast_accum)
+
+
+def fp8_gemm_on(backend: str, a_fp8: torch.Tensor, a_scale: torch.Tensor, w_fp8: torch.Tensor,
+                w_scale: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """fp8_gemm's product on `backend` (sits.kernels.fp8_accum.BACKENDS).
+
+    "scaled_mm" / "scaled_mm_fast" run torch._scaled_mm where `scaled_mm_usable` holds, else the
+    precise Triton kernel (the only figure the table guarantees for every shape); "triton" /
+    "triton_fast" run fp8_gemm with precise / fast sums. Shapes and dtypes as fp8_gemm; CUDA-graph
+    safe (the choice is made on the host from shapes, strides and addresses).
+    Raises:
+        ValueError: an unknown backend, or inputs fp8_gemm rejects.
+    """
+    require(backend in BACKENDS, f"fp8 GEMM backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend in SCALED_MM_BACKENDS:
+        if scaled_mm_usable(a_fp8, a_scale, w_fp8, w_scale, out_dtype):
+            return fp8_gemm_scaled_mm(a_fp8, a_scale, w_fp8, w_scale, out_dtype, fast_accum=backend == "scaled_mm_fast")
+        return fp8_gemm(a_fp8, a_scale, w_fp8, w_scale, out_dtype=out_dtype)
+    return fp8_gemm(a_fp8, a_scale, w_fp8, w_scale, out_dtype=out_dtype, fast_accum=backend == "triton_fast")
+
+
+def scaled_mm_runs(device: torch.device) -> bool:
+    """Whether this PyTorch build runs rowwise-scaled torch._scaled_mm on `device` (one tiny product,
+    checked against the reference; a host sync: call it at start-up, not while capturing a graph)."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < SCALED_MM_MIN_CAPABILITY:
+        return False
+    a = torch.ones(16, 32, device=device).to(torch.float8_e4m3fn)
+    w = torch.ones(16, 32, device=device).to(torch.float8_e4m3fn)
+    a_scale = torch.full((16, 1), 0.5, device=device)
+    w_scale = torch.full((16,), 2.0, device=device)
+    if not scaled_mm_usable(a, a_scale, w, w_scale, torch.bfloat16):
+        return False
+    try:
+        out = fp8_gemm_scaled_mm(a, a_scale, w, w_scale)
+    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+        return False
+    return bool(torch.equal(out.float(), torch.full((16, 16), 32.0, device=device)))

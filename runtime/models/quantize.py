@@ -7,8 +7,8 @@ name.
 * fp8: weights to e4m3 with one float32 scale per output channel, at load; then one of two modes
   (`--fp8-mode`, FP8_MODES):
   - w8a8: activations quantized per token at run time (one scale per row), then the scaled e4m3
-    GEMM on fp8 tensor cores (fp8_quantize, fp8_gemm), with precise or fast accumulation per shape
-    from the measured table of sits.kernels.fp8_accum.
+    GEMM on fp8 tensor cores (fp8_quantize, then fp8_gemm_on): Triton or torch._scaled_mm, precise
+    or fast sums, per M bucket from the measured table of sits.kernels.fp8_accum.
   - weight-only: activations stay in the model dtype; each weight tile is converted to it inside
     the GEMM's load (fp8_weight_only_gemm). The path of GPUs without fp8 tensor cores (SM < 8.9,
     e.g. the A100), which `auto` picks there; forced elsewhere to test and measure it.
@@ -30,7 +30,13 @@ import logging
 import torch
 from torch import nn
 
-from sits.kernels.fp8_accum import DEFAULT_TABLE_PATH, AccumTable, fast_at, load_accum_table
+from sits.kernels.fp8_accum import (
+    DEFAULT_TABLE_PATH,
+    SCALED_MM_BACKENDS,
+    AccumTable,
+    backend_at,
+    load_accum_table,
+)
 from sits.kernels.quantization import quantize_weight_fp8_per_channel, quantize_weight_int8
 from sits.kernels.reference import (
     fp8_gemm_reference,
@@ -49,29 +55,29 @@ DEFAULT_SKIP = ("lm_head",)
 INT8_GROUP_SIZES = (128, 64, 32)  # the largest that divides in_features is used
 
 
-def _fp8_gemm_triton(x_fp8, x_scale, weight, scale, out_dtype, fast_accum):
-    from sits.kernels.fp8_gemm import fp8_gemm
+def _fp8_gemm_cuda(x_fp8, x_scale, weight, scale, out_dtype, backend):
+    from sits.kernels.fp8_gemm import fp8_gemm_on
 
-    return fp8_gemm(x_fp8, x_scale, weight, scale, out_dtype=out_dtype, fast_accum=fast_accum)
-
-
-def _fp8_gemm_reference(x_fp8, x_scale, weight, scale, out_dtype, fast_accum):
-    return fp8_gemm_reference(x_fp8, x_scale, weight, scale, out_dtype=out_dtype)  # float32 sums: either mode
+    return fp8_gemm_on(backend, x_fp8, x_scale, weight, scale, out_dtype=out_dtype)
 
 
-def _fp8_matmul_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fast_accum: bool) -> torch.Tensor:
+def _fp8_gemm_reference(x_fp8, x_scale, weight, scale, out_dtype, backend):
+    return fp8_gemm_reference(x_fp8, x_scale, weight, scale, out_dtype=out_dtype)  # float32 sums: every backend's
+
+
+def _fp8_matmul_cuda(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, backend: str) -> torch.Tensor:
     from sits.kernels.fp8_quantize import quantize_fp8_per_token
 
     x_fp8, x_scale = quantize_fp8_per_token(x)
-    return _fp8_gemm_triton(x_fp8, x_scale, weight, scale, x.dtype, fast_accum)
+    return _fp8_gemm_cuda(x_fp8, x_scale, weight, scale, x.dtype, backend)
 
 
-def _fp8_matmul_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fast_accum: bool) -> torch.Tensor:
-    x_fp8, x_scale = quantize_fp8_per_token_reference(x)  # float32 sums: both accumulation modes' exact result
+def _fp8_matmul_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, backend: str) -> torch.Tensor:
+    x_fp8, x_scale = quantize_fp8_per_token_reference(x)  # float32 sums: every backend's exact result
     return fp8_gemm_reference(x_fp8, x_scale, weight, scale, out_dtype=x.dtype)
 
 
-def _fp8_weight_only_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fast_accum: bool,
+def _fp8_weight_only_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, backend: str,
                             decode: str) -> torch.Tensor:
     from sits.kernels.fp8_weight_only_gemm import fp8_weight_only_gemm
 
@@ -80,7 +86,7 @@ def _fp8_weight_only_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.
     return fp8_weight_only_gemm(x, weight, scale, decode)
 
 
-def _fp8_weight_only_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fast_accum: bool
+def _fp8_weight_only_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, backend: str
                                ) -> torch.Tensor:
     return fp8_weight_only_gemm_reference(x, weight, scale)
 
@@ -118,15 +124,16 @@ def _int8_matmul_reference(x, weight, scales, group_size):
 class Fp8Linear(nn.Module):
     """y = x Wᵀ + b with W in e4m3 [out, in] and per-channel scales [out].
 
-    w8a8: x quantized per token, then the scaled e4m3 GEMM (accumulation mode per shape from
-    `accum`); weight-only: x stays in its dtype and W is dequantized inside the GEMM's load.
+    w8a8: x quantized per token, then the scaled e4m3 GEMM on the backend `accum` chose for this
+    weight's shape and the call's M bucket (Triton or torch._scaled_mm, precise or fast sums; on the
+    CPU, the reference); weight-only: x stays in its dtype and W is dequantized inside the GEMM's load.
 
     Args:
         weight: [out_features, in_features] float8_e4m3fn.
         weight_scale: [out_features] float32.
         bias: [out_features] in the model dtype, or None.
         weight_only: the weight-only mode (default: w8a8).
-        accum: precise or fast accumulation per shape (w8a8 on CUDA); default: precise everywhere.
+        accum: the GEMM backend per shape (w8a8 on CUDA); default: precise Triton everywhere.
     """
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
@@ -137,7 +144,8 @@ class Fp8Linear(nn.Module):
         self.register_buffer("weight_scale", weight_scale.reshape(-1).contiguous())
         self.register_buffer("bias", bias)
         self.weight_only = weight_only
-        self.accum_steps = () if weight_only else (accum or AccumTable()).steps(self.out_features, self.in_features)
+        # (m_bucket, backend) of this weight's shape, ascending; read per call by backend_at (host only)
+        self.gemm_steps = () if weight_only else (accum or AccumTable()).steps(self.out_features, self.in_features)
         if weight_only and weight.is_cuda:  # the e4m3 decoding this GPU supports, picked once
             from sits.kernels.fp8_weight_only_gemm import native_decode_supported
 
@@ -146,8 +154,8 @@ class Fp8Linear(nn.Module):
         elif weight_only:
             self._matmul = _fp8_weight_only_reference
         else:
-            self._matmul = _fp8_matmul_triton if weight.is_cuda else _fp8_matmul_reference
-        self._gemm = _fp8_gemm_triton if weight.is_cuda else _fp8_gemm_reference
+            self._matmul = _fp8_matmul_cuda if weight.is_cuda else _fp8_matmul_reference
+        self._gemm = _fp8_gemm_cuda if weight.is_cuda else _fp8_gemm_reference
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, weight_only: bool = False, accum: AccumTable | None = None) -> Fp8Linear:
@@ -158,7 +166,7 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., in_features] → [..., out_features] in x's dtype."""
         rows = x.reshape(-1, self.in_features)
-        out = self._matmul(rows, self.weight, self.weight_scale, fast_at(self.accum_steps, rows.shape[0]))
+        out = self._matmul(rows, self.weight, self.weight_scale, self.backend_for(rows.shape[0]))
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
@@ -173,13 +181,18 @@ class Fp8Linear(nn.Module):
         Returns:
             [M, out_features] in out_dtype.
         """
-        out = self._gemm(x_fp8, x_scale, self.weight, self.weight_scale, out_dtype,
-                         fast_at(self.accum_steps, x_fp8.shape[0]))
+        out = self._gemm(x_fp8, x_scale, self.weight, self.weight_scale, out_dtype, self.backend_for(x_fp8.shape[0]))
         return out if self.bias is None else out + self.bias
+
+    def backend_for(self, rows: int) -> str:
+        """The w8a8 GEMM backend (sits.kernels.fp8_accum.BACKENDS) of a call with `rows` tokens."""
+        return backend_at(self.gemm_steps, rows)
 
     def extra_repr(self) -> str:
         mode = "weight-only" if self.weight_only else "w8a8"
-        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3 per-channel, {mode}"
+        steps = ", ".join(f"{bucket}: {backend}" for bucket, backend in self.gemm_steps)
+        return (f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3 per-channel, {mode}"
+                + (f", GEMM backend per M bucket {{{steps}}}" if steps else ""))
 
 
 def _silu_mul_quant_triton(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -289,8 +302,10 @@ def _convert(linear: nn.Linear, method: str, fp8_mode: str, accum: AccumTable) -
 
 def _fp8_setup(targets: list[tuple[str, nn.Linear]], fp8_mode: str, accum: AccumTable | None
                ) -> tuple[str, AccumTable]:
-    """The resolved fp8 mode for the layers' device, and the accumulation table (w8a8 on CUDA: the
-    measured table of this GPU when one is installed, else the default rule)."""
+    """The resolved fp8 mode for the layers' device, and the GEMM backend table (w8a8 on CUDA: the
+    measured table of this GPU when one is installed, else the default rule; a table's
+    torch._scaled_mm choices are re-chosen among the Triton figures where this PyTorch build cannot
+    run rowwise-scaled torch._scaled_mm)."""
     device = targets[0][1].weight.device if targets else torch.device("cpu")
     mode = resolve_fp8_mode(fp8_mode, device)
     if mode == "w8a8" and device.type == "cuda" and not has_fp8_tensor_cores(device):
@@ -303,11 +318,18 @@ def _fp8_setup(targets: list[tuple[str, nn.Linear]], fp8_mode: str, accum: Accum
         except ValueError as error:
             raise ConfigError(f"{DEFAULT_TABLE_PATH}: {error}") from None
     accum = accum or AccumTable()
+    if mode == "w8a8" and device.type == "cuda" and accum.backends_used() & SCALED_MM_BACKENDS:
+        from sits.kernels.fp8_gemm import scaled_mm_runs
+
+        if not scaled_mm_runs(device):
+            logger.warning("fp8: this PyTorch build cannot run rowwise-scaled torch._scaled_mm on %s; the shapes "
+                           "the table gave it run the fastest Triton mode measured instead",
+                           torch.cuda.get_device_name(device))
+            accum = accum.without(SCALED_MM_BACKENDS)
     reason = f"forced by --fp8-mode {fp8_mode}" if fp8_mode != "auto" else (
         "no fp8 tensor cores" if mode == "weight-only" else "fp8 tensor cores" if device.type == "cuda"
         else "the PyTorch reference on the CPU")
-    accum_source = f"measured table of {accum.device}" if accum.entries else "precise everywhere (default rule)"
-    logger.info("fp8 %s (%s)%s", mode, reason, "" if mode == "weight-only" else f"; accumulation: {accum_source}")
+    logger.info("fp8 %s (%s)%s", mode, reason, "" if mode == "weight-only" else f"; GEMM backends: {accum.describe()}")
     return mode, accum
 
 
@@ -321,8 +343,8 @@ def quantize_model(model: nn.Module, method: str, skip: tuple[str, ...] = DEFAUL
         method: "none", "fp8" or "int8".
         skip: module names (last component) kept in the model dtype.
         fp8_mode: with fp8, "auto", "w8a8" or "weight-only" (resolve_fp8_mode).
-        accum: with fp8 w8a8, the accumulation mode per shape; None: the installed table of this
-            GPU (sits.kernels.fp8_accum.load_accum_table), else precise everywhere.
+        accum: with fp8 w8a8, the GEMM backend per shape; None: the installed table of this GPU
+            (sits.kernels.fp8_accum.load_accum_table), else precise Triton everywhere.
         fuse_activation_quant: with fp8 w8a8, quantize the MLP's SiLU·mul product in that kernel's
             epilogue (Fp8SwiGLU) instead of in a pass of its own before the down projection.
     Raises:

@@ -9,20 +9,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 
 import pytest
 import torch
 from torch import nn
 
-from sits.kernels.fp8_accum import (
-    AccumEntry,
-    AccumTable,
-    choose_fast,
-    fast_at,
-    load_accum_table,
-    parse_accum_table,
-)
+from sits.kernels.fp8_accum import AccumEntry, AccumTable, backend_at
 from sits.runtime.attention.torch_ref import TorchAttentionBackend
 from sits.runtime.commands.engine_args import add_engine_arguments, engine_config_from_args
 from sits.runtime.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SchedulerConfig
@@ -106,50 +98,21 @@ def test_the_flag_reaches_the_engine():
     assert len(outputs[0].outputs[0].token_ids) == 3
 
 
-def _entry(m_bucket, n, k, fast):
-    return AccumEntry(m_bucket, n, k, fast, 2e-3, 3e-3, 1.0, 0.8 if fast else 1.0)
-
-
-def test_accumulation_table_lookup_by_m_bucket_and_default_rule():
-    table = AccumTable("NVIDIA H200", {(8192, 28672, 4096): _entry(8192, 28672, 4096, True),
-                                       (32, 6144, 4096): _entry(32, 6144, 4096, False)})
-    assert table.fast_accum(5000, 28672, 4096) and table.fast_accum(8192, 28672, 4096)
-    assert table.fast_accum(8193, 28672, 4096) and table.fast_accum(1, 28672, 4096)  # nearest step below, else first
-    assert not table.fast_accum(1, 4096, 4096)  # (N, K) not measured: the default rule
-    assert not table.fast_accum(20, 6144, 4096)
-    assert not AccumTable().fast_accum(1, 4096, 4096)  # default: precise everywhere
-    assert choose_fast(1e-4, 1e-3, 1.0, 0.9) and not choose_fast(1e-4, 1e-3, 1.0, 0.99)
-    assert not choose_fast(1e-4, 5e-3, 1.0, 0.5)  # fast, but less exact than a bf16 output rounds
-
-
-def test_accumulation_table_round_trips_and_applies_to_its_own_gpu_only(tmp_path):
-    table = AccumTable("NVIDIA H200", {(256, 4096, 14336): _entry(256, 4096, 14336, True)})
-    path = tmp_path / "table.json"
-    path.write_text(table.to_json())
-    assert load_accum_table(path) == table
-    assert load_accum_table(path, device_name="NVIDIA H200") == table
-    assert load_accum_table(path, device_name="NVIDIA A100-SXM4-80GB") == AccumTable()
-    assert load_accum_table(tmp_path / "absent.json") == AccumTable()
-    path.write_text(json.dumps({"entries": [{"m_bucket": 100, "n": 1, "k": 1, "fast_accum": True,
-                                             "precise_error": 0, "fast_error": 0, "precise_ms": 1, "fast_ms": 1}]}))
-    with pytest.raises(ValueError, match="m_bucket must be a power of two"):
-        load_accum_table(path)
-    with pytest.raises(ValueError, match="not an fp8 accumulation table"):
-        parse_accum_table("[1, 2]")
-    with pytest.raises(ValueError, match="bad fp8 accumulation entry"):
-        parse_accum_table(json.dumps({"entries": [{"m_bucket": 1}]}))
+def _entry(m_bucket, n, k, backend):
+    return AccumEntry(m_bucket, n, k, backend)
 
 
 def test_fp8_linear_takes_the_steps_of_its_own_shape():
     linear = nn.Linear(64, 48)
-    table = AccumTable("NVIDIA H200", {(16, 48, 64): _entry(16, 48, 64, True), (256, 48, 64): _entry(256, 48, 64, False),
-                                       (16, 32, 64): _entry(16, 32, 64, False)})
+    table = AccumTable("NVIDIA H200", {(16, 48, 64): _entry(16, 48, 64, "triton_fast"),
+                                       (256, 48, 64): _entry(256, 48, 64, "scaled_mm"),
+                                       (16, 32, 64): _entry(16, 32, 64, "triton")})
     layer = Fp8Linear.from_linear(linear, accum=table)
-    assert layer.accum_steps == ((16, True), (256, False))
-    assert fast_at(layer.accum_steps, 1) and fast_at(layer.accum_steps, 100)
-    assert not fast_at(layer.accum_steps, 200) and not fast_at(layer.accum_steps, 100000)
-    assert Fp8Linear.from_linear(linear, weight_only=True, accum=table).accum_steps == ()
-    assert Fp8Linear.from_linear(linear).accum_steps == ()
+    assert layer.gemm_steps == ((16, "triton_fast"), (256, "scaled_mm"))
+    assert backend_at(layer.gemm_steps, 1) == layer.backend_for(100) == "triton_fast"
+    assert layer.backend_for(200) == layer.backend_for(100000) == "scaled_mm"
+    assert Fp8Linear.from_linear(linear, weight_only=True, accum=table).gemm_steps == ()
+    assert Fp8Linear.from_linear(linear).gemm_steps == ()
 
 
 def test_the_table_bucket_is_the_gemms_autotune_bucket():
