@@ -44,8 +44,8 @@
 #          conversion and with the A100's integer decoding; RESULT: ratio per decoding and M
 #   fp8-act   benchmarks/bench_silu_mul_quant.py: SiLU·mul with the fused e4m3 quantization against the
 #          unfused kernels and eager PyTorch at 32 / 512 / 8,192 tokens x 14,336; RESULT: speed-up per shape
-#   fp8-modes  benchmarks/bench_fp8_accum.py: fp8_gemm with precise and fast accumulation (error against
-#          float32 sums, speed) beside torch._scaled_mm, Llama-3-8B projections at M = 32, 256, 4,096;
+#   fp8-modes  benchmarks/bench_fp8_accum.py: four backends per shape (Triton and torch._scaled_mm, each with
+#          precise and fast sums: error against float32 sums, speed), Llama-3-8B projections at M = 16..16,384;
 #          writes LOG_DIR/fp8_accum_table.json (copy to kernels/fp8_accum_table.json to use it)
 #   host   benchmarks/bench_engine_host_overhead.py: the engine's host work per decode step on this
 #          machine's CPU (tiny model, batch 1 / 32 / 256, async off and on), phase by phase
@@ -150,7 +150,7 @@ for step in $STEPS; do
       timeout "${FP8_ACT_TIMEOUT:-90}" python3 benchmarks/bench_silu_mul_quant.py --json "$LOG_DIR/fp8-act.json" \
         >"$LOG_DIR/fp8-act.log" 2>&1 ;;
     fp8-modes)
-      timeout "${FP8_MODES_TIMEOUT:-240}" python3 benchmarks/bench_fp8_accum.py --json "$LOG_DIR/fp8-modes.json" \
+      timeout "${FP8_MODES_TIMEOUT:-480}" python3 benchmarks/bench_fp8_accum.py --json "$LOG_DIR/fp8-modes.json" \
         --table "$LOG_DIR/fp8_accum_table.json" >"$LOG_DIR/fp8-modes.log" 2>&1 ;;
     itl)
       timeout "${ITL_TIMEOUT:-90}" $BENCH --batch 1 --input-len 2048 --output-len 128 \
