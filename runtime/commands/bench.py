@@ -226,12 +226,14 @@ def benchmark(args: argparse.Namespace, config, loaded) -> int:
         logger.info("warm-up batch (compiles and autotunes kernels): %.1f s", time.perf_counter() - begin)
     from sits.runtime.gc_heap import frozen_startup_heap
 
-    hits_before = engine.stats().prefix_cache_hits
+    before = engine.stats()
     with frozen_startup_heap(PROG):  # as the engine process does before serving (gc_heap.py)
         result = run_engine(engine, prompts, args.output_len, "bench")
     result.system = _system_label(engine, config)
-    hits = engine.stats().prefix_cache_hits - hits_before
-    result.notes = f"prefix-cache hits during the timed run: {hits}"
+    after = engine.stats()
+    hits = after.prefix_cache_hits - before.prefix_cache_hits
+    preemptions = after.num_preemptions - before.num_preemptions
+    result.notes = f"prefix-cache hits during the timed run: {hits}; preemptions: {preemptions}"
     floor, profile = _roofline(engine, args, config)
     setup = {"batch": args.batch, "input_len": args.input_len, "output_len": args.output_len,
              "model": args.config or args.model, "device": profile.name if profile else str(loaded.device),

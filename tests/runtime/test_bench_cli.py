@@ -39,6 +39,17 @@ def test_bench_prints_sits_beside_transformers_and_writes_json(tmp_path, capsys)
     assert record["setup"]["max_num_seqs"] == 3 and record["roofline"] is None  # no roofline on a CPU
 
 
+def test_bench_counts_the_preemptions_of_its_timed_run(capsys):
+    """Issue 14's "preemption stays rare" is read from this note: a cache too small for the batch must show it."""
+    common = ["bench", "--config", "tiny", "--batch", "4", "--input-len", "12", "--output-len", "20", "--device",
+              "cpu", "--log-level", "warning", "--peer", "none", "--block-size", "4", "--no-enable-prefix-caching"]
+    assert main([*common, "--num-blocks", "40"]) == 0
+    assert "; preemptions: 0" in capsys.readouterr().out  # 4 x 32 tokens fit in 40 blocks of 4
+    assert main([*common, "--num-blocks", "12"]) == 0  # 48 tokens for 4 x 32: sequences take turns
+    preempted = int(capsys.readouterr().out.split("; preemptions: ")[1].split()[0])
+    assert preempted > 0
+
+
 def test_a_given_peer_figure_is_marked_as_not_measured(capsys):
     assert main(["bench", "--config", "tiny", "--batch", "2", "--input-len", "8", "--output-len", "3",
                  "--device", "cpu", "--log-level", "warning", "--peer-output-tok-s", "100"]) == 0
