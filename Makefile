@@ -17,6 +17,10 @@ SERVE_ARGS  ?=
 # PYTHONSAFEPATH (Python 3.11+) keeps the current directory off sys.path.
 export PYTHONSAFEPATH := 1
 
+# `make test`'s three preparations overlap where they can: the Debian servers install while pip fills the venv
+# (lint waits for the venv). --output-sync keeps each target's lines together.
+MAKEFLAGS += --jobs=2 --output-sync=target
+
 .PHONY: setup serve test lint services docs clean
 
 $(VENV)/.installed: pyproject.toml
