@@ -51,7 +51,8 @@ def offline_tok_s(config: str, batch: int, input_len: int, output_len: int, work
          "--log-level", "warning", "--json", str(out), threads=threads)
     result = json.loads(out.read_text())["results"][0]
     return {"output_tok_s": result["output_tok_s"], "itl_p50_ms": result["itl_p50_s"] * 1000,
-            "itl_p99_ms": result["itl_p99_s"] * 1000}
+            "itl_p99_ms": result["itl_p99_s"] * 1000,
+            "engine_cpu_ms_per_token": 1e3 * result["cpu_s"] / (batch * output_len)}
 
 
 def served_tok_s(config: str, streams: int, input_len: int, output_len: int, vocab: int, workdir: Path,
@@ -147,18 +148,20 @@ def main(argv: list[str] | None = None) -> int:
             served = served_tok_s(args.config, streams, args.input_len, args.output_len, vocab, Path(workdir),
                                   args.threads)
             rows.append({"streams": streams, "offline": offline, "served": served,
-                         "ratio": served["output_tok_s"] / offline["output_tok_s"]})
+                         "ratio": served["output_tok_s"] / offline["output_tok_s"],
+                         "engine_cpu_ratio": served["engine_cpu_ms_per_token"] / offline["engine_cpu_ms_per_token"]})
     load = os.getloadavg()
     print(f"\nserved vs offline: random {args.config} weights, {args.input_len} in / {args.output_len} out, "
           f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {args.threads} torch thread(s), load average {load[0]:.1f} at the end")
     print(f"{'streams':>8} {'offline tok/s':>14} {'served tok/s':>13} {'ratio':>7} {'ITL p50/p99 offline ms':>24} "
-          f"{'ITL p50/p99 served ms':>23} {'CPU ms/token API / engine':>26} {'API us/chunk':>13} "
-          f"{'tokens/chunk':>13}")
+          f"{'ITL p50/p99 served ms':>23} {'CPU ms/token API / engine':>26} {'engine CPU offline':>19} "
+          f"{'engine CPU ratio':>17} {'API us/chunk':>13} {'tokens/chunk':>13}")
     for row in rows:
         off, srv = row["offline"], row["served"]
         print(f"{row['streams']:>8} {off['output_tok_s']:>14.0f} {srv['output_tok_s']:>13.0f} {row['ratio']:>6.2f}x "
               f"{off['itl_p50_ms']:>11.1f} / {off['itl_p99_ms']:<10.1f} {srv['itl_p50_ms']:>10.1f} / "
               f"{srv['itl_p99_ms']:<10.1f} {srv['api_cpu_ms_per_token']:>12.3f} / {srv['engine_cpu_ms_per_token']:<11.3f} "
+              f"{off['engine_cpu_ms_per_token']:>19.3f} {row['engine_cpu_ratio']:>16.2f}x "
               f"{srv['api_cpu_us_per_chunk']:>13.1f} {srv['tokens_per_chunk']:>13.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"config": args.config, "threads": args.threads, "input_len": args.input_len,
