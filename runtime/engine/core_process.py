@@ -30,10 +30,10 @@ this process, watch it the same way (`sits.runtime.parallel.worker`). SIGINT and
 ignored: a Ctrl-C in a terminal, or a supervisor signalling the process group, reaches the engine
 too, and the server drains first and then tells the engine to stop (or SIGKILLs it).
 
-Profiling: with `SITS_ENGINE_PROFILE=DIR` in the server's environment, the loop and receiver threads run
-under their own `cProfile` (timed in that thread's CPU time) and writes `DIR/engine-<pid>-<thread>.prof` when the
-loop ends (an orderly stop: SIGTERM to the server, or its exit); read them with `python -m pstats`. Off by
-default: it slows steps.
+Profiling: with `SITS_ENGINE_PROFILE=DIR` in the server's environment, the loop and receiver threads
+run under their own `cProfile` (timed in that thread's CPU time) and write
+`DIR/engine-<pid>-<thread>.prof` when the loop ends (an orderly stop: SIGTERM to the server, or its
+exit); read them with `python -m pstats`. Off by default: it slows steps.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 The engine process writes one message per step. Handing each to a sender thread (as it did before) cost
 the loop a thread wake-up and two GIL hand-offs per step, and on a busy CPU the woken thread often took the
-loop's core: on 2 shared cores at 32 streams the engine process's threads were switched in and out about
-seven times per step. Yet the pipe almost always has room: the server's reader thread drains it at once.
+loop's core: on 2 shared cores at 32 streams the engine process's threads were switched onto a core about 8
+times per step (about 3 since). Yet the pipe almost always has room: the server's reader thread drains it
+at once.
 
 So the loop writes a message with one non-blocking `send` (`MSG_DONTWAIT`: the socket itself stays
 blocking). Only when the socket's buffer is full (a server slow to read) does the rest of that message,
