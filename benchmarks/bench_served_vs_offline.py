@@ -7,8 +7,10 @@ work shows) is measured two ways, one after the other, for each B in --streams:
   - served: `sits bench serve` against `sits serve --load-format dummy --config C` (started here, once healthy)
     with B streams (`--max-concurrency B`, B prompts: the same work as the offline batch), with the CPU time
     the API process and the engine process spent per output token (from /proc: these hold on a loaded
-    machine, where the throughputs are noisy), and the API process's CPU per chunk the clients received (a
-    chunk carries several tokens when the API process falls behind).
+    machine, where the throughputs are noisy), the API process's CPU per chunk the clients received (a
+    chunk carries several tokens when the API process falls behind), and the client's CPU per output token
+    (its run less a one-request run of it, which holds its start-up): on a shared CPU every served token
+    costs the engine's, the API process's and the client's CPU time, the offline one the engine's only.
 Every request has exactly --input-len prompt tokens and --output-len output tokens (EOS ignored).
 The table prints output tok/s served, offline, and their ratio (the issue's target: >= 0.85 on CPU), and
 the engine's CPU per token served / offline (what the process boundary costs the engine).
@@ -35,6 +37,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import socket
 import statistics
 import subprocess
@@ -85,12 +88,22 @@ def served_tok_s(config: str, streams: int, input_len: int, output_len: int, voc
         wait_healthy(server, f"http://127.0.0.1:{port}/health")
         processes = {"api": server.pid, "engine": engine_child(server.pid)}
         before = {name: cpu_seconds(pid) for name, pid in processes.items()}
-        sits("bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--num-prompts", str(streams),
-             "--max-concurrency", str(streams), "--random-input-len", str(input_len), "--random-output-len",
-             str(output_len), "--vocab-size", str(vocab), "--no-progress", "--json", str(out), threads=threads,
-             own_session=client_session)
+
+        def client(prompts: int, tokens: int, json_out: Path) -> float:
+            """CPU seconds of one `sits bench serve` run (its start-up included)."""
+            begin = children_cpu_seconds()
+            sits("bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--num-prompts", str(prompts),
+                 "--max-concurrency", str(prompts), "--random-input-len", str(input_len), "--random-output-len",
+                 str(tokens), "--vocab-size", str(vocab), "--no-progress", "--json", str(json_out), threads=threads,
+                 own_session=client_session)
+            return children_cpu_seconds() - begin
+
+        client_cpu = client(streams, output_len, out)
         cpu_ms = {name: 1e3 * (cpu_seconds(pid) - before[name]) / (streams * output_len)
                   for name, pid in processes.items()}
+        # the client's start-up (imports, the model list, /metrics) and its run, less a one-request run's
+        startup_cpu = client(1, 1, workdir / "served-startup.json")
+        cpu_ms["client"] = 1e3 * (client_cpu - startup_cpu) / (streams * output_len)
     finally:
         server.terminate()
         server.wait(60)
@@ -104,6 +117,7 @@ def served_tok_s(config: str, streams: int, input_len: int, output_len: int, voc
     return {"output_tok_s": result["output_throughput"], "itl_p50_ms": result["itl_ms"]["median"],
             "itl_p99_ms": result["itl_ms"]["p99"], "ttft_p50_ms": result["ttft_ms"]["median"],
             "api_cpu_ms_per_token": cpu_ms["api"], "engine_cpu_ms_per_token": cpu_ms["engine"],
+            "client_cpu_ms_per_token": cpu_ms["client"],
             "tokens_per_chunk": streams * output_len / chunks,
             "api_cpu_us_per_chunk": 1e3 * cpu_ms["api"] * streams * output_len / chunks}
 
@@ -111,6 +125,12 @@ def served_tok_s(config: str, streams: int, input_len: int, output_len: int, voc
 def _medians(runs: list[dict]) -> dict:
     """Each figure's median over the runs."""
     return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+
+
+def children_cpu_seconds() -> float:
+    """User + system CPU seconds of this process's children that have ended (and been waited for)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def free_port() -> int:
@@ -195,13 +215,14 @@ def main(argv: list[str] | None = None) -> int:
           f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {args.threads} torch thread(s), load average {load[0]:.1f} at the end")
     print(f"{'streams':>8} {'offline tok/s':>14} {'served tok/s':>13} {'ratio':>7} {'ITL p50/p99 offline ms':>24} "
           f"{'ITL p50/p99 served ms':>23} {'CPU ms/token API / engine':>26} {'engine CPU offline':>19} "
-          f"{'engine CPU ratio':>17} {'API us/chunk':>13} {'tokens/chunk':>13}")
+          f"{'engine CPU ratio':>17} {'client CPU':>11} {'API us/chunk':>13} {'tokens/chunk':>13}")
     for row in rows:
         off, srv = row["offline"], row["served"]
         print(f"{row['streams']:>8} {off['output_tok_s']:>14.0f} {srv['output_tok_s']:>13.0f} {row['ratio']:>6.2f}x "
               f"{off['itl_p50_ms']:>11.1f} / {off['itl_p99_ms']:<10.1f} {srv['itl_p50_ms']:>10.1f} / "
               f"{srv['itl_p99_ms']:<10.1f} {srv['api_cpu_ms_per_token']:>12.3f} / {srv['engine_cpu_ms_per_token']:<11.3f} "
               f"{off['engine_cpu_ms_per_token']:>19.3f} {row['engine_cpu_ratio']:>16.2f}x "
+              f"{srv['client_cpu_ms_per_token']:>11.3f} "
               f"{srv['api_cpu_us_per_chunk']:>13.1f} {srv['tokens_per_chunk']:>13.2f}")
     if args.repeats > 1:
         print(f"medians of {args.repeats} pairs (offline and served alternately first); each pair's ratio "
