@@ -136,6 +136,7 @@ def run_engine(engine, prompts: list[list[int]], output_len: int, tag: str):
     params = SamplingParams(temperature=0.0, max_tokens=output_len, min_tokens=output_len, ignore_eos=True)
     token_times: dict[str, list[float]] = defaultdict(list)
     start = time.perf_counter()
+    cpu_start = time.process_time()
     for index, prompt in enumerate(prompts):
         engine.add_request(f"{tag}-{index}", prompt, params)
     now = start
@@ -144,13 +145,14 @@ def run_engine(engine, prompts: list[list[int]], output_len: int, tag: str):
         now = time.perf_counter()
         for output in outputs:
             token_times[output.request_id].extend([now] * len(output.outputs[0].token_ids_delta))
+    cpu_s = time.process_time() - cpu_start
     short = {rid: len(times) for rid, times in token_times.items() if len(times) != output_len}
     if short or len(token_times) != len(prompts):
         raise RuntimeError(f"the engine generated the wrong number of tokens: {short}")
     gaps = [b - a for times in token_times.values() for a, b in zip(times, times[1:], strict=False)]
     return RunResult(system="SITS", seconds=now - start, output_tokens=len(prompts) * output_len,
                      prompt_tokens=sum(map(len, prompts)), ttft_s=[t[0] - start for t in token_times.values()],
-                     itl_s=gaps)
+                     itl_s=gaps, cpu_s=cpu_s)
 
 
 def _system_label(engine, config) -> str:

@@ -28,6 +28,8 @@ class RunResult:
         itl_is_mean: the ITL figures are a mean per step (no per-token timestamps were taken).
         measured: False when the figure was given on the command line instead of measured now.
         notes: anything worth printing beside the figure.
+        cpu_s: CPU seconds this process spent (all its threads, user + system) from submitting the batch to its
+            last token; None where not measured. Compared with `seconds` it tells a busy machine from a slow engine.
     """
 
     system: str
@@ -39,6 +41,7 @@ class RunResult:
     itl_is_mean: bool = False
     measured: bool = True
     notes: str = ""
+    cpu_s: float | None = None
 
     @property
     def output_tok_s(self) -> float:

@@ -14,9 +14,10 @@ that matters, pickling per-step outputs, is kept small by sending token deltas a
 directions are batched: the server sends what one event-loop turn gathered, the engine one
 `CoreBatch` per step.
 
-Threads here: the loop thread owns the engine (commands, a step, one batch pickled; the main
-thread only builds the engine and waits); a sender thread writes the batches to the pipe, so a
-server that is slow to read (its event loop busy with SSE) never holds up a step;
+Threads here: the loop thread owns the engine (commands, a step, one batch pickled and written; the
+main thread only builds the engine and waits). The loop writes each batch itself with a non-blocking
+send (`pipe_writer.PipeWriter`): a sender thread takes over only while the pipe is full (a server slow
+to read), so a step never waits on the server and, in the common case, no other thread wakes per step;
 a receiver thread reads the pipe (so a command never waits for a step to end to be read), compiles
 a request's grammar before the request reaches the loop (xgrammar's compile can take tens of ms;
 the cache is thread-safe), and reads LoRA adapters from disk off the loop. The engine's stats go
@@ -28,15 +29,20 @@ PR_SET_PDEATHSIG`), and the pipe's EOF ends the loop as well; tensor-parallel wo
 this process, watch it the same way (`sits.runtime.parallel.worker`). SIGINT and SIGTERM are
 ignored: a Ctrl-C in a terminal, or a supervisor signalling the process group, reaches the engine
 too, and the server drains first and then tells the engine to stop (or SIGKILLs it).
+
+Profiling: with `SITS_ENGINE_PROFILE=DIR` in the server's environment, the loop and receiver threads
+run under their own `cProfile` (timed in that thread's CPU time) and write
+`DIR/engine-<pid>-<thread>.prof` when the loop ends (an orderly stop: SIGTERM to the server, or its
+exit); read them with `python -m pstats`. Off by default: it slows steps.
 """
 
 from __future__ import annotations
 
 import contextlib
+import cProfile
 import ctypes
 import logging
 import os
-import queue
 import signal
 import sys
 import threading
@@ -45,6 +51,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 from sits.runtime.config import ConfigError, EngineConfig
@@ -52,6 +59,7 @@ from sits.runtime.engine import core_wire as wire
 from sits.runtime.engine.client_base import EngineFacts
 from sits.runtime.engine.engine import LLMEngine
 from sits.runtime.engine.errors import EngineError, EngineShuttingDownError
+from sits.runtime.engine.pipe_writer import PipeWriter
 from sits.runtime.gc_heap import freeze_startup_heap
 from sits.runtime.lora.manager import LoraAdapter, LoraManager
 
@@ -61,6 +69,7 @@ _BACK_OFF_S = 0.05  # wait after a step that could schedule nothing
 _PR_SET_PDEATHSIG = 1
 STOP_FLUSH_S = 10.0  # how long the last batches may take to be written once the loop ended
 EVICTION_INDEX_INTERVAL_S = 1.0  # how often the eviction index and tenancy figures go to the server
+PROFILE_ENV = "SITS_ENGINE_PROFILE"  # a directory: the threads' cProfile stats go there (module docstring)
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -124,6 +133,48 @@ def _run_core(core: EngineCore, crashed: threading.Event) -> None:
         crashed.set()
 
 
+class ThreadProfiles:
+    """`SITS_ENGINE_PROFILE=DIR`: one cProfile per thread (a profile follows only the thread that enabled
+    it), written to DIR/engine-<pid>-<name>.prof by `dump`. Without the variable `wrap` returns its target."""
+
+    def __init__(self, directory: Path | None) -> None:
+        self.directory = directory
+        self._profiles: dict[str, cProfile.Profile] = {}
+
+    @classmethod
+    def from_env(cls) -> ThreadProfiles:
+        return cls(Path(os.environ[PROFILE_ENV]) if os.environ.get(PROFILE_ENV) else None)
+
+    def wrap(self, name: str, target: Callable[[], None]) -> Callable[[], None]:
+        """`target`, run under a profile of its own when profiling is on."""
+        if self.directory is None:
+            return target
+
+        def profiled() -> None:
+            # CPU time of this thread: on a shared machine wall time mostly measures the other processes
+            profile = self._profiles[name] = cProfile.Profile(time.thread_time)
+            profile.enable()
+            try:
+                target()
+            finally:
+                profile.disable()
+
+        return profiled
+
+    def dump(self) -> None:
+        """Write every profile, also of threads still running (a snapshot: the receiver waits on the pipe)."""
+        if self.directory is None:
+            return
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            for name, profile in list(self._profiles.items()):
+                path = self.directory / f"engine-{os.getpid()}-{name}.prof"
+                profile.dump_stats(path)
+                logger.info("engine %s thread's profile written to %s", name, path)
+        except OSError as error:
+            logger.warning("could not write the engine's profiles to %s: %s", self.directory, error)
+
+
 @dataclass
 class _AdapterRead:
     """An adapter read off the loop, to be written into a slot between steps."""
@@ -144,7 +195,7 @@ class EngineCore:
         self._inbox: list = []  # guarded by _cond: commands from the server and from helper threads
         self._parent_gone = False
         self._encoder = wire.OutputEncoder()
-        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()  # pickled batches; None: stop
+        self._writer: PipeWriter | None = None  # while run() runs
         self._stop_deadline: float | None = None  # monotonic time by which a Shutdown aborts what runs
         self._dirty = False  # engine state changed since the tenancy figures last went out
         self._next_publish = 0.0
@@ -189,20 +240,19 @@ class EngineCore:
     # -- the loop ----------------------------------------------------------------------------
     def run(self) -> None:
         """The loop until told to stop or the server is gone; what it sent is flushed before it returns."""
-        threading.Thread(target=self._receive, name="sits-engine-core-receiver", daemon=True).start()
-        sender = threading.Thread(target=self._send_queued, name="sits-engine-core-sender", daemon=True)
-        sender.start()
+        profiles = ThreadProfiles.from_env()
+        threading.Thread(target=profiles.wrap("receiver", self._receive), name="sits-engine-core-receiver",
+                         daemon=True).start()
+        self._writer = PipeWriter(self.conn)
         try:
-            self._loop()
+            profiles.wrap("loop", self._loop)()
         finally:
-            self._outbox.put(None)
-            sender.join(STOP_FLUSH_S)
+            self._writer.close(STOP_FLUSH_S)
+            profiles.dump()
 
-    def _send_queued(self) -> None:
-        """The sender thread: writes the loop's batches, so a server slow to read never stalls a step."""
-        while (data := self._outbox.get()) is not None:
-            with contextlib.suppress(OSError, ValueError):  # the server is gone: the receiver notices
-                self.conn.send_bytes(data)
+    def _send(self, batch: wire.CoreBatch) -> None:
+        assert self._writer is not None
+        self._writer.write(wire.encode(batch))
 
     def _loop(self) -> None:
         while True:
@@ -225,7 +275,7 @@ class EngineCore:
                 batch.stopped = True
             self._publish_tenancy(batch, idle=not self.engine.has_unfinished_requests())
             if commands or busy or batch.stopped or batch.tenancy_usage is not None:
-                self._outbox.put(wire.encode(batch))
+                self._send(batch)
             if batch.stopped:
                 return
 
@@ -235,7 +285,7 @@ class EngineCore:
         tickets = [command.ticket for command in commands if isinstance(command, wire.StatsRequest)]
         if not tickets:
             return commands
-        self._outbox.put(wire.encode(wire.CoreBatch(stats=self.engine.stats(), stats_ticket=max(tickets))))
+        self._send(wire.CoreBatch(stats=self.engine.stats(), stats_ticket=max(tickets)))
         return [command for command in commands if not isinstance(command, wire.StatsRequest)]
 
     def _wait_for_work(self) -> tuple[list, bool]:
