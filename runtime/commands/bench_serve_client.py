@@ -1,5 +1,8 @@
 """Sending the benchmark's requests to an OpenAI-compatible server: streaming, timed, with vLLM's load shapes.
 
+The client is aiohttp (its HTTP parser is C), as vLLM's benchmark client is: on a machine where the client
+shares the cores with the server it measures, each of its CPU-seconds is one the server does not get.
+
 Load (as `vllm bench serve`): request i is sent at the sum of i inter-arrival gaps drawn from a gamma
 distribution of shape `burstiness` and mean 1 / `request_rate` (burstiness 1 is a Poisson process;
 below 1 burstier, above 1 more regular); `request_rate` inf sends all at once. `max_concurrency`
@@ -18,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import aiohttp
 
 from sits.runtime.commands.bench_serve_dataset import BenchRequest
 from sits.runtime.commands.bench_serve_metrics import RequestRecord
@@ -73,13 +76,14 @@ def _has_output(chunk: dict[str, Any]) -> bool:
     return False
 
 
-async def _events(response: httpx.Response) -> AsyncIterator[str]:
-    async for line in response.aiter_lines():
-        if line.startswith("data:"):
-            yield line[5:].strip()
+async def _events(response: aiohttp.ClientResponse) -> AsyncIterator[str]:
+    """The `data:` payloads of a server-sent event stream, one per line as the server flushes them."""
+    async for raw in response.content:
+        if raw.startswith(b"data:"):
+            yield raw[5:].strip().decode()
 
 
-async def send(client: httpx.AsyncClient, target: Target, request: BenchRequest) -> RequestRecord:
+async def send(client: aiohttp.ClientSession, target: Target, request: BenchRequest) -> RequestRecord:
     """Send one streaming request; a RequestRecord with every output chunk's arrival time (never raises)."""
     key = request.tenant.api_key if request.tenant is not None else target.api_key
     headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -87,12 +91,12 @@ async def send(client: httpx.AsyncClient, target: Target, request: BenchRequest)
                            tenant=request.tenant.name if request.tenant is not None else "")
     chunks = 0
     try:
-        async with client.stream("POST", target.base_url + target.endpoint, json=request_body(target, request),
-                                  headers=headers, timeout=target.timeout_s) as response:
-            record.status = response.status_code
-            if response.status_code != 200:
-                body = (await response.aread()).decode(errors="replace")
-                record.error = body[:300] or response.reason_phrase
+        async with client.post(target.base_url + target.endpoint, json=request_body(target, request),
+                               headers=headers) as response:
+            record.status = response.status
+            if response.status != 200:
+                body = (await response.read()).decode(errors="replace")
+                record.error = body[:300] or (response.reason or "")
             else:
                 async for data in _events(response):
                     if data == "[DONE]":
@@ -108,7 +112,7 @@ async def send(client: httpx.AsyncClient, target: Target, request: BenchRequest)
                     if usage:
                         record.prompt_tokens = usage.get("prompt_tokens", record.prompt_tokens)
                         record.output_tokens = usage.get("completion_tokens", 0)
-    except (httpx.HTTPError, json.JSONDecodeError, OSError) as error:
+    except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError, UnicodeDecodeError, OSError) as error:
         record.error = f"{type(error).__name__}: {error}"[:300]
     record.end_s = time.perf_counter()
     if record.ok and not record.output_tokens:
@@ -130,8 +134,9 @@ async def run_load(target: Target, requests: list[BenchRequest], shape: LoadShap
     """Send every request as `shape` releases them; (records in request order, duration in seconds)."""
     limit = shape.max_concurrency or len(requests)
     gate = asyncio.Semaphore(limit)
-    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
-    async with httpx.AsyncClient(limits=limits, timeout=target.timeout_s) as client:
+    connector = aiohttp.TCPConnector(limit=limit, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=target.timeout_s)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
         async def one(request: BenchRequest) -> RequestRecord:
             async with gate:
                 record = await send(client, target, request)
@@ -149,25 +154,29 @@ async def run_load(target: Target, requests: list[BenchRequest], shape: LoadShap
     return records, end - start
 
 
+async def _get(url: str, api_key: str) -> tuple[int, str]:
+    """(status, body text) of one GET within 30 s; raises aiohttp.ClientError, TimeoutError or UnicodeDecodeError."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with (aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30.0)) as client,
+                client.get(url, headers=headers) as response):
+        return response.status, await response.text()
+
+
 async def read_metrics(base_url: str, api_key: str = "") -> dict[str, float] | None:
     """The server's /metrics summed by name, or None when it has none (another server, or an error)."""
     from sits.runtime.commands.bench_serve_metrics import parse_prometheus
 
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        async with httpx.AsyncClient(timeout=30.0) as client:
-            response = await client.get(base_url + "/metrics", headers=headers)
-    except httpx.HTTPError:
+        status, text = await _get(base_url + "/metrics", api_key)
+    except (TimeoutError, aiohttp.ClientError, UnicodeDecodeError):
         return None
-    return parse_prometheus(response.text) if response.status_code == 200 else None
+    return parse_prometheus(text) if status == 200 else None
 
 
 async def served_model(base_url: str, api_key: str = "") -> str:
     """The first model id of /v1/models. Raises RuntimeError when the server does not answer with one."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        async with httpx.AsyncClient(timeout=30.0) as client:
-            response = await client.get(base_url + "/v1/models", headers=headers)
-        return str(response.json()["data"][0]["id"])
-    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as error:
+        _, text = await _get(base_url + "/v1/models", api_key)
+        return str(json.loads(text)["data"][0]["id"])
+    except (TimeoutError, aiohttp.ClientError, ValueError, KeyError, IndexError, TypeError) as error:
         raise RuntimeError(f"cannot read the model id from {base_url}/v1/models ({error}); give --model") from None
