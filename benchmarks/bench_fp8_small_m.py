@@ -1,0 +1,148 @@
+"""The fp8 GEMM at decode batches (M <= 64): the atomic split-K path, the direct kernel, torch._scaled_mm.
+
+    python benchmarks/bench_fp8_small_m.py [--m 32,1,8,16,64] [--proj qkv,o,gate_up,down] [--json out.json]
+        [--no-check]
+
+For each Llama-3-8B projection (nn.Linear weight [N, K], e4m3 with per-channel scales) and each M,
+in the same process and with each side's autotuning done before timing:
+  * atomic: fp8_gemm(small_m_kernel="atomic"), what fp8_gemm ran at M <= SMALL_M before the direct
+    kernel: a memset of a float32 buffer (the config pre-hook), the split-K GEMM adding into it
+    atomically, and a cast kernel to bf16 (three launches);
+  * direct: fp8_gemm(small_m_kernel="direct"), one launch writing bf16;
+  * scaled_mm: torch._scaled_mm with rowwise scales, precise sums (use_fast_accum=False).
+Each is timed inside a CUDA graph (10 calls per graph, median of 15 replays; kernel_bench_utils.time_ms),
+what the decode step replays, rotating through several weight copies so that no weight is read out
+of L2 (50 MB on an H200). Printed per case: microseconds per call, TB/s of weight bytes (N K bytes per
+call: the floor of the traffic), the ratios, the max relative error of each side against
+fp8_gemm_reference (max |out - ref| / max |ref|), and the config the direct kernel's autotuner picked.
+Then per M: one decode step's projections (32 layers x the four) under each side, and which side
+fp8_gemm's rule (`small_m_direct`) picks. Last (unless --no-check), every direct-kernel config is
+checked against the reference at an odd shape (M 5, N 1000, K 4160: ragged N and K tiles) in bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from kernel_bench_utils import rotating, time_ms
+
+from sits.kernels import fp8_gemm as fp8_gemm_module
+from sits.kernels.fp8_gemm import (
+    fp8_gemm,
+    fp8_gemm_reference,
+    fp8_gemm_scaled_mm,
+    quantize_weight_fp8_per_channel,
+    small_m_direct,
+)
+from sits.kernels.fp8_quantize import quantize_fp8_per_token
+
+L2_DEFEAT_BYTES = 256 << 20
+LLAMA3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+LAYERS = 32
+SIDES = ("atomic", "direct", "scaled_mm")
+
+
+def _operands(m: int, n: int, k: int, copies: int):
+    sets = []
+    for _ in range(copies):
+        a_fp8, a_scale = quantize_fp8_per_token(torch.randn(m, k, dtype=torch.bfloat16, device="cuda"))
+        w_fp8, w_scale = quantize_weight_fp8_per_channel(torch.randn(n, k, device="cuda") * 0.02)
+        sets.append((a_fp8, a_scale, w_fp8, w_scale))
+    return sets
+
+
+def _max_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+def bench_case(name: str, m: int, n: int, k: int) -> dict:
+    """Times the three sides on one shape; returns a row of figures (microseconds, TB/s, errors)."""
+    copies = max(2, min(8, L2_DEFEAT_BYTES // (n * k)))
+    sets = _operands(m, n, k, copies)
+    calls = {
+        "atomic": lambda i: fp8_gemm(*sets[i], small_m_kernel="atomic"),
+        "direct": lambda i: fp8_gemm(*sets[i], small_m_kernel="direct"),
+        "scaled_mm": lambda i: fp8_gemm_scaled_mm(*sets[i]),
+    }
+    ref = fp8_gemm_reference(*sets[0])
+    row: dict = {"proj": name, "m": m, "n": n, "k": k, "weight_copies": copies}
+    for side, call in calls.items():
+        try:
+            us = time_ms(rotating(call, copies)) * 1e3
+            row[f"{side}_us"] = us
+            row[f"{side}_tbps"] = n * k / (us * 1e-6) / 1e12
+            row[f"{side}_err"] = _max_rel_err(call(0), ref)
+        except Exception as error:  # noqa: BLE001 - report the failure, keep measuring the others
+            row[f"{side}_error"] = f"{type(error).__name__}: {str(error)[:300]}"
+        if side == "direct":
+            row["direct_config"] = str(getattr(fp8_gemm_module._fp8_gemm_direct, "best_config", None))
+    row["rule_picks"] = "direct" if small_m_direct(m, n, k) else "atomic"
+    return row
+
+
+def _fmt(row: dict) -> str:
+    def side(s):
+        if f"{s}_us" not in row:
+            return f"{s}: FAILED {row.get(f'{s}_error')}"
+        return f"{s} {row[f'{s}_us']:7.2f} us {row[f'{s}_tbps']:5.2f} TB/s err {row[f'{s}_err']:.1e}"
+
+    ratios = ""
+    if "direct_us" in row:
+        ratios = " | ".join(
+            f"{s}/direct {row[f'{s}_us'] / row['direct_us']:.2f}x" for s in ("atomic", "scaled_mm") if f"{s}_us" in row
+        )
+    return (f"{row['proj']:7s} M{row['m']:<3d} N{row['n']:<5d} K{row['k']:<5d} | "
+            + " | ".join(side(s) for s in SIDES) + f" | {ratios} | rule: {row['rule_picks']}"
+            + f" | direct config: {row.get('direct_config')}")  # fmt: skip
+
+
+def check_configs(m: int = 5, n: int = 1000, k: int = 4160) -> list[str]:
+    """Every GPU config of the direct kernel against the reference at a ragged shape (bf16 out)."""
+    torch.manual_seed(0)
+    (a_fp8, a_scale, w_fp8, w_scale), = _operands(m, n, k, 1)
+    ref = fp8_gemm_reference(a_fp8, a_scale, w_fp8, w_scale)
+    lines = []
+    for config in fp8_gemm_module._DIRECT_CONFIGS:
+        out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+        meta = dict(config.kwargs, EVEN_K=k % config.kwargs["BLOCK_K"] == 0, num_warps=config.num_warps,
+                    num_stages=config.num_stages)
+        try:
+            fp8_gemm_module._launch_direct(fp8_gemm_module._fp8_gemm_direct_kernel, a_fp8, a_scale, w_fp8, w_scale,
+                                           out, False, **meta)
+            lines.append(f"check {config}: max rel err {_max_rel_err(out, ref):.1e}")
+        except Exception as error:  # noqa: BLE001 - report every config
+            lines.append(f"check {config}: FAILED {type(error).__name__}: {str(error)[:200]}")
+        print(lines[-1], flush=True)
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--m", default="32,1,8,16,64", help="comma-separated batch sizes, in the order to run")
+    parser.add_argument("--proj", default="o,qkv,down,gate_up", help="comma-separated Llama-3-8B projections")
+    parser.add_argument("--json", help="also write the rows to this JSON file")
+    parser.add_argument("--no-check", action="store_true", help="skip the per-config correctness check")
+    args = parser.parse_args()
+    ms = [int(v) for v in args.m.split(",")]
+    projs = args.proj.split(",")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; CUDA-graph timing (10 calls per graph, "
+          "median of 15 replays)", flush=True)  # fmt: skip
+    rows = []
+    for m in ms:
+        for name in projs:
+            rows.append(bench_case(name, m, *LLAMA3_8B[name]))
+            print(_fmt(rows[-1]), flush=True)
+            if args.json:  # written after every row: a run cut short keeps what it measured
+                with open(args.json, "w") as f:
+                    json.dump(rows, f, indent=1)
+        step = {s: LAYERS * sum(r.get(f"{s}_us", float("nan")) for r in rows if r["m"] == m) for s in SIDES}
+        print(f"M{m}: one decode step's {LAYERS} x ({', '.join(projs)}): "
+              + ", ".join(f"{s} {v / 1e3:.3f} ms" for s, v in step.items()), flush=True)  # fmt: skip
+    if not args.no_check:
+        check_configs()
+
+
+if __name__ == "__main__":
+    main()
