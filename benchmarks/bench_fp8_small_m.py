@@ -1,6 +1,6 @@
 """The fp8 GEMM at decode batches (M <= 64): the atomic split-K path, the direct kernel, torch._scaled_mm.
 
-    python benchmarks/bench_fp8_small_m.py [--m 32,1,8,16,64] [--proj qkv,o,gate_up,down] [--json out.json]
+    python benchmarks/bench_fp8_small_m.py [--m 32,64,1,16,8] [--proj qkv,o,gate_up,down] [--json out.json]
         [--no-check]
 
 For each Llama-3-8B projection (nn.Linear weight [N, K], e4m3 with per-channel scales) and each M,
@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import torch
-from kernel_bench_utils import rotating, time_ms
+from kernel_bench_utils import hbm_copy_gbps, rotating, time_ms
 
 from sits.kernels import fp8_gemm as fp8_gemm_module
 from sits.kernels.fp8_gemm import (
@@ -68,8 +69,11 @@ def bench_case(name: str, m: int, n: int, k: int) -> dict:
     }
     ref = fp8_gemm_reference(*sets[0])
     row: dict = {"proj": name, "m": m, "n": n, "k": k, "weight_copies": copies}
+    direct_tuner = fp8_gemm_module._fp8_gemm_direct
     for side, call in calls.items():
         try:
+            if side == "direct":
+                direct_tuner.configs_timings = None  # set again when this case's key is tuned
             us = time_ms(rotating(call, copies)) * 1e3
             row[f"{side}_us"] = us
             row[f"{side}_tbps"] = n * k / (us * 1e-6) / 1e12
@@ -77,9 +81,21 @@ def bench_case(name: str, m: int, n: int, k: int) -> dict:
         except Exception as error:  # noqa: BLE001 - report the failure, keep measuring the others
             row[f"{side}_error"] = f"{type(error).__name__}: {str(error)[:300]}"
         if side == "direct":
-            row["direct_config"] = str(getattr(fp8_gemm_module._fp8_gemm_direct, "best_config", None))
+            row["direct_config"] = _short(getattr(direct_tuner, "best_config", None))
+            timings = getattr(direct_tuner, "configs_timings", None) or {}
+            ranked = sorted(timings.items(), key=lambda item: item[1])
+            row["direct_tuning_us"] = [(_short(c), round(float(t) * 1e3, 2)) for c, t in ranked]
     row["rule_picks"] = "direct" if small_m_direct(m, n, k) else "atomic"
     return row
+
+
+def _short(config) -> str:
+    """A direct-kernel config as BLOCK_N x BLOCK_K, operand order, warps and stages (e.g. n32k256-ab-w4s4)."""
+    if config is None:
+        return "none"
+    kw = config.kwargs
+    order = "swap" if kw.get("SWAP_AB") else "ab"
+    return f"n{kw.get('BLOCK_N')}k{kw.get('BLOCK_K')}-{order}-w{config.num_warps}s{config.num_stages}"
 
 
 def _fmt(row: dict) -> str:
@@ -95,7 +111,8 @@ def _fmt(row: dict) -> str:
         )
     return (f"{row['proj']:7s} M{row['m']:<3d} N{row['n']:<5d} K{row['k']:<5d} | "
             + " | ".join(side(s) for s in SIDES) + f" | {ratios} | rule: {row['rule_picks']}"
-            + f" | direct config: {row.get('direct_config')}")  # fmt: skip
+            + f" | direct config: {row.get('direct_config')} | tuning (us, L2-warm): "
+            + " ".join(f"{c}={t}" for c, t in row.get("direct_tuning_us", [])[:6]))  # fmt: skip
 
 
 def check_configs(m: int = 5, n: int = 1000, k: int = 4160) -> list[str]:
@@ -120,28 +137,40 @@ def check_configs(m: int = 5, n: int = 1000, k: int = 4160) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--m", default="32,1,8,16,64", help="comma-separated batch sizes, in the order to run")
+    parser.add_argument("--m", default="32,64,1,16,8", help="comma-separated batch sizes, in the order to run")
     parser.add_argument("--proj", default="o,qkv,down,gate_up", help="comma-separated Llama-3-8B projections")
     parser.add_argument("--json", help="also write the rows to this JSON file")
     parser.add_argument("--no-check", action="store_true", help="skip the per-config correctness check")
+    parser.add_argument("--budget-s", type=float, default=float("inf"),
+                        help="start no new case after this many seconds (the summary still prints)")
     args = parser.parse_args()
+    started = time.monotonic()
     ms = [int(v) for v in args.m.split(",")]
     projs = args.proj.split(",")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; CUDA-graph timing (10 calls per graph, "
           "median of 15 replays)", flush=True)  # fmt: skip
+    print(f"HBM copy bandwidth (eager, read + write): {hbm_copy_gbps() / 1e3:.2f} TB/s", flush=True)
     rows = []
     for m in ms:
         for name in projs:
+            if time.monotonic() - started > args.budget_s:
+                print(f"budget of {args.budget_s:.0f} s spent: M{m} {name} and later cases not run", flush=True)
+                break
+            case_started = time.monotonic()
             rows.append(bench_case(name, m, *LLAMA3_8B[name]))
-            print(_fmt(rows[-1]), flush=True)
+            print(_fmt(rows[-1]) + f" | case took {time.monotonic() - case_started:.1f} s", flush=True)
             if args.json:  # written after every row: a run cut short keeps what it measured
                 with open(args.json, "w") as f:
                     json.dump(rows, f, indent=1)
-        step = {s: LAYERS * sum(r.get(f"{s}_us", float("nan")) for r in rows if r["m"] == m) for s in SIDES}
+        measured = [r for r in rows if r["m"] == m]
+        if len(measured) < len(projs):
+            continue
+        step = {s: LAYERS * sum(r.get(f"{s}_us", float("nan")) for r in measured) for s in SIDES}
         print(f"M{m}: one decode step's {LAYERS} x ({', '.join(projs)}): "
               + ", ".join(f"{s} {v / 1e3:.3f} ms" for s, v in step.items()), flush=True)  # fmt: skip
-    if not args.no_check:
+    if not args.no_check and time.monotonic() - started < args.budget_s:
         check_configs()
+    print(f"total {time.monotonic() - started:.0f} s", flush=True)
 
 
 if __name__ == "__main__":

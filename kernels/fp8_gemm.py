@@ -149,9 +149,10 @@ def _direct_config(block_n, block_k, swap_ab, warps, stages) -> triton.Config:
 _DIRECT_CONFIGS = [
     _direct_config(*c)
     for c in (
-        (16, 256, False, 4, 4), (16, 256, False, 4, 6), (32, 256, False, 4, 4), (32, 128, False, 4, 6),
-        (64, 128, False, 4, 4), (64, 256, False, 4, 3), (32, 256, True, 4, 4), (64, 128, True, 4, 4),
-        (64, 128, True, 4, 6), (64, 256, True, 4, 4), (128, 128, True, 4, 4), (128, 256, True, 8, 3),
+        (16, 256, False, 4, 4), (16, 256, False, 4, 6), (16, 512, False, 4, 4), (32, 128, False, 4, 6),
+        (32, 256, False, 4, 4), (32, 512, False, 4, 3), (64, 128, False, 4, 4), (64, 256, False, 4, 3),
+        (32, 256, True, 4, 4), (64, 128, True, 4, 6), (64, 256, True, 4, 4), (64, 512, True, 4, 3),
+        (128, 128, True, 4, 4), (128, 256, True, 8, 3),
     )
 ]
 _INTERPRETER_DIRECT_CONFIG = _direct_config(32, 32, False, 4, 1)
