@@ -67,7 +67,7 @@ def bench_case(name: str, m: int, n: int, k: int) -> dict:
         "direct": lambda i: fp8_gemm(*sets[i], small_m_kernel="direct"),
         "scaled_mm": lambda i: fp8_gemm_scaled_mm(*sets[i]),
     }
-    ref = fp8_gemm_reference(*sets[0])
+    ref = fp8_gemm_reference(*sets[0], out_dtype=torch.float32)
     row: dict = {"proj": name, "m": m, "n": n, "k": k, "weight_copies": copies}
     direct_tuner = fp8_gemm_module._fp8_gemm_direct
     for side, call in calls.items():
@@ -119,7 +119,7 @@ def check_configs(m: int = 5, n: int = 1000, k: int = 4160) -> list[str]:
     """Every GPU config of the direct kernel against the reference at a ragged shape (bf16 out)."""
     torch.manual_seed(0)
     (a_fp8, a_scale, w_fp8, w_scale), = _operands(m, n, k, 1)
-    ref = fp8_gemm_reference(a_fp8, a_scale, w_fp8, w_scale)
+    ref = fp8_gemm_reference(a_fp8, a_scale, w_fp8, w_scale, out_dtype=torch.float32)
     lines = []
     for config in fp8_gemm_module._DIRECT_CONFIGS:
         out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")

@@ -179,13 +179,16 @@ def _fp8_gemm_direct_kernel(
     """c [M, N] = (a @ w^T) * a_scale * w_scale^T in c's dtype; grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)).
 
     Each program sums the whole K for one [BLOCK_M, BLOCK_N] tile (row tiles of one column tile are
-    neighbours in launch order, so a weight slice read by several row tiles is still in L2). Rows
-    past M and columns past N are wrapped for the loads and masked at the store. Precise sums
-    (FAST_ACCUM false) are promoted to float32 every PROMOTE_K elements of K.
+    neighbours in launch order, so a weight slice read by several row tiles is still in L2). Columns
+    past N are wrapped for the loads and masked at the store. Activation rows past M are masked at
+    the load as well (not wrapped): a batch of 1 to 15 rows in a 16-row tile reads only its rows
+    from L2, once per program. Precise sums (FAST_ACCUM false) are promoted to float32 every
+    PROMOTE_K elements of K.
     """
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows_a = tl.max_contiguous(tl.multiple_of(offs_m % M, BLOCK_M), BLOCK_M).to(tl.int64)
+    rows_a = offs_m.to(tl.int64)
+    in_m = offs_m < M
     rows_w = tl.max_contiguous(tl.multiple_of(offs_n % N, BLOCK_N), BLOCK_N).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     if SWAP_AB:
@@ -197,20 +200,22 @@ def _fp8_gemm_direct_kernel(
         if SWAP_AB:  # w [BLOCK_N, BLOCK_K] and a^T [BLOCK_K, BLOCK_M], both K-major
             if EVEN_K:
                 w = tl.load(w_ptr + rows_w[:, None] * stride_wn + k[None, :])
-                a = tl.load(a_ptr + rows_a[None, :] * stride_am + k[:, None])
+                a = tl.load(a_ptr + rows_a[None, :] * stride_am + k[:, None], mask=in_m[None, :], other=0.0)
             else:
                 w = tl.load(w_ptr + rows_w[:, None] * stride_wn + k[None, :], mask=k[None, :] < K, other=0.0)
-                a = tl.load(a_ptr + rows_a[None, :] * stride_am + k[:, None], mask=k[:, None] < K, other=0.0)
+                a = tl.load(a_ptr + rows_a[None, :] * stride_am + k[:, None], mask=in_m[None, :] & (k[:, None] < K),
+                            other=0.0)
             if FAST_ACCUM:
                 acc = tl.dot(w, a, acc)
             else:
                 acc = tl.dot(w, a, acc, max_num_imprecise_acc=PROMOTE_K)
         else:  # a [BLOCK_M, BLOCK_K] and w^T [BLOCK_K, BLOCK_N]
             if EVEN_K:
-                a = tl.load(a_ptr + rows_a[:, None] * stride_am + k[None, :])
+                a = tl.load(a_ptr + rows_a[:, None] * stride_am + k[None, :], mask=in_m[:, None], other=0.0)
                 w = tl.load(w_ptr + rows_w[None, :] * stride_wn + k[:, None])
             else:
-                a = tl.load(a_ptr + rows_a[:, None] * stride_am + k[None, :], mask=k[None, :] < K, other=0.0)
+                a = tl.load(a_ptr + rows_a[:, None] * stride_am + k[None, :], mask=in_m[:, None] & (k[None, :] < K),
+                            other=0.0)
                 w = tl.load(w_ptr + rows_w[None, :] * stride_wn + k[:, None], mask=k[:, None] < K, other=0.0)
             if FAST_ACCUM:
                 acc = tl.dot(a, w, acc)
