@@ -16,8 +16,9 @@ of L2 (50 MB on an H200). Printed per case: microseconds per call, TB/s of weigh
 call: the floor of the traffic), the ratios, the max relative error of each side against
 fp8_gemm_reference (max |out - ref| / max |ref|), and the config the direct kernel's autotuner picked.
 Then per M: one decode step's projections (32 layers x the four) under each side, and which side
-fp8_gemm's rule (`small_m_direct`) picks. Last (unless --no-check), every direct-kernel config is
-checked against the reference at an odd shape (M 5, N 1000, K 4160: ragged N and K tiles) in bf16.
+fp8_gemm's rule (`small_m_direct`) picks. Unless --no-check: first, every direct-kernel config is
+checked against the reference at N = K = 4096 for each row tile the cases use (a config that fails
+leaves the autotuning, reported); last, every config again at a ragged shape (M 5, N 1000, K 4160).
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ SIDES = ("atomic", "direct", "scaled_mm")
 def _operands(m: int, n: int, k: int, copies: int):
     sets = []
     for _ in range(copies):
-        a_fp8, a_scale = quantize_fp8_per_token(torch.randn(m, k, dtype=torch.bfloat16, device="cuda"))
-        w_fp8, w_scale = quantize_weight_fp8_per_channel(torch.randn(n, k, device="cuda") * 0.02)
+        a_fp8, a_scale = quantize_fp8_per_token(torch.randn(m, k, dtype=torch.bfloat16, device=DEVICE))
+        w_fp8, w_scale = quantize_weight_fp8_per_channel(torch.randn(n, k, device=DEVICE) * 0.02)
         sets.append((a_fp8, a_scale, w_fp8, w_scale))
     return sets
 
@@ -115,24 +116,41 @@ def _fmt(row: dict) -> str:
             + " ".join(f"{c}={t}" for c, t in row.get("direct_tuning_us", [])[:6]))  # fmt: skip
 
 
-def check_configs(m: int = 5, n: int = 1000, k: int = 4160) -> list[str]:
-    """Every GPU config of the direct kernel against the reference at a ragged shape (bf16 out)."""
+DEVICE = "cuda"
+MAX_ERROR = 1e-2  # max relative error of a working config (precise sums land near 1e-3 in bf16)
+
+
+def check_configs(m: int, n: int, k: int, drop_failing: bool = False) -> list:
+    """Every GPU config of the direct kernel against the reference at one shape (bf16 out); returns the
+    configs that failed (raised, or erred above MAX_ERROR). With drop_failing they also leave the
+    autotuner's list, so one config that cannot build on this GPU does not sink the whole timing run.
+
+    At N = K = 4096 this compiles exactly the binaries the autotuner of that row tile uses later (M is
+    not specialized), so it costs little beyond the compilation the timed cases need anyway."""
     torch.manual_seed(0)
-    (a_fp8, a_scale, w_fp8, w_scale), = _operands(m, n, k, 1)
+    ((a_fp8, a_scale, w_fp8, w_scale),) = _operands(m, n, k, 1)
     ref = fp8_gemm_reference(a_fp8, a_scale, w_fp8, w_scale, out_dtype=torch.float32)
-    lines = []
-    for config in fp8_gemm_module._DIRECT_CONFIGS:
-        out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    failed = []
+    for config in list(fp8_gemm_module._DIRECT_CONFIGS):
+        out = torch.empty(m, n, dtype=torch.bfloat16, device=DEVICE)
         meta = dict(config.kwargs, EVEN_K=k % config.kwargs["BLOCK_K"] == 0, num_warps=config.num_warps,
-                    num_stages=config.num_stages)
+                    num_stages=config.num_stages)  # fmt: skip
         try:
             fp8_gemm_module._launch_direct(fp8_gemm_module._fp8_gemm_direct_kernel, a_fp8, a_scale, w_fp8, w_scale,
-                                           out, False, **meta)
-            lines.append(f"check {config}: max rel err {_max_rel_err(out, ref):.1e}")
+                                           out, False, **meta)  # fmt: skip
+            err = _max_rel_err(out, ref)
+            verdict = f"max rel err {err:.1e}" + ("" if err < MAX_ERROR else " TOO LARGE")
+            if err >= MAX_ERROR:
+                failed.append(config)
         except Exception as error:  # noqa: BLE001 - report every config
-            lines.append(f"check {config}: FAILED {type(error).__name__}: {str(error)[:200]}")
-        print(lines[-1], flush=True)
-    return lines
+            verdict = f"FAILED {type(error).__name__}: {str(error)[:200]}"
+            failed.append(config)
+        print(f"check M{m} N{n} K{k} {_short(config)}: {verdict}", flush=True)
+    tuner = fp8_gemm_module._fp8_gemm_direct
+    if drop_failing and failed and len(failed) < len(tuner.configs):
+        tuner.configs[:] = [c for c in tuner.configs if c not in failed]
+        print(f"dropped from the direct kernel's autotuning: {', '.join(_short(c) for c in failed)}", flush=True)
+    return failed
 
 
 def main() -> None:
@@ -150,6 +168,9 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; CUDA-graph timing (10 calls per graph, "
           "median of 15 replays)", flush=True)  # fmt: skip
     print(f"HBM copy bandwidth (eager, read + write): {hbm_copy_gbps() / 1e3:.2f} TB/s", flush=True)
+    if not args.no_check:  # every config at each row tile the cases use (16, 32, 64 rows) before timing
+        for block_m in sorted({fp8_gemm_module._direct_block_m(m) for m in ms}):
+            check_configs(block_m - 3 if block_m > 16 else 8, 4096, 4096, drop_failing=True)
     rows = []
     for m in ms:
         for name in projs:
@@ -169,7 +190,7 @@ def main() -> None:
         print(f"M{m}: one decode step's {LAYERS} x ({', '.join(projs)}): "
               + ", ".join(f"{s} {v / 1e3:.3f} ms" for s, v in step.items()), flush=True)  # fmt: skip
     if not args.no_check and time.monotonic() - started < args.budget_s:
-        check_configs()
+        check_configs(5, 1000, 4160)  # ragged: N past the last column tile, K past the last K tile
     print(f"total {time.monotonic() - started:.0f} s", flush=True)
 
 

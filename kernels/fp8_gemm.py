@@ -169,7 +169,7 @@ def _direct_block_m(m: int) -> int:
     return min(max(length_bucket(m), 16), DIRECT_MAX_M)
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "M_BUCKET"])  # one binary per row tile, not per batch size
 def _fp8_gemm_direct_kernel(
     a_ptr, w_ptr, c_ptr, a_scale_ptr, w_scale_ptr,
     M, N, K, stride_am, stride_wn, stride_cm, M_BUCKET,

@@ -140,3 +140,18 @@ def test_direct_kernel_replays_in_a_cuda_graph():
     graph.replay()
     expected = fp8_gemm_reference(new_a, new_scale, w_fp8, w_scale, out_dtype=torch.float32)
     assert ((out.float() - expected).norm() / expected.norm()).item() < 3e-3
+
+
+def test_every_gpu_config_of_the_direct_kernel():
+    """Each tile shape, operand order and K tile the GPU autotuner may pick, with ragged M, N and K tails."""
+    m, n, k = 29, 136, 528  # N past the last column tile of every BLOCK_N, K past the last K tile of every BLOCK_K
+    a_fp8, a_scale, w_fp8, w_scale = _operands(m, n, k, seed=13)
+    expected = fp8_gemm_reference(a_fp8, a_scale, w_fp8, w_scale, out_dtype=torch.float32)
+    for config in fp8_gemm_module._DIRECT_CONFIGS:
+        out = torch.full((m, n), float("nan"), dtype=torch.float16, device=DEVICE)
+        fp8_gemm_module._launch_direct(
+            fp8_gemm_module._fp8_gemm_direct_kernel, a_fp8, a_scale, w_fp8, w_scale, out, False,
+            EVEN_K=k % config.kwargs["BLOCK_K"] == 0, num_warps=config.num_warps, num_stages=config.num_stages,
+            **config.kwargs,
+        )  # fmt: skip
+        _check(out, expected)
