@@ -1,7 +1,8 @@
 """The fp8 GEMM at decode batches (M <= 64): the atomic split-K path, the direct kernel, torch._scaled_mm.
 
-    python benchmarks/bench_fp8_small_m.py [--m 32,64,1,16,8] [--proj qkv,o,gate_up,down] [--json out.json]
-        [--no-check]
+    python benchmarks/bench_fp8_small_m.py [--m 32,64,1,16,8] [--proj o,qkv,down,gate_up] [--json out.json]
+        [--no-check] [--budget-s S]
+    python benchmarks/bench_fp8_small_m.py --precompile I/N   # N processes at once first: see `precompile`
 
 For each Llama-3-8B projection (nn.Linear weight [N, K], e4m3 with per-channel scales) and each M,
 in the same process and with each side's autotuning done before timing:
@@ -153,6 +154,46 @@ def check_configs(m: int, n: int, k: int, drop_failing: bool = False) -> list:
     return failed
 
 
+def precompile(part: int, parts: int, ms: list[int], n: int = 4096, k: int = 4096) -> None:
+    """Compile share `part` of `parts` of the binaries the timed cases need, into Triton's on-disk cache.
+
+    Run in several processes at once before the timed run (Triton compiles one kernel at a time per
+    process): each launches its share of (kernel, config, specialization) once at N = K = 4096, which
+    has the integer and alignment classes of every Llama-3-8B projection, so the timed run's
+    autotuning then loads the binaries instead of compiling them.
+    """
+    jobs = []
+    for block_m in sorted({fp8_gemm_module._direct_block_m(m) for m in ms}):
+        jobs += [("direct", max(block_m - 3, 8) if block_m > 16 else 8, c) for c in fp8_gemm_module._DIRECT_CONFIGS]
+    atomic = fp8_gemm_module._fp8_gemm_small_m
+    # the split-K kernel specializes M and its bucket on the value 1 and on multiples of 16
+    atomic_ms = sorted({1 if m == 1 else 16 if m % 16 == 0 and m <= 16 else 32 if m % 16 == 0 else m for m in ms})
+    for m in atomic_ms:
+        bucket = fp8_gemm_module.length_bucket(m, cap=1 << 16)
+        kept = fp8_gemm_module._prune_small_m(atomic.configs, {"M_BUCKET": bucket, "K": k})
+        jobs += [("atomic", m, c) for c in kept]
+    mine = jobs[part::parts]
+    for kind, m, config in mine:
+        ((a_fp8, a_scale, w_fp8, w_scale),) = _operands(m, n, k, 1)
+        try:
+            if kind == "direct":
+                out = torch.empty(m, n, dtype=torch.bfloat16, device=DEVICE)
+                meta = dict(config.kwargs, EVEN_K=True, num_warps=config.num_warps, num_stages=config.num_stages)
+                fp8_gemm_module._launch_direct(fp8_gemm_module._fp8_gemm_direct_kernel, a_fp8, a_scale, w_fp8,
+                                               w_scale, out, False, **meta)  # fmt: skip
+            else:
+                acc = torch.zeros(m, n, dtype=torch.float32, device=DEVICE)
+                fp8_gemm_module._fp8_gemm_kernel_even_k[fp8_gemm_module.split_k_grid(m, n)](
+                    a_fp8, w_fp8, acc, a_scale, w_scale, m, n, k, a_fp8.stride(0), w_fp8.stride(0), acc.stride(0),
+                    fp8_gemm_module.length_bucket(m, cap=1 << 16), ATOMIC=True, FAST_ACCUM=False,
+                    **config.all_kwargs(),
+                )  # fmt: skip
+        except Exception as error:  # noqa: BLE001 - the timed run reports (and drops) what cannot build
+            print(f"precompile {kind} M{m} {config}: {type(error).__name__}: {str(error)[:200]}", flush=True)
+    torch.cuda.synchronize()
+    print(f"precompiled {len(mine)} of {len(jobs)} binaries (part {part} of {parts})", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--m", default="32,64,1,16,8", help="comma-separated batch sizes, in the order to run")
@@ -161,10 +202,16 @@ def main() -> None:
     parser.add_argument("--no-check", action="store_true", help="skip the per-config correctness check")
     parser.add_argument("--budget-s", type=float, default=float("inf"),
                         help="start no new case after this many seconds (the summary still prints)")
+    parser.add_argument("--precompile", metavar="I/N",
+                        help="only compile share I of N of the binaries into Triton's disk cache, then exit")
     args = parser.parse_args()
     started = time.monotonic()
     ms = [int(v) for v in args.m.split(",")]
     projs = args.proj.split(",")
+    if args.precompile:
+        part, parts = (int(v) for v in args.precompile.split("/"))
+        precompile(part, parts, ms)
+        return
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; CUDA-graph timing (10 calls per graph, "
           "median of 15 replays)", flush=True)  # fmt: skip
     print(f"HBM copy bandwidth (eager, read + write): {hbm_copy_gbps() / 1e3:.2f} TB/s", flush=True)
