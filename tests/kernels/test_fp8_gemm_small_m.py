@@ -61,7 +61,7 @@ def test_direct_kernel_matches_reference(m, n, k, out_dtype):
 def test_direct_kernel_both_operand_orders(m, n, k, swap_ab):
     """Both orientations the GPU configs use: A W^T, and (W A^T)^T with the weight as the MMA's M side."""
     a_fp8, a_scale, w_fp8, w_scale = _operands(m, n, k, seed=7)
-    out = torch.full((m, n), float("nan"), dtype=torch.float16, device=DEVICE)
+    out = torch.full((m, n), float("nan"), dtype=torch.float32, device=DEVICE)
     block_k = 32
     fp8_gemm_module._launch_direct(
         fp8_gemm_module._fp8_gemm_direct_kernel, a_fp8, a_scale, w_fp8, w_scale, out, False,
@@ -148,7 +148,7 @@ def test_every_gpu_config_of_the_direct_kernel():
     a_fp8, a_scale, w_fp8, w_scale = _operands(m, n, k, seed=13)
     expected = fp8_gemm_reference(a_fp8, a_scale, w_fp8, w_scale, out_dtype=torch.float32)
     for config in fp8_gemm_module._DIRECT_CONFIGS:
-        out = torch.full((m, n), float("nan"), dtype=torch.float16, device=DEVICE)
+        out = torch.full((m, n), float("nan"), dtype=torch.float32, device=DEVICE)
         fp8_gemm_module._launch_direct(
             fp8_gemm_module._fp8_gemm_direct_kernel, a_fp8, a_scale, w_fp8, w_scale, out, False,
             EVEN_K=k % config.kwargs["BLOCK_K"] == 0, num_warps=config.num_warps, num_stages=config.num_stages,
