@@ -85,8 +85,10 @@ def bench_case(name: str, m: int, n: int, k: int) -> dict:
         if side == "direct":
             row["direct_config"] = _short(getattr(direct_tuner, "best_config", None))
             timings = getattr(direct_tuner, "configs_timings", None) or {}
-            ranked = sorted(timings.items(), key=lambda item: item[1])
-            row["direct_tuning_us"] = [(_short(c), round(float(t) * 1e3, 2)) for c, t in ranked]
+            # the autotuner keeps each config's figures at its quantiles (a list, the median first) or one float
+            ms = {c: float(t[0] if isinstance(t, (list, tuple)) else t) for c, t in timings.items()}
+            ranked = sorted(ms.items(), key=lambda item: item[1])
+            row["direct_tuning_us"] = [(_short(c), round(t * 1e3, 2)) for c, t in ranked]
     row["rule_picks"] = "direct" if small_m_direct(m, n, k) else "atomic"
     return row
 
@@ -234,6 +236,7 @@ def main() -> None:
         if len(measured) < len(projs):
             continue
         step = {s: LAYERS * sum(r.get(f"{s}_us", float("nan")) for r in measured) for s in SIDES}
+        step["fp8_gemm's rule"] = LAYERS * sum(r.get(f"{r['rule_picks']}_us", float("nan")) for r in measured)
         print(f"M{m}: one decode step's {LAYERS} x ({', '.join(projs)}): "
               + ", ".join(f"{s} {v / 1e3:.3f} ms" for s, v in step.items()), flush=True)  # fmt: skip
     if not args.no_check and time.monotonic() - started < args.budget_s:

@@ -98,10 +98,13 @@ def test_direct_and_atomic_agree():
 
 
 def test_dispatch_rule():
-    """Direct for every decode batch up to its row tile, atomic above, for Llama-3-8B's projections."""
-    for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (1000, 96)):
+    """Direct for decode batches up to its row tile where K <= 2 N (Llama-3-8B's qkv, o and gate_up);
+    atomic split-K above that batch and for the long-K down projection (K = 3.5 N), as measured."""
+    for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (1000, 96), (2048, 4096)):
         assert all(small_m_direct(m, n, k) for m in (1, 8, 16, 17, 32, 63, DIRECT_MAX_M))
         assert not any(small_m_direct(m, n, k) for m in (0, DIRECT_MAX_M + 1, SMALL_M))
+    for n, k in ((4096, 14336), (2048, 4112)):
+        assert not any(small_m_direct(m, n, k) for m in (1, 16, 32, DIRECT_MAX_M))
 
 
 def test_small_m_kernel_argument_is_checked():
