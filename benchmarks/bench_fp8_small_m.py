@@ -214,7 +214,8 @@ def main() -> None:
         part, parts = (int(v) for v in args.precompile.split("/"))
         precompile(part, parts, ms)
         return
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; CUDA-graph timing (10 calls per graph, "
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    print(f"{gpu}, torch {torch.__version__}; CUDA-graph timing (10 calls per graph, "
           "median of 15 replays)", flush=True)  # fmt: skip
     print(f"HBM copy bandwidth (eager, read + write): {hbm_copy_gbps() / 1e3:.2f} TB/s", flush=True)
     if not args.no_check:  # every config at each row tile the cases use (16, 32, 64 rows) before timing
