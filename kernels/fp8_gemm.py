@@ -4,11 +4,16 @@
     out = (a_fp8 @ w_fp8^T) * a_scale * w_scale^T, accumulated in float32
 
 Weights keep nn.Linear's [N, K] layout, which is what Hopper's fp8 wgmma wants (both operands
-K-major). Three paths, picked by shape:
+K-major). Four paths, picked by shape:
   * M > SMALL_M on a GPU: tensor-memory-accelerator (TMA) loads through host tensor descriptors,
     grouped tile order for L2 reuse, autotuned tile shapes.
-  * M <= SMALL_M (decode batches; the weight read dominates): pointer loads split along K so that
-    enough programs stream the weight; partial sums land in a float32 buffer with atomic adds.
+  * M <= 64 and K <= 2 N (`small_m_direct`; decode batches, where the weight read dominates): the
+    "direct" kernel. No split along K: narrow column tiles (BLOCK_N 16-128) give enough programs,
+    each streams its [BLOCK_N, K] slice of the weight through a deep load pipeline and writes the
+    output dtype itself. One launch per call (no float32 buffer to zero, no cast kernel).
+  * M <= SMALL_M otherwise (the "atomic" kernel): pointer loads split along K so that enough
+    programs stream the weight; partial sums land in a float32 buffer with atomic adds (a memset,
+    the GEMM and a cast: three launches).
   * Otherwise (and under the interpreter): the same pointer kernel without the split.
 The activation quantizer lives in fp8_quantize.py; weight helpers in quantization.py.
 
@@ -62,7 +67,11 @@ __all__ = [
 ]
 
 SMALL_M = 128
+DIRECT_MAX_M = 64  # the direct kernel's row tile is at most 64 rows: above, the atomic kernel serves
+DIRECT_MAX_K_PER_N = 2  # longer K per output column: split-K wins (see small_m_direct)
+SMALL_M_KERNELS = ("direct", "atomic")
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+PRECISE_K = 128  # precise sums are promoted to float32 every PRECISE_K elements of K (torch._scaled_mm's cadence)
 
 
 _LARGE_M_POINTER_CONFIGS = gemm_configs(
@@ -124,6 +133,132 @@ _fp8_gemm_kernel_even_k = triton.heuristics({"EVEN_K": lambda args: args["K"] % 
 _KEY = ("M_BUCKET", "N", "K", "FAST_ACCUM")
 _fp8_gemm_small_m = autotune(_SMALL_M_CONFIGS, _INTERPRETER_SPLIT_CONFIG, _KEY, _prune_small_m)(_fp8_gemm_kernel_even_k)
 _fp8_gemm_large_m = autotune(_LARGE_M_POINTER_CONFIGS, _INTERPRETER_CONFIG, _KEY)(_fp8_gemm_kernel_even_k)
+
+
+def _direct_config(block_n, block_k, swap_ab, warps, stages) -> triton.Config:
+    """One config of the direct kernel (BLOCK_M is not tuned: it follows M, see `_direct_block_m`)."""
+    return triton.Config(
+        {"BLOCK_N": block_n, "BLOCK_K": block_k, "SWAP_AB": swap_ab, "PROMOTE_K": min(block_k, PRECISE_K)},
+        num_warps=warps, num_stages=stages,
+    )
+
+
+# (BLOCK_N, BLOCK_K, SWAP_AB, warps, stages). Narrow column tiles put >= ~128 programs on the weight
+# of an N = 4096 projection; wide K tiles and deep pipelines keep enough weight bytes in flight per
+# program. SWAP_AB computes out^T = W A^T so the weight tile is the MMA's M side (64 rows: Hopper's
+# wgmma) and the few activation rows its N side, instead of padding the activations to 16+ rows.
+# These are the configs the autotuner picked on an H200 for Llama-3-8B's projections at M = 1 to 64,
+# out of 14 tried (bench_fp8_small_m.py); the other seven never won a shape.
+_DIRECT_CONFIGS = [
+    _direct_config(*c)
+    for c in (
+        (16, 512, False, 4, 4), (32, 128, False, 4, 6), (32, 512, False, 4, 3), (32, 256, True, 4, 4),
+        (64, 128, True, 4, 6), (64, 256, True, 4, 4), (128, 256, True, 8, 3),
+    )
+]
+_INTERPRETER_DIRECT_CONFIG = _direct_config(32, 32, False, 4, 1)
+
+
+def _prune_direct(configs, named_args, **kwargs):
+    """Drop K tiles wider than K itself (they would load mostly masked zeros)."""
+    kept = [c for c in configs if c.kwargs["BLOCK_K"] <= max(named_args["K"], 128)]
+    return kept or configs[:1]
+
+
+def _direct_block_m(m: int) -> int:
+    """The direct kernel's row tile for M rows: a power of two from 16 (tl.dot's minimum) to 64."""
+    return min(max(length_bucket(m), 16), DIRECT_MAX_M)
+
+
+@triton.jit(do_not_specialize=["M", "M_BUCKET"])  # one binary per row tile, not per batch size
+def _fp8_gemm_direct_kernel(
+    a_ptr, w_ptr, c_ptr, a_scale_ptr, w_scale_ptr,
+    M, N, K, stride_am, stride_wn, stride_cm, M_BUCKET,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
+    PROMOTE_K: tl.constexpr, FAST_ACCUM: tl.constexpr, EVEN_K: tl.constexpr,
+):  # fmt: skip
+    """c [M, N] = (a @ w^T) * a_scale * w_scale^T in c's dtype; grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)).
+
+    Each program sums the whole K for one [BLOCK_M, BLOCK_N] tile (row tiles of one column tile are
+    neighbours in launch order, so a weight slice read by several row tiles is still in L2). Columns
+    past N are wrapped for the loads and masked at the store. Activation rows past M are masked at
+    the load as well (not wrapped): a batch of 1 to 15 rows in a 16-row tile reads only its rows
+    from L2, once per program. Precise sums (FAST_ACCUM false) are promoted to float32 every
+    PROMOTE_K elements of K.
+    """
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_a = offs_m.to(tl.int64)
+    in_m = offs_m < M
+    rows_w = tl.max_contiguous(tl.multiple_of(offs_n % N, BLOCK_N), BLOCK_N).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        if SWAP_AB:  # w [BLOCK_N, BLOCK_K] and a^T [BLOCK_K, BLOCK_M], both K-major
+            if EVEN_K:
+                w = tl.load(w_ptr + rows_w[:, None] * stride_wn + k[None, :])
+                a = tl.load(a_ptr + rows_a[None, :] * stride_am + k[:, None], mask=in_m[None, :], other=0.0)
+            else:
+                w = tl.load(w_ptr + rows_w[:, None] * stride_wn + k[None, :], mask=k[None, :] < K, other=0.0)
+                a = tl.load(a_ptr + rows_a[None, :] * stride_am + k[:, None], mask=in_m[None, :] & (k[:, None] < K),
+                            other=0.0)
+            if FAST_ACCUM:
+                acc = tl.dot(w, a, acc)
+            else:
+                acc = tl.dot(w, a, acc, max_num_imprecise_acc=PROMOTE_K)
+        else:  # a [BLOCK_M, BLOCK_K] and w^T [BLOCK_K, BLOCK_N]
+            if EVEN_K:
+                a = tl.load(a_ptr + rows_a[:, None] * stride_am + k[None, :], mask=in_m[:, None], other=0.0)
+                w = tl.load(w_ptr + rows_w[None, :] * stride_wn + k[:, None])
+            else:
+                a = tl.load(a_ptr + rows_a[:, None] * stride_am + k[None, :], mask=in_m[:, None] & (k[None, :] < K),
+                            other=0.0)
+                w = tl.load(w_ptr + rows_w[None, :] * stride_wn + k[:, None], mask=k[:, None] < K, other=0.0)
+            if FAST_ACCUM:
+                acc = tl.dot(a, w, acc)
+            else:
+                acc = tl.dot(a, w, acc, max_num_imprecise_acc=PROMOTE_K)
+    if SWAP_AB:
+        acc = tl.trans(acc)
+    _scale_and_store(acc, c_ptr, a_scale_ptr, w_scale_ptr, offs_m, offs_n, M, N, stride_cm, False)
+
+
+_fp8_gemm_direct_kernel_even_k = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(
+    _fp8_gemm_direct_kernel
+)
+_fp8_gemm_direct = autotune(_DIRECT_CONFIGS, _INTERPRETER_DIRECT_CONFIG, _KEY, _prune_direct)(
+    _fp8_gemm_direct_kernel_even_k
+)
+
+
+def small_m_direct(m: int, n: int, k: int) -> bool:
+    """Whether fp8_gemm runs an [m, k] x [n, k] product (m <= SMALL_M) on the direct kernel (else atomic).
+
+    The rule: m <= DIRECT_MAX_M (the direct kernel's largest row tile) and K <= DIRECT_MAX_K_PER_N * N.
+    Measured on an H200 (benchmarks/bench_fp8_small_m.py, CUDA graphs, Llama-3-8B at M = 1, 8, 16, 32,
+    64): where K <= N (qkv, o, gate_up) the direct kernel takes 0.57 to 1.00x the time of the atomic
+    path; where K = 3.5 N (down: N 4,096, K 14,336) it takes 1.15 to 1.28x, because each of its
+    programs walks the whole long K while split-K spreads it over more programs. Ratios between 1
+    and 3.5 were not measured; the bound sits between.
+    """
+    return 0 < m <= DIRECT_MAX_M and k <= DIRECT_MAX_K_PER_N * n
+
+
+def _launch_direct(kernel, a_fp8, a_scale, w_fp8, w_scale, out, fast_accum: bool, **meta) -> None:
+    """Launch the direct kernel (`kernel`: the autotuned one, or the raw jit kernel with every
+    constexpr in `meta`) writing out [M, N] in its own dtype."""
+    m, k = a_fp8.shape
+    n = w_fp8.shape[0]
+    block_m = _direct_block_m(m)
+    grid = lambda meta_: (triton.cdiv(m, block_m), triton.cdiv(n, meta_["BLOCK_N"]))  # noqa: E731
+    kernel[grid](
+        a_fp8, w_fp8, out, a_scale, w_scale, m, n, k, a_fp8.stride(0), w_fp8.stride(0), out.stride(0),
+        length_bucket(m, cap=1 << 16), BLOCK_M=block_m, FAST_ACCUM=bool(fast_accum), **meta,
+    )  # fmt: skip
 
 
 def _set_tma_blocks(nargs):
@@ -200,6 +335,7 @@ def fp8_gemm(
     out_dtype: torch.dtype = torch.bfloat16,
     use_tma: bool | None = None,
     fast_accum: bool = False,
+    small_m_kernel: str | None = None,
 ) -> torch.Tensor:
     """Scaled e4m3 GEMM: out [M, N] = (a_fp8 * a_scale) @ (w_fp8 * w_scale)^T in out_dtype.
 
@@ -213,13 +349,26 @@ def fp8_gemm(
         fast_accum: keep Hopper's reduced-precision fp8 tensor-core accumulation over the whole K
             (faster, less exact). By default the sums are promoted to float32 every K tile of 128,
             as torch._scaled_mm does by default.
+        small_m_kernel: for M <= SMALL_M, force the "direct" (M <= DIRECT_MAX_M only) or the
+            "atomic" kernel; None picks by `small_m_direct`.
     Returns:
         [M, N] in out_dtype.
+    Raises:
+        ValueError: bad operands, or a small_m_kernel that is unknown or cannot take M.
     """
     m, n, k = _check_inputs(a_fp8, a_scale, w_fp8, w_scale, out_dtype)
+    require(small_m_kernel in (None, *SMALL_M_KERNELS),
+            f"small_m_kernel must be None or one of {SMALL_M_KERNELS}, got {small_m_kernel!r}")
+    require(small_m_kernel != "direct" or m <= DIRECT_MAX_M,
+            f"the direct kernel takes M <= {DIRECT_MAX_M}, got M = {m}")
     if m == 0 or n == 0:
         return torch.empty(m, n, dtype=out_dtype, device=a_fp8.device)
     bucket = length_bucket(m, cap=1 << 16)
+    direct = small_m_direct(m, n, k) if small_m_kernel is None else small_m_kernel == "direct"
+    if m <= SMALL_M and direct:
+        out = torch.empty(m, n, dtype=out_dtype, device=a_fp8.device)
+        _launch_direct(_fp8_gemm_direct, a_fp8, a_scale, w_fp8, w_scale, out, fast_accum)
+        return out
     if m <= SMALL_M:
         acc = torch.empty(m, n, dtype=torch.float32, device=a_fp8.device)  # zeroed by the config pre-hook
         _fp8_gemm_small_m[split_k_grid(m, n)](
