@@ -38,11 +38,20 @@ from sits.kernels.attention_checks import (
     check_query,
     prepare_out,
 )
-from sits.kernels.launch_utils import autotune, cdiv, length_bucket, next_power_of_2, num_sms, require
+from sits.kernels.launch_utils import (
+    autotune,
+    cdiv,
+    is_interpreter,
+    length_bucket,
+    next_power_of_2,
+    num_sms,
+    require,
+)
 from sits.kernels.paged_kv import paged_tile_blocks
 from sits.kernels.reference import paged_decode_attention_reference
 
 __all__ = [
+    "FP8_DECODE_VARIANTS",
     "DecodeSplitPlan",
     "choose_num_splits",
     "paged_decode_attention",
@@ -110,8 +119,51 @@ _VARYING_INTS = ["stride_block_table", "stride_po_seq", "stride_po_head", "strid
 _VARYING_POINTERS = ["block_tables_ptr", "seq_lens_ptr", "k_scale_ptr", "v_scale_ptr"]
 
 
-@autotune(_GPU_CONFIGS, _INTERPRETER_CONFIG, ["HEAD_DIM", "PAGE_SIZE", "BLOCK_G", "FP8_KV", "FP8_F16", "SINGLE_SPLIT",
-           "split_bucket"],
+# Variants of the fp8-cache inner loop: the VARIANT constexpr (bit flags, used with FP8_F16). Each reads
+# the same bytes; they differ in how the tiles reach the tensor cores. "base" stays the default until measured.
+_K_T, _SWAP, _Q8X2 = 1, 2, 4
+FP8_DECODE_VARIANTS = {
+    "base": 0,  # K tile [BLOCK_N, D] converted to f16, transposed in registers; q rows are the dots' M side
+    "k_t": _K_T,  # K loaded as [D, BLOCK_N] through its pointers, so the QK dot needs no tl.trans
+    # Tokens as the dots' M side: S^T = K q^T [BLOCK_N, G] and out^T = V^T P^T [D, G]; from BLOCK_N = 64
+    # on (4 warps) Hopper runs them as wgmma, where q's 4-row group as M (16 rows) can only use mma.sync.
+    "swap": _SWAP,
+    # "swap" with q as two e4m3 terms per head (q ~ (hi + lo) * scale, about 7 mantissa bits): two
+    # fp8 x fp8 wgmma read the K tile from shared memory as stored, no K conversion at all. (With q
+    # rows as M, Triton runs fp8 dots as f16 mma.sync after converting both operands: no gain there.)
+    "swap_q8x2": _SWAP | _Q8X2,
+}
+
+
+@triton.jit
+def _round_to_e4m3(x):
+    """x (float32) rounded to the nearest e4m3 value, ties to even, for |x| <= 448 (float32 result).
+
+    Done in integer arithmetic so the following cast to e4m3 is exact: Triton's interpreter rounds
+    fp32 -> fp8 casts wrongly, the GPU does not. Normal range: 3 mantissa bits; below 2^-6 e4m3's
+    subnormal grid of 2^-9 (nearest, ties away from zero: those values are < 1.6e-5 of the maximum)."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
+    normal = bits.to(tl.float32, bitcast=True)
+    subnormal = tl.where(x < 0, -tl.floor(-x * 512.0 + 0.5), tl.floor(x * 512.0 + 0.5)) * (1.0 / 512.0)
+    return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
+
+
+@triton.jit
+def _quantize_rows_e4m3(q):
+    """q [G, D] float32 -> (hi, lo, row_scale [G]) with q ~ (hi + lo) * row_scale[:, None], hi and lo
+    e4m3: row_scale = max |q_row| / 448 (1 for an all-zero row), hi the e4m3 rounding of the scaled
+    row, lo the e4m3 rounding of what hi leaves (hi + lo keep about 7 mantissa bits of q)."""
+    amax = tl.max(tl.abs(q), 1)
+    row_scale = tl.where(amax > 0.0, amax / 448.0, 1.0)
+    scaled = q / row_scale[:, None]
+    hi = _round_to_e4m3(scaled)
+    lo = _round_to_e4m3(scaled - hi)
+    return hi.to(tl.float8e4nv), lo.to(tl.float8e4nv), row_scale
+
+
+@autotune(_GPU_CONFIGS, _INTERPRETER_CONFIG, ["HEAD_DIM", "PAGE_SIZE", "BLOCK_G", "FP8_KV", "FP8_F16", "VARIANT",
+           "SINGLE_SPLIT", "split_bucket"],
           _prune_configs)
 @triton.jit(do_not_specialize=_VARYING_INTS, do_not_specialize_on_alignment=_VARYING_POINTERS)
 def _decode_split_kernel(
@@ -127,7 +179,8 @@ def _decode_split_kernel(
     stride_pl_seq, stride_pl_head,
     tokens_per_split, group_size, split_bucket,
     HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    SINGLE_SPLIT: tl.constexpr, FP8_KV: tl.constexpr, FP8_F16: tl.constexpr, BLOCK_N: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr, FP8_KV: tl.constexpr, FP8_F16: tl.constexpr, VARIANT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     kv_head = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
@@ -153,29 +206,63 @@ def _decode_split_kernel(
         scale = scale * tl.load(k_scale_ptr + kv_head)
         if FP8_F16:  # every `.to(q.dtype)` below is then the native e4m3 -> f16 conversion
             q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    if VARIANT & 4:  # fp8 QK dots: q's per-row scale joins the softmax scale
+        q_hi, q_lo, q_row_scale = _quantize_rows_e4m3(q.to(tl.float32))
+        row_scale = q_row_scale * scale  # [BLOCK_G]
     block_table_row = block_tables_ptr + seq * stride_block_table
     k_base = k_cache_ptr + kv_head * stride_k_head
     v_base = v_cache_ptr + kv_head * stride_v_head
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
-    for tile_start in range(start, end, BLOCK_N):
-        n = tile_start + offs_n
-        valid = n < end
-        blocks, slots = paged_tile_blocks(block_table_row, tile_start, end, PAGE_SIZE, BLOCK_N, True)
-        k_rows = blocks * stride_k_block + slots * stride_k_slot
-        v_rows = blocks * stride_v_block + slots * stride_v_slot
-        k = tl.load(k_base + k_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-        qk = tl.dot(q, tl.trans(k.to(q.dtype)))
-        qk = tl.where(valid[None, :], qk * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.math.exp2(qk - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + v_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None])
-        m_i = m_new
+    if VARIANT & 2:
+        acc_t = tl.zeros([HEAD_DIM, BLOCK_G], dtype=tl.float32)  # out^T
+        q_t = tl.trans(q)
+        if VARIANT & 4:
+            q_hi_t = tl.trans(q_hi)
+            q_lo_t = tl.trans(q_lo)
+        for tile_start in range(start, end, BLOCK_N):
+            n = tile_start + offs_n
+            valid = n < end
+            blocks, slots = paged_tile_blocks(block_table_row, tile_start, end, PAGE_SIZE, BLOCK_N, True)
+            k_rows = blocks * stride_k_block + slots * stride_k_slot
+            v_rows = blocks * stride_v_block + slots * stride_v_slot
+            k = tl.load(k_base + k_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+            if VARIANT & 4:  # K as stored: fp8 x fp8
+                s_t = tl.dot(k, q_lo_t, tl.dot(k, q_hi_t)) * row_scale[None, :]
+            else:
+                s_t = tl.dot(k.to(q.dtype), q_t) * scale
+            s_t = tl.where(valid[:, None], s_t, float("-inf"))  # [BLOCK_N, BLOCK_G]
+            m_new = tl.maximum(m_i, tl.max(s_t, 0))
+            p_t = tl.math.exp2(s_t - m_new[None, :])
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p_t, 0)
+            v_t = tl.load(v_base + v_rows[None, :] + offs_d[:, None], mask=valid[None, :], other=0.0)
+            acc_t = tl.dot(v_t.to(q.dtype), p_t.to(q.dtype), acc_t * alpha[None, :])
+            m_i = m_new
+        acc = tl.trans(acc_t)
+    else:
+        acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+        for tile_start in range(start, end, BLOCK_N):
+            n = tile_start + offs_n
+            valid = n < end
+            blocks, slots = paged_tile_blocks(block_table_row, tile_start, end, PAGE_SIZE, BLOCK_N, True)
+            k_rows = blocks * stride_k_block + slots * stride_k_slot
+            v_rows = blocks * stride_v_block + slots * stride_v_slot
+            if VARIANT & 1:
+                k_t = tl.load(k_base + k_rows[None, :] + offs_d[:, None], mask=valid[None, :], other=0.0)
+                qk = tl.dot(q, k_t.to(q.dtype)) * scale
+            else:
+                k = tl.load(k_base + k_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+                qk = tl.dot(q, tl.trans(k.to(q.dtype))) * scale
+            qk = tl.where(valid[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            p = tl.math.exp2(qk - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + v_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+            acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None])
+            m_i = m_new
 
     if FP8_KV:
         acc = acc * tl.load(v_scale_ptr + kv_head)
@@ -310,6 +397,25 @@ def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out, k_scale, v_s
     check_fp8_scales(k_cache, k_scale, v_scale)
 
 
+def _split_kernel_meta(fp8: bool, fp8_via_float16: bool, fp8_variant: str,
+                       schedule: tuple[int, int, int] | None) -> dict:
+    """The split kernel's FP8_F16 / VARIANT constexprs, plus BLOCK_N / num_warps / num_stages of a
+    fixed schedule (no autotuning), after checking the caller's choices."""
+    require(fp8_variant in FP8_DECODE_VARIANTS,
+            f"fp8_variant must be one of {sorted(FP8_DECODE_VARIANTS)}, got {fp8_variant!r}")
+    variant = FP8_DECODE_VARIANTS[fp8_variant] if fp8 else 0
+    require(variant == 0 or fp8_via_float16, f"fp8_variant {fp8_variant!r} needs fp8_via_float16=True")
+    meta = {"FP8_F16": fp8 and bool(fp8_via_float16), "VARIANT": variant}
+    if schedule is not None:
+        require(len(schedule) == 3 and all(isinstance(x, int) and x > 0 for x in schedule),
+                f"schedule must be (BLOCK_N, num_warps, num_stages) positive ints, got {schedule!r}")
+        block_n, warps, stages = schedule
+        require(block_n >= 16 and block_n & (block_n - 1) == 0 and block_n <= 256,
+                f"schedule BLOCK_N must be a power of two in 16..256, got {block_n}")
+        meta |= {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
+    return meta
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -323,6 +429,9 @@ def paged_decode_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     fp8_via_float16: bool = True,
+    fp8_variant: str = "base",
+    schedule: tuple[int, int, int] | None = None,
+    compile_only: bool = False,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its paged context.
 
@@ -339,12 +448,21 @@ def paged_decode_attention(
         k_scale, v_scale: [Hkv] float32 dequantization scales of an fp8 cache.
         fp8_via_float16: with an fp8 cache, run the dots in float16 (native e4m3 -> f16
             conversion; q clamped to +-65504) instead of upcasting the tiles to q's dtype.
+        fp8_variant: with an fp8 cache and fp8_via_float16, the inner loop (FP8_DECODE_VARIANTS);
+            ignored for a bf16 / fp16 cache.
+        schedule: (BLOCK_N, num_warps, num_stages) of the split kernel instead of autotuning (for
+            benchmarks and tests; the pipeline keeps about (num_stages - 2) / 2 K/V tiles in flight).
+        compile_only: compile the split kernel for these arguments without launching anything
+            (inside triton's AsyncCompileMode the compile runs in its executor); out is returned
+            unwritten.
     Returns:
         out [B, Hq, D].
     """
     _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out, k_scale, v_scale)
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    meta = _split_kernel_meta(fp8, fp8_via_float16, fp8_variant, schedule)
     if out is None:
         out = torch.empty_like(q)
     if num_seqs == 0:
@@ -360,8 +478,9 @@ def paged_decode_attention(
         partial_out = torch.empty(num_seqs, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         partial_lse = torch.empty(num_seqs, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
     group = num_q_heads // num_kv_heads
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
-    _decode_split_kernel[(num_kv_heads, num_seqs, num_splits)](
+    kernel = _decode_split_kernel if schedule is None else _decode_split_kernel.fn
+    grid = (num_kv_heads, num_seqs, num_splits)
+    args = (
         q, k_cache, v_cache, block_tables, seq_lens,
         out, partial_out, partial_lse, k_scale if fp8 else seq_lens, v_scale if fp8 else seq_lens,
         float(scale) * LOG2_E,
@@ -373,9 +492,14 @@ def paged_decode_attention(
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2) if not single else 0,
         partial_lse.stride(0), partial_lse.stride(1),
         tokens_per_split, group, plan.split_bucket,
-        HEAD_DIM=head_dim, BLOCK_G=max(16, next_power_of_2(group)), PAGE_SIZE=page_size,
-        SINGLE_SPLIT=single, FP8_KV=fp8, FP8_F16=fp8 and bool(fp8_via_float16),
     )  # fmt: skip
+    meta |= {"HEAD_DIM": head_dim, "BLOCK_G": max(16, next_power_of_2(group)), "PAGE_SIZE": page_size,
+             "SINGLE_SPLIT": single, "FP8_KV": fp8}  # fmt: skip
+    if compile_only:
+        if not is_interpreter():  # the interpreter compiles nothing
+            kernel.warmup(*args, grid=grid, **meta)
+        return out
+    kernel[grid](*args, **meta)
     if not single:
         _decode_merge_kernel[(num_seqs, num_q_heads)](
             partial_out, partial_lse, seq_lens, out,

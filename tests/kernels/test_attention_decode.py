@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-from sits.kernels.attention_decode import paged_decode_attention, paged_decode_attention_reference
+from sits.kernels.attention_decode import (
+    FP8_DECODE_VARIANTS,
+    _round_to_e4m3,
+    paged_decode_attention,
+    paged_decode_attention_reference,
+)
 from tests.kernels.helpers import DEVICE, HALF_DTYPES, assert_close, poisoned, randn
 from tests.kernels.paged import random_paged_cache
 
@@ -82,6 +89,52 @@ def test_fp8_cache_with_per_head_scales(dtype, via_float16):
         _check(cache, q, 0.125, dtype, num_splits=splits, fp8_via_float16=via_float16, **scales)
 
 
+@pytest.mark.parametrize("variant", sorted(FP8_DECODE_VARIANTS))
+def test_fp8_variants_match_reference(variant):
+    """Every inner-loop variant, with fixed schedules: tiles of one page gathered page by page (16)
+    and of several pages (64), one split and three, a padding row, bf16 queries."""
+    torch.manual_seed(6)
+    cache, scales = _fp8_cache([50, 200, 0, 1])
+    q = randn(4, 8, 64, dtype=torch.bfloat16)
+    for block_n, splits in ((64, 1), (16, 3)):
+        out = _check(cache, q, 0.125, torch.bfloat16, num_splits=splits, fp8_variant=variant,
+                     schedule=(block_n, 4, 2), **scales)
+        assert out[2].abs().max() == 0
+
+
+def test_fp8_two_term_queries_keep_small_components():
+    """swap_q8x2 splits q into two e4m3 terms under one per-head scale: a head whose elements span
+    five decades (the small ones land in e4m3's subnormal range) and an all-zero head still match."""
+    torch.manual_seed(7)
+    cache, scales = _fp8_cache([90, 33])
+    q = randn(2, 8, 64, dtype=torch.float16)
+    q[0, 1] *= 1e-3
+    q[0, 1, 5] = 80.0
+    q[1, 6] = 0.0
+    _check(cache, q, 0.125, torch.float16, fp8_variant="swap_q8x2", **scales)
+
+
+@triton.jit
+def _round_kernel(x_ptr, out_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(out_ptr + offs, _round_to_e4m3(tl.load(x_ptr + offs)))
+
+
+def test_round_to_e4m3_matches_torch_cast():
+    """The integer rounding behind the two-term queries gives torch's e4m3 values (ties to even)
+    across e4m3's normal range, its exact ties and its subnormal range (off its ties)."""
+    torch.manual_seed(8)
+    normal = torch.randn(512) * 60
+    ties = torch.tensor([1.0625, 1.1875, -3.3125, 300.0, 17.0, 0.5078125])  # halfway between e4m3 neighbours
+    subnormal = torch.linspace(-0.0155, 0.0155, 500)
+    subnormal = subnormal[((subnormal * 512).frac().abs() - 0.5).abs() > 1e-3]
+    x = torch.cat([normal.clamp(-448, 448), ties, subnormal, torch.zeros(1)])
+    x = torch.cat([x, torch.zeros(2048 - x.numel())]).to(DEVICE)
+    out = torch.empty_like(x)
+    _round_kernel[(1,)](x, out, N=x.numel())
+    torch.testing.assert_close(out, x.to(torch.float8_e4m3fn).float(), atol=0, rtol=0)
+
+
 def test_fp8_float16_dots_clamp_queries_beyond_float16_range():
     """A bf16 query past float16's range is clamped to +-65504, not turned into inf / NaN."""
     torch.manual_seed(5)
@@ -101,18 +154,23 @@ def _check_clamped(cache, q, scales):
     return out
 
 
+GPU_KV_PATHS = [(torch.bfloat16, True, "base"), (torch.float8_e4m3fn, True, "base"), (torch.float8_e4m3fn, False, "base")]
+GPU_KV_PATHS += [(torch.float8_e4m3fn, True, v) for v in sorted(FP8_DECODE_VARIANTS) if v != "base"]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("block_size", [16, 64])
-@pytest.mark.parametrize("kv_dtype,via_float16", [(torch.bfloat16, True), (torch.float8_e4m3fn, True),
-                                                   (torch.float8_e4m3fn, False)], ids=["bf16", "fp8", "fp8-upcast"])
-def test_long_contexts_gpu(head_dim, block_size, kv_dtype, via_float16):
+@pytest.mark.parametrize("kv_dtype,via_float16,variant", GPU_KV_PATHS,
+                         ids=["bf16", "fp8", "fp8-upcast", *(f"fp8-{v}" for _, _, v in GPU_KV_PATHS[3:])])
+def test_long_contexts_gpu(head_dim, block_size, kv_dtype, via_float16, variant):
     torch.manual_seed(head_dim + block_size)
     seq_lens = [8191, 1, 2048, 0, 5000, 33]
     cache = random_paged_cache(seq_lens, 8, head_dim, block_size, torch.bfloat16)
     scales = {}
     if kv_dtype == torch.float8_e4m3fn:
-        scales = {"fp8_via_float16": via_float16, "k_scale": torch.full((8,), 0.01, device=DEVICE), "v_scale": torch.full((8,), 0.02, device=DEVICE)}
+        scales = {"fp8_via_float16": via_float16, "fp8_variant": variant,
+                  "k_scale": torch.full((8,), 0.01, device=DEVICE), "v_scale": torch.full((8,), 0.02, device=DEVICE)}
         cache.k_cache = (cache.k_cache.float() / 0.01).clamp(-448, 448).to(torch.float8_e4m3fn)
         cache.v_cache = (cache.v_cache.float() / 0.02).clamp(-448, 448).to(torch.float8_e4m3fn)
     q = randn(len(seq_lens), 32, head_dim, dtype=torch.bfloat16)
@@ -130,3 +188,13 @@ def test_bad_input_raises_value_error():
         paged_decode_attention(q, fp8, fp8, cache.block_tables, cache.seq_lens, 0.1)
     with pytest.raises(ValueError, match="num_splits must be"):
         paged_decode_attention(q, cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens, 0.1, num_splits=0)
+    fp8_cache, scales = _fp8_cache([4])
+    args = (q, fp8_cache.k_cache, fp8_cache.v_cache, fp8_cache.block_tables, fp8_cache.seq_lens, 0.1)
+    with pytest.raises(ValueError, match="fp8_variant must be one of"):
+        paged_decode_attention(*args, fp8_variant="nope", **scales)
+    with pytest.raises(ValueError, match="needs fp8_via_float16=True"):
+        paged_decode_attention(*args, fp8_variant="swap", fp8_via_float16=False, **scales)
+    with pytest.raises(ValueError, match="schedule BLOCK_N must be"):
+        paged_decode_attention(*args, schedule=(48, 4, 2), **scales)
+    with pytest.raises(ValueError, match="schedule must be"):
+        paged_decode_attention(*args, schedule=(64, 4), **scales)
