@@ -121,7 +121,7 @@ _VARYING_POINTERS = ["block_tables_ptr", "seq_lens_ptr", "k_scale_ptr", "v_scale
 
 # Variants of the fp8-cache inner loop: the VARIANT constexpr (bit flags, used with FP8_F16). Each reads
 # the same bytes; they differ in how the tiles reach the tensor cores. "base" stays the default until measured.
-_K_T, _SWAP, _Q8X2 = 1, 2, 4
+_K_T, _SWAP, _Q8X2, _GROUP_ROWS = 1, 2, 4, 8
 FP8_DECODE_VARIANTS = {
     "base": 0,  # K tile [BLOCK_N, D] converted to f16, transposed in registers; q rows are the dots' M side
     "k_t": _K_T,  # K loaded as [D, BLOCK_N] through its pointers, so the QK dot needs no tl.trans
@@ -132,6 +132,11 @@ FP8_DECODE_VARIANTS = {
     # fp8 x fp8 wgmma read the K tile from shared memory as stored, no K conversion at all. (With q
     # rows as M, Triton runs fp8 dots as f16 mma.sync after converting both operands: no gain there.)
     "swap_q8x2": _SWAP | _Q8X2,
+    # BLOCK_G = the GQA group (4 query heads) instead of 16 rows: Triton pads the dots' small side for
+    # the tensor cores itself, so the softmax and the accumulator hold 4 rows, not 16 (smaller
+    # registers, a quarter of the exp2s). Hopper then runs "swap" with mma.sync (wgmma wants 16).
+    "base_g": _GROUP_ROWS,
+    "swap_g": _SWAP | _GROUP_ROWS,
 }
 
 
@@ -493,7 +498,8 @@ def paged_decode_attention(
         partial_lse.stride(0), partial_lse.stride(1),
         tokens_per_split, group, plan.split_bucket,
     )  # fmt: skip
-    meta |= {"HEAD_DIM": head_dim, "BLOCK_G": max(16, next_power_of_2(group)), "PAGE_SIZE": page_size,
+    group_rows = next_power_of_2(group) if meta["VARIANT"] & _GROUP_ROWS else max(16, next_power_of_2(group))
+    meta |= {"HEAD_DIM": head_dim, "BLOCK_G": group_rows, "PAGE_SIZE": page_size,
              "SINGLE_SPLIT": single, "FP8_KV": fp8}  # fmt: skip
     if compile_only:
         if not is_interpreter():  # the interpreter compiles nothing

@@ -102,6 +102,20 @@ def test_fp8_variants_match_reference(variant):
         assert out[2].abs().max() == 0
 
 
+@pytest.mark.parametrize("variant", ["base_g", "swap_g"])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", HEAD_LAYOUTS)
+def test_fp8_group_sized_rows_for_every_group(variant, num_q_heads, num_kv_heads):
+    """The variants whose dots hold exactly the group's query heads (1, 4 and 8 rows here)."""
+    torch.manual_seed(num_q_heads + num_kv_heads)
+    cache = random_paged_cache([77, 20], num_kv_heads, 64, 16, torch.float16)
+    cache.k_cache = (cache.k_cache.float() / 0.04).clamp(-448, 448).to(torch.float8_e4m3fn)
+    cache.v_cache = (cache.v_cache.float() / 0.02).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scales = {"k_scale": torch.full((num_kv_heads,), 0.04, device=DEVICE),
+              "v_scale": torch.full((num_kv_heads,), 0.02, device=DEVICE)}
+    q = randn(2, num_q_heads, 64, dtype=torch.float16)
+    _check(cache, q, 0.125, torch.float16, num_splits=2, fp8_variant=variant, schedule=(32, 4, 2), **scales)
+
+
 def test_fp8_two_term_queries_keep_small_components():
     """swap_q8x2 splits q into two e4m3 terms under one per-head scale: a head whose elements span
     five decades (the small ones land in e4m3's subnormal range) and an all-zero head still match."""
@@ -154,28 +168,42 @@ def _check_clamped(cache, q, scales):
     return out
 
 
-GPU_KV_PATHS = [(torch.bfloat16, True, "base"), (torch.float8_e4m3fn, True, "base"), (torch.float8_e4m3fn, False, "base")]
-GPU_KV_PATHS += [(torch.float8_e4m3fn, True, v) for v in sorted(FP8_DECODE_VARIANTS) if v != "base"]
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("block_size", [16, 64])
-@pytest.mark.parametrize("kv_dtype,via_float16,variant", GPU_KV_PATHS,
-                         ids=["bf16", "fp8", "fp8-upcast", *(f"fp8-{v}" for _, _, v in GPU_KV_PATHS[3:])])
-def test_long_contexts_gpu(head_dim, block_size, kv_dtype, via_float16, variant):
+@pytest.mark.parametrize("kv_dtype,via_float16", [(torch.bfloat16, True), (torch.float8_e4m3fn, True),
+                                                   (torch.float8_e4m3fn, False)], ids=["bf16", "fp8", "fp8-upcast"])
+def test_long_contexts_gpu(head_dim, block_size, kv_dtype, via_float16):
     torch.manual_seed(head_dim + block_size)
     seq_lens = [8191, 1, 2048, 0, 5000, 33]
     cache = random_paged_cache(seq_lens, 8, head_dim, block_size, torch.bfloat16)
     scales = {}
     if kv_dtype == torch.float8_e4m3fn:
-        scales = {"fp8_via_float16": via_float16, "fp8_variant": variant,
-                  "k_scale": torch.full((8,), 0.01, device=DEVICE), "v_scale": torch.full((8,), 0.02, device=DEVICE)}
-        cache.k_cache = (cache.k_cache.float() / 0.01).clamp(-448, 448).to(torch.float8_e4m3fn)
-        cache.v_cache = (cache.v_cache.float() / 0.02).clamp(-448, 448).to(torch.float8_e4m3fn)
+        scales = {"fp8_via_float16": via_float16, **_gpu_fp8(cache)}
     q = randn(len(seq_lens), 32, head_dim, dtype=torch.bfloat16)
     _check(cache, q, head_dim**-0.5, torch.bfloat16, **scales)
     _check(cache, q, head_dim**-0.5, torch.bfloat16, num_splits=1, **scales)
+
+
+def _gpu_fp8(cache):
+    """Quantizes the cache to fp8 in place (scales 0.01 / 0.02); returns the scale kwargs."""
+    cache.k_cache = (cache.k_cache.float() / 0.01).clamp(-448, 448).to(torch.float8_e4m3fn)
+    cache.v_cache = (cache.v_cache.float() / 0.02).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return {"k_scale": torch.full((8,), 0.01, device=DEVICE), "v_scale": torch.full((8,), 0.02, device=DEVICE)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("variant", sorted(set(FP8_DECODE_VARIANTS) - {"base"}))
+def test_fp8_variants_long_contexts_gpu(head_dim, variant):
+    """Each fp8 variant compiled for the GPU (wgmma where it applies) at one deep schedule, and autotuned."""
+    torch.manual_seed(head_dim)
+    seq_lens = [8191, 1, 2048, 0, 5000, 33]
+    cache = random_paged_cache(seq_lens, 8, head_dim, 16, torch.bfloat16)
+    scales = _gpu_fp8(cache)
+    q = randn(len(seq_lens), 32, head_dim, dtype=torch.bfloat16)
+    _check(cache, q, head_dim**-0.5, torch.bfloat16, fp8_variant=variant, schedule=(64, 4, 10), **scales)
+    _check(cache, q, head_dim**-0.5, torch.bfloat16, fp8_variant=variant, num_splits=1, **scales)
 
 
 def test_bad_input_raises_value_error():
