@@ -25,6 +25,7 @@ the autotuned default and the bf16 kernel. Every candidate is compiled ahead in 
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Callable
@@ -203,8 +204,8 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        sched = AUTOTUNED if self.schedule is None else "BLOCK_N {} warps {} stages {}".format(*self.schedule)
-        return f"{self.variant} {sched} splits {self.num_splits or 'auto'}"
+        sched = AUTOTUNED if self.schedule is None else "{}/{}/{}".format(*self.schedule)  # BLOCK_N/warps/stages
+        return f"{self.variant} {sched} s{self.num_splits or 'auto'}"
 
 
 def _candidate_call(c: Candidate, q, caches, tables, seq_lens, out) -> Callable[..., torch.Tensor]:
@@ -228,12 +229,15 @@ def _precompile(calls: list[Callable[..., object]]) -> None:
         from triton.runtime._async_compile import AsyncCompileMode
     except ImportError:  # an older Triton: each candidate compiles on its first launch
         return
-    with ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool, AsyncCompileMode(pool, ignore_errors=True):
-        for call in calls:
-            try:
-                call(0, compile_only=True)
-            except Exception as error:  # noqa: BLE001 - reported again when the candidate runs
-                print(f"  precompile failed: {type(error).__name__}: {str(error)[:200]}", flush=True)
+    try:
+        with ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool, AsyncCompileMode(pool, ignore_errors=True):
+            for call in calls:
+                try:
+                    call(0, compile_only=True)
+                except Exception as error:  # noqa: BLE001 - reported again when the candidate runs
+                    print(f"  precompile failed: {type(error).__name__}: {str(error)[:200]}", flush=True)
+    except Exception as error:  # noqa: BLE001 - the candidates then compile on their first launch
+        print(f"  parallel precompile stopped: {type(error).__name__}: {str(error)[:200]}", flush=True)
 
 
 def _time_candidates(cands, case, q, caches, tables, seq_lens, reference, copy_gbps) -> list[dict]:
@@ -259,8 +263,8 @@ def _time_candidates(cands, case, q, caches, tables, seq_lens, reference, copy_g
         if c.schedule is None and c.variant != "bf16":
             best = getattr(attention_decode._decode_split_kernel, "best_config", None)
             tuned = f" (autotuner chose {best})" if best is not None else ""
-        print(f"B{batch} ctx{context} | {c.label} | {ms:.4f} ms | {gbps:,.0f} GB/s | {gbps / copy_gbps:.3f} of copy "
-              f"| max abs err {error:.2e} rel {rel:.2e}{tuned}", flush=True)
+        print(f"B{batch} ctx{context} {c.label}: {ms:.4f} ms {gbps:,.0f} GB/s ({gbps / copy_gbps:.3f} of copy) "
+              f"err {error:.1e} rel {rel:.1e}{tuned}", flush=True)
         results.append({"case": f"B{batch} ctx{context}", "variant": c.variant, "schedule": c.schedule,
                         "num_splits": c.num_splits, "ms": ms, "gbps": gbps, "of_copy": gbps / copy_gbps,
                         "of_peak": gbps / HBM_PEAK_GBPS, "max_abs_err": error, "rel_err": rel})
@@ -313,20 +317,29 @@ def variants_main(args):
             results += variants_case(case, copy_gbps, results)
         except Exception as exc:  # noqa: BLE001 - keep the other cases' figures
             print(f"case {case} FAILED: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-    rows, notes = [], [f"HBM copy bandwidth in this run: {copy_gbps:,.0f} GB/s"]
+    print(f"\n### Summary (GB/s of fp8 bytes read, share of the {copy_gbps:,.0f} GB/s copy; max abs err vs "
+          "float32 reference)", flush=True)
+    rows = []
     for case in dict.fromkeys(r["case"] for r in results):
         mine = [r for r in results if r["case"] == case]
+        for variant in ("base", "bf16"):
+            tuned = next((r for r in mine if r["variant"] == variant and r["schedule"] is None), None)
+            if tuned:
+                print(f"{case} {variant} autotuned: {tuned['ms']:.4f} ms {tuned['gbps']:,.0f} ({tuned['of_copy']:.3f})")
         default = next((r for r in mine if r["variant"] == "base" and r["schedule"] is None), None)
-        for variant, (best,) in _best_per_variant(mine).items():
+        for variant, tops in _best_per_variant(mine, 3).items():
+            print(f"{case} {variant}: " + " | ".join(
+                "{}/{}/{}".format(*r["schedule"]) + f" s{r['num_splits'] or 'auto'} {r['ms']:.4f} ms {r['gbps']:,.0f} "
+                f"({r['of_copy']:.3f}) err {r['max_abs_err']:.1e}" for r in tops))
+            best, peer = tops[0], default or tops[0]
             extra = {k: best[k] for k in ("schedule", "num_splits", "of_copy", "of_peak", "max_abs_err", "rel_err")}
-            peer = default or best
             rows.append(Measurement(f"{case} {variant}", "GB/s", best["gbps"], peer["gbps"], "fp8 base autotuned",
                                     best["ms"], peer["ms"], extra))
-            notes.append(f"{case} {variant}: best {best['schedule']} splits {best['num_splits'] or 'auto'}, "
-                         f"{best['gbps']:,.0f} GB/s = {best['of_copy']:.3f} of copy, max abs err "
-                         f"{best['max_abs_err']:.2e} (rel {best['rel_err']:.2e})")
     report("fp8 decode attention variants, 32 q / 8 kv heads, head_dim 128 (GB/s of fp8 bytes read)", rows,
-           args.json, notes)
+           args.json, [f"HBM copy bandwidth in this run: {copy_gbps:,.0f} GB/s"])
+    if args.json:
+        with open(os.path.splitext(args.json)[0] + "_candidates.json", "w") as f:
+            json.dump({"copy_gbps": copy_gbps, "candidates": results}, f, indent=1)
 
 
 def main():
