@@ -121,7 +121,7 @@ _VARYING_POINTERS = ["block_tables_ptr", "seq_lens_ptr", "k_scale_ptr", "v_scale
 
 # Variants of the fp8-cache inner loop: the VARIANT constexpr (bit flags, used with FP8_F16). Each reads
 # the same bytes; they differ in how the tiles reach the tensor cores. "base" stays the default until measured.
-_K_T, _SWAP, _Q8X2, _GROUP_ROWS = 1, 2, 4, 8
+_K_T, _SWAP, _Q8X2, _GROUP_ROWS, _FULL_TILES = 1, 2, 4, 8, 16
 FP8_DECODE_VARIANTS = {
     "base": 0,  # K tile [BLOCK_N, D] converted to f16, transposed in registers; q rows are the dots' M side
     "k_t": _K_T,  # K loaded as [D, BLOCK_N] through its pointers, so the QK dot needs no tl.trans
@@ -137,6 +137,12 @@ FP8_DECODE_VARIANTS = {
     # registers, a quarter of the exp2s). Hopper then runs "swap" with mma.sync (wgmma wants 16).
     "base_g": _GROUP_ROWS,
     "swap_g": _SWAP | _GROUP_ROWS,
+    # The tiles wholly inside the split without masks (no per-token compare / select, unpredicated
+    # copies), the one partial tile after them with masks.
+    "base_f": _FULL_TILES,
+    "base_g_f": _GROUP_ROWS | _FULL_TILES,
+    "swap_g_f": _SWAP | _GROUP_ROWS | _FULL_TILES,
+    "swap_q8x2_f": _SWAP | _Q8X2 | _FULL_TILES,
 }
 
 
@@ -165,6 +171,81 @@ def _quantize_rows_e4m3(q):
     hi = _round_to_e4m3(scaled)
     lo = _round_to_e4m3(scaled - hi)
     return hi.to(tl.float8e4nv), lo.to(tl.float8e4nv), row_scale
+
+
+@triton.jit
+def _rows_tile(acc, m_i, l_i, q, scale, tile_start, end, block_table_row, k_base, v_base,
+               stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
+               HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, K_T: tl.constexpr,
+               MASKED: tl.constexpr):  # fmt: skip
+    """One online-softmax step over tokens tile_start .. + BLOCK_N with the query heads as the dots'
+    rows: acc [G, D], m_i / l_i [G] (log2 domain) in, updated out. MASKED: tokens past `end` excluded
+    (else the whole tile must lie before `end`). K_T: K loaded as [D, BLOCK_N]."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    valid = tile_start + offs_n < end
+    blocks, slots = paged_tile_blocks(block_table_row, tile_start, end, PAGE_SIZE, BLOCK_N, MASKED)
+    k_rows = blocks * stride_k_block + slots * stride_k_slot
+    v_rows = blocks * stride_v_block + slots * stride_v_slot
+    if K_T:
+        if MASKED:
+            k_t = tl.load(k_base + k_rows[None, :] + offs_d[:, None], mask=valid[None, :], other=0.0)
+        else:
+            k_t = tl.load(k_base + k_rows[None, :] + offs_d[:, None])
+        qk = tl.dot(q, k_t.to(q.dtype)) * scale
+    else:
+        if MASKED:
+            k = tl.load(k_base + k_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+        else:
+            k = tl.load(k_base + k_rows[:, None] + offs_d[None, :])
+        qk = tl.dot(q, tl.trans(k.to(q.dtype))) * scale
+    if MASKED:
+        qk = tl.where(valid[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.math.exp2(qk - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if MASKED:
+        v = tl.load(v_base + v_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+    else:
+        v = tl.load(v_base + v_rows[:, None] + offs_d[None, :])
+    acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None])
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _swap_tile(acc_t, m_i, l_i, q_t, q_hi_t, q_lo_t, scale, tile_start, end, block_table_row, k_base, v_base,
+               stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
+               HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, Q8X2: tl.constexpr,
+               MASKED: tl.constexpr):  # fmt: skip
+    """_rows_tile with the tokens as the dots' rows: S^T = K q^T [BLOCK_N, G], acc_t = out^T [D, G].
+    Q8X2: S^T = K (q_hi + q_lo)^T as two fp8 dots, scale [G] per query head (else a scalar)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    valid = tile_start + offs_n < end
+    blocks, slots = paged_tile_blocks(block_table_row, tile_start, end, PAGE_SIZE, BLOCK_N, MASKED)
+    k_rows = blocks * stride_k_block + slots * stride_k_slot
+    v_rows = blocks * stride_v_block + slots * stride_v_slot
+    if MASKED:
+        k = tl.load(k_base + k_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+    else:
+        k = tl.load(k_base + k_rows[:, None] + offs_d[None, :])
+    if Q8X2:  # K as stored: fp8 x fp8
+        s_t = tl.dot(k, q_lo_t, tl.dot(k, q_hi_t)) * scale[None, :]
+    else:
+        s_t = tl.dot(k.to(q_t.dtype), q_t) * scale
+    if MASKED:
+        s_t = tl.where(valid[:, None], s_t, float("-inf"))  # [BLOCK_N, G]
+    m_new = tl.maximum(m_i, tl.max(s_t, 0))
+    p_t = tl.math.exp2(s_t - m_new[None, :])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p_t, 0)
+    if MASKED:
+        v_t = tl.load(v_base + v_rows[None, :] + offs_d[:, None], mask=valid[None, :], other=0.0)
+    else:
+        v_t = tl.load(v_base + v_rows[None, :] + offs_d[:, None])
+    acc_t = tl.dot(v_t.to(q_t.dtype), p_t.to(q_t.dtype), acc_t * alpha[None, :])
+    return acc_t, m_new, l_i
 
 
 @autotune(_GPU_CONFIGS, _INTERPRETER_CONFIG, ["HEAD_DIM", "PAGE_SIZE", "BLOCK_G", "FP8_KV", "FP8_F16", "VARIANT",
@@ -198,7 +279,6 @@ def _decode_split_kernel(
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, HEAD_DIM)
-    offs_n = tl.arange(0, BLOCK_N)
     q_heads = kv_head * group_size + offs_g
     head_valid = offs_g < group_size
     q = tl.load(
@@ -220,54 +300,41 @@ def _decode_split_kernel(
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    # With FULL_TILES the tiles wholly inside [start, end) run without masks, the last partial one after.
+    full_end = start + (end - start) // BLOCK_N * BLOCK_N if VARIANT & 16 else start
     if VARIANT & 2:
         acc_t = tl.zeros([HEAD_DIM, BLOCK_G], dtype=tl.float32)  # out^T
         q_t = tl.trans(q)
+        q_hi_t, q_lo_t, row_scale_q = q_t, q_t, scale
         if VARIANT & 4:
-            q_hi_t = tl.trans(q_hi)
-            q_lo_t = tl.trans(q_lo)
-        for tile_start in range(start, end, BLOCK_N):
-            n = tile_start + offs_n
-            valid = n < end
-            blocks, slots = paged_tile_blocks(block_table_row, tile_start, end, PAGE_SIZE, BLOCK_N, True)
-            k_rows = blocks * stride_k_block + slots * stride_k_slot
-            v_rows = blocks * stride_v_block + slots * stride_v_slot
-            k = tl.load(k_base + k_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-            if VARIANT & 4:  # K as stored: fp8 x fp8
-                s_t = tl.dot(k, q_lo_t, tl.dot(k, q_hi_t)) * row_scale[None, :]
-            else:
-                s_t = tl.dot(k.to(q.dtype), q_t) * scale
-            s_t = tl.where(valid[:, None], s_t, float("-inf"))  # [BLOCK_N, BLOCK_G]
-            m_new = tl.maximum(m_i, tl.max(s_t, 0))
-            p_t = tl.math.exp2(s_t - m_new[None, :])
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p_t, 0)
-            v_t = tl.load(v_base + v_rows[None, :] + offs_d[:, None], mask=valid[None, :], other=0.0)
-            acc_t = tl.dot(v_t.to(q.dtype), p_t.to(q.dtype), acc_t * alpha[None, :])
-            m_i = m_new
+            q_hi_t, q_lo_t, row_scale_q = tl.trans(q_hi), tl.trans(q_lo), row_scale
+        for tile_start in range(start, full_end, BLOCK_N):
+            acc_t, m_i, l_i = _swap_tile(
+                acc_t, m_i, l_i, q_t, q_hi_t, q_lo_t, row_scale_q, tile_start, end, block_table_row, k_base, v_base,
+                stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
+                HEAD_DIM, PAGE_SIZE, BLOCK_N, VARIANT & 4, False,
+            )  # fmt: skip
+        for tile_start in range(full_end, end, BLOCK_N):
+            acc_t, m_i, l_i = _swap_tile(
+                acc_t, m_i, l_i, q_t, q_hi_t, q_lo_t, row_scale_q, tile_start, end, block_table_row, k_base, v_base,
+                stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
+                HEAD_DIM, PAGE_SIZE, BLOCK_N, VARIANT & 4, True,
+            )  # fmt: skip
         acc = tl.trans(acc_t)
     else:
         acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
-        for tile_start in range(start, end, BLOCK_N):
-            n = tile_start + offs_n
-            valid = n < end
-            blocks, slots = paged_tile_blocks(block_table_row, tile_start, end, PAGE_SIZE, BLOCK_N, True)
-            k_rows = blocks * stride_k_block + slots * stride_k_slot
-            v_rows = blocks * stride_v_block + slots * stride_v_slot
-            if VARIANT & 1:
-                k_t = tl.load(k_base + k_rows[None, :] + offs_d[:, None], mask=valid[None, :], other=0.0)
-                qk = tl.dot(q, k_t.to(q.dtype)) * scale
-            else:
-                k = tl.load(k_base + k_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-                qk = tl.dot(q, tl.trans(k.to(q.dtype))) * scale
-            qk = tl.where(valid[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            p = tl.math.exp2(qk - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_base + v_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-            acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None])
-            m_i = m_new
+        for tile_start in range(start, full_end, BLOCK_N):
+            acc, m_i, l_i = _rows_tile(
+                acc, m_i, l_i, q, scale, tile_start, end, block_table_row, k_base, v_base,
+                stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
+                HEAD_DIM, PAGE_SIZE, BLOCK_N, VARIANT & 1, False,
+            )  # fmt: skip
+        for tile_start in range(full_end, end, BLOCK_N):
+            acc, m_i, l_i = _rows_tile(
+                acc, m_i, l_i, q, scale, tile_start, end, block_table_row, k_base, v_base,
+                stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
+                HEAD_DIM, PAGE_SIZE, BLOCK_N, VARIANT & 1, True,
+            )  # fmt: skip
 
     if FP8_KV:
         acc = acc * tl.load(v_scale_ptr + kv_head)

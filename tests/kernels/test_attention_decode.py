@@ -94,15 +94,15 @@ def test_fp8_variants_match_reference(variant):
     """Every inner-loop variant, with fixed schedules: tiles of one page gathered page by page (16)
     and of several pages (64), one split and three, a padding row, bf16 queries."""
     torch.manual_seed(6)
-    cache, scales = _fp8_cache([50, 200, 0, 1])
-    q = randn(4, 8, 64, dtype=torch.bfloat16)
+    cache, scales = _fp8_cache([50, 200, 0, 1, 128])  # partial tiles only, full tiles and a tail, none, exact
+    q = randn(5, 8, 64, dtype=torch.bfloat16)
     for block_n, splits in ((64, 1), (16, 3)):
         out = _check(cache, q, 0.125, torch.bfloat16, num_splits=splits, fp8_variant=variant,
                      schedule=(block_n, 4, 2), **scales)
         assert out[2].abs().max() == 0
 
 
-@pytest.mark.parametrize("variant", ["base_g", "swap_g"])
+@pytest.mark.parametrize("variant", ["base_g", "swap_g", "swap_g_f"])
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", HEAD_LAYOUTS)
 def test_fp8_group_sized_rows_for_every_group(variant, num_q_heads, num_kv_heads):
     """The variants whose dots hold exactly the group's query heads (1, 4 and 8 rows here)."""
@@ -196,14 +196,15 @@ def _gpu_fp8(cache):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("variant", sorted(set(FP8_DECODE_VARIANTS) - {"base"}))
 def test_fp8_variants_long_contexts_gpu(head_dim, variant):
-    """Each fp8 variant compiled for the GPU (wgmma where it applies) at one deep schedule, and autotuned."""
+    """Each fp8 variant compiled for the GPU (wgmma where it applies) at one deep schedule, split and not."""
     torch.manual_seed(head_dim)
     seq_lens = [8191, 1, 2048, 0, 5000, 33]
     cache = random_paged_cache(seq_lens, 8, head_dim, 16, torch.bfloat16)
     scales = _gpu_fp8(cache)
     q = randn(len(seq_lens), 32, head_dim, dtype=torch.bfloat16)
-    _check(cache, q, head_dim**-0.5, torch.bfloat16, fp8_variant=variant, schedule=(64, 4, 10), **scales)
-    _check(cache, q, head_dim**-0.5, torch.bfloat16, fp8_variant=variant, num_splits=1, **scales)
+    for splits in (None, 1):
+        _check(cache, q, head_dim**-0.5, torch.bfloat16, fp8_variant=variant, schedule=(64, 4, 10),
+               num_splits=splits, **scales)
 
 
 def test_bad_input_raises_value_error():
