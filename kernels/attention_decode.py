@@ -51,6 +51,7 @@ from sits.kernels.paged_kv import paged_tile_blocks
 from sits.kernels.reference import paged_decode_attention_reference
 
 __all__ = [
+    "DEFAULT_FP8_VARIANT",
     "FP8_DECODE_VARIANTS",
     "DecodeSplitPlan",
     "choose_num_splits",
@@ -144,6 +145,7 @@ FP8_DECODE_VARIANTS = {
     "swap_g_f": _SWAP | _GROUP_ROWS | _FULL_TILES,
     "swap_q8x2_f": _SWAP | _Q8X2 | _FULL_TILES,
 }
+DEFAULT_FP8_VARIANT = "base"  # what paged_decode_attention runs over an fp8 cache unless told otherwise
 
 
 @triton.jit
@@ -476,7 +478,9 @@ def _split_kernel_meta(fp8: bool, fp8_via_float16: bool, fp8_variant: str,
     require(fp8_variant in FP8_DECODE_VARIANTS,
             f"fp8_variant must be one of {sorted(FP8_DECODE_VARIANTS)}, got {fp8_variant!r}")
     variant = FP8_DECODE_VARIANTS[fp8_variant] if fp8 else 0
-    require(variant == 0 or fp8_via_float16, f"fp8_variant {fp8_variant!r} needs fp8_via_float16=True")
+    if not fp8_via_float16:  # the first implementation has one loop: the tiles upcast to q's dtype
+        require(fp8_variant in ("base", DEFAULT_FP8_VARIANT), f"fp8_variant {fp8_variant!r} needs fp8_via_float16=True")
+        variant = 0
     meta = {"FP8_F16": fp8 and bool(fp8_via_float16), "VARIANT": variant}
     if schedule is not None:
         require(len(schedule) == 3 and all(isinstance(x, int) and x > 0 for x in schedule),
@@ -501,7 +505,7 @@ def paged_decode_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     fp8_via_float16: bool = True,
-    fp8_variant: str = "base",
+    fp8_variant: str = DEFAULT_FP8_VARIANT,
     schedule: tuple[int, int, int] | None = None,
     compile_only: bool = False,
 ) -> torch.Tensor:
@@ -520,8 +524,8 @@ def paged_decode_attention(
         k_scale, v_scale: [Hkv] float32 dequantization scales of an fp8 cache.
         fp8_via_float16: with an fp8 cache, run the dots in float16 (native e4m3 -> f16
             conversion; q clamped to +-65504) instead of upcasting the tiles to q's dtype.
-        fp8_variant: with an fp8 cache and fp8_via_float16, the inner loop (FP8_DECODE_VARIANTS);
-            ignored for a bf16 / fp16 cache.
+        fp8_variant: with an fp8 cache and fp8_via_float16, the inner loop (a key of
+            FP8_DECODE_VARIANTS, DEFAULT_FP8_VARIANT by default); ignored for a bf16 / fp16 cache.
         schedule: (BLOCK_N, num_warps, num_stages) of the split kernel instead of autotuning (for
             benchmarks and tests; the pipeline keeps about (num_stages - 2) / 2 K/V tiles in flight).
         compile_only: compile the split kernel for these arguments without launching anything
