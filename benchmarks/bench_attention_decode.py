@@ -172,7 +172,7 @@ def fp8_main(args):
            args.json, notes)
 
 
-# --fp8 --variants: (batch, context) cases, and the fixed schedules (BLOCK_N, num_warps, num_stages) each
+# --fp8 --variants: (batch, context) cases, and the fixed schedules (BLOCK_N, num_warps, num_stages[, maxnreg]) each
 # variant is timed with. Triton's pipeliner keeps about (num_stages - 2) / 2 K/V tiles in flight here (the
 # block-table read takes the other stages), so the deep pipelines need 10 stages and more. "swap" needs
 # BLOCK_N >= 64 at 4 warps (128 at 8) for wgmma.
@@ -191,7 +191,7 @@ VARIANT_SCHEDULES = {
     "base_f": _DEEP,
     "base_g_f": _DEEP,
     "swap_g_f": [(32, 2, 10), (32, 4, 10), (32, 4, 14), (64, 4, 8), (64, 4, 10), (64, 4, 12), (128, 4, 8),
-                 (128, 8, 10)],
+                 (128, 8, 10), (64, 4, 10, 128), (64, 4, 12, 128)],  # a 4th number: maxnreg
     "swap_q8x2_f": _WGMMA,
 }
 REFERENCE_SEQS = 4  # sequences checked against the float32 reference per case
@@ -204,12 +204,12 @@ class Candidate:
     (None: the launcher's choice); variant "bf16" is the bf16-cache kernel."""
 
     variant: str
-    schedule: tuple[int, int, int] | None = None
+    schedule: tuple[int, ...] | None = None
     num_splits: int | None = None
 
     @property
     def label(self) -> str:
-        sched = AUTOTUNED if self.schedule is None else "{}/{}/{}".format(*self.schedule)  # BLOCK_N/warps/stages
+        sched = AUTOTUNED if self.schedule is None else "/".join(map(str, self.schedule))  # BLOCK_N/warps/stages
         return f"{self.variant} {sched} s{self.num_splits or 'auto'}"
 
 
@@ -334,7 +334,7 @@ def variants_main(args):
         default = next((r for r in mine if r["variant"] == "base" and r["schedule"] is None), None)
         for variant, tops in _best_per_variant(mine, 2).items():
             print(f"{case} {variant}: " + " | ".join(
-                "{}/{}/{}".format(*r["schedule"]) + f" s{r['num_splits'] or '-'} {r['ms']:.4f} ms {r['gbps']:,.0f} "
+                "/".join(map(str, r["schedule"])) + f" s{r['num_splits'] or '-'} {r['ms']:.4f} ms {r['gbps']:,.0f} "
                 f"{r['of_copy']:.3f} e{r['max_abs_err']:.1e}" for r in tops))
             best, peer = tops[0], default or tops[0]
             extra = {k: best[k] for k in ("schedule", "num_splits", "of_copy", "of_peak", "max_abs_err", "rel_err")}

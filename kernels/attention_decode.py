@@ -472,7 +472,7 @@ def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out, k_scale, v_s
 
 
 def _split_kernel_meta(fp8: bool, fp8_via_float16: bool, fp8_variant: str,
-                       schedule: tuple[int, int, int] | None) -> dict:
+                       schedule: tuple[int, ...] | None) -> dict:
     """The split kernel's FP8_F16 / VARIANT constexprs, plus BLOCK_N / num_warps / num_stages of a
     fixed schedule (no autotuning), after checking the caller's choices."""
     require(fp8_variant in FP8_DECODE_VARIANTS,
@@ -483,12 +483,14 @@ def _split_kernel_meta(fp8: bool, fp8_via_float16: bool, fp8_variant: str,
         variant = 0
     meta = {"FP8_F16": fp8 and bool(fp8_via_float16), "VARIANT": variant}
     if schedule is not None:
-        require(len(schedule) == 3 and all(isinstance(x, int) and x > 0 for x in schedule),
-                f"schedule must be (BLOCK_N, num_warps, num_stages) positive ints, got {schedule!r}")
-        block_n, warps, stages = schedule
+        require(len(schedule) in (3, 4) and all(isinstance(x, int) and x > 0 for x in schedule),
+                f"schedule must be (BLOCK_N, num_warps, num_stages[, maxnreg]) positive ints, got {schedule!r}")
+        block_n, warps, stages = schedule[:3]
         require(block_n >= 16 and block_n & (block_n - 1) == 0 and block_n <= 256,
                 f"schedule BLOCK_N must be a power of two in 16..256, got {block_n}")
         meta |= {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
+        if len(schedule) == 4:
+            meta["maxnreg"] = schedule[3]  # registers per thread at most: more programs per multiprocessor
     return meta
 
 
@@ -506,7 +508,7 @@ def paged_decode_attention(
     v_scale: torch.Tensor | None = None,
     fp8_via_float16: bool = True,
     fp8_variant: str = DEFAULT_FP8_VARIANT,
-    schedule: tuple[int, int, int] | None = None,
+    schedule: tuple[int, ...] | None = None,
     compile_only: bool = False,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its paged context.
@@ -526,8 +528,9 @@ def paged_decode_attention(
             conversion; q clamped to +-65504) instead of upcasting the tiles to q's dtype.
         fp8_variant: with an fp8 cache and fp8_via_float16, the inner loop (a key of
             FP8_DECODE_VARIANTS, DEFAULT_FP8_VARIANT by default); ignored for a bf16 / fp16 cache.
-        schedule: (BLOCK_N, num_warps, num_stages) of the split kernel instead of autotuning (for
-            benchmarks and tests; the pipeline keeps about (num_stages - 2) / 2 K/V tiles in flight).
+        schedule: (BLOCK_N, num_warps, num_stages[, maxnreg]) of the split kernel instead of
+            autotuning (for benchmarks and tests; the pipeline keeps about (num_stages - 2) / 2 K/V
+            tiles in flight; maxnreg caps the registers per thread).
         compile_only: compile the split kernel for these arguments without launching anything
             (inside triton's AsyncCompileMode the compile runs in its executor); out is returned
             unwritten.

@@ -113,7 +113,7 @@ def test_fp8_group_sized_rows_for_every_group(variant, num_q_heads, num_kv_heads
     scales = {"k_scale": torch.full((num_kv_heads,), 0.04, device=DEVICE),
               "v_scale": torch.full((num_kv_heads,), 0.02, device=DEVICE)}
     q = randn(2, num_q_heads, 64, dtype=torch.float16)
-    _check(cache, q, 0.125, torch.float16, num_splits=2, fp8_variant=variant, schedule=(32, 4, 2), **scales)
+    _check(cache, q, 0.125, torch.float16, num_splits=2, fp8_variant=variant, schedule=(32, 4, 2, 128), **scales)
 
 
 def test_fp8_two_term_queries_keep_small_components():
