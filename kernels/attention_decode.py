@@ -68,8 +68,8 @@ MAX_SPLITS = 64
 MAX_GRID_Y = 65535  # CUDA's limit on the grid's second dimension (sequences)
 
 
-def _config(block_n, warps, stages):
-    return triton.Config({"BLOCK_N": block_n}, num_warps=warps, num_stages=stages)
+def _config(block_n, warps, stages, maxnreg=None):
+    return triton.Config({"BLOCK_N": block_n}, num_warps=warps, num_stages=stages, maxnreg=maxnreg)
 
 
 # Paged loads spend pipeline stages on the block-table read, so deep pipelines keep enough K/V bytes
@@ -87,12 +87,15 @@ _BF16_CONFIGS = [
 # An fp8 token row of one head is 128 bytes at head_dim 128, half of bf16's, so fp8 tiles keep
 # fewer bytes in flight per stage: its configs lean to larger tiles and deeper pipelines. Few of
 # them, so a first launch (or the benchmark) autotunes quickly. BLOCK_N stays <= SPLIT_GRANULE.
-_FP8_SCHEDULE_LIST = ((32, 4, 8), (64, 4, 6), (64, 4, 8), (128, 4, 6), (128, 8, 6))  # (BLOCK_N, warps, stages)
+# (BLOCK_N, warps, stages[, maxnreg])
+_FP8_SCHEDULE_LIST: tuple[tuple[int, ...], ...] = ((32, 4, 8), (64, 4, 6), (64, 4, 8), (128, 4, 6), (128, 8, 6))
 _FP8_CONFIGS = [_config(*schedule) for schedule in _FP8_SCHEDULE_LIST]
 
 
 def _schedule(config):
-    return config.kwargs["BLOCK_N"], config.num_warps, config.num_stages
+    """(BLOCK_N, warps, stages), with maxnreg after them where the config caps registers."""
+    schedule = (config.kwargs["BLOCK_N"], config.num_warps, config.num_stages)
+    return schedule + (config.maxnreg,) if config.maxnreg else schedule
 
 
 _BF16_SCHEDULES = {_schedule(c) for c in _BF16_CONFIGS}
