@@ -193,6 +193,7 @@ VARIANT_SCHEDULES = {
     "swap_g_f": [(32, 2, 10), (32, 4, 10), (32, 4, 14), (64, 4, 8), (64, 4, 10), (64, 4, 12), (128, 4, 8),
                  (128, 8, 10), (64, 4, 10, 128), (64, 4, 12, 128)],  # a 4th number: maxnreg
     "swap_q8x2_f": _WGMMA,
+    "swap_q8x2_p_f": _WGMMA + [(64, 4, 8, 128), (64, 4, 10, 128)],
 }
 REFERENCE_SEQS = 4  # sequences checked against the float32 reference per case
 AUTOTUNED = "autotuned"

@@ -125,7 +125,7 @@ _VARYING_POINTERS = ["block_tables_ptr", "seq_lens_ptr", "k_scale_ptr", "v_scale
 
 # Variants of the fp8-cache inner loop: the VARIANT constexpr (bit flags, used with FP8_F16). Each reads
 # the same bytes; they differ in how the tiles reach the tensor cores. "base" stays the default until measured.
-_K_T, _SWAP, _Q8X2, _GROUP_ROWS, _FULL_TILES = 1, 2, 4, 8, 16
+_K_T, _SWAP, _Q8X2, _GROUP_ROWS, _FULL_TILES, _PACKED = 1, 2, 4, 8, 16, 32
 FP8_DECODE_VARIANTS = {
     "base": 0,  # K tile [BLOCK_N, D] converted to f16, transposed in registers; q rows are the dots' M side
     "k_t": _K_T,  # K loaded as [D, BLOCK_N] through its pointers, so the QK dot needs no tl.trans
@@ -147,6 +147,10 @@ FP8_DECODE_VARIANTS = {
     "base_g_f": _GROUP_ROWS | _FULL_TILES,
     "swap_g_f": _SWAP | _GROUP_ROWS | _FULL_TILES,
     "swap_q8x2_f": _SWAP | _Q8X2 | _FULL_TILES,
+    # "swap_q8x2_f" with hi and lo as the two halves of one fp8 dot's N side (the group padded to 8,
+    # hi in columns 0-7, lo in 8-15): one wgmma per K step, hi + lo summed inside each thread, and
+    # the softmax over 8 columns instead of 16.
+    "swap_q8x2_p_f": _SWAP | _Q8X2 | _FULL_TILES | _PACKED,
 }
 DEFAULT_FP8_VARIANT = "base"  # what paged_decode_attention runs over an fp8 cache unless told otherwise
 
@@ -221,10 +225,11 @@ def _rows_tile(acc, m_i, l_i, q, scale, tile_start, end, block_table_row, k_base
 @triton.jit
 def _swap_tile(acc_t, m_i, l_i, q_t, q_hi_t, q_lo_t, scale, tile_start, end, block_table_row, k_base, v_base,
                stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
-               HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, Q8X2: tl.constexpr,
-               MASKED: tl.constexpr):  # fmt: skip
+               HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
+               Q8X2: tl.constexpr, PACKED: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
     """_rows_tile with the tokens as the dots' rows: S^T = K q^T [BLOCK_N, G], acc_t = out^T [D, G].
-    Q8X2: S^T = K (q_hi + q_lo)^T as two fp8 dots, scale [G] per query head (else a scalar)."""
+    Q8X2: S^T = K (q_hi + q_lo)^T as two fp8 dots, scale [G] per query head (else a scalar).
+    PACKED (with Q8X2): one fp8 dot against q_hi_t = [D, 2G] (hi's columns, then lo's), halves summed."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     valid = tile_start + offs_n < end
@@ -235,7 +240,10 @@ def _swap_tile(acc_t, m_i, l_i, q_t, q_hi_t, q_lo_t, scale, tile_start, end, blo
         k = tl.load(k_base + k_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
     else:
         k = tl.load(k_base + k_rows[:, None] + offs_d[None, :])
-    if Q8X2:  # K as stored: fp8 x fp8
+    if PACKED:  # K as stored: fp8 x fp8; column j * G + h -> [BLOCK_N, G, 2], summed over j
+        s_hi, s_lo = tl.split(tl.permute(tl.reshape(tl.dot(k, q_hi_t), [BLOCK_N, 2, BLOCK_G]), (0, 2, 1)))
+        s_t = (s_hi + s_lo) * scale[None, :]
+    elif Q8X2:  # K as stored: fp8 x fp8
         s_t = tl.dot(k, q_lo_t, tl.dot(k, q_hi_t)) * scale[None, :]
     else:
         s_t = tl.dot(k.to(q_t.dtype), q_t) * scale
@@ -313,17 +321,19 @@ def _decode_split_kernel(
         q_hi_t, q_lo_t, row_scale_q = q_t, q_t, scale
         if VARIANT & 4:
             q_hi_t, q_lo_t, row_scale_q = tl.trans(q_hi), tl.trans(q_lo), row_scale
+        if VARIANT & 32:  # [D, 2G]: hi's G columns, then lo's
+            q_hi_t = tl.trans(tl.reshape(tl.permute(tl.join(q_hi, q_lo), (2, 0, 1)), [2 * BLOCK_G, HEAD_DIM]))
         for tile_start in range(start, full_end, BLOCK_N):
             acc_t, m_i, l_i = _swap_tile(
                 acc_t, m_i, l_i, q_t, q_hi_t, q_lo_t, row_scale_q, tile_start, end, block_table_row, k_base, v_base,
                 stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
-                HEAD_DIM, PAGE_SIZE, BLOCK_N, VARIANT & 4, False,
+                HEAD_DIM, PAGE_SIZE, BLOCK_N, BLOCK_G, VARIANT & 4, VARIANT & 32, False,
             )  # fmt: skip
         for tile_start in range(full_end, end, BLOCK_N):
             acc_t, m_i, l_i = _swap_tile(
                 acc_t, m_i, l_i, q_t, q_hi_t, q_lo_t, row_scale_q, tile_start, end, block_table_row, k_base, v_base,
                 stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
-                HEAD_DIM, PAGE_SIZE, BLOCK_N, VARIANT & 4, True,
+                HEAD_DIM, PAGE_SIZE, BLOCK_N, BLOCK_G, VARIANT & 4, VARIANT & 32, True,
             )  # fmt: skip
         acc = tl.trans(acc_t)
     else:
@@ -575,7 +585,11 @@ def paged_decode_attention(
         partial_lse.stride(0), partial_lse.stride(1),
         tokens_per_split, group, plan.split_bucket,
     )  # fmt: skip
-    group_rows = next_power_of_2(group) if meta["VARIANT"] & _GROUP_ROWS else max(16, next_power_of_2(group))
+    group_rows = max(16, next_power_of_2(group))  # the dots' 16 rows of mma.sync / wgmma
+    if meta["VARIANT"] & _GROUP_ROWS:
+        group_rows = next_power_of_2(group)
+    elif meta["VARIANT"] & _PACKED:
+        group_rows = max(8, next_power_of_2(group))  # hi and lo fill the dot's 16 columns
     meta |= {"HEAD_DIM": head_dim, "BLOCK_G": group_rows, "PAGE_SIZE": page_size,
              "SINGLE_SPLIT": single, "FP8_KV": fp8}  # fmt: skip
     if compile_only:

@@ -102,10 +102,11 @@ def test_fp8_variants_match_reference(variant):
         assert out[2].abs().max() == 0
 
 
-@pytest.mark.parametrize("variant", ["base_g", "swap_g", "swap_g_f"])
+@pytest.mark.parametrize("variant", ["base_g", "swap_g", "swap_g_f", "swap_q8x2_p_f"])
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", HEAD_LAYOUTS)
 def test_fp8_group_sized_rows_for_every_group(variant, num_q_heads, num_kv_heads):
-    """The variants whose dots hold exactly the group's query heads (1, 4 and 8 rows here)."""
+    """The variants whose dots hold exactly the group's query heads (1, 4 and 8 rows here), or its
+    two e4m3 terms side by side (8 + 8)."""
     torch.manual_seed(num_q_heads + num_kv_heads)
     cache = random_paged_cache([77, 20], num_kv_heads, 64, 16, torch.float16)
     cache.k_cache = (cache.k_cache.float() / 0.04).clamp(-448, 448).to(torch.float8_e4m3fn)
@@ -116,16 +117,17 @@ def test_fp8_group_sized_rows_for_every_group(variant, num_q_heads, num_kv_heads
     _check(cache, q, 0.125, torch.float16, num_splits=2, fp8_variant=variant, schedule=(32, 4, 2, 128), **scales)
 
 
-def test_fp8_two_term_queries_keep_small_components():
-    """swap_q8x2 splits q into two e4m3 terms under one per-head scale: a head whose elements span
-    five decades (the small ones land in e4m3's subnormal range) and an all-zero head still match."""
+@pytest.mark.parametrize("variant", ["swap_q8x2", "swap_q8x2_p_f"])
+def test_fp8_two_term_queries_keep_small_components(variant):
+    """q as two e4m3 terms under one per-head scale (two dots, or one over both side by side): a head
+    whose elements span five decades (the small ones in e4m3's subnormal range) and a zero head match."""
     torch.manual_seed(7)
     cache, scales = _fp8_cache([90, 33])
     q = randn(2, 8, 64, dtype=torch.float16)
     q[0, 1] *= 1e-3
     q[0, 1, 5] = 80.0
     q[1, 6] = 0.0
-    _check(cache, q, 0.125, torch.float16, fp8_variant="swap_q8x2", **scales)
+    _check(cache, q, 0.125, torch.float16, fp8_variant=variant, **scales)
 
 
 @triton.jit
