@@ -20,6 +20,10 @@ instruction (cvt.rn.f16x2.e4m3x2), while Triton's e4m3 -> bf16 adds f16 -> f32 -
 (five instructions per pair), which at one byte per element makes the loop ALU-bound. q is
 converted once per program (clamped to float16's +-65504); accumulation stays float32. The other
 setting upcasts the tiles to q's dtype (the first implementation), kept for comparison.
+
+The fp8 inner loop has variants (FP8_DECODE_VARIANTS, fp8_variant=): the default, DEFAULT_FP8_VARIANT
+("swap_g_f"), puts the tokens on the dots' M side, gives the dots exactly the GQA group's query heads
+and runs the tiles inside the context without masks.
 """
 
 from __future__ import annotations
@@ -124,7 +128,8 @@ _VARYING_POINTERS = ["block_tables_ptr", "seq_lens_ptr", "k_scale_ptr", "v_scale
 
 
 # Variants of the fp8-cache inner loop: the VARIANT constexpr (bit flags, used with FP8_F16). Each reads
-# the same bytes; they differ in how the tiles reach the tensor cores. "base" stays the default until measured.
+# the same bytes; they differ in how the tiles reach the tensor cores (bench_attention_decode.py --fp8
+# --variants times them). "base" is the first loop; DEFAULT_FP8_VARIANT is the measured winner.
 _K_T, _SWAP, _Q8X2, _GROUP_ROWS, _FULL_TILES, _PACKED = 1, 2, 4, 8, 16, 32
 FP8_DECODE_VARIANTS = {
     "base": 0,  # K tile [BLOCK_N, D] converted to f16, transposed in registers; q rows are the dots' M side
