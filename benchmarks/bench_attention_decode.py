@@ -2,6 +2,7 @@
 
     python benchmarks/bench_attention_decode.py [--json out.json] [--quick]
     TRITON_CACHE_AUTOTUNING=1 python benchmarks/bench_attention_decode.py --fp8 [--json out.json]
+    python benchmarks/bench_attention_decode.py --fp8 --variants [--json out.json] [--quick]
 
 One query token per sequence, GQA 32 query / 8 KV heads, head_dim 128, bf16. The figure is the
 effective bandwidth: bytes of live K and V (B * context * Hkv * D * 2 tensors * 2 bytes) over the
@@ -14,18 +15,36 @@ first implementation), beside the bf16 kernel at the same shape. Bandwidth count
 kernel reads (1 byte per fp8 element, 2 per bf16 one) and is also given as a share of the H200's
 4.29 TB/s (HBM_PEAK_GBPS) and of this run's measured copy bandwidth. Small cases rotate over
 several block tables so the timed reads do not come from L2.
+
+--fp8 --variants compares the fp8 kernel's inner-loop variants (FP8_DECODE_VARIANTS) and fixed
+schedules (BLOCK_N, num_warps, num_stages) in one run, at batch 448 / context 3,072, 256 / 2,048,
+32 / 2,048 and 1 / 2,048: per candidate its time, GB/s, share of the copy bandwidth measured in the
+same run, and its max abs error against kernels/reference.py (float32) on the same fp8 cache, beside
+the autotuned default and the bf16 kernel. Every candidate is compiled ahead in parallel.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from kernel_bench_utils import Measurement, best_peer, hbm_copy_gbps, parse_args, report, rotating, time_ms
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from sits.kernels.attention_decode import choose_num_splits, paged_decode_attention
+from sits.kernels import attention_decode
+from sits.kernels.attention_decode import (
+    DEFAULT_FP8_VARIANT,
+    FP8_DECODE_VARIANTS,
+    choose_num_splits,
+    paged_decode_attention,
+)
+from sits.kernels.reference import paged_decode_attention_reference
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
 HBM_PEAK_GBPS = 4290.0  # H200 HBM3e peak
@@ -158,11 +177,186 @@ def fp8_main(args):
            args.json, notes)
 
 
+# --fp8 --variants: (batch, context) cases, and the fixed schedules (BLOCK_N, num_warps, num_stages[, maxnreg]) each
+# variant is timed with. Triton's pipeliner keeps about (num_stages - 2) / 2 K/V tiles in flight here (the
+# block-table read takes the other stages), so the deep pipelines need 10 stages and more. "swap" needs
+# BLOCK_N >= 64 at 4 warps (128 at 8) for wgmma.
+VARIANT_CASES = [(448, 3072), (256, 2048), (32, 2048), (1, 2048)]
+# A first run over all variants (2026-12-02, H200) put swap_g_f and swap_q8x2_p_f ahead at every batch
+# >= 32, with 32-token / 2-warp and 64-token / 4-warp / 8-stage tiles, and showed deeper pipelines
+# losing; so the sweep now looks around those (fewer stages, 1-warp programs) with base as the reference.
+VARIANT_SCHEDULES = {
+    "base": [(64, 4, 6)],
+    "swap_g": [(32, 2, 8), (64, 4, 8)],
+    "base_g_f": [(32, 2, 8), (64, 4, 8)],
+    "swap_g_f": [(16, 1, 6), (16, 1, 8), (32, 2, 6), (32, 2, 8), (32, 2, 10), (32, 2, 12), (64, 2, 8), (64, 4, 6),
+                 (64, 4, 8), (128, 4, 6), (128, 4, 8)],
+    "swap_q8x2_p_f": [(64, 4, 6), (64, 4, 8), (128, 4, 6)],
+}
+REFERENCE_SEQS = 4  # sequences checked against the float32 reference per case
+AUTOTUNED = "autotuned"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One timed launch: an fp8 variant with a fixed schedule (or the autotuner's), and a split count
+    (None: the launcher's choice); variant "bf16" is the bf16-cache kernel."""
+
+    variant: str
+    schedule: tuple[int, ...] | None = None
+    num_splits: int | None = None
+
+    @property
+    def label(self) -> str:
+        sched = AUTOTUNED if self.schedule is None else "/".join(map(str, self.schedule))  # BLOCK_N/warps/stages
+        return f"{self.variant} {sched} s{self.num_splits or 'auto'}"
+
+
+def _candidate_call(c: Candidate, q, caches, tables, seq_lens, out) -> Callable[..., torch.Tensor]:
+    """call(i, compile_only=False): c's launch over block-table set i."""
+    (k16, v16), (k8, v8), (ks, vs) = caches
+    scale = HEAD_DIM**-0.5
+
+    def call(i, compile_only=False):
+        if c.variant == "bf16":
+            return paged_decode_attention(q, k16, v16, tables[i], seq_lens, scale, out=out, num_splits=c.num_splits,
+                                          compile_only=compile_only)
+        return paged_decode_attention(q, k8, v8, tables[i], seq_lens, scale, out=out, num_splits=c.num_splits,
+                                      k_scale=ks, v_scale=vs, fp8_variant=c.variant, schedule=c.schedule,
+                                      compile_only=compile_only)
+    return call
+
+
+def _precompile(calls: list[Callable[..., object]]) -> None:
+    """Compile every call's kernel in parallel threads (Triton's AsyncCompileMode), where available."""
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:  # an older Triton: each candidate compiles on its first launch
+        return
+    try:
+        with ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool, AsyncCompileMode(pool, ignore_errors=True):
+            for call in calls:
+                try:
+                    call(0, compile_only=True)
+                except Exception as error:  # noqa: BLE001 - reported again when the candidate runs
+                    print(f"  precompile failed: {type(error).__name__}: {str(error)[:200]}", flush=True)
+    except Exception as error:  # noqa: BLE001 - the candidates then compile on their first launch
+        print(f"  parallel precompile stopped: {type(error).__name__}: {str(error)[:200]}", flush=True)
+
+
+def _time_candidates(cands, case, q, caches, tables, seq_lens, reference, copy_gbps) -> list[dict]:
+    """Times each candidate (after a parallel precompile); returns one result dict per candidate."""
+    out = torch.empty_like(q)
+    calls = [_candidate_call(c, q, caches, tables, seq_lens, out) for c in cands]
+    _precompile(calls)
+    batch, context = case
+    fp8_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM
+    results = []
+    for c, call in zip(cands, calls, strict=True):
+        try:
+            ms = time_ms(rotating(call, len(tables)))
+            call(0)
+            diff = out[:REFERENCE_SEQS].float() - reference
+            error, rel = diff.abs().max().item(), (diff.norm() / reference.norm()).item()
+        except Exception as exc:  # noqa: BLE001 - a variant that fails to compile or run is reported, not fatal
+            print(f"B{batch} ctx{context} | {c.label} | FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            continue
+        read = 2 * fp8_bytes if c.variant == "bf16" else fp8_bytes
+        gbps = read / (ms * 1e-3) / 1e9
+        tuned = ""
+        if c.schedule is None and c.variant != "bf16":
+            best = getattr(attention_decode._decode_split_kernel, "best_config", None)
+            tuned = f" (autotuner chose {best})" if best is not None else ""
+        print(f"B{batch} ctx{context} {c.label}: {ms:.4f} ms {gbps:,.0f} GB/s ({gbps / copy_gbps:.3f} of copy) "
+              f"err {error:.1e} rel {rel:.1e}{tuned}", flush=True)
+        results.append({"case": f"B{batch} ctx{context}", "variant": c.variant, "schedule": c.schedule,
+                        "num_splits": c.num_splits, "ms": ms, "gbps": gbps, "of_copy": gbps / copy_gbps,
+                        "of_peak": gbps / HBM_PEAK_GBPS, "max_abs_err": error, "rel_err": rel})
+    return results
+
+
+def _best_per_variant(results: list[dict], count: int = 1) -> dict[str, list[dict]]:
+    """The `count` fixed-schedule results of each fp8 variant with the most GB/s."""
+    ranked: dict[str, list[dict]] = {}
+    for r in sorted(results, key=lambda r: -r["gbps"]):
+        if r["schedule"] is not None and len(ranked.setdefault(r["variant"], [])) < count:
+            ranked[r["variant"]].append(r)
+    return ranked
+
+
+def variants_case(case, copy_gbps, earlier: list[dict]) -> list[dict]:
+    """All candidates at one (batch, context): each variant's schedules with the launcher's split count
+    (at batch 1 only the two best schedules per variant of the earlier cases, with 8 and 16 splits), then
+    at batch 32 the three fastest again with 2 and 4 splits."""
+    batch, context = case
+    bf16, fp8, scales, tables = _fp8_caches(batch, context, 16)
+    caches = (bf16, fp8, scales)
+    q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=DEVICE)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=DEVICE)
+    rows = slice(0, REFERENCE_SEQS)
+    reference = paged_decode_attention_reference(q[rows], *fp8, tables[0][rows], seq_lens[rows], HEAD_DIM**-0.5,
+                                                 k_scale=scales[0], v_scale=scales[1]).float()
+    cands = list(dict.fromkeys([Candidate("base"), Candidate(DEFAULT_FP8_VARIANT), Candidate("bf16")]))
+    if batch >= 32 or not earlier:
+        cands += [Candidate(v, s) for v, schedules in VARIANT_SCHEDULES.items() for s in schedules]
+    else:
+        tops = [r for best in _best_per_variant(earlier, 2).values() for r in best]
+        cands += list(dict.fromkeys(Candidate(r["variant"], r["schedule"], n) for r in tops for n in (None, 16)))
+    results = _time_candidates(cands, case, q, caches, tables, seq_lens, reference, copy_gbps)
+    if batch == 32:
+        fastest = sorted((r for r in results if r["schedule"] is not None), key=lambda r: -r["gbps"])[:3]
+        again = [Candidate(r["variant"], r["schedule"], n) for r in fastest for n in (2, 4)]
+        results += _time_candidates(again, case, q, caches, tables, seq_lens, reference, copy_gbps)
+    del bf16, fp8, caches
+    torch.cuda.empty_cache()
+    return results
+
+
+def variants_main(args):
+    copy_gbps = hbm_copy_gbps()
+    print(f"HBM copy bandwidth in this run: {copy_gbps:,.0f} GB/s; variants {sorted(FP8_DECODE_VARIANTS)}", flush=True)
+    results: list[dict] = []
+    for case in VARIANT_CASES[:1] if args.quick else VARIANT_CASES:
+        try:
+            results += variants_case(case, copy_gbps, results)
+        except Exception as exc:  # noqa: BLE001 - keep the other cases' figures
+            print(f"case {case} FAILED: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+    print(f"\n### Summary: per variant its two best BLOCK_N/warps/stages s<splits>: ms, GB/s of fp8 bytes read, "
+          f"share of the {copy_gbps:,.0f} GB/s copy, max abs err vs the float32 reference", flush=True)
+    rows = []
+    for case in dict.fromkeys(r["case"] for r in results):
+        mine = [r for r in results if r["case"] == case]
+        for variant in dict.fromkeys(("base", DEFAULT_FP8_VARIANT, "bf16")):
+            tuned = next((r for r in mine if r["variant"] == variant and r["schedule"] is None), None)
+            if tuned:
+                print(f"{case} {variant} autotuned: {tuned['ms']:.4f} ms {tuned['gbps']:,.0f} ({tuned['of_copy']:.3f})")
+        default = next((r for r in mine if r["variant"] == "base" and r["schedule"] is None), None)
+        for rank, (variant, tops) in enumerate(_best_per_variant(mine, 2).items()):
+            print(f"{case} {variant}: " + " | ".join(
+                "/".join(map(str, r["schedule"])) + f" s{r['num_splits'] or '-'} {r['ms']:.4f} ms {r['gbps']:,.0f} "
+                f"{r['of_copy']:.3f} e{r['max_abs_err']:.1e}" for r in tops))
+            if rank >= 3:
+                continue  # the table keeps each case's three fastest variants
+            best, peer = tops[0], default or tops[0]
+            extra = {k: best[k] for k in ("schedule", "num_splits", "of_copy", "of_peak", "max_abs_err", "rel_err")}
+            rows.append(Measurement(f"{case} {variant}", "GB/s", best["gbps"], peer["gbps"], "fp8 base autotuned",
+                                    best["ms"], peer["ms"], extra))
+    report("fp8 decode attention variants, 32 q / 8 kv heads, head_dim 128 (GB/s of fp8 bytes read)", rows,
+           args.json, [f"HBM copy bandwidth in this run: {copy_gbps:,.0f} GB/s"])
+    if args.json:
+        with open(os.path.splitext(args.json)[0] + "_candidates.json", "w") as f:
+            json.dump({"copy_gbps": copy_gbps, "candidates": results}, f, indent=1)
+
+
 def main():
-    fp8 = "--fp8" in sys.argv
-    if fp8:
-        sys.argv.remove("--fp8")  # the shared parser knows only --json and --quick
+    fp8, variants = "--fp8" in sys.argv, "--variants" in sys.argv
+    for flag in ("--fp8", "--variants"):
+        if flag in sys.argv:
+            sys.argv.remove(flag)  # the shared parser knows only --json and --quick
     args = parse_args(__doc__)
+    if fp8 and variants:
+        variants_main(args)
+        return
     if fp8:
         fp8_main(args)
         return

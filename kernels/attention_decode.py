@@ -20,6 +20,10 @@ instruction (cvt.rn.f16x2.e4m3x2), while Triton's e4m3 -> bf16 adds f16 -> f32 -
 (five instructions per pair), which at one byte per element makes the loop ALU-bound. q is
 converted once per program (clamped to float16's +-65504); accumulation stays float32. The other
 setting upcasts the tiles to q's dtype (the first implementation), kept for comparison.
+
+The fp8 inner loop has variants (FP8_DECODE_VARIANTS, fp8_variant=): the default, DEFAULT_FP8_VARIANT
+("swap_g_f"), puts the tokens on the dots' M side, gives the dots exactly the GQA group's query heads
+and runs the tiles inside the context without masks.
 """
 
 from __future__ import annotations
@@ -38,11 +42,21 @@ from sits.kernels.attention_checks import (
     check_query,
     prepare_out,
 )
-from sits.kernels.launch_utils import autotune, cdiv, length_bucket, next_power_of_2, num_sms, require
+from sits.kernels.launch_utils import (
+    autotune,
+    cdiv,
+    is_interpreter,
+    length_bucket,
+    next_power_of_2,
+    num_sms,
+    require,
+)
 from sits.kernels.paged_kv import paged_tile_blocks
 from sits.kernels.reference import paged_decode_attention_reference
 
 __all__ = [
+    "DEFAULT_FP8_VARIANT",
+    "FP8_DECODE_VARIANTS",
     "DecodeSplitPlan",
     "choose_num_splits",
     "paged_decode_attention",
@@ -58,8 +72,8 @@ MAX_SPLITS = 64
 MAX_GRID_Y = 65535  # CUDA's limit on the grid's second dimension (sequences)
 
 
-def _config(block_n, warps, stages):
-    return triton.Config({"BLOCK_N": block_n}, num_warps=warps, num_stages=stages)
+def _config(block_n, warps, stages, maxnreg=None):
+    return triton.Config({"BLOCK_N": block_n}, num_warps=warps, num_stages=stages, maxnreg=maxnreg)
 
 
 # Paged loads spend pipeline stages on the block-table read, so deep pipelines keep enough K/V bytes
@@ -74,15 +88,18 @@ _BF16_CONFIGS = [
     _config(64, 8, 6),
     _config(128, 8, 4),
 ]
-# An fp8 token row of one head is 128 bytes at head_dim 128, half of bf16's, so fp8 tiles keep
-# fewer bytes in flight per stage: its configs lean to larger tiles and deeper pipelines. Few of
-# them, so a first launch (or the benchmark) autotunes quickly. BLOCK_N stays <= SPLIT_GRANULE.
-_FP8_SCHEDULE_LIST = ((32, 4, 8), (64, 4, 6), (64, 4, 8), (128, 4, 6), (128, 8, 6))  # (BLOCK_N, warps, stages)
+# The fp8 configs, for DEFAULT_FP8_VARIANT: measured on an H200, small programs win (32 tokens on 2
+# warps: ~6 programs per multiprocessor) and deeper pipelines lose (4-warp 64-token tiles: 8 stages
+# 3,786 GB/s, 10 stages 3,487, 12 stages 3,030 at batch 448). Few of them, so a first launch (or the
+# start-up pre-tune) tunes quickly. BLOCK_N stays <= SPLIT_GRANULE. (BLOCK_N, warps, stages[, maxnreg])
+_FP8_SCHEDULE_LIST: tuple[tuple[int, ...], ...] = ((32, 2, 8), (32, 2, 10), (64, 4, 6), (64, 4, 8), (128, 4, 8))
 _FP8_CONFIGS = [_config(*schedule) for schedule in _FP8_SCHEDULE_LIST]
 
 
 def _schedule(config):
-    return config.kwargs["BLOCK_N"], config.num_warps, config.num_stages
+    """(BLOCK_N, warps, stages), with maxnreg after them where the config caps registers."""
+    schedule = (config.kwargs["BLOCK_N"], config.num_warps, config.num_stages)
+    return schedule + (config.maxnreg,) if config.maxnreg else schedule
 
 
 _BF16_SCHEDULES = {_schedule(c) for c in _BF16_CONFIGS}
@@ -110,8 +127,151 @@ _VARYING_INTS = ["stride_block_table", "stride_po_seq", "stride_po_head", "strid
 _VARYING_POINTERS = ["block_tables_ptr", "seq_lens_ptr", "k_scale_ptr", "v_scale_ptr"]
 
 
-@autotune(_GPU_CONFIGS, _INTERPRETER_CONFIG, ["HEAD_DIM", "PAGE_SIZE", "BLOCK_G", "FP8_KV", "FP8_F16", "SINGLE_SPLIT",
-           "split_bucket"],
+# Variants of the fp8-cache inner loop: the VARIANT constexpr (bit flags, used with FP8_F16). Each reads
+# the same bytes; they differ in how the tiles reach the tensor cores (bench_attention_decode.py --fp8
+# --variants times them). "base" is the first loop; DEFAULT_FP8_VARIANT is the measured winner.
+_K_T, _SWAP, _Q8X2, _GROUP_ROWS, _FULL_TILES, _PACKED = 1, 2, 4, 8, 16, 32
+FP8_DECODE_VARIANTS = {
+    "base": 0,  # K tile [BLOCK_N, D] converted to f16, transposed in registers; q rows are the dots' M side
+    "k_t": _K_T,  # K loaded as [D, BLOCK_N] through its pointers, so the QK dot needs no tl.trans
+    # Tokens as the dots' M side: S^T = K q^T [BLOCK_N, G] and out^T = V^T P^T [D, G]; from BLOCK_N = 64
+    # on (4 warps) Hopper runs them as wgmma, where q's 4-row group as M (16 rows) can only use mma.sync.
+    "swap": _SWAP,
+    # "swap" with q as two e4m3 terms per head (q ~ (hi + lo) * scale, about 7 mantissa bits): two
+    # fp8 x fp8 wgmma read the K tile from shared memory as stored, no K conversion at all. (With q
+    # rows as M, Triton runs fp8 dots as f16 mma.sync after converting both operands: no gain there.)
+    "swap_q8x2": _SWAP | _Q8X2,
+    # BLOCK_G = the GQA group (4 query heads) instead of 16 rows: Triton pads the dots' small side for
+    # the tensor cores itself, so the softmax and the accumulator hold 4 rows, not 16 (smaller
+    # registers, a quarter of the exp2s). Hopper then runs "swap" with mma.sync (wgmma wants 16).
+    "base_g": _GROUP_ROWS,
+    "swap_g": _SWAP | _GROUP_ROWS,
+    # The tiles wholly inside the split without masks (no per-token compare / select, unpredicated
+    # copies), the one partial tile after them with masks.
+    "base_f": _FULL_TILES,
+    "base_g_f": _GROUP_ROWS | _FULL_TILES,
+    "swap_g_f": _SWAP | _GROUP_ROWS | _FULL_TILES,
+    "swap_q8x2_f": _SWAP | _Q8X2 | _FULL_TILES,
+    # "swap_q8x2_f" with hi and lo as the two halves of one fp8 dot's N side (the group padded to 8,
+    # hi in columns 0-7, lo in 8-15): one wgmma per K step, hi + lo summed inside each thread, and
+    # the softmax over 8 columns instead of 16.
+    "swap_q8x2_p_f": _SWAP | _Q8X2 | _FULL_TILES | _PACKED,
+}
+# What paged_decode_attention runs over an fp8 cache unless told otherwise: on one H200 (2026-12-02,
+# `bench_attention_decode.py --fp8 --variants`, 32 q / 8 KV heads, head_dim 128) swap_g_f read the fp8
+# cache at 3,870 GB/s at batch 448 / context 3,072 (0.917 of the copy bandwidth; base 3,147) and
+# 3,763 GB/s at 256 / 2,048 (base 3,035), with base's error against the float32 reference.
+DEFAULT_FP8_VARIANT = "swap_g_f"
+
+
+@triton.jit
+def _round_to_e4m3(x):
+    """x (float32) rounded to the nearest e4m3 value, ties to even, for |x| <= 448 (float32 result).
+
+    Done in integer arithmetic so the following cast to e4m3 is exact: Triton's interpreter rounds
+    fp32 -> fp8 casts wrongly, the GPU does not. Normal range: 3 mantissa bits; below 2^-6 e4m3's
+    subnormal grid of 2^-9 (nearest, ties away from zero: those values are < 1.6e-5 of the maximum)."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
+    normal = bits.to(tl.float32, bitcast=True)
+    subnormal = tl.where(x < 0, -tl.floor(-x * 512.0 + 0.5), tl.floor(x * 512.0 + 0.5)) * (1.0 / 512.0)
+    return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
+
+
+@triton.jit
+def _quantize_rows_e4m3(q):
+    """q [G, D] float32 -> (hi, lo, row_scale [G]) with q ~ (hi + lo) * row_scale[:, None], hi and lo
+    e4m3: row_scale = max |q_row| / 448 (1 for an all-zero row), hi the e4m3 rounding of the scaled
+    row, lo the e4m3 rounding of what hi leaves (hi + lo keep about 7 mantissa bits of q)."""
+    amax = tl.max(tl.abs(q), 1)
+    row_scale = tl.where(amax > 0.0, amax / 448.0, 1.0)
+    scaled = q / row_scale[:, None]
+    hi = _round_to_e4m3(scaled)
+    lo = _round_to_e4m3(scaled - hi)
+    return hi.to(tl.float8e4nv), lo.to(tl.float8e4nv), row_scale
+
+
+@triton.jit
+def _rows_tile(acc, m_i, l_i, q, scale, tile_start, end, block_table_row, k_base, v_base,
+               stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
+               HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, K_T: tl.constexpr,
+               MASKED: tl.constexpr):  # fmt: skip
+    """One online-softmax step over tokens tile_start .. + BLOCK_N with the query heads as the dots'
+    rows: acc [G, D], m_i / l_i [G] (log2 domain) in, updated out. MASKED: tokens past `end` excluded
+    (else the whole tile must lie before `end`). K_T: K loaded as [D, BLOCK_N]."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    valid = tile_start + offs_n < end
+    blocks, slots = paged_tile_blocks(block_table_row, tile_start, end, PAGE_SIZE, BLOCK_N, MASKED)
+    k_rows = blocks * stride_k_block + slots * stride_k_slot
+    v_rows = blocks * stride_v_block + slots * stride_v_slot
+    if K_T:
+        if MASKED:
+            k_t = tl.load(k_base + k_rows[None, :] + offs_d[:, None], mask=valid[None, :], other=0.0)
+        else:
+            k_t = tl.load(k_base + k_rows[None, :] + offs_d[:, None])
+        qk = tl.dot(q, k_t.to(q.dtype)) * scale
+    else:
+        if MASKED:
+            k = tl.load(k_base + k_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+        else:
+            k = tl.load(k_base + k_rows[:, None] + offs_d[None, :])
+        qk = tl.dot(q, tl.trans(k.to(q.dtype))) * scale
+    if MASKED:
+        qk = tl.where(valid[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.math.exp2(qk - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if MASKED:
+        v = tl.load(v_base + v_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+    else:
+        v = tl.load(v_base + v_rows[:, None] + offs_d[None, :])
+    acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None])
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _swap_tile(acc_t, m_i, l_i, q_t, q_hi_t, q_lo_t, scale, tile_start, end, block_table_row, k_base, v_base,
+               stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
+               HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
+               Q8X2: tl.constexpr, PACKED: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+    """_rows_tile with the tokens as the dots' rows: S^T = K q^T [BLOCK_N, G], acc_t = out^T [D, G].
+    Q8X2: S^T = K (q_hi + q_lo)^T as two fp8 dots, scale [G] per query head (else a scalar).
+    PACKED (with Q8X2): one fp8 dot against q_hi_t = [D, 2G] (hi's columns, then lo's), halves summed."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    valid = tile_start + offs_n < end
+    blocks, slots = paged_tile_blocks(block_table_row, tile_start, end, PAGE_SIZE, BLOCK_N, MASKED)
+    k_rows = blocks * stride_k_block + slots * stride_k_slot
+    v_rows = blocks * stride_v_block + slots * stride_v_slot
+    if MASKED:
+        k = tl.load(k_base + k_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+    else:
+        k = tl.load(k_base + k_rows[:, None] + offs_d[None, :])
+    if PACKED:  # K as stored: fp8 x fp8; column j * G + h -> [BLOCK_N, G, 2], summed over j
+        s_hi, s_lo = tl.split(tl.permute(tl.reshape(tl.dot(k, q_hi_t), [BLOCK_N, 2, BLOCK_G]), (0, 2, 1)))
+        s_t = (s_hi + s_lo) * scale[None, :]
+    elif Q8X2:  # K as stored: fp8 x fp8
+        s_t = tl.dot(k, q_lo_t, tl.dot(k, q_hi_t)) * scale[None, :]
+    else:
+        s_t = tl.dot(k.to(q_t.dtype), q_t) * scale
+    if MASKED:
+        s_t = tl.where(valid[:, None], s_t, float("-inf"))  # [BLOCK_N, G]
+    m_new = tl.maximum(m_i, tl.max(s_t, 0))
+    p_t = tl.math.exp2(s_t - m_new[None, :])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p_t, 0)
+    if MASKED:
+        v_t = tl.load(v_base + v_rows[None, :] + offs_d[:, None], mask=valid[None, :], other=0.0)
+    else:
+        v_t = tl.load(v_base + v_rows[None, :] + offs_d[:, None])
+    acc_t = tl.dot(v_t.to(q_t.dtype), p_t.to(q_t.dtype), acc_t * alpha[None, :])
+    return acc_t, m_new, l_i
+
+
+@autotune(_GPU_CONFIGS, _INTERPRETER_CONFIG, ["HEAD_DIM", "PAGE_SIZE", "BLOCK_G", "FP8_KV", "FP8_F16", "VARIANT",
+           "SINGLE_SPLIT", "split_bucket"],
           _prune_configs)
 @triton.jit(do_not_specialize=_VARYING_INTS, do_not_specialize_on_alignment=_VARYING_POINTERS)
 def _decode_split_kernel(
@@ -127,7 +287,8 @@ def _decode_split_kernel(
     stride_pl_seq, stride_pl_head,
     tokens_per_split, group_size, split_bucket,
     HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    SINGLE_SPLIT: tl.constexpr, FP8_KV: tl.constexpr, FP8_F16: tl.constexpr, BLOCK_N: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr, FP8_KV: tl.constexpr, FP8_F16: tl.constexpr, VARIANT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     kv_head = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
@@ -140,7 +301,6 @@ def _decode_split_kernel(
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, HEAD_DIM)
-    offs_n = tl.arange(0, BLOCK_N)
     q_heads = kv_head * group_size + offs_g
     head_valid = offs_g < group_size
     q = tl.load(
@@ -153,29 +313,52 @@ def _decode_split_kernel(
         scale = scale * tl.load(k_scale_ptr + kv_head)
         if FP8_F16:  # every `.to(q.dtype)` below is then the native e4m3 -> f16 conversion
             q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    if VARIANT & 4:  # fp8 QK dots: q's per-row scale joins the softmax scale
+        q_hi, q_lo, q_row_scale = _quantize_rows_e4m3(q.to(tl.float32))
+        row_scale = q_row_scale * scale  # [BLOCK_G]
     block_table_row = block_tables_ptr + seq * stride_block_table
     k_base = k_cache_ptr + kv_head * stride_k_head
     v_base = v_cache_ptr + kv_head * stride_v_head
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
-    for tile_start in range(start, end, BLOCK_N):
-        n = tile_start + offs_n
-        valid = n < end
-        blocks, slots = paged_tile_blocks(block_table_row, tile_start, end, PAGE_SIZE, BLOCK_N, True)
-        k_rows = blocks * stride_k_block + slots * stride_k_slot
-        v_rows = blocks * stride_v_block + slots * stride_v_slot
-        k = tl.load(k_base + k_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-        qk = tl.dot(q, tl.trans(k.to(q.dtype)))
-        qk = tl.where(valid[None, :], qk * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.math.exp2(qk - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + v_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None])
-        m_i = m_new
+    # With FULL_TILES the tiles wholly inside [start, end) run without masks, the last partial one after.
+    full_end = start + (end - start) // BLOCK_N * BLOCK_N if VARIANT & 16 else start
+    if VARIANT & 2:
+        acc_t = tl.zeros([HEAD_DIM, BLOCK_G], dtype=tl.float32)  # out^T
+        q_t = tl.trans(q)
+        q_hi_t, q_lo_t, row_scale_q = q_t, q_t, scale
+        if VARIANT & 4:
+            q_hi_t, q_lo_t, row_scale_q = tl.trans(q_hi), tl.trans(q_lo), row_scale
+        if VARIANT & 32:  # [D, 2G]: hi's G columns, then lo's
+            q_hi_t = tl.trans(tl.reshape(tl.permute(tl.join(q_hi, q_lo), (2, 0, 1)), [2 * BLOCK_G, HEAD_DIM]))
+        for tile_start in range(start, full_end, BLOCK_N):
+            acc_t, m_i, l_i = _swap_tile(
+                acc_t, m_i, l_i, q_t, q_hi_t, q_lo_t, row_scale_q, tile_start, end, block_table_row, k_base, v_base,
+                stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
+                HEAD_DIM, PAGE_SIZE, BLOCK_N, BLOCK_G, VARIANT & 4, VARIANT & 32, False,
+            )  # fmt: skip
+        for tile_start in range(full_end, end, BLOCK_N):
+            acc_t, m_i, l_i = _swap_tile(
+                acc_t, m_i, l_i, q_t, q_hi_t, q_lo_t, row_scale_q, tile_start, end, block_table_row, k_base, v_base,
+                stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
+                HEAD_DIM, PAGE_SIZE, BLOCK_N, BLOCK_G, VARIANT & 4, VARIANT & 32, True,
+            )  # fmt: skip
+        acc = tl.trans(acc_t)
+    else:
+        acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+        for tile_start in range(start, full_end, BLOCK_N):
+            acc, m_i, l_i = _rows_tile(
+                acc, m_i, l_i, q, scale, tile_start, end, block_table_row, k_base, v_base,
+                stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
+                HEAD_DIM, PAGE_SIZE, BLOCK_N, VARIANT & 1, False,
+            )  # fmt: skip
+        for tile_start in range(full_end, end, BLOCK_N):
+            acc, m_i, l_i = _rows_tile(
+                acc, m_i, l_i, q, scale, tile_start, end, block_table_row, k_base, v_base,
+                stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
+                HEAD_DIM, PAGE_SIZE, BLOCK_N, VARIANT & 1, True,
+            )  # fmt: skip
 
     if FP8_KV:
         acc = acc * tl.load(v_scale_ptr + kv_head)
@@ -310,6 +493,29 @@ def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out, k_scale, v_s
     check_fp8_scales(k_cache, k_scale, v_scale)
 
 
+def _split_kernel_meta(fp8: bool, fp8_via_float16: bool, fp8_variant: str,
+                       schedule: tuple[int, ...] | None) -> dict:
+    """The split kernel's FP8_F16 / VARIANT constexprs, plus BLOCK_N / num_warps / num_stages of a
+    fixed schedule (no autotuning), after checking the caller's choices."""
+    require(fp8_variant in FP8_DECODE_VARIANTS,
+            f"fp8_variant must be one of {sorted(FP8_DECODE_VARIANTS)}, got {fp8_variant!r}")
+    variant = FP8_DECODE_VARIANTS[fp8_variant] if fp8 else 0
+    if not fp8_via_float16:  # the first implementation has one loop: the tiles upcast to q's dtype
+        require(fp8_variant in ("base", DEFAULT_FP8_VARIANT), f"fp8_variant {fp8_variant!r} needs fp8_via_float16=True")
+        variant = 0
+    meta = {"FP8_F16": fp8 and bool(fp8_via_float16), "VARIANT": variant}
+    if schedule is not None:
+        require(len(schedule) in (3, 4) and all(isinstance(x, int) and x > 0 for x in schedule),
+                f"schedule must be (BLOCK_N, num_warps, num_stages[, maxnreg]) positive ints, got {schedule!r}")
+        block_n, warps, stages = schedule[:3]
+        require(block_n >= 16 and block_n & (block_n - 1) == 0 and block_n <= 256,
+                f"schedule BLOCK_N must be a power of two in 16..256, got {block_n}")
+        meta |= {"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
+        if len(schedule) == 4:
+            meta["maxnreg"] = schedule[3]  # registers per thread at most: more programs per multiprocessor
+    return meta
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -323,6 +529,9 @@ def paged_decode_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     fp8_via_float16: bool = True,
+    fp8_variant: str = DEFAULT_FP8_VARIANT,
+    schedule: tuple[int, ...] | None = None,
+    compile_only: bool = False,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its paged context.
 
@@ -339,12 +548,22 @@ def paged_decode_attention(
         k_scale, v_scale: [Hkv] float32 dequantization scales of an fp8 cache.
         fp8_via_float16: with an fp8 cache, run the dots in float16 (native e4m3 -> f16
             conversion; q clamped to +-65504) instead of upcasting the tiles to q's dtype.
+        fp8_variant: with an fp8 cache and fp8_via_float16, the inner loop (a key of
+            FP8_DECODE_VARIANTS, DEFAULT_FP8_VARIANT by default); ignored for a bf16 / fp16 cache.
+        schedule: (BLOCK_N, num_warps, num_stages[, maxnreg]) of the split kernel instead of
+            autotuning (for benchmarks and tests; the pipeline keeps about (num_stages - 2) / 2 K/V
+            tiles in flight; maxnreg caps the registers per thread).
+        compile_only: compile the split kernel for these arguments without launching anything
+            (inside triton's AsyncCompileMode the compile runs in its executor); out is returned
+            unwritten.
     Returns:
         out [B, Hq, D].
     """
     _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out, k_scale, v_scale)
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    meta = _split_kernel_meta(fp8, fp8_via_float16, fp8_variant, schedule)
     if out is None:
         out = torch.empty_like(q)
     if num_seqs == 0:
@@ -360,8 +579,9 @@ def paged_decode_attention(
         partial_out = torch.empty(num_seqs, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         partial_lse = torch.empty(num_seqs, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
     group = num_q_heads // num_kv_heads
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
-    _decode_split_kernel[(num_kv_heads, num_seqs, num_splits)](
+    kernel = _decode_split_kernel if schedule is None else _decode_split_kernel.fn
+    grid = (num_kv_heads, num_seqs, num_splits)
+    args = (
         q, k_cache, v_cache, block_tables, seq_lens,
         out, partial_out, partial_lse, k_scale if fp8 else seq_lens, v_scale if fp8 else seq_lens,
         float(scale) * LOG2_E,
@@ -373,9 +593,19 @@ def paged_decode_attention(
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2) if not single else 0,
         partial_lse.stride(0), partial_lse.stride(1),
         tokens_per_split, group, plan.split_bucket,
-        HEAD_DIM=head_dim, BLOCK_G=max(16, next_power_of_2(group)), PAGE_SIZE=page_size,
-        SINGLE_SPLIT=single, FP8_KV=fp8, FP8_F16=fp8 and bool(fp8_via_float16),
     )  # fmt: skip
+    group_rows = max(16, next_power_of_2(group))  # the dots' 16 rows of mma.sync / wgmma
+    if meta["VARIANT"] & _GROUP_ROWS:
+        group_rows = next_power_of_2(group)
+    elif meta["VARIANT"] & _PACKED:
+        group_rows = max(8, next_power_of_2(group))  # hi and lo fill the dot's 16 columns
+    meta |= {"HEAD_DIM": head_dim, "BLOCK_G": group_rows, "PAGE_SIZE": page_size,
+             "SINGLE_SPLIT": single, "FP8_KV": fp8}  # fmt: skip
+    if compile_only:
+        if not is_interpreter():  # the interpreter compiles nothing
+            kernel.warmup(*args, grid=grid, **meta)
+        return out
+    kernel[grid](*args, **meta)
     if not single:
         _decode_merge_kernel[(num_seqs, num_q_heads)](
             partial_out, partial_lse, seq_lens, out,

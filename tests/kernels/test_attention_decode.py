@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-from sits.kernels.attention_decode import paged_decode_attention, paged_decode_attention_reference
+from sits.kernels.attention_decode import (
+    FP8_DECODE_VARIANTS,
+    _round_to_e4m3,
+    paged_decode_attention,
+    paged_decode_attention_reference,
+)
 from tests.kernels.helpers import DEVICE, HALF_DTYPES, assert_close, poisoned, randn
 from tests.kernels.paged import random_paged_cache
 
@@ -82,6 +89,68 @@ def test_fp8_cache_with_per_head_scales(dtype, via_float16):
         _check(cache, q, 0.125, dtype, num_splits=splits, fp8_via_float16=via_float16, **scales)
 
 
+@pytest.mark.parametrize("variant", sorted(FP8_DECODE_VARIANTS))
+def test_fp8_variants_match_reference(variant):
+    """Every inner-loop variant, with fixed schedules: tiles of one page gathered page by page (16)
+    and of several pages (64), one split and three, a padding row, bf16 queries."""
+    torch.manual_seed(6)
+    cache, scales = _fp8_cache([50, 200, 0, 1, 128])  # partial tiles only, full tiles and a tail, none, exact
+    q = randn(5, 8, 64, dtype=torch.bfloat16)
+    for block_n, splits in ((64, 1), (16, 3)):
+        out = _check(cache, q, 0.125, torch.bfloat16, num_splits=splits, fp8_variant=variant,
+                     schedule=(block_n, 4, 2), **scales)
+        assert out[2].abs().max() == 0
+
+
+@pytest.mark.parametrize("variant", ["base_g", "swap_g", "swap_g_f", "swap_q8x2_p_f"])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", HEAD_LAYOUTS)
+def test_fp8_group_sized_rows_for_every_group(variant, num_q_heads, num_kv_heads):
+    """The variants whose dots hold exactly the group's query heads (1, 4 and 8 rows here), or its
+    two e4m3 terms side by side (8 + 8)."""
+    torch.manual_seed(num_q_heads + num_kv_heads)
+    cache = random_paged_cache([77, 20], num_kv_heads, 64, 16, torch.float16)
+    cache.k_cache = (cache.k_cache.float() / 0.04).clamp(-448, 448).to(torch.float8_e4m3fn)
+    cache.v_cache = (cache.v_cache.float() / 0.02).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scales = {"k_scale": torch.full((num_kv_heads,), 0.04, device=DEVICE),
+              "v_scale": torch.full((num_kv_heads,), 0.02, device=DEVICE)}
+    q = randn(2, num_q_heads, 64, dtype=torch.float16)
+    _check(cache, q, 0.125, torch.float16, num_splits=2, fp8_variant=variant, schedule=(32, 4, 2, 128), **scales)
+
+
+@pytest.mark.parametrize("variant", ["swap_q8x2", "swap_q8x2_p_f"])
+def test_fp8_two_term_queries_keep_small_components(variant):
+    """q as two e4m3 terms under one per-head scale (two dots, or one over both side by side): a head
+    whose elements span five decades (the small ones in e4m3's subnormal range) and a zero head match."""
+    torch.manual_seed(7)
+    cache, scales = _fp8_cache([90, 33])
+    q = randn(2, 8, 64, dtype=torch.float16)
+    q[0, 1] *= 1e-3
+    q[0, 1, 5] = 80.0
+    q[1, 6] = 0.0
+    _check(cache, q, 0.125, torch.float16, fp8_variant=variant, **scales)
+
+
+@triton.jit
+def _round_kernel(x_ptr, out_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(out_ptr + offs, _round_to_e4m3(tl.load(x_ptr + offs)))
+
+
+def test_round_to_e4m3_matches_torch_cast():
+    """The integer rounding behind the two-term queries gives torch's e4m3 values (ties to even)
+    across e4m3's normal range, its exact ties and its subnormal range (off its ties)."""
+    torch.manual_seed(8)
+    normal = torch.randn(512) * 60
+    ties = torch.tensor([1.0625, 1.1875, -3.3125, 300.0, 17.0, 0.5078125])  # halfway between e4m3 neighbours
+    subnormal = torch.linspace(-0.0155, 0.0155, 500)
+    subnormal = subnormal[((subnormal * 512).frac().abs() - 0.5).abs() > 1e-3]
+    x = torch.cat([normal.clamp(-448, 448), ties, subnormal, torch.zeros(1)])
+    x = torch.cat([x, torch.zeros(2048 - x.numel())]).to(DEVICE)
+    out = torch.empty_like(x)
+    _round_kernel[(1,)](x, out, N=x.numel())
+    torch.testing.assert_close(out, x.to(torch.float8_e4m3fn).float(), atol=0, rtol=0)
+
+
 def test_fp8_float16_dots_clamp_queries_beyond_float16_range():
     """A bf16 query past float16's range is clamped to +-65504, not turned into inf / NaN."""
     torch.manual_seed(5)
@@ -112,12 +181,32 @@ def test_long_contexts_gpu(head_dim, block_size, kv_dtype, via_float16):
     cache = random_paged_cache(seq_lens, 8, head_dim, block_size, torch.bfloat16)
     scales = {}
     if kv_dtype == torch.float8_e4m3fn:
-        scales = {"fp8_via_float16": via_float16, "k_scale": torch.full((8,), 0.01, device=DEVICE), "v_scale": torch.full((8,), 0.02, device=DEVICE)}
-        cache.k_cache = (cache.k_cache.float() / 0.01).clamp(-448, 448).to(torch.float8_e4m3fn)
-        cache.v_cache = (cache.v_cache.float() / 0.02).clamp(-448, 448).to(torch.float8_e4m3fn)
+        scales = {"fp8_via_float16": via_float16, **_gpu_fp8(cache)}
     q = randn(len(seq_lens), 32, head_dim, dtype=torch.bfloat16)
     _check(cache, q, head_dim**-0.5, torch.bfloat16, **scales)
     _check(cache, q, head_dim**-0.5, torch.bfloat16, num_splits=1, **scales)
+
+
+def _gpu_fp8(cache):
+    """Quantizes the cache to fp8 in place (scales 0.01 / 0.02); returns the scale kwargs."""
+    cache.k_cache = (cache.k_cache.float() / 0.01).clamp(-448, 448).to(torch.float8_e4m3fn)
+    cache.v_cache = (cache.v_cache.float() / 0.02).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return {"k_scale": torch.full((8,), 0.01, device=DEVICE), "v_scale": torch.full((8,), 0.02, device=DEVICE)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("variant", sorted(set(FP8_DECODE_VARIANTS) - {"base"}))
+def test_fp8_variants_long_contexts_gpu(head_dim, variant):
+    """Each fp8 variant compiled for the GPU (wgmma where it applies) at one deep schedule, split and not."""
+    torch.manual_seed(head_dim)
+    seq_lens = [8191, 1, 2048, 0, 5000, 33]
+    cache = random_paged_cache(seq_lens, 8, head_dim, 16, torch.bfloat16)
+    scales = _gpu_fp8(cache)
+    q = randn(len(seq_lens), 32, head_dim, dtype=torch.bfloat16)
+    for splits in (None, 1):
+        _check(cache, q, head_dim**-0.5, torch.bfloat16, fp8_variant=variant, schedule=(64, 4, 10),
+               num_splits=splits, **scales)
 
 
 def test_bad_input_raises_value_error():
@@ -130,3 +219,13 @@ def test_bad_input_raises_value_error():
         paged_decode_attention(q, fp8, fp8, cache.block_tables, cache.seq_lens, 0.1)
     with pytest.raises(ValueError, match="num_splits must be"):
         paged_decode_attention(q, cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens, 0.1, num_splits=0)
+    fp8_cache, scales = _fp8_cache([4])
+    args = (q, fp8_cache.k_cache, fp8_cache.v_cache, fp8_cache.block_tables, fp8_cache.seq_lens, 0.1)
+    with pytest.raises(ValueError, match="fp8_variant must be one of"):
+        paged_decode_attention(*args, fp8_variant="nope", **scales)
+    with pytest.raises(ValueError, match="needs fp8_via_float16=True"):
+        paged_decode_attention(*args, fp8_variant="swap", fp8_via_float16=False, **scales)
+    with pytest.raises(ValueError, match="schedule BLOCK_N must be"):
+        paged_decode_attention(*args, schedule=(48, 4, 2), **scales)
+    with pytest.raises(ValueError, match="schedule must be"):
+        paged_decode_attention(*args, schedule=(64, 4), **scales)
