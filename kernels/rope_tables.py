@@ -84,6 +84,13 @@ def build_cos_sin_cache(
     """[max_positions, rotary_dim] float32: cos(pos * f) in the first half, sin(pos * f) in the second."""
     if max_positions <= 0:
         raise ValueError(f"max_positions must be positive, got {max_positions}")
+    target = torch.device(device) if device is not None else torch.get_default_device()
+    if target.type == "meta":
+        # A model built on the meta device needs the table's shape only (to_empty rebuilds it). Computed there,
+        # the ops run through torch's Python references, whose first use imports torch._dynamo and sympy:
+        # over a CPU-second per process. The frequencies (rotary_dim / 2 values) still validate the arguments.
+        half = rope_inverse_frequencies(rotary_dim, theta, rope_scaling, "cpu").numel()
+        return torch.empty(max_positions, 2 * half, dtype=torch.float32, device=target)
     inv_freq = rope_inverse_frequencies(rotary_dim, theta, rope_scaling, device)
     positions = torch.arange(max_positions, dtype=torch.int64, device=inv_freq.device).float()
     angles = positions[:, None] * inv_freq[None, :]

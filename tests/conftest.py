@@ -17,9 +17,13 @@ if not torch.cuda.is_available():
 
 # Under pytest-xdist each worker would start one intra-op thread per core; on a small CI machine the
 # workers then fight over the cores and CPU model tests run several times slower. Split the cores.
+# The processes tests start (`sits serve`, its engine process, `sits generate`) get the same share through
+# OMP_NUM_THREADS: with a thread per core each, their idle OpenMP threads spin on cores the other worker needs.
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _workers > 1:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
+    _threads = max(1, (os.cpu_count() or 1) // _workers)
+    torch.set_num_threads(_threads)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
 
 import pytest  # noqa: E402
 

@@ -204,7 +204,9 @@ def build_random_model(
 def _empty_model(config, backend, device, dtype, max_positions) -> LlamaForCausalLM:
     with torch.device("meta"):
         model = LlamaForCausalLM(config, backend, max_positions=max_positions)
-    return model.to(dtype).to_empty(device=device)
+    # What Module.to_empty does, with torch.empty: its empty_like of a meta tensor runs torch's Python
+    # reference op, whose first use imports sympy (half a CPU-second in every process that loads a model).
+    return model.to(dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
 
 
 def _counted(tensors, bar):

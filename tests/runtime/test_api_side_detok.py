@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator
 
 import pytest
+import pytest_asyncio
 
 from sits.runtime.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from sits.runtime.engine.async_engine import AsyncEngine
@@ -26,7 +27,9 @@ from sits.runtime.engine.request import CompletionOutput, FinishReason, RequestO
 from sits.runtime.engine.request_stream import RequestStream
 
 PROMPT_TEXT = "The quick brown fox jumps over the lazy dog"
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+# One engine of each kind (and one event loop) for the module: every test waits until its requests have left
+# the engine, and measures the engine's counters as differences.
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.asyncio(loop_scope="module")]
 
 
 def config(model: str | None = None) -> EngineConfig:
@@ -37,7 +40,7 @@ def config(model: str | None = None) -> EngineConfig:
     )
 
 
-@pytest.fixture(params=["in-process", "engine-process"])
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=["in-process", "engine-process"])
 async def client(request, tiny, tiny_llama_dir) -> AsyncIterator[AsyncEngine | MultiprocessEngineClient]:
     if request.param == "in-process":
         engine: AsyncEngine | MultiprocessEngineClient = AsyncEngine.from_engine(LLMEngine.from_loaded(tiny, config()))

@@ -266,6 +266,21 @@ def test_gguf_frequency_factors_give_the_llama3_table():
                                build_cos_sin_cache(32, 256, 500000.0, llama3), atol=1e-5, rtol=1e-5)
 
 
+def test_a_table_for_the_meta_device_has_the_real_shape_and_still_checks_its_arguments():
+    """A model built on the meta device gets a meta table (no values to compute) shaped as the real one."""
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 64}
+    real = build_cos_sin_cache(32, 256, 500000.0, llama3)
+    for explicit in (True, False):
+        with torch.device("meta"):
+            table = build_cos_sin_cache(32, 256, 500000.0, llama3, device="meta" if explicit else None)
+        assert table.device.type == "meta" and table.shape == real.shape and table.dtype == real.dtype
+    with torch.device("meta"), pytest.raises(ValueError, match="freq_factors needs 16 factors"):
+        build_cos_sin_cache(32, 256, 500000.0, {"rope_type": "freq_factors", "factors": [1.0, 2.0]})
+    with pytest.raises(ValueError, match="rotary_dim"):
+        build_cos_sin_cache(31, 256, 10000.0, device="meta")
+
+
 # -- registry --------------------------------------------------------------------------------------
 
 

@@ -222,7 +222,7 @@ def test_interrupting_a_launched_run_stops_its_server(signum):
     marker = f"interrupted-{uuid.uuid4().hex[:8]}"
     argv = [sys.executable, "-m", "sits.runtime.cli", "bench", "serve", "--launch",
             f"--load-format dummy --config tiny --served-model-name {marker}", "--num-prompts", "200",
-            "--max-concurrency", "2", "--random-input-len", "8", "--random-output-len", "64", "--no-progress"]
+            "--max-concurrency", "2", "--random-input-len", "8", "--random-output-len", "16", "--no-progress"]
     # the first progress line comes at a tenth of the prompts; the other nine tenths outlast the signal
     # Ctrl-C's default action in the child even when this run inherited SIGINT ignored (a background job)
     bench_process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -244,14 +244,19 @@ def test_tenants_from_a_file_send_their_own_keys_to_a_server_that_checks_them(tm
     tenants = tmp_path / "tenants.yaml"
     tenants.write_text("tenants:\n  - {name: alpha, apiKey: sk-alpha, kvCacheShare: 0.4}\n"
                        "  - {name: beta, apiKey: sk-beta, kvCacheShare: 0.4}\n")
-    result = bench(tmp_path, "--launch", f"--load-format dummy --config tiny --tenants {tenants}",
-                   "--dataset-name", "prefix-repetition", "--tenants-file", str(tenants), "--prefix-len", "32",
-                   "--num-prompts", "6", "--random-input-len", "8", "--random-output-len", "3")
-    assert result["results"]["completed"] == 6  # every key was accepted: each request carried its tenant's
-    assert [r["tenant"] for r in result["requests"]] == ["alpha", "beta"] * 3
     wrong = tmp_path / "wrong.yaml"
     wrong.write_text("tenants:\n  - {name: alpha, apiKey: sk-not-alpha}\n")
-    result = bench(tmp_path, "--launch", f"--load-format dummy --config tiny --tenants {tenants}",
-                   "--dataset-name", "prefix-repetition", "--tenants-file", str(wrong), "--model", "tiny",
-                   "--num-prompts", "3", "--random-input-len", "8", "--random-output-len", "3")
-    assert result["results"]["failed_by_status"] == {"401": 3}
+    port = free_port()  # one server for both runs (--launch is covered above)
+    argv = [sys.executable, "-m", "sits.runtime.cli", "serve", "--load-format", "dummy", "--config", "tiny",
+            "--host", "127.0.0.1", "--port", str(port), "--tenants", str(tenants)]
+    with started(argv, port, timeout_s=120.0) as service:
+        wait_healthy(service.url, service)
+        result = bench(tmp_path, "--base-url", service.url, "--vocab-size", str(TINY_VOCAB),
+                       "--dataset-name", "prefix-repetition", "--tenants-file", str(tenants), "--prefix-len", "32",
+                       "--num-prompts", "6", "--random-input-len", "8", "--random-output-len", "3")
+        assert result["results"]["completed"] == 6  # every key was accepted: each request carried its tenant's
+        assert [r["tenant"] for r in result["requests"]] == ["alpha", "beta"] * 3
+        result = bench(tmp_path, "--base-url", service.url, "--vocab-size", str(TINY_VOCAB),
+                       "--dataset-name", "prefix-repetition", "--tenants-file", str(wrong), "--model", "tiny",
+                       "--num-prompts", "3", "--random-input-len", "8", "--random-output-len", "3")
+        assert result["results"]["failed_by_status"] == {"401": 3}

@@ -27,7 +27,7 @@ from sits.runtime.engine.engine import LLMEngine
 from sits.runtime.engine.request import FinishReason, SamplingParams
 from sits.runtime.engine.structured_output import JSON_OBJECT, StructuredOutputError, json_schema_spec
 from sits.runtime.server.runner import BackgroundServer
-from tests.support.serving import serve_loaded
+from tests.support.serving import serve_loaded, together
 
 PERSON = {
     "type": "object",
@@ -140,10 +140,11 @@ def test_json_object_is_a_json_object(client, model):
 
 
 def test_a_json_schema_holds_greedy_and_sampled(client, model):
-    greedy = client.chat.completions.create(model=model, messages=ASK_PERSON, max_tokens=60, temperature=0,
-                                            response_format=person_format(strict=True))
-    sampled = client.chat.completions.create(model=model, messages=ASK_PERSON, max_tokens=60, temperature=1.0,
-                                             seed=7, n=2, response_format=person_format())
+    greedy, sampled = together(
+        lambda: client.chat.completions.create(model=model, messages=ASK_PERSON, max_tokens=60, temperature=0,
+                                               response_format=person_format(strict=True)),
+        lambda: client.chat.completions.create(model=model, messages=ASK_PERSON, max_tokens=60, temperature=1.0,
+                                               seed=7, n=2, response_format=person_format()))
     choices = greedy.choices + sampled.choices
     assert len(choices) == 3
     for choice in choices:

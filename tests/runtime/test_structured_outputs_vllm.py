@@ -23,7 +23,7 @@ import pytest
 from sits.runtime.engine.async_engine import AsyncEngine
 from sits.runtime.engine.structured_output import StructuredOutputError, grammar_spec, regex_spec
 from sits.runtime.server.runner import BackgroundServer
-from tests.support.serving import serve_loaded
+from tests.support.serving import serve_loaded, together
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -65,9 +65,9 @@ def chat_texts(client, model, messages, extra_body, **kwargs) -> list[tuple[str,
 # -- regex -------------------------------------------------------------------------------------
 def test_a_regex_matches_whole_greedy_sampled_and_streamed(client, model):
     constraint = {"structured_outputs": {"regex": PHONE}}
-    outputs = (chat_texts(client, model, ASK_PHONE, constraint)
-               + chat_texts(client, model, ASK_PHONE, constraint, temperature=1.0, seed=3, n=2)
-               + chat_texts(client, model, ASK_PHONE, constraint, stream=True))
+    outputs = sum(together(lambda: chat_texts(client, model, ASK_PHONE, constraint),
+                           lambda: chat_texts(client, model, ASK_PHONE, constraint, temperature=1.0, seed=3, n=2),
+                           lambda: chat_texts(client, model, ASK_PHONE, constraint, stream=True)), [])
     assert len(outputs) == 4
     for text, finish in outputs:
         assert re.fullmatch(PHONE, text), text
@@ -92,8 +92,9 @@ def test_completions_take_structured_outputs_and_guided_regex(client, model):
 @pytest.mark.parametrize("constraint", [{"structured_outputs": {"choice": SPECIAL_CHOICES}},
                                         {"guided_choice": SPECIAL_CHOICES}], ids=["structured_outputs", "guided"])
 def test_a_choice_is_one_of_the_choices_special_characters_and_all(client, model, constraint):
-    outputs = (chat_texts(client, model, ASK_CHOICE, constraint)
-               + chat_texts(client, model, ASK_CHOICE, constraint, temperature=1.0, seed=11, n=2, stream=True))
+    outputs = sum(together(
+        lambda: chat_texts(client, model, ASK_CHOICE, constraint),
+        lambda: chat_texts(client, model, ASK_CHOICE, constraint, temperature=1.0, seed=11, n=2, stream=True)), [])
     for text, finish in outputs:
         assert text in SPECIAL_CHOICES, text
         assert finish == "stop", text
@@ -110,8 +111,9 @@ def test_plain_choices_on_completions(client, model):
 @pytest.mark.parametrize("constraint", [{"structured_outputs": {"grammar": ARITHMETIC}}, {"guided_grammar": ARITHMETIC}],
                          ids=["structured_outputs", "guided"])
 def test_a_grammar_output_parses(client, model, constraint):
-    outputs = (chat_texts(client, model, ASK_SUM, constraint)
-               + chat_texts(client, model, ASK_SUM, constraint, temperature=1.0, seed=2, stream=True))
+    outputs = sum(together(lambda: chat_texts(client, model, ASK_SUM, constraint),
+                           lambda: chat_texts(client, model, ASK_SUM, constraint, temperature=1.0, seed=2, stream=True)),
+                  [])
     for text, finish in outputs:
         assert re.fullmatch(ARITHMETIC_RE, text), text
         assert finish == "stop", text

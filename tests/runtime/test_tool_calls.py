@@ -21,7 +21,7 @@ from sits.runtime.config import ServerConfig
 from sits.runtime.engine.async_engine import AsyncEngine
 from sits.runtime.server.hermes import HermesParser, ParsedCall, parse_hermes
 from sits.runtime.server.runner import BackgroundServer
-from tests.support.serving import serve_loaded
+from tests.support.serving import serve_loaded, together
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
                                              "unit": {"enum": ["celsius", "fahrenheit"]}},
@@ -56,10 +56,11 @@ def assert_valid_calls(calls, names=None) -> None:
 
 # -- forced calls: named and required --------------------------------------------------------------
 def test_a_named_tool_choice_returns_one_valid_call_greedy_and_sampled(client, model):
-    greedy = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice=WEATHER_CHOICE,
-                                            max_tokens=40, temperature=0)
-    sampled = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice=WEATHER_CHOICE,
-                                             max_tokens=40, temperature=1.0, seed=3, n=2)
+    greedy, sampled = together(
+        lambda: client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice=WEATHER_CHOICE,
+                                               max_tokens=40, temperature=0),
+        lambda: client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice=WEATHER_CHOICE,
+                                               max_tokens=40, temperature=1.0, seed=3, n=2))
     for choice in greedy.choices + sampled.choices:
         assert choice.finish_reason == "stop", choice.message  # OpenAI's answer to a forced named call
         assert choice.message.content is None
