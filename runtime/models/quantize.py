@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -300,6 +302,25 @@ def _convert(linear: nn.Linear, method: str, fp8_mode: str, accum: AccumTable) -
     return None if group_size is None else Int8Linear.from_linear(linear, group_size)
 
 
+GEMM_TABLE_ENV = "SITS_FP8_GEMM_TABLE"
+
+
+def _installed_table(device_name: str) -> AccumTable:
+    """The GEMM backend table for this GPU: SITS_FP8_GEMM_TABLE=off gives the default rule (precise Triton
+    everywhere: to measure what the table changes), =PATH another measured table, unset the installed one."""
+    source = os.environ.get(GEMM_TABLE_ENV, "").strip()
+    if source.lower() == "off":
+        return AccumTable()
+    path = Path(source) if source else DEFAULT_TABLE_PATH
+    if source and not path.is_file():
+        raise ConfigError(f"{GEMM_TABLE_ENV}={source}: no such file (give a table written by "
+                          "benchmarks/bench_fp8_accum.py --table, or 'off')")
+    try:
+        return load_accum_table(path, device_name=device_name)
+    except ValueError as error:
+        raise ConfigError(f"{path}: {error}") from None
+
+
 def _fp8_setup(targets: list[tuple[str, nn.Linear]], fp8_mode: str, accum: AccumTable | None
                ) -> tuple[str, AccumTable]:
     """The resolved fp8 mode for the layers' device, and the GEMM backend table (w8a8 on CUDA: the
@@ -313,10 +334,7 @@ def _fp8_setup(targets: list[tuple[str, nn.Linear]], fp8_mode: str, accum: Accum
         raise ConfigError(f"--fp8-mode w8a8 needs fp8 tensor cores (SM 8.9 or later); this GPU is SM {major}.{minor}: "
                           "use --fp8-mode weight-only (or auto, which picks it)")
     if accum is None and device.type == "cuda" and mode == "w8a8":
-        try:
-            accum = load_accum_table(device_name=torch.cuda.get_device_name(device))
-        except ValueError as error:
-            raise ConfigError(f"{DEFAULT_TABLE_PATH}: {error}") from None
+        accum = _installed_table(torch.cuda.get_device_name(device))
     accum = accum or AccumTable()
     if mode == "w8a8" and device.type == "cuda" and accum.backends_used() & SCALED_MM_BACKENDS:
         from sits.kernels.fp8_gemm import scaled_mm_runs

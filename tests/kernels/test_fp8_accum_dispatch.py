@@ -117,6 +117,23 @@ def test_fp8_linear_takes_the_backend_of_each_calls_m_bucket_from_an_installed_t
     assert attention.qkv_proj.gemm_steps == () and attention.qkv_proj.backend_for(448) == "triton"  # not measured
 
 
+def test_the_gemm_table_env_turns_the_table_off_or_names_another(tmp_path, monkeypatch):
+    """SITS_FP8_GEMM_TABLE: 'off' gives the default rule, a path that table, a missing file one clear error."""
+    from sits.runtime.config import ConfigError
+    from sits.runtime.models.quantize import GEMM_TABLE_ENV, _installed_table
+
+    path = tmp_path / "other.json"
+    path.write_text(_tiny_table().to_json())
+    monkeypatch.setenv(GEMM_TABLE_ENV, str(path))
+    assert _installed_table("NVIDIA H200").backend(448, 768, 128) == "scaled_mm"
+    assert _installed_table("NVIDIA A100").backend(448, 768, 128) == "triton"  # another GPU's table applies nowhere
+    monkeypatch.setenv(GEMM_TABLE_ENV, "off")
+    assert _installed_table("NVIDIA H200").backends_used() == set()
+    monkeypatch.setenv(GEMM_TABLE_ENV, str(tmp_path / "missing.json"))
+    with pytest.raises(ConfigError, match=r"SITS_FP8_GEMM_TABLE=.*missing.json: no such file"):
+        _installed_table("NVIDIA H200")
+
+
 def test_the_cpu_reference_path_ignores_the_table():
     tokens = [(3 * i + 1) % TINY.vocab_size for i in range(70)]  # 70 rows: gate_up at the scaled_mm step
     base = tiny().model
