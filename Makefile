@@ -18,8 +18,8 @@ SERVE_ARGS  ?=
 export PYTHONSAFEPATH := 1
 
 # `make test`'s three preparations overlap where they can: the Debian servers install while pip fills the venv
-# (lint waits for the venv). --output-sync keeps each target's lines together.
-MAKEFLAGS += --jobs=2 --output-sync=target
+# (lint waits for the venv). No --output-sync: it would hold pytest's progress until the suite ends.
+MAKEFLAGS += --jobs=2
 
 .PHONY: setup serve test lint services docs clean
 
