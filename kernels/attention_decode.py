@@ -195,6 +195,31 @@ def _quantize_rows_e4m3(q):
 
 
 @triton.jit
+def _tile_rows(block_table_row, tile_start, end, stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
+               PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+    """Row offsets of tokens tile_start .. + BLOCK_N in the paged K and V caches, and which lie before `end`."""
+    valid = tile_start + tl.arange(0, BLOCK_N) < end
+    blocks, slots = paged_tile_blocks(block_table_row, tile_start, end, PAGE_SIZE, BLOCK_N, MASKED)
+    return blocks * stride_k_block + slots * stride_k_slot, blocks * stride_v_block + slots * stride_v_slot, valid
+
+
+@triton.jit
+def _tile_load(base, rows, offs_d, valid, TRANSPOSED: tl.constexpr, MASKED: tl.constexpr):
+    """One tile of token rows: [BLOCK_N, D], or [D, BLOCK_N] when TRANSPOSED; rows past `end` read as 0 when MASKED."""
+    if TRANSPOSED:
+        if MASKED:
+            tile = tl.load(base + rows[None, :] + offs_d[:, None], mask=valid[None, :], other=0.0)
+        else:
+            tile = tl.load(base + rows[None, :] + offs_d[:, None])
+    else:
+        if MASKED:
+            tile = tl.load(base + rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+        else:
+            tile = tl.load(base + rows[:, None] + offs_d[None, :])
+    return tile
+
+
+@triton.jit
 def _rows_tile(acc, m_i, l_i, q, scale, tile_start, end, block_table_row, k_base, v_base,
                stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
                HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, K_T: tl.constexpr,
@@ -202,34 +227,20 @@ def _rows_tile(acc, m_i, l_i, q, scale, tile_start, end, block_table_row, k_base
     """One online-softmax step over tokens tile_start .. + BLOCK_N with the query heads as the dots'
     rows: acc [G, D], m_i / l_i [G] (log2 domain) in, updated out. MASKED: tokens past `end` excluded
     (else the whole tile must lie before `end`). K_T: K loaded as [D, BLOCK_N]."""
-    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    valid = tile_start + offs_n < end
-    blocks, slots = paged_tile_blocks(block_table_row, tile_start, end, PAGE_SIZE, BLOCK_N, MASKED)
-    k_rows = blocks * stride_k_block + slots * stride_k_slot
-    v_rows = blocks * stride_v_block + slots * stride_v_slot
+    k_rows, v_rows, valid = _tile_rows(block_table_row, tile_start, end, stride_k_block, stride_k_slot,
+                                       stride_v_block, stride_v_slot, PAGE_SIZE, BLOCK_N, MASKED)
     if K_T:
-        if MASKED:
-            k_t = tl.load(k_base + k_rows[None, :] + offs_d[:, None], mask=valid[None, :], other=0.0)
-        else:
-            k_t = tl.load(k_base + k_rows[None, :] + offs_d[:, None])
-        qk = tl.dot(q, k_t.to(q.dtype)) * scale
+        qk = tl.dot(q, _tile_load(k_base, k_rows, offs_d, valid, True, MASKED).to(q.dtype)) * scale
     else:
-        if MASKED:
-            k = tl.load(k_base + k_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-        else:
-            k = tl.load(k_base + k_rows[:, None] + offs_d[None, :])
-        qk = tl.dot(q, tl.trans(k.to(q.dtype))) * scale
+        qk = tl.dot(q, tl.trans(_tile_load(k_base, k_rows, offs_d, valid, False, MASKED).to(q.dtype))) * scale
     if MASKED:
         qk = tl.where(valid[None, :], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     p = tl.math.exp2(qk - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if MASKED:
-        v = tl.load(v_base + v_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-    else:
-        v = tl.load(v_base + v_rows[:, None] + offs_d[None, :])
+    v = _tile_load(v_base, v_rows, offs_d, valid, False, MASKED)
     acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None])
     return acc, m_new, l_i
 
@@ -242,16 +253,10 @@ def _swap_tile(acc_t, m_i, l_i, q_t, q_hi_t, q_lo_t, scale, tile_start, end, blo
     """_rows_tile with the tokens as the dots' rows: S^T = K q^T [BLOCK_N, G], acc_t = out^T [D, G].
     Q8X2: S^T = K (q_hi + q_lo)^T as two fp8 dots, scale [G] per query head (else a scalar).
     PACKED (with Q8X2): one fp8 dot against q_hi_t = [D, 2G] (hi's columns, then lo's), halves summed."""
-    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    valid = tile_start + offs_n < end
-    blocks, slots = paged_tile_blocks(block_table_row, tile_start, end, PAGE_SIZE, BLOCK_N, MASKED)
-    k_rows = blocks * stride_k_block + slots * stride_k_slot
-    v_rows = blocks * stride_v_block + slots * stride_v_slot
-    if MASKED:
-        k = tl.load(k_base + k_rows[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-    else:
-        k = tl.load(k_base + k_rows[:, None] + offs_d[None, :])
+    k_rows, v_rows, valid = _tile_rows(block_table_row, tile_start, end, stride_k_block, stride_k_slot,
+                                       stride_v_block, stride_v_slot, PAGE_SIZE, BLOCK_N, MASKED)
+    k = _tile_load(k_base, k_rows, offs_d, valid, False, MASKED)
     if PACKED:  # K as stored: fp8 x fp8; column j * G + h -> [BLOCK_N, G, 2], summed over j
         s_hi, s_lo = tl.split(tl.permute(tl.reshape(tl.dot(k, q_hi_t), [BLOCK_N, 2, BLOCK_G]), (0, 2, 1)))
         s_t = (s_hi + s_lo) * scale[None, :]
@@ -265,10 +270,7 @@ def _swap_tile(acc_t, m_i, l_i, q_t, q_hi_t, q_lo_t, scale, tile_start, end, blo
     p_t = tl.math.exp2(s_t - m_new[None, :])
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p_t, 0)
-    if MASKED:
-        v_t = tl.load(v_base + v_rows[None, :] + offs_d[:, None], mask=valid[None, :], other=0.0)
-    else:
-        v_t = tl.load(v_base + v_rows[None, :] + offs_d[:, None])
+    v_t = _tile_load(v_base, v_rows, offs_d, valid, True, MASKED)
     acc_t = tl.dot(v_t.to(q_t.dtype), p_t.to(q_t.dtype), acc_t * alpha[None, :])
     return acc_t, m_new, l_i
 

@@ -16,11 +16,10 @@ from sits.kernels.fp8_gemm import (
     SMALL_M,
     fp8_gemm,
     fp8_gemm_reference,
-    quantize_weight_fp8_per_channel,
     small_m_direct,
 )
-from sits.kernels.fp8_quantize import quantize_fp8_per_token_reference
-from tests.kernels.helpers import DEVICE, ON_GPU, randn
+from tests.kernels.helpers import DEVICE, ON_GPU
+from tests.kernels.test_fp8_gemm import _quantized_operands
 
 # Rows the direct kernel must cover: one token, a tile's worth minus some, just past a 16-row tile.
 ODD_SHAPES = [(1, 64, 64), (5, 100, 96), (17, 50, 80), (64, 40, 48)]
@@ -29,11 +28,7 @@ ODD_IDS = ["m1", "m5_ragged_n", "m17_ragged_n_k_tail", "m64"]
 
 def _operands(m, n, k, seed):
     torch.manual_seed(seed)
-    x = randn(m, k, dtype=torch.float32, scale=2.0)
-    w = randn(n, k, dtype=torch.float32, scale=0.05)
-    a_fp8, a_scale = quantize_fp8_per_token_reference(x)  # host quantization: exact in the interpreter
-    w_fp8, w_scale = quantize_weight_fp8_per_channel(w)
-    return a_fp8, a_scale, w_fp8, w_scale
+    return _quantized_operands(m, n, k)
 
 
 def _check(out: torch.Tensor, expected: torch.Tensor) -> None:
