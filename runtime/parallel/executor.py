@@ -21,6 +21,7 @@ import multiprocessing
 import os
 import signal
 import threading
+import time
 from dataclasses import dataclass, field
 from multiprocessing import connection
 from multiprocessing.process import BaseProcess
@@ -253,17 +254,25 @@ def _exit_without_reaping(process: BaseProcess) -> str:
     poll from two threads, and a reap here would leave None as the exit code that the thread joining
     the process reads.
     """
-    try:
-        info = os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    except ChildProcessError:  # already reaped by a join: multiprocessing holds the code
-        info = None
-        if process.exitcode is not None:
-            return f"exit code {process.exitcode}"
+    deadline = time.monotonic() + 2.0
+    while True:  # the sentinel closes as the process exits, a moment before the kernel can report it
+        try:
+            info = os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:  # already reaped by a join: multiprocessing holds the code
+            return _describe_exit(process.exitcode)
+        if info is not None or time.monotonic() > deadline:
+            break
+        time.sleep(0.005)
     if info is None:
+        return _describe_exit(None)
+    return _describe_exit(info.si_status if info.si_code == os.CLD_EXITED else -info.si_status)
+
+
+def _describe_exit(code: int | None) -> str:
+    """multiprocessing's exit code in words: N >= 0 an exit status, -N the signal N, None not known."""
+    if code is None:
         return "exit code unknown"
-    if info.si_code == os.CLD_EXITED:
-        return f"exit code {info.si_status}"
-    return f"signal {signal.Signals(info.si_status).name}"
+    return f"exit code {code}" if code >= 0 else f"signal {signal.Signals(-code).name}"
 
 
 def _stop_processes(processes: list[BaseProcess], connections: list[connection.Connection],
