@@ -114,7 +114,7 @@ class MultiprocessEngineClient(StreamingClient):
         Raises:
             EngineStartError: the engine could not be built (its one-line reason).
         """
-        from sits.runtime.engine.core_process import run_engine_core
+        from sits.runtime.engine.core_entry import run_engine_core
 
         context = multiprocessing.get_context("spawn")
         ours, theirs = context.Pipe(duplex=True)

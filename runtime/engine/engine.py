@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from sits.runtime.config import ConfigError, EngineConfig
+from sits.runtime.engine.bad_words import resolve_bad_words
 from sits.runtime.engine.cache_sizing import check_fits_one_sequence, num_blocks_for_budget
 from sits.runtime.engine.engine_setup import checkpoint_head_dim, prepare_execution, quantize
 from sits.runtime.engine.errors import DuplicateRequestError, InvalidRequestError, PromptTooLongError
@@ -50,7 +51,6 @@ from sits.runtime.engine.scheduling_policy import SchedulingPolicy, WaitingQueue
 from sits.runtime.engine.sequence import RequestState, Sequence, SequenceStatus, child_sequence_id
 from sits.runtime.engine.stats import EngineStats
 from sits.runtime.engine.structured_output import StructuredOutputs
-from sits.runtime.engine.token_masks import resolve_bad_words
 from sits.runtime.engine.validated import ValidatedSamplingParams
 from sits.runtime.lora.manager import lora_binding, setup_lora
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from fastapi import Request
 
+from sits.runtime.engine.bad_words import resolve_bad_words
 from sits.runtime.engine.request import SamplingParams, StructuredOutputSpec
 from sits.runtime.engine.structured_output import (
     JSON_OBJECT,
@@ -17,7 +18,6 @@ from sits.runtime.engine.structured_output import (
     json_schema_spec,
     regex_spec,
 )
-from sits.runtime.engine.token_masks import resolve_bad_words
 from sits.runtime.engine.validated import ValidatedSamplingParams
 from sits.runtime.server.errors import invalid_request
 from sits.runtime.server.grammar_compiler import ClientLeft, GrammarCompiler
