@@ -1,10 +1,12 @@
-"""Forwarding one request to a replica, with one failover before the first byte.
+"""Forwarding one request to a replica, with one failover before the client's first byte.
 
 A replica that refuses the connection, drops it before answering, or answers 503 is tried no
-more for this request: the request goes to the next replica in the decision's order, once. Once
-a replica's status line and headers arrive, the answer is the client's: its status and body pass
-through unchanged (4xx included) and a stream is relayed chunk by chunk; a stream that breaks
-midway is never retried (its bytes were sent).
+more for this request: the request goes to the next replica in the decision's order, once. A
+whole answer (anything but an event stream) is read from the replica before the client gets any of
+it, so a replica that dies between its headers and its body is failed over like one that dropped
+the connection. An event stream is relayed chunk by chunk as it comes; once its headers are relayed
+it is the client's (status and body unchanged), and one that breaks midway is never retried (its
+bytes were sent).
 """
 
 from __future__ import annotations
@@ -73,9 +75,31 @@ class Forwarder:
                 await upstream.aclose()
                 self._failed(replica, "status_503", None, take_out=False)
                 continue
-            return self._relay(upstream, replica)
+            if _is_event_stream(upstream):
+                return self._relay(upstream, replica)
+            try:
+                return await self._whole(upstream, replica)
+            except (httpx.RemoteProtocolError, httpx.ReadError, httpx.TimeoutException) as error:
+                self._failed(replica, "disconnect", error, take_out=False)
+                continue
         return OpenAIError(503, "no replica could take the request; retry later",
                            error_type="service_unavailable").to_response()
+
+    async def _whole(self, upstream: httpx.Response, replica: Replica) -> Response:
+        """A whole (not streamed) answer, read to its end before the client sees it.
+
+        Raises:
+            httpx.RemoteProtocolError / ReadError / TimeoutException: the replica broke off the body
+                (nothing was sent to the client: the caller fails over).
+        """
+        try:
+            body = b"".join([chunk async for chunk in upstream.aiter_raw()])  # raw: content-encoding passes through
+        finally:
+            await upstream.aclose()
+        replica.in_flight -= 1
+        self._gauge(replica)
+        headers = {k: v for k, v in upstream.headers.items() if k.lower() not in DROPPED_RESPONSE_HEADERS}
+        return Response(body, status_code=upstream.status_code, headers=headers)
 
     def _relay(self, upstream: httpx.Response, replica: Replica) -> Response:
         """The replica's answer as the client's: status, headers (but hop-by-hop ones) and body."""
@@ -114,6 +138,10 @@ class Forwarder:
 
     def _gauge(self, replica: Replica) -> None:
         self.metrics.in_flight.labels(replica.url).set(replica.in_flight)
+
+
+def _is_event_stream(upstream: httpx.Response) -> bool:
+    return upstream.headers.get("content-type", "").split(";")[0].strip().lower() == "text/event-stream"
 
 
 def unavailable() -> JSONResponse:
