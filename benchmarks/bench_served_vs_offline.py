@@ -187,7 +187,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from sits.runtime.models.presets import preset_config
 
-    vocab = preset_config(args.config).vocab_size
+    rows = _measure_rows(args, preset_config(args.config).vocab_size)
+    load = os.getloadavg()
+    _print_rows(args, rows, load)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"config": args.config, "threads": args.threads, "input_len": args.input_len,
+                                               "output_len": args.output_len, "load_average": load, "rows": rows},
+                                              indent=1))
+    return 0
+
+
+def _measure_rows(args: argparse.Namespace, vocab: int) -> list[dict]:
+    """Per stream count: --repeats pairs of offline and served runs (alternately first), with their medians."""
     rows = []
     with tempfile.TemporaryDirectory(prefix="sits-served-vs-offline-") as workdir:
         for streams in args.streams:
@@ -210,7 +221,11 @@ def main(argv: list[str] | None = None) -> int:
                          "ratio": statistics.median(pair["ratio"] for pair in pairs),
                          "engine_cpu_ratio": statistics.median(pair["engine_cpu_ratio"] for pair in pairs),
                          "pairs": pairs})
-    load = os.getloadavg()
+    return rows
+
+
+def _print_rows(args: argparse.Namespace, rows: list[dict], load: tuple[float, float, float]) -> None:
+    """The table of medians, then each pair's ratios when there are several."""
     print(f"\nserved vs offline: random {args.config} weights, {args.input_len} in / {args.output_len} out, "
           f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {args.threads} torch thread(s), load average {load[0]:.1f} at the end")
     print(f"{'streams':>8} {'offline tok/s':>14} {'served tok/s':>13} {'ratio':>7} {'ITL p50/p99 offline ms':>24} "
@@ -230,11 +245,6 @@ def main(argv: list[str] | None = None) -> int:
         for row in rows:
             print(f"{row['streams']:>8} " + "  ".join(f"{pair['ratio']:.2f}x / {pair['engine_cpu_ratio']:.2f}x"
                                                        for pair in row["pairs"]))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"config": args.config, "threads": args.threads, "input_len": args.input_len,
-                                               "output_len": args.output_len, "load_average": load, "rows": rows},
-                                              indent=1))
-    return 0
 
 
 if __name__ == "__main__":

@@ -54,14 +54,9 @@ def main(argv=None) -> int:
     config = bench.build_config(args)
     loaded = bench.load(args, config)
     engine = LLMEngine.from_loaded(loaded, config)
-    vocab = loaded.config.vocab_size
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, min_tokens=args.output_len, ignore_eos=True)
-    for index, prompt in enumerate(bench.random_prompts(args.batch, args.input_len, vocab, 7)):
-        engine.add_request(f"p{index}", prompt, params)
-    while engine.scheduler.waiting:  # every prompt admitted (a large batch takes many prefill steps)
-        engine.step()
-    for _ in range(40):  # the last prefill chunks, then graph warm-up decodes
-        engine.step()
+    _start_decoding(engine, bench.random_prompts(args.batch, args.input_len, loaded.config.vocab_size, 7),
+                    SamplingParams(temperature=0.0, max_tokens=args.output_len, min_tokens=args.output_len,
+                                   ignore_eos=True))
     sync()
     begin = time.perf_counter()
     for _ in range(args.steps):
@@ -93,12 +88,28 @@ def main(argv=None) -> int:
         floor = (weight_bytes + kv_bytes) / gpu.hbm_bytes_per_s * 1e3
         print(f"floor: {weight_bytes / 2**30:.2f} GiB weights + {kv_bytes / 2**30:.2f} GiB KV at "
               f"{gpu.hbm_bytes_per_s / 1e12:.2f} TB/s = {floor:.3f} ms; wall/floor {wall_ms / floor:.2f}")
+    _print_kernel_table(by_name, total_us, args.steps)
+    return 0
+
+
+def _start_decoding(engine, prompts, params) -> None:
+    """Add the prompts, step until every one is admitted (a large batch prefills over many steps), then 40
+    more steps: the last prefill chunks and the CUDA graphs' warm-up decodes."""
+    for index, prompt in enumerate(prompts):
+        engine.add_request(f"p{index}", prompt, params)
+    while engine.scheduler.waiting:
+        engine.step()
+    for _ in range(40):
+        engine.step()
+
+
+def _print_kernel_table(by_name: dict[str, list[float]], total_us: float, steps: int) -> None:
+    """The 30 kernels with the most GPU time: ms per step, share, calls per step, µs per call."""
     print("\n| kernel | ms/step | share | calls/step | us/call |")
     print("|---|---|---|---|---|")
     for name, times in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:30]:
-        print(f"| {name[:90]} | {sum(times) / 1e3 / args.steps:.3f} | {sum(times) / total_us:.1%} | "
-              f"{len(times) / args.steps:.1f} | {sum(times) / len(times):.1f} |")
-    return 0
+        print(f"| {name[:90]} | {sum(times) / 1e3 / steps:.3f} | {sum(times) / total_us:.1%} | "
+              f"{len(times) / steps:.1f} | {sum(times) / len(times):.1f} |")
 
 
 if __name__ == "__main__":
