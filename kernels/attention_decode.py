@@ -337,33 +337,23 @@ def _decode_split_kernel(
             q_hi_t, q_lo_t, row_scale_q = tl.trans(q_hi), tl.trans(q_lo), row_scale
         if VARIANT & 32:  # [D, 2G]: hi's G columns, then lo's
             q_hi_t = tl.trans(tl.reshape(tl.permute(tl.join(q_hi, q_lo), (2, 0, 1)), [2 * BLOCK_G, HEAD_DIM]))
-        for tile_start in range(start, full_end, BLOCK_N):
-            acc_t, m_i, l_i = _swap_tile(
-                acc_t, m_i, l_i, q_t, q_hi_t, q_lo_t, row_scale_q, tile_start, end, block_table_row, k_base, v_base,
-                stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
-                HEAD_DIM, PAGE_SIZE, BLOCK_N, BLOCK_G, VARIANT & 4, VARIANT & 32, False,
-            )  # fmt: skip
-        for tile_start in range(full_end, end, BLOCK_N):
-            acc_t, m_i, l_i = _swap_tile(
-                acc_t, m_i, l_i, q_t, q_hi_t, q_lo_t, row_scale_q, tile_start, end, block_table_row, k_base, v_base,
-                stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
-                HEAD_DIM, PAGE_SIZE, BLOCK_N, BLOCK_G, VARIANT & 4, VARIANT & 32, True,
-            )  # fmt: skip
+        for masked in tl.static_range(2):  # the full tiles unmasked, then the rest masked
+            for tile_start in range(full_end if masked else start, end if masked else full_end, BLOCK_N):
+                acc_t, m_i, l_i = _swap_tile(
+                    acc_t, m_i, l_i, q_t, q_hi_t, q_lo_t, row_scale_q, tile_start, end, block_table_row, k_base,
+                    v_base, stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
+                    HEAD_DIM, PAGE_SIZE, BLOCK_N, BLOCK_G, VARIANT & 4, VARIANT & 32, masked == 1,
+                )  # fmt: skip
         acc = tl.trans(acc_t)
     else:
         acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
-        for tile_start in range(start, full_end, BLOCK_N):
-            acc, m_i, l_i = _rows_tile(
-                acc, m_i, l_i, q, scale, tile_start, end, block_table_row, k_base, v_base,
-                stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
-                HEAD_DIM, PAGE_SIZE, BLOCK_N, VARIANT & 1, False,
-            )  # fmt: skip
-        for tile_start in range(full_end, end, BLOCK_N):
-            acc, m_i, l_i = _rows_tile(
-                acc, m_i, l_i, q, scale, tile_start, end, block_table_row, k_base, v_base,
-                stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
-                HEAD_DIM, PAGE_SIZE, BLOCK_N, VARIANT & 1, True,
-            )  # fmt: skip
+        for masked in tl.static_range(2):  # the full tiles unmasked, then the rest masked
+            for tile_start in range(full_end if masked else start, end if masked else full_end, BLOCK_N):
+                acc, m_i, l_i = _rows_tile(
+                    acc, m_i, l_i, q, scale, tile_start, end, block_table_row, k_base, v_base,
+                    stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
+                    HEAD_DIM, PAGE_SIZE, BLOCK_N, VARIANT & 1, masked == 1,
+                )  # fmt: skip
 
     if FP8_KV:
         acc = acc * tl.load(v_scale_ptr + kv_head)
