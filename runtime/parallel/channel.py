@@ -103,7 +103,7 @@ class PipeCommandChannel(CommandChannel):
                 report = _last_failure(conn)
                 if report is not None:
                     return _failure_error(report)
-                return WorkerFailedError(f"tensor-parallel worker rank {rank} exited with {_exit_description(process)}")
+                return WorkerFailedError(f"tensor-parallel worker rank {rank} exited with {describe_exit(process.exitcode)}")
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.05)
@@ -179,9 +179,12 @@ def _last_failure(conn: connection.Connection) -> Failure | None:
     return report
 
 
-def _exit_description(process: BaseProcess) -> str:
-    code = process.exitcode
-    if code is not None and code < 0:
+def describe_exit(code: int | None) -> str:
+    """A process's exit in words, from multiprocessing's exit code: N >= 0 "exit code N", -N the signal N
+    ("signal SIGKILL"), None "exit code unknown"."""
+    if code is None:
+        return "exit code unknown"
+    if code < 0:
         import signal
 
         with contextlib.suppress(ValueError):

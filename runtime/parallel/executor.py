@@ -19,7 +19,6 @@ import contextlib
 import logging
 import multiprocessing
 import os
-import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -32,7 +31,12 @@ from sits.runtime.config import ConfigError
 from sits.runtime.engine.model_input import ModelInput
 from sits.runtime.engine.sampler import Sampler
 from sits.runtime.models.loading import LoadedModel
-from sits.runtime.parallel.channel import CommandChannel, GroupCommandChannel, PipeCommandChannel
+from sits.runtime.parallel.channel import (
+    CommandChannel,
+    GroupCommandChannel,
+    PipeCommandChannel,
+    describe_exit,
+)
 from sits.runtime.parallel.commands import ConfigureRunner, Shutdown, WorkerFailedError
 from sits.runtime.parallel.config import ParallelConfig
 from sits.runtime.parallel.distributed import (
@@ -259,20 +263,13 @@ def _exit_without_reaping(process: BaseProcess) -> str:
         try:
             info = os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
         except ChildProcessError:  # already reaped by a join: multiprocessing holds the code
-            return _describe_exit(process.exitcode)
+            return describe_exit(process.exitcode)
         if info is not None or time.monotonic() > deadline:
             break
         time.sleep(0.005)
     if info is None:
-        return _describe_exit(None)
-    return _describe_exit(info.si_status if info.si_code == os.CLD_EXITED else -info.si_status)
-
-
-def _describe_exit(code: int | None) -> str:
-    """multiprocessing's exit code in words: N >= 0 an exit status, -N the signal N, None not known."""
-    if code is None:
-        return "exit code unknown"
-    return f"exit code {code}" if code >= 0 else f"signal {signal.Signals(-code).name}"
+        return describe_exit(None)
+    return describe_exit(info.si_status if info.si_code == os.CLD_EXITED else -info.si_status)
 
 
 def _stop_processes(processes: list[BaseProcess], connections: list[connection.Connection],
