@@ -112,7 +112,7 @@ async def send(client: aiohttp.ClientSession, target: Target, request: BenchRequ
                     if usage:
                         record.prompt_tokens = usage.get("prompt_tokens", record.prompt_tokens)
                         record.output_tokens = usage.get("completion_tokens", 0)
-    except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError, UnicodeDecodeError, OSError) as error:
+    except (aiohttp.ClientError, TimeoutError, ValueError, OSError) as error:  # ValueError: bad JSON or UTF-8, an over-long line
         record.error = f"{type(error).__name__}: {error}"[:300]
     record.end_s = time.perf_counter()
     if record.ok and not record.output_tokens:
@@ -136,7 +136,8 @@ async def run_load(target: Target, requests: list[BenchRequest], shape: LoadShap
     gate = asyncio.Semaphore(limit)
     connector = aiohttp.TCPConnector(limit=limit, force_close=False)
     timeout = aiohttp.ClientTimeout(total=target.timeout_s)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
+    # read_bufsize: an event line may be long (logprobs, another server's chunks); aiohttp refuses lines over 2x it
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, read_bufsize=1 << 20) as client:
         async def one(request: BenchRequest) -> RequestRecord:
             async with gate:
                 record = await send(client, target, request)
