@@ -67,8 +67,7 @@ class Forwarder:
                 self._failed(replica, "disconnect", error, take_out=False)
                 continue
             except BaseException:  # the client went away while the replica was being asked
-                replica.in_flight -= 1
-                self._gauge(replica)
+                self._release(replica)
                 raise
             if upstream.status_code == 503 and attempt + 1 < min(len(order), MAX_ATTEMPTS):
                 await upstream.aread()
@@ -82,6 +81,9 @@ class Forwarder:
             except (httpx.RemoteProtocolError, httpx.ReadError, httpx.TimeoutException) as error:
                 self._failed(replica, "disconnect", error, take_out=False)
                 continue
+            except BaseException:  # the client went away while the body was being read
+                self._release(replica)
+                raise
         return OpenAIError(503, "no replica could take the request; retry later",
                            error_type="service_unavailable").to_response()
 
@@ -96,8 +98,7 @@ class Forwarder:
             body = b"".join([chunk async for chunk in upstream.aiter_raw()])  # raw: content-encoding passes through
         finally:
             await upstream.aclose()
-        replica.in_flight -= 1
-        self._gauge(replica)
+        self._release(replica)
         headers = {k: v for k, v in upstream.headers.items() if k.lower() not in DROPPED_RESPONSE_HEADERS}
         return Response(body, status_code=upstream.status_code, headers=headers)
 
@@ -112,8 +113,7 @@ class Forwarder:
                 return
             finished = True
             await upstream.aclose()
-            replica.in_flight -= 1
-            self._gauge(replica)
+            self._release(replica)
 
         async def chunks() -> AsyncIterator[bytes]:
             try:
@@ -130,11 +130,15 @@ class Forwarder:
                                  background=BackgroundTask(finish))
 
     def _failed(self, replica: Replica, kind: str, error: Exception | None, *, take_out: bool) -> None:
-        replica.in_flight -= 1
-        self._gauge(replica)
+        self._release(replica)
         self.metrics.upstream_errors.labels(replica.url, kind).inc()
         if take_out:
             self.pool.mark_down(replica, f"connection refused ({type(error).__name__})")
+
+    def _release(self, replica: Replica) -> None:
+        """One request fewer in flight on `replica` (its attempt answered, failed, or was abandoned)."""
+        replica.in_flight -= 1
+        self._gauge(replica)
 
     def _gauge(self, replica: Replica) -> None:
         self.metrics.in_flight.labels(replica.url).set(replica.in_flight)

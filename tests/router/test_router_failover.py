@@ -81,3 +81,32 @@ def test_an_event_stream_is_the_clients_from_its_headers_and_never_retried():
     broken, good = pool.replicas
     assert _errors(metrics, broken.url, "stream") == 1 and _errors(metrics, good.url, "disconnect") == 0
     assert broken.in_flight == good.in_flight == 0
+
+
+def test_a_client_leaving_while_a_whole_answer_is_read_leaves_nothing_in_flight():
+    async def run() -> int:
+        headers_in = asyncio.Event()
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await _read_request(reader)
+            writer.write(_head("application/json", 100))  # the headers, then the body never comes
+            await writer.drain()
+            await asyncio.sleep(30)
+            writer.close()
+
+        async def on_response(response: httpx.Response) -> None:
+            headers_in.set()  # the forward task runs on until it waits for the body, then this task resumes
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        async with httpx.AsyncClient(timeout=30, event_hooks={"response": [on_response]}) as client:
+            pool = ReplicaPool([url], client)
+            forward = asyncio.ensure_future(Forwarder(client, pool, RouterMetrics()).forward(
+                "POST", "/v1/completions", [], b"{}", pool.replicas, "load"))
+            await headers_in.wait()
+            forward.cancel()  # what Starlette does when the client disconnects
+            await asyncio.gather(forward, return_exceptions=True)
+        server.close()
+        return pool.replicas[0].in_flight
+
+    assert asyncio.run(run()) == 0
