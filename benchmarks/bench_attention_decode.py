@@ -3,6 +3,7 @@
     python benchmarks/bench_attention_decode.py [--json out.json] [--quick]
     TRITON_CACHE_AUTOTUNING=1 python benchmarks/bench_attention_decode.py --fp8 [--json out.json]
     python benchmarks/bench_attention_decode.py --fp8 --variants [--json out.json] [--quick]
+    python benchmarks/bench_attention_decode.py --small-batch [--json out.json]
 
 One query token per sequence, GQA 32 query / 8 KV heads, head_dim 128, bf16. The figure is the
 effective bandwidth: bytes of live K and V (B * context * Hkv * D * 2 tensors * 2 bytes) over the
@@ -21,6 +22,11 @@ schedules (BLOCK_N, num_warps, num_stages) in one run, at batch 448 / context 3,
 32 / 2,048 and 1 / 2,048: per candidate its time, GB/s, share of the copy bandwidth measured in the
 same run, and its max abs error against kernels/reference.py (float32) on the same fp8 cache, beside
 the autotuned default and the bf16 kernel. Every candidate is compiled ahead in parallel.
+
+--small-batch sweeps the split count where it decides the time: batches 1 to 16 at context 2,048, bf16
+and fp8 caches, every split count the 128-token split granule allows (1 to 16) beside the one
+`choose_num_splits` picks (the peer, same run), each timed in CUDA graphs over block tables rotated
+past L2 (at batch 1 the live K and V are 8 MiB, which L2 would otherwise serve).
 """
 
 from __future__ import annotations
@@ -348,12 +354,58 @@ def variants_main(args):
             json.dump({"copy_gbps": copy_gbps, "candidates": results}, f, indent=1)
 
 
+SMALL_BATCHES = (1, 2, 4, 8, 16)
+SMALL_SPLITS = (1, 2, 4, 8, 16)
+
+
+def small_batch_case(batch: int, context: int, fp8: bool) -> tuple[Measurement, str]:
+    """One batch's split-count sweep (bf16 or fp8 cache): the fastest count against the chosen one."""
+    scale = HEAD_DIM**-0.5
+    (k16, v16), (k8, v8), (ks, vs), tables = _fp8_caches(batch, context, 16)
+    q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=DEVICE)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=DEVICE)
+    out = torch.empty_like(q)
+    cache = dict(k_cache=k8, v_cache=v8, k_scale=ks, v_scale=vs) if fp8 else dict(k_cache=k16, v_cache=v16)
+
+    def timed(splits: int) -> float:
+        def call(i):
+            return paged_decode_attention(q, block_tables=tables[i], seq_lens=seq_lens, scale=scale, out=out,
+                                          num_splits=splits, **cache)
+        return time_ms(rotating(call, len(tables)))
+
+    chosen = choose_num_splits(batch, NUM_KV_HEADS, context, q.device)
+    ms = {splits: timed(splits) for splits in sorted({chosen, *SMALL_SPLITS})}
+    best = min(ms, key=ms.get)
+    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * (1 if fp8 else 2)
+    gbps = lambda t: kv_bytes / (t * 1e-3) / 1e9  # noqa: E731
+    case = f"{'fp8' if fp8 else 'bf16'} B{batch} ctx{context}"
+    note = (f"{case}: chosen {chosen} splits {ms[chosen] * 1e3:.1f} us, best {best} splits {ms[best] * 1e3:.1f} us "
+            f"({ms[chosen] / ms[best]:.2f}x); " + ", ".join(f"{s}: {t * 1e3:.1f}" for s, t in ms.items()))
+    print(note, flush=True)
+    extra = {"chosen_splits": chosen, "best_splits": best, "us_by_splits": {s: round(t * 1e3, 2) for s, t in ms.items()}}
+    return Measurement(case, "GB/s", gbps(ms[best]), gbps(ms[chosen]), f"chosen ({chosen} splits)", ms[best],
+                       ms[chosen], extra), note
+
+
+def small_batch_main(args):
+    rows, notes = [], []
+    for fp8 in (False, True):
+        for batch in SMALL_BATCHES[:1] if args.quick else SMALL_BATCHES:
+            row, note = small_batch_case(batch, 2048, fp8)
+            rows.append(row)
+            notes.append(note)
+    report("Decode attention at small batches: best split count against the chosen one", rows, args.json, notes)
+
+
 def main():
-    fp8, variants = "--fp8" in sys.argv, "--variants" in sys.argv
-    for flag in ("--fp8", "--variants"):
+    fp8, variants, small = "--fp8" in sys.argv, "--variants" in sys.argv, "--small-batch" in sys.argv
+    for flag in ("--fp8", "--variants", "--small-batch"):
         if flag in sys.argv:
             sys.argv.remove(flag)  # the shared parser knows only --json and --quick
     args = parse_args(__doc__)
+    if small:
+        small_batch_main(args)
+        return
     if fp8 and variants:
         variants_main(args)
         return
