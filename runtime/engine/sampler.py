@@ -6,7 +6,9 @@ Order of operations per row (vLLM's):
   3. stop tokens masked while fewer than min_tokens were generated;
   4. logit_bias added (`logit_bias.py`; logprobs above reflect neither it nor 2, as in vLLM);
   5. repetition / presence / frequency penalties;
-  6. temperature 0: argmax — exactly `logits.argmax()` on float32 when nothing above applies;
+  6. temperature 0: argmax — exactly `logits.argmax()` on float32 when nothing above applies (on a
+     GPU through `sits.kernels.argmax`, which spreads a row over the multiprocessors and returns the
+     same index, ties and NaN included);
   7. otherwise: divide by temperature, min_p, top_k, top_p, then draw with the row's generator.
 A request with a seed owns a `torch.Generator` seeded with it (completion i of n gets seed + i),
 kept on its sequence (`Sequence.generator`, made at its first draw, gone with the sequence), and
@@ -37,6 +39,18 @@ from sits.runtime.engine.token_masks import StepTokenMask
 _TINY = torch.finfo(torch.float32).tiny
 
 
+def _argmax_on(device: torch.device):
+    """torch.argmax(logits, dim=-1) of [N, V] float32 rows: the Triton kernel on CUDA, torch elsewhere."""
+    if device.type != "cuda":
+        return lambda logits: logits.argmax(dim=-1)
+    from sits.kernels.argmax import argmax_rows
+
+    def argmax(logits: torch.Tensor) -> torch.Tensor:
+        return argmax_rows(logits) if logits.stride(-1) == 1 else logits.argmax(dim=-1)
+
+    return argmax
+
+
 class Sampler:
     """Samples the next token of each sequence from its logits.
 
@@ -51,6 +65,7 @@ class Sampler:
         self.device = torch.device(device)
         self._shared_generator = torch.Generator(device=self.device)
         self._shared_generator.manual_seed(seed)
+        self._argmax = _argmax_on(self.device)
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, sequences: Sequence[EngineSequence]) -> list[SampledToken]:
@@ -80,7 +95,7 @@ class Sampler:
         logits = logits.float()
         # the common case: exactly argmax, no copy of the logits
         if logit_bias is None and token_mask is None and all(map(_plain_greedy, sequences)):
-            return SamplerOutput(logits.argmax(dim=-1))
+            return SamplerOutput(self._argmax(logits))
         num_rows, vocab_size = logits.shape
         logprob_ks = [-1 if seq.params.logprobs is None else seq.params.logprobs for seq in sequences]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if max(logprob_ks) >= 0 else None
@@ -95,7 +110,7 @@ class Sampler:
         greedy = [i for i, seq in enumerate(sequences) if seq.params.greedy]
         random = [i for i, seq in enumerate(sequences) if not seq.params.greedy]
         if not random:
-            token_ids = logits.argmax(dim=-1)
+            token_ids = self._argmax(logits)
         elif not greedy:
             token_ids = self._sample_random(logits, sequences)
         else:
