@@ -9,6 +9,9 @@ one row reduced by a few blocks is latency-bound. Here two launches:
    first index (chunks chosen so that about 4 programs per multiprocessor run at batch 1);
 2. one program per row reduces its chunks' partials, in column order, to the row's first index.
 
+Both kernels compile once per device whatever the shapes (their integer arguments are not
+specialized, the merge always reads MAX_CHUNKS slots): `warm_up` compiles them at start-up.
+
 Same answer as torch.argmax, bit for bit, ties and special values included: every float32 is
 compared through an int32 key in the float order (x >= 0: its bits; x < 0: its bits with the 31
 magnitude bits flipped), -0.0 keyed as +0.0 (they compare equal, so the first wins), and every NaN
@@ -28,12 +31,11 @@ from sits.kernels.launch_utils import (
     check_inner_contiguous,
     check_tensor,
     is_interpreter,
-    next_power_of_2,
     num_sms,
     require,
 )
 
-__all__ = ["argmax_rows", "argmax_rows_reference", "argmax_chunks"]
+__all__ = ["argmax_chunks", "argmax_rows", "argmax_rows_reference", "warm_up"]
 
 BLOCK = 1024  # columns per tile; a chunk is a whole number of tiles
 MAX_CHUNKS = 256  # the second launch reduces at most this many partials per row in one tile
@@ -65,7 +67,9 @@ def _ordered_key(x):
     return tl.where(x != x, 0x7FFFFFFF, key)
 
 
-@triton.jit
+# One binary per kernel whatever the batch, vocabulary or chunk count (nothing compiles on live
+# traffic once a first call, e.g. `warm_up`, has compiled it).
+@triton.jit(do_not_specialize=["stride_row", "n_cols", "chunk_cols", "n_chunks"])
 def _argmax_chunk_kernel(logits_ptr, key_ptr, index_ptr, stride_row, n_cols, chunk_cols, n_chunks,
                          BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -89,7 +93,7 @@ def _argmax_chunk_kernel(logits_ptr, key_ptr, index_ptr, stride_row, n_cols, chu
     tl.store(index_ptr + row * n_chunks + chunk, best_index)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_chunks"])
 def _argmax_merge_kernel(key_ptr, index_ptr, out_ptr, n_chunks, BLOCK_C: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_C)
@@ -129,5 +133,10 @@ def argmax_rows(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.
     indices = torch.empty_like(keys)
     _argmax_chunk_kernel[(rows, chunks)](logits, keys, indices, logits.stride(0), vocab, chunk_cols, chunks,
                                          BLOCK=BLOCK, num_warps=4)
-    _argmax_merge_kernel[(rows,)](keys, indices, out, chunks, BLOCK_C=max(2, next_power_of_2(chunks)), num_warps=1)
+    _argmax_merge_kernel[(rows,)](keys, indices, out, chunks, BLOCK_C=MAX_CHUNKS, num_warps=1)
     return out
+
+
+def warm_up(device: torch.device) -> None:
+    """Compile both kernels for `device` now (at start-up), so no greedy step waits for a compile."""
+    argmax_rows(torch.zeros(1, 1, dtype=torch.float32, device=device))

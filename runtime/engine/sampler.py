@@ -43,7 +43,9 @@ def _argmax_on(device: torch.device):
     """torch.argmax(logits, dim=-1) of [N, V] float32 rows: the Triton kernel on CUDA, torch elsewhere."""
     if device.type != "cuda":
         return lambda logits: logits.argmax(dim=-1)
-    from sits.kernels.argmax import argmax_rows
+    from sits.kernels.argmax import argmax_rows, warm_up
+
+    warm_up(device)  # compiled now, not on the first greedy step
 
     def argmax(logits: torch.Tensor) -> torch.Tensor:
         return argmax_rows(logits) if logits.stride(-1) == 1 else logits.argmax(dim=-1)
