@@ -23,7 +23,9 @@ the shared context and the others hit the prefix cache: no slow CPU prefill of b
 tokens), each generating `warmup + steps` tokens greedily with EOS ignored, through
 `TokenIdTokenizer` (what `sits bench --config` detokenizes with). Only the `steps` decode-only steps
 after the warm-up are timed, with every context at ~`context` tokens (block tables of context / 16
-blocks). Figures are medians over those steps (the machine's other work shows up as outliers).
+blocks), with the start-up heap frozen as the engine process and `sits bench` run (`runtime/gc_heap.py`:
+otherwise full collections scanning torch's objects land in whichever phase allocates). Figures are
+medians over those steps (the machine's other work shows up as outliers).
 
     python benchmarks/bench_engine_host_overhead.py [--batches 1 32 256] [--context 2048] [--steps 24]
 
@@ -52,6 +54,7 @@ from sits.runtime.config import CacheConfig, EngineConfig, ModelConfig, Schedule
 from sits.runtime.engine import runner as runner_module
 from sits.runtime.engine.engine import LLMEngine
 from sits.runtime.engine.request import SamplingParams
+from sits.runtime.gc_heap import frozen_startup_heap
 from sits.runtime.models.presets import preset_config
 from sits.runtime.models.random_model import random_loaded_model
 
@@ -167,17 +170,8 @@ def run_batch(loaded, batch: int, context: int, warmup: int, steps: int, async_m
     phases_clock = PhaseClock(clock)
     instrument(engine, phases_clock)
     timed: list[tuple[float, dict[str, float]]] = []
-    while engine.has_unfinished_requests():
-        start = clock()
-        outputs = engine.step()
-        elapsed = clock() - start
-        phases = phases_clock.take()
-        produced_before = produced
-        produced += _count_tokens(outputs)
-        # Time only steady decode steps: every sequence past its warm-up tokens, none finishing.
-        decoding = produced_before >= batch * warmup and produced - produced_before == batch
-        if decoding and len(timed) < steps and not any(o.finished for o in outputs):
-            timed.append((elapsed, phases))
+    with frozen_startup_heap("bench_engine_host_overhead"):  # as the engine process and `sits bench` run
+        produced = _time_steps(engine, phases_clock, clock, timed, (batch, warmup, steps), produced)
     if len(timed) < steps // 2:
         raise RuntimeError(f"only {len(timed)} steady decode steps were measured at batch {batch}")
     if produced != batch * total_new:
@@ -190,6 +184,25 @@ def run_batch(loaded, batch: int, context: int, warmup: int, steps: int, async_m
     medians["other"] = statistics.median(e - sum(p.values()) for e, p in timed) * 1e6
     mode = "sync" if async_mode is None else ("async" if async_mode else "sync")
     return RunFigures(batch, mode, len(timed), medians, step_us, host, context)
+
+
+def _time_steps(engine: LLMEngine, phases_clock: PhaseClock, clock: Callable[[], float],
+                timed: list[tuple[float, dict[str, float]]], shape: tuple[int, int, int], produced: int) -> int:
+    """Step the engine to the end, appending (seconds, phases) of each steady decode step to `timed`;
+    returns the tokens produced in all (`produced` before, plus these steps')."""
+    batch, warmup, steps = shape
+    while engine.has_unfinished_requests():
+        start = clock()
+        outputs = engine.step()
+        elapsed = clock() - start
+        phases = phases_clock.take()
+        produced_before = produced
+        produced += _count_tokens(outputs)
+        # Time only steady decode steps: every sequence past its warm-up tokens, none finishing.
+        decoding = produced_before >= batch * warmup and produced - produced_before == batch
+        if decoding and len(timed) < steps and not any(o.finished for o in outputs):
+            timed.append((elapsed, phases))
+    return produced
 
 
 def _count_tokens(outputs) -> int:
