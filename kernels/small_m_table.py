@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeGuard
 
 __all__ = ["DEFAULT_TABLE_PATH", "MAX_M", "MIN_SPEEDUP", "OPS", "TABLE_VERSION", "WINNERS", "SmallMEntry",
            "SmallMTable", "choose_winner", "load_small_m_table", "m_bucket", "parse_small_m_table"]
@@ -97,7 +98,7 @@ class SmallMTable:
         return head + ', "entries": [' + ("\n" + ",\n".join(rows) + "\n" if rows else "") + "]}\n"
 
 
-def _positive_int(value: object) -> bool:
+def _positive_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
@@ -109,16 +110,16 @@ def _entry(row: object) -> SmallMEntry:
         raise ValueError(f"bad small-M GEMM table entry {row!r}: op must be one of {', '.join(OPS)}")
     if winner not in WINNERS:
         raise ValueError(f"bad small-M GEMM table entry {row!r}: winner must be one of {', '.join(WINNERS)}")
-    shape = [row.get(name) for name in ("n", "k", "m_bucket")]
-    bucket = shape[2]
-    if not all(_positive_int(v) for v in shape) or bucket != m_bucket(bucket) or bucket > MAX_M:
+    n, k, bucket = (row.get(name) for name in ("n", "k", "m_bucket"))
+    if not (_positive_int(n) and _positive_int(k) and _positive_int(bucket)) or bucket != m_bucket(bucket) \
+            or bucket > MAX_M:
         raise ValueError(f"bad small-M GEMM table entry {row!r}: n and k must be positive, m_bucket a power of "
                          f"two up to {MAX_M}")
-    if op == "silu_mul" and shape[0] % 2:
+    if op == "silu_mul" and n % 2:
         raise ValueError(f"bad small-M GEMM table entry {row!r}: a silu_mul weight has an even row count")
     if not isinstance(us, dict) or any(s not in WINNERS or not isinstance(v, (int, float)) for s, v in us.items()):
         raise ValueError(f"bad small-M GEMM table entry {row!r}: 'us' must map {WINNERS} to numbers")
-    return SmallMEntry(op, shape[0], shape[1], bucket, winner, {s: float(v) for s, v in us.items()})
+    return SmallMEntry(op, n, k, bucket, winner, {s: float(v) for s, v in us.items()})
 
 
 def parse_small_m_table(text: str) -> SmallMTable:

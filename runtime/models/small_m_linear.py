@@ -52,7 +52,7 @@ class DecodeLinear(nn.Linear):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, gated: bool = False,
-                 device=None, dtype=None) -> None:
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.gated = gated
         self.direct_buckets: frozenset[int] = frozenset()
@@ -61,16 +61,16 @@ class DecodeLinear(nn.Linear):
         self._gemm_silu_mul: Gemm = small_m_gemm_silu_mul_reference
 
     def _direct_rows(self, x: torch.Tensor, buckets: frozenset[int]) -> int:
-        """x's row count when it runs the direct kernel at `buckets`, else 0 (host-side: shapes only)."""
-        if not buckets or x.shape[-1] != self.in_features or x.stride(-1) != 1:
+        """x's row count when it runs the direct kernel at `buckets` (not empty), else 0 (host-side: shapes only)."""
+        if x.shape[-1] != self.in_features or x.stride(-1) != 1:
             return 0
         rows = x.numel() // self.in_features if self.in_features else 0
         return rows if 0 < rows <= MAX_M and m_bucket(rows) in buckets else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., in_features] -> [..., out_features] in x's dtype."""
-        rows = self._direct_rows(x, self.direct_buckets)
-        if not rows:
+        rows = self._direct_rows(x, self.direct_buckets) if self.direct_buckets else 0
+        if not rows:  # uninstalled (the usual case): one attribute test on top of nn.Linear
             return F.linear(x, self.weight, self.bias)
         out = self._gemm(x.reshape(rows, self.in_features), self.weight)
         if self.bias is not None:
@@ -80,8 +80,9 @@ class DecodeLinear(nn.Linear):
     def fuses_silu_mul(self, x: torch.Tensor) -> bool:
         """Whether `silu_mul(x)` serves this call: a SiLU·mul bucket holds x's rows and no hook (a LoRA
         delta) needs the gate_up output itself."""
-        hooked = bool(self._forward_hooks or self._forward_pre_hooks)
-        return not hooked and bool(self._direct_rows(x, self.silu_mul_buckets))
+        if not self.silu_mul_buckets or self._forward_hooks or self._forward_pre_hooks:
+            return False
+        return bool(self._direct_rows(x, self.silu_mul_buckets))
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of x [..., in_features] -> [..., out_features / 2], one launch (see fuses_silu_mul)."""
