@@ -1,13 +1,17 @@
 """Compile every shipped config of the small-M GEMM for the H200 (sm_90a) without a GPU; print ptxas's report.
 
-    python benchmarks/compile_gemm_small_m_sm90.py [--dtype bf16] [--block-m 16,32,64] [--json out.json]
+    python benchmarks/compile_gemm_small_m_sm90.py [--dtype bf16] [--block-m 16,32,64] [--heaviest] [--json out.json]
 
 For each config of sits.kernels.gemm_small_m.GPU_CONFIGS, each row tile (BLOCK_M 16, 32, 64: the
 binaries a decode batch of 1 to 64 rows uses) and both variants (plain, SiLU·mul), the kernel is
 compiled as a Llama-3-8B launch specializes it (pointers 16-byte aligned; N, K and the row strides
 multiples of 16; whole K tiles; M and its bucket not specialized), then the bundled ptxas assembles
-the PTX for sm_90a and reports registers, spill stores / loads; the shared memory comes from Triton's
-metadata, and "wgmma" says whether the dot became Hopper's warpgroup MMA (else mma.sync). CompiledKernel.n_regs needs a GPU, hence ptxas.
+the PTX for sm_90a and reports registers, spill stores / loads (CompiledKernel.n_regs needs a GPU,
+hence ptxas); the shared memory comes from Triton's metadata, and "wgmma" says whether the dot became
+Hopper's warpgroup MMA (else mma.sync). With --heaviest, each config only at the launch that needs the
+most registers among those the autotuner keeps: the SiLU·mul variant at the widest row tile whose
+pipeline fits shared memory (what tests/kernels/test_gemm_small_m_sm90.py checks). Run it without
+TRITON_INTERPRET: the interpreter's kernels cannot be compiled.
 """
 
 from __future__ import annotations
@@ -68,23 +72,35 @@ def short(config: triton.Config) -> str:
     return f"n{kw['BLOCK_N']}k{kw['BLOCK_K']}-{order}-w{config.num_warps}s{config.num_stages}"
 
 
+def launches(config: triton.Config, block_ms: list[int], heaviest: bool) -> list[tuple[bool, int]]:
+    """(silu_mul, block_m) of each launch to compile for `config`: all, or only its heaviest kept one."""
+    if not heaviest:
+        return [(silu_mul, block_m) for silu_mul in (False, True) for block_m in block_ms]
+    fitting = [b for b in block_ms if gemm_small_m.shared_memory_bytes(config, b) <= gemm_small_m.SMEM_BYTES]
+    return [(True, max(fitting or block_ms))]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
     parser.add_argument("--block-m", default="16,32,64", help="comma-separated row tiles")
+    parser.add_argument("--heaviest", action="store_true",
+                        help="each config at its heaviest kept launch only (SiLU·mul, widest fitting row tile)")
     parser.add_argument("--json", help="also write the rows to this JSON file")
     args = parser.parse_args()
     rows = []
+    block_ms = [int(v) for v in args.block_m.split(",")]
     for config in gemm_small_m.GPU_CONFIGS:
-        for silu_mul in (False, True):
-            for block_m in (int(v) for v in args.block_m.split(",")):
-                try:
-                    row = compile_one(config, block_m, silu_mul, args.dtype)
-                except Exception as error:  # noqa: BLE001 - report every config
-                    row = {"config": short(config), "block_m": block_m, "silu_mul": silu_mul,
-                           "error": f"{type(error).__name__}: {str(error)[:300]}"}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+        for silu_mul, block_m in launches(config, block_ms, args.heaviest):
+            try:
+                row = compile_one(config, block_m, silu_mul, args.dtype)
+            except Exception as error:  # noqa: BLE001 - report every config
+                row = {"config": short(config), "block_m": block_m, "silu_mul": silu_mul,
+                       "error": f"{type(error).__name__}: {str(error)[:300]}"}
+            row["kept_by_prune"] = gemm_small_m.shared_memory_bytes(config, block_m) <= gemm_small_m.SMEM_BYTES
+            row["predicted_shared_bytes"] = gemm_small_m.shared_memory_bytes(config, block_m)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -71,12 +71,13 @@ def _config(block_n: int, block_k: int, swap_ab: bool, warps: int, stages: int) 
 
 # (BLOCK_N, BLOCK_K, SWAP_AB, warps, stages). Programs at N = 4,096: 256 with 16 columns, 128 with 32;
 # at N = 6,144: 384 / 192; at 28,672 (or its SiLU·mul variant's I = 14,336 with two tiles a program):
-# 448 to 1,792. Wide K tiles and 3 to 6 stages keep 64 to 128 KB of weight in flight per SM.
+# 448 to 1,792. Wide K tiles and 3 to 8 stages keep 64 to 128 KB of weight in flight per SM; the
+# 16 x 128 swapped tile keeps two programs per SM resident even at a 64-row tile (100 KB each).
 # Not measured yet: benchmarks/bench_gemm_small_m.py times each of them beside cuBLAS on the H200.
 GPU_CONFIGS = [
     _config(*c)
     for c in (
-        (16, 512, False, 4, 4), (16, 256, False, 4, 6), (16, 256, True, 4, 5),
+        (16, 512, False, 4, 4), (16, 256, False, 4, 6), (16, 256, True, 4, 5), (16, 128, True, 4, 6),
         (32, 256, True, 4, 4), (32, 128, True, 4, 8), (64, 256, True, 4, 3), (64, 128, True, 8, 5),
     )
 ]

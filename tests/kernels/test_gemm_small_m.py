@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from triton.runtime.errors import OutOfResources
 
 from sits.kernels import gemm_small_m as kernel_module
 from sits.kernels.gemm_small_m import (
@@ -92,22 +93,30 @@ def test_every_gpu_config(m, variant):
     """Each tile shape, operand order and K tile the GPU autotuner may pick, at each row tile (16, 32, 64),
     with ragged M, N and K tails: N past the last column tile of every BLOCK_N, K past the last K tile.
     (On a GPU, configs whose pipeline overflows shared memory at this row tile cannot launch: the
-    autotuner's prune drops them, and so does this test; the interpreter runs them all.)"""
+    autotuner's prune drops them, and so does this test; one that another Triton release lays out larger
+    fails to launch with OutOfResources, which the autotuner skips too. The interpreter runs them all.)"""
     n, k = 72, 528
     silu_mul = variant == "silu_mul"
     x, w = _operands(m, 2 * n if silu_mul else n, k, torch.float16, seed=13 + m)
     expected = small_m_gemm_silu_mul_reference(x, w) if silu_mul else small_m_gemm_reference(x, w)
     block_m = kernel_module._block_m(m)
+    ran = 0
     for config in kernel_module.GPU_CONFIGS:
         if ON_GPU and kernel_module.shared_memory_bytes(config, block_m) > kernel_module.SMEM_BYTES:
             continue
         out = torch.full((m, n), float("nan"), dtype=torch.float16, device=DEVICE)
-        kernel_module.launch(
-            kernel_module._small_m_gemm_kernel, x, w, out, silu_mul,
-            EVEN_K=k % config.kwargs["BLOCK_K"] == 0, num_warps=config.num_warps, num_stages=config.num_stages,
-            **config.kwargs,
-        )  # fmt: skip
+        try:
+            kernel_module.launch(
+                kernel_module._small_m_gemm_kernel, x, w, out, silu_mul,
+                EVEN_K=k % config.kwargs["BLOCK_K"] == 0, num_warps=config.num_warps, num_stages=config.num_stages,
+                **config.kwargs,
+            )  # fmt: skip
+        except OutOfResources:
+            assert ON_GPU
+            continue
         _check(out, expected, (SILU_TOLERANCE if silu_mul else TOLERANCE)[torch.float16])
+        ran += 1
+    assert ran >= 4
 
 
 def test_configs_fit_the_grid_and_shared_memory():
