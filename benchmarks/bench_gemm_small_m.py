@@ -103,7 +103,7 @@ def _time_configs(setup: Setup, row: dict, prefix: str, x, ws, silu_mul: bool, r
     out = torch.empty(ref.shape, dtype=DTYPE, device=setup.device)
     block_m = gemm_small_m._block_m(x.shape[0])
     for config in gemm_small_m.GPU_CONFIGS:
-        if gemm_small_m.shared_memory_bytes(config, block_m) > gemm_small_m.SMEM_BYTES:
+        if gemm_small_m.shared_memory_bytes(config, block_m, silu_mul) > gemm_small_m.SMEM_BYTES:
             figures[short(config)] = "skipped (shared memory)"
             continue
         cell: dict = {}

@@ -76,7 +76,7 @@ def launches(config: triton.Config, block_ms: list[int], heaviest: bool) -> list
     """(silu_mul, block_m) of each launch to compile for `config`: all, or only its heaviest kept one."""
     if not heaviest:
         return [(silu_mul, block_m) for silu_mul in (False, True) for block_m in block_ms]
-    fitting = [b for b in block_ms if gemm_small_m.shared_memory_bytes(config, b) <= gemm_small_m.SMEM_BYTES]
+    fitting = [b for b in block_ms if gemm_small_m.shared_memory_bytes(config, b, True) <= gemm_small_m.SMEM_BYTES]
     return [(True, max(fitting or block_ms))]
 
 
@@ -97,8 +97,9 @@ def main() -> None:
             except Exception as error:  # noqa: BLE001 - report every config
                 row = {"config": short(config), "block_m": block_m, "silu_mul": silu_mul,
                        "error": f"{type(error).__name__}: {str(error)[:300]}"}
-            row["kept_by_prune"] = gemm_small_m.shared_memory_bytes(config, block_m) <= gemm_small_m.SMEM_BYTES
-            row["predicted_shared_bytes"] = gemm_small_m.shared_memory_bytes(config, block_m)
+            predicted = gemm_small_m.shared_memory_bytes(config, block_m, silu_mul)
+            row["kept_by_prune"] = predicted <= gemm_small_m.SMEM_BYTES
+            row["predicted_shared_bytes"] = predicted
             rows.append(row)
             print(json.dumps(row), flush=True)
     if args.json:

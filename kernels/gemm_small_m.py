@@ -13,8 +13,9 @@ few rows the operands may swap (SWAP_AB): out^T = W x^T, so the weight rows are 
 M side instead of padding the activations to 16+ rows and using the weight as the narrow N side.
 
 The SiLU·mul variant (the Llama MLP's gate_up projection and activation, see LlamaMLP and
-sits.kernels.silu_mul: gate rows w[:I] first, up rows w[I:]) has each program sum a gate column tile
-and the matching up column tile, and write silu(gate) * up rounded as the unfused path rounds it
+sits.kernels.silu_mul: gate rows w[:I] first, up rows w[I:]) has each program stream the gate rows of
+its column tile and the matching up rows as one weight tile (one pipeline; swapped, 2 x 32 rows fill a
+wgmma), and write silu(gate) * up rounded as the unfused path rounds it
 (each product rounded to the dtype as the GEMM stores it, silu in float32 rounded to the dtype, the
 product rounded again): one launch, no [M, 2I] intermediate in memory.
 
@@ -70,38 +71,42 @@ def _config(block_n: int, block_k: int, swap_ab: bool, warps: int, stages: int) 
 
 
 # (BLOCK_N, BLOCK_K, SWAP_AB, warps, stages). Programs at N = 4,096: 256 with 16 columns, 128 with 32;
-# at N = 6,144: 384 / 192; at 28,672 (or its SiLU·mul variant's I = 14,336 with two tiles a program):
+# at N = 6,144: 384 / 192; at 28,672 (or the SiLU·mul variant's I = 14,336, twice the rows a program):
 # 448 to 1,792. Wide K tiles and 3 to 8 stages keep 64 to 128 KB of weight in flight per SM; the
-# 16 x 128 swapped tile keeps two programs per SM resident even at a 64-row tile (100 KB each).
+# 16 x 128 swapped tile keeps two programs per SM resident even at a 64-row tile (100 KB each), and the
+# 4-stage 32 x 128 one fits the SiLU·mul variant's 64-row tile (its 2 x 32 weight rows: a wgmma).
 # Not measured yet: benchmarks/bench_gemm_small_m.py times each of them beside cuBLAS on the H200.
 GPU_CONFIGS = [
     _config(*c)
     for c in (
         (16, 512, False, 4, 4), (16, 256, False, 4, 6), (16, 256, True, 4, 5), (16, 128, True, 4, 6),
-        (32, 256, True, 4, 4), (32, 128, True, 4, 8), (64, 256, True, 4, 3), (64, 128, True, 8, 5),
+        (32, 256, True, 4, 4), (32, 128, True, 4, 8), (32, 128, True, 4, 4), (64, 256, True, 4, 3),
+        (64, 128, True, 8, 5),
     )
 ]
 INTERPRETER_CONFIG = _config(32, 32, False, 4, 1)
 
 
-def shared_memory_bytes(config: triton.Config, block_m: int, elem_bytes: int = 2) -> int:
-    """Shared memory a config's load pipeline takes on sm_90: its weight and activation tiles, times the
-    stages where the dot's M side (BLOCK_N swapped, else BLOCK_M) has 64+ rows and becomes a wgmma, else
-    times stages - 1 (mma.sync). The SiLU·mul variant runs its two sums one after the other: the same.
-    (As Triton 3.9 allocates it for every shipped config: benchmarks/compile_gemm_small_m_sm90.py.)"""
+def shared_memory_bytes(config: triton.Config, block_m: int, silu_mul: bool = False, elem_bytes: int = 2) -> int:
+    """Shared memory a config's load pipeline takes on sm_90: its weight tile (BLOCK_N rows, 2 BLOCK_N with
+    SiLU·mul) and activation tile, times the stages where the dot's M side (the weight rows swapped, else
+    BLOCK_M) has 64+ rows and becomes a wgmma, else times stages - 1 (mma.sync). (As Triton 3.9 allocates it
+    for every shipped launch: benchmarks/compile_gemm_small_m_sm90.py.)"""
     kw = config.kwargs
-    m_side = kw["BLOCK_N"] if kw["SWAP_AB"] else block_m
+    w_rows = kw["BLOCK_N"] * (2 if silu_mul else 1)
+    m_side = w_rows if kw["SWAP_AB"] else block_m
     buffers = config.num_stages if m_side >= 64 else max(config.num_stages - 1, 1)
-    return buffers * (kw["BLOCK_N"] + block_m) * kw["BLOCK_K"] * elem_bytes
+    return buffers * (w_rows + block_m) * kw["BLOCK_K"] * elem_bytes
 
 
 def _prune(configs, named_args, **kwargs):
     """Drop K tiles wider than K itself (mostly masked zeros) and pipelines that overflow shared memory."""
     k = named_args["K"]
     block_m = kwargs.get("BLOCK_M", named_args.get("BLOCK_M", MAX_M))
+    silu_mul = bool(kwargs.get("SILU_MUL", named_args.get("SILU_MUL", False)))
     kept = [
         c for c in configs
-        if c.kwargs["BLOCK_K"] <= max(k, 128) and shared_memory_bytes(c, block_m) <= SMEM_BYTES
+        if c.kwargs["BLOCK_K"] <= max(k, 128) and shared_memory_bytes(c, block_m, silu_mul) <= SMEM_BYTES
     ]
     return kept or configs[:1]
 
@@ -128,11 +133,24 @@ def _load_tile(ptrs, row_mask, k, K, EVEN_K: tl.constexpr, K_AXIS: tl.constexpr)
 
 
 @triton.jit
+def _weight_rows(N, BLOCK_N: tl.constexpr, SILU_MUL: tl.constexpr):
+    """The weight rows this program streams (int64): its BLOCK_N output columns wrapped into [0, N); with
+    SILU_MUL the gate rows of those columns, then their up rows (N + each): 2 BLOCK_N rows."""
+    if SILU_MUL:
+        r = tl.arange(0, 2 * BLOCK_N)
+        rows = (tl.program_id(0) * BLOCK_N + r % BLOCK_N) % N + (r // BLOCK_N) * N
+    else:
+        rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+    return rows.to(tl.int64)
+
+
+@triton.jit
 def _row_sums(x_ptr, w_ptr, rows_x, in_m, rows_w, K, stride_xm, stride_wn,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr):  # fmt: skip
-    """float32 sums x[rows_x] @ w[rows_w]^T over the whole K: [BLOCK_M, BLOCK_N]. DOT_FP32 (the interpreter
-    only, which multiplies bf16 tiles as raw bits) upcasts both tiles to float32 before the dot."""
+    """float32 sums x[rows_x] @ w[rows_w]^T over the whole K: [BLOCK_M, BLOCK_N] (BLOCK_N: rows_w's length).
+    DOT_FP32 (the interpreter only, which multiplies bf16 tiles as raw bits) upcasts both tiles to float32
+    before the dot."""
     offs_k = tl.arange(0, BLOCK_K)
     if SWAP_AB:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -167,24 +185,28 @@ def _small_m_gemm_kernel(
 
     Plain: out = x @ w^T, w [N, K]. SILU_MUL: w is [2N, K] (gate rows [0, N), up rows [N, 2N)) and
     out = silu(x @ w[:N]^T) * (x @ w[N:]^T), rounded as the unfused GEMM + silu_mul round it.
-    Each program sums the whole K for one [BLOCK_M, BLOCK_N] tile (two with SILU_MUL). Columns past
-    N are wrapped for the loads and masked at the store; activation rows past M are masked at the
-    load (a batch of 1 to 15 rows in a 16-row tile reads only its rows).
+    Each program sums the whole K for one [BLOCK_M, BLOCK_N] tile; with SILU_MUL its weight tile holds
+    the gate rows and then the up rows of its columns (2 BLOCK_N rows, one load pipeline, one dot per
+    K tile), split apart in the epilogue. Columns past N are wrapped for the loads and masked at the
+    store; activation rows past M are masked at the load (a batch of 1 to 15 rows in a 16-row tile
+    reads only its rows).
     """
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     rows_x = offs_m.to(tl.int64)
     in_m = offs_m < M
-    rows_w = (offs_n % N).to(tl.int64)
+    rows_w = _weight_rows(N, BLOCK_N, SILU_MUL)
     dtype = out_ptr.dtype.element_ty
-    acc = _row_sums(x_ptr, w_ptr, rows_x, in_m, rows_w, K, stride_xm, stride_wn,
-                    BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, EVEN_K, DOT_FP32)  # fmt: skip
     if SILU_MUL:
-        up = _row_sums(x_ptr, w_ptr, rows_x, in_m, rows_w + N, K, stride_xm, stride_wn,
-                       BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, EVEN_K, DOT_FP32)  # fmt: skip
-        gate = acc.to(dtype).to(tl.float32)
+        both = _row_sums(x_ptr, w_ptr, rows_x, in_m, rows_w, K, stride_xm, stride_wn,
+                         BLOCK_M, 2 * BLOCK_N, BLOCK_K, SWAP_AB, EVEN_K, DOT_FP32)  # fmt: skip
+        gate, up = tl.split(tl.permute(tl.reshape(both, [BLOCK_M, 2, BLOCK_N]), [0, 2, 1]))
+        gate = gate.to(dtype).to(tl.float32)
         silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         acc = silu * up.to(dtype).to(tl.float32)
+    else:
+        acc = _row_sums(x_ptr, w_ptr, rows_x, in_m, rows_w, K, stride_xm, stride_wn,
+                        BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, EVEN_K, DOT_FP32)  # fmt: skip
     ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     tl.store(ptrs, acc.to(dtype), mask=in_m[:, None] & (offs_n[None, :] < N))
 
@@ -194,7 +216,7 @@ _small_m_gemm_kernel_even_k = triton.heuristics({"EVEN_K": lambda args: args["K"
 )
 _KEY = ("N", "K", "M_BUCKET")
 # Two tuners over the same kernel: the plain GEMM and the SiLU·mul variant pick configs apart (their
-# N means different things, and the variant streams two weight tiles per program).
+# N means different things, and the variant streams twice the weight rows per program).
 _small_m_gemm = autotune(GPU_CONFIGS, INTERPRETER_CONFIG, _KEY, _prune)(_small_m_gemm_kernel_even_k)
 _small_m_gemm_silu = autotune(GPU_CONFIGS, INTERPRETER_CONFIG, _KEY, _prune)(_small_m_gemm_kernel_even_k)
 

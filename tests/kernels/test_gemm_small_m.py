@@ -102,7 +102,7 @@ def test_every_gpu_config(m, variant):
     block_m = kernel_module._block_m(m)
     ran = 0
     for config in kernel_module.GPU_CONFIGS:
-        if ON_GPU and kernel_module.shared_memory_bytes(config, block_m) > kernel_module.SMEM_BYTES:
+        if ON_GPU and kernel_module.shared_memory_bytes(config, block_m, silu_mul) > kernel_module.SMEM_BYTES:
             continue
         out = torch.full((m, n), float("nan"), dtype=torch.float16, device=DEVICE)
         try:
@@ -124,9 +124,11 @@ def test_configs_fit_the_grid_and_shared_memory():
     at each row tile, only configs whose pipeline fits sm_90's shared memory."""
     assert min(c.kwargs["BLOCK_N"] for c in kernel_module.GPU_CONFIGS) == 16  # 256 programs at N = 4096
     for block_m in (16, 32, 64):
-        kept = kernel_module._prune(kernel_module.GPU_CONFIGS, {"K": 4096}, BLOCK_M=block_m)
-        assert len(kept) >= 4
-        assert all(kernel_module.shared_memory_bytes(c, block_m) <= kernel_module.SMEM_BYTES for c in kept)
+        for silu_mul in (False, True):
+            kept = kernel_module._prune(kernel_module.GPU_CONFIGS, {"K": 4096}, BLOCK_M=block_m, SILU_MUL=silu_mul)
+            assert len(kept) >= (3 if silu_mul and block_m == 64 else 4)
+            assert all(kernel_module.shared_memory_bytes(c, block_m, silu_mul) <= kernel_module.SMEM_BYTES
+                       for c in kept)
     wide_k_tiles = kernel_module._prune(kernel_module.GPU_CONFIGS, {"K": 128}, BLOCK_M=16)
     assert all(c.kwargs["BLOCK_K"] <= 128 for c in wide_k_tiles)
 

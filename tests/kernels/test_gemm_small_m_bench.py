@@ -63,5 +63,5 @@ def test_configs_that_overflow_shared_memory_are_skipped(bench):
     row = bench.bench_case(setup, "o", 40, 64, 64, configs=True)
     skipped = {c for c, t in row["configs"].items() if t == "skipped (shared memory)"}
     expected = {bench.short(c) for c in gemm_small_m.GPU_CONFIGS
-                if gemm_small_m.shared_memory_bytes(c, 64) > gemm_small_m.SMEM_BYTES}
+                if gemm_small_m.shared_memory_bytes(c, 64, False) > gemm_small_m.SMEM_BYTES}
     assert skipped == expected and skipped
