@@ -6,7 +6,8 @@ one step on an H200: the first mixed step whose decodes passed a context of 1,02
 model is loaded and its KV cache allocated, before CUDA-graph capture, `pretune_kernels` launches
 the attention back end's prefill kernel for every query-length bucket, its decode kernel for every
 split plan, the quantized GEMMs for every row bucket (with --quantization fp8 / int8) and the
-small-M direct GEMM for every bucket its measured table gave a layer: the launches of `tuning_plan`, on dummy inputs that read the real cache and write nothing into it.
+small-M direct GEMM for every bucket its measured table gave a layer: the launches of `tuning_plan`,
+on dummy inputs that read the real cache and write nothing into it.
 
 Triton's on-disk autotune cache (TRITON_CACHE_AUTOTUNING) is switched on for the engine unless the
 user set the variable, so the next start on the same machine and Triton cache reads the results

@@ -3,8 +3,9 @@
 The Triton kernels pick their tile configs per key: prefill attention per bucket of the longest
 query chunk (`prefill_len_bucket`), decode attention per split plan (`plan_decode_splits`: one
 split or several, the bucket of the tokens per split, the merge kernel's block), the quantized
-GEMMs and the small-M direct GEMM per bucket of the row count. The first launch of a new key benchmarks every config, and
-compiles them on a fresh machine: seconds during which every stream of the engine waits.
+GEMMs and the small-M direct GEMM per bucket of the row count. The first launch of a new key
+benchmarks every config, and compiles them on a fresh machine: seconds during which every stream of
+the engine waits.
 `tuning_plan` lists the keys an engine with these limits can reach, each with one concrete launch
 shape that reaches it (a "witness"), so the start-up pre-tune (`kernel_warmup.py`) can run them all.
 
@@ -227,4 +228,5 @@ def small_m_rows(max_rows: int) -> tuple[int, ...]:
     """One row count per bucket (1, 2, 4, ..., SMALL_M_MAX_ROWS) of the small-M GEMM that steps of at most
     max_rows tokens reach: the bucket's largest reachable M."""
     top = min(max(max_rows, 0), SMALL_M_MAX_ROWS)
-    return tuple(min(1 << power, top) for power in range(SMALL_M_MAX_ROWS.bit_length()) if (1 << power) // 2 < top)
+    powers = range(SMALL_M_MAX_ROWS.bit_length())
+    return tuple(min(1 << power, top) for power in powers if (1 << power) // 2 < top)

@@ -61,7 +61,7 @@ class DecodeLinear(nn.Linear):
         self._gemm_silu_mul: Gemm = small_m_gemm_silu_mul_reference
 
     def _direct_rows(self, x: torch.Tensor, buckets: frozenset[int]) -> int:
-        """x's row count when it runs the direct kernel at `buckets` (not empty), else 0 (host-side: shapes only)."""
+        """x's row count when it runs the direct kernel at `buckets`, else 0 (host-side: shapes only)."""
         if x.shape[-1] != self.in_features or x.stride(-1) != 1:
             return 0
         rows = x.numel() // self.in_features if self.in_features else 0
