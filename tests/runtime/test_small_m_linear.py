@@ -197,3 +197,15 @@ def test_quantized_models_are_unchanged():
     assert all(isinstance(layer.mlp, Fp8SwiGLU) for layer in model.model.layers)
     assert not any(isinstance(m, LlamaMLP) for m in model.modules())
     assert install_small_m_gemm(model, SmallMTable()) == 0
+
+
+def test_tensor_parallel_shards_are_left_alone():
+    """A model holding row-parallel shards (tensor parallelism) keeps F.linear: the ranks stay alike."""
+    from sits.runtime.models import small_m_linear
+    from sits.runtime.parallel.layers import RowParallelLinear
+
+    model = _model(torch.float16)
+    assert not small_m_linear._sharded(model)
+    layer = model.model.layers[0].self_attn
+    layer.o_proj = RowParallelLinear(layer.o_proj.weight.detach().clone(), None)
+    assert small_m_linear._sharded(model)
