@@ -112,23 +112,32 @@ def _prune(configs, named_args, **kwargs):
 
 
 @triton.jit
-def _load_tile(ptrs, row_mask, k, K, EVEN_K: tl.constexpr, K_AXIS: tl.constexpr):
-    """A tile of x or w along K: rows past the end masked (row_mask: broadcastable, or None) and, unless
-    every K tile is whole, columns past K."""
+def _k_mask(k, K, K_AXIS: tl.constexpr):
+    """Which elements of a tile whose K indices `k` run along axis K_AXIS lie before K."""
     if K_AXIS == 0:
-        k_mask = k[:, None] < K
+        mask = k[:, None] < K
     else:
-        k_mask = k[None, :] < K
+        mask = k[None, :] < K
+    return mask
+
+
+@triton.jit
+def _load_w(ptrs, k, K, EVEN_K: tl.constexpr, K_AXIS: tl.constexpr):
+    """A weight tile along K (rows already wrapped into range): masked past K unless every K tile is whole."""
     if EVEN_K:
-        if row_mask is None:
-            tile = tl.load(ptrs)
-        else:
-            tile = tl.load(ptrs, mask=row_mask, other=0.0)
+        tile = tl.load(ptrs)
     else:
-        if row_mask is None:
-            tile = tl.load(ptrs, mask=k_mask, other=0.0)
-        else:
-            tile = tl.load(ptrs, mask=row_mask & k_mask, other=0.0)
+        tile = tl.load(ptrs, mask=_k_mask(k, K, K_AXIS), other=0.0)
+    return tile
+
+
+@triton.jit
+def _load_x(ptrs, row_mask, k, K, EVEN_K: tl.constexpr, K_AXIS: tl.constexpr):
+    """An activation tile along K: rows past M masked (row_mask, broadcastable), and columns past K."""
+    if EVEN_K:
+        tile = tl.load(ptrs, mask=row_mask, other=0.0)
+    else:
+        tile = tl.load(ptrs, mask=row_mask & _k_mask(k, K, K_AXIS), other=0.0)
     return tile
 
 
@@ -159,14 +168,14 @@ def _row_sums(x_ptr, w_ptr, rows_x, in_m, rows_w, K, stride_xm, stride_wn,
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
         if SWAP_AB:  # w [BLOCK_N, BLOCK_K] and x^T [BLOCK_K, BLOCK_M], both K-major
-            w = _load_tile(w_ptr + rows_w[:, None] * stride_wn + k[None, :], None, k, K, EVEN_K, 1)
-            x = _load_tile(x_ptr + rows_x[None, :] * stride_xm + k[:, None], in_m[None, :], k, K, EVEN_K, 0)
+            w = _load_w(w_ptr + rows_w[:, None] * stride_wn + k[None, :], k, K, EVEN_K, 1)
+            x = _load_x(x_ptr + rows_x[None, :] * stride_xm + k[:, None], in_m[None, :], k, K, EVEN_K, 0)
             if DOT_FP32:
                 w, x = w.to(tl.float32), x.to(tl.float32)
             acc = tl.dot(w, x, acc)
         else:  # x [BLOCK_M, BLOCK_K] and w^T [BLOCK_K, BLOCK_N]
-            x = _load_tile(x_ptr + rows_x[:, None] * stride_xm + k[None, :], in_m[:, None], k, K, EVEN_K, 1)
-            w = _load_tile(w_ptr + rows_w[None, :] * stride_wn + k[:, None], None, k, K, EVEN_K, 0)
+            x = _load_x(x_ptr + rows_x[:, None] * stride_xm + k[None, :], in_m[:, None], k, K, EVEN_K, 1)
+            w = _load_w(w_ptr + rows_w[None, :] * stride_wn + k[:, None], k, K, EVEN_K, 0)
             if DOT_FP32:
                 x, w = x.to(tl.float32), w.to(tl.float32)
             acc = tl.dot(x, w, acc)
