@@ -19,6 +19,11 @@
 #   trace448fp8    the fp8-2k2k bench's run step by step (fp8 weights + fp8 cache, 448 prompts of 2,048 / 2,048
 #                  at once): decode-only step times apart from mixed ones; trace448fp8-tableoff: the same with
 #                  SITS_FP8_GEMM_TABLE=off (every fp8 GEMM on precise Triton)
+#   gemv           benchmarks/bench_gemm_small_m.py: the bf16 small-M direct GEMM (each config, then the autotuned
+#                  pick) and its gate_up + SiLU·mul fusion against cuBLAS (+ silu_mul) on Llama-3-8B's projections at
+#                  M = 1..64, CUDA graphs; writes LOG_DIR/gemv.json and the winners' table LOG_DIR/small_m_gemm_table.json
+#                  (copy it to kernels/small_m_gemm_table.json to use it)
+#   prof1-gemv, prof32-gemv  prof1 / prof32 with that table installed (SITS_SMALL_M_GEMM): run after gemv
 set -u
 cd "$(dirname "$0")/.."
 . benchmarks/gpu_env.sh "${1:-}" gpu-profile-logs
@@ -41,6 +46,10 @@ for step in $STEPS; do
       --output-len 2048 --prompts 448 --quantization fp8 --kv-cache-dtype fp8 --warmup-output-len 4 ;;
     trace448fp8-tableoff) SITS_FP8_GEMM_TABLE=off timeout 400 python3 benchmarks/bench_step_trace.py $COMMON \
       --batch 448 --input-len 2048 --output-len 2048 --prompts 448 --quantization fp8 --kv-cache-dtype fp8 --warmup-output-len 4 ;;
+    gemv) timeout 600 python3 benchmarks/bench_gemm_small_m.py --json "$LOG_DIR/gemv.json" \
+      --table "$LOG_DIR/small_m_gemm_table.json" ;;
+    prof1-gemv|prof32-gemv) batch=${step#prof}; SITS_SMALL_M_GEMM="$LOG_DIR/small_m_gemm_table.json" timeout 200 \
+      python3 benchmarks/profile_decode.py $COMMON --batch "${batch%-gemv}" --input-len 2048 ;;
     trace256-cap*) budget=${step#trace256-cap}; cap=${budget%%-min*}; least=0
       [ "$budget" != "$cap" ] && least=${budget##*-min}
       timeout 300 python3 benchmarks/bench_step_trace.py $COMMON --batch 256 --input-len 1024 \

@@ -9,5 +9,7 @@ Modules (import them directly; this package imports nothing, so CPU-only code ne
     fp8_quantize       quantize_fp8_per_token
     fp8_gemm           fp8_gemm, quantize_weight_fp8_per_channel
     int8_gemm          int8_weight_only_gemm, quantize_weight_int8
-Triton-free: reference (every reference), rope_tables (cos/sin tables), quantization (weight quantizers).
+    gemm_small_m       small_m_gemm, small_m_gemm_silu_mul                 (bf16 / fp16, decode batches M <= 64)
+Triton-free: reference (every reference), rope_tables (cos/sin tables), quantization (weight quantizers),
+small_m_table (where small_m_gemm beat cuBLAS, per GPU).
 """

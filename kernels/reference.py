@@ -200,6 +200,20 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+# --- half-precision GEMMs at decode batches ----------------------------------------------------
+
+
+def small_m_gemm_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ w [N, K]^T with float32 sums -> [M, N] in x's dtype."""
+    return (x.float() @ w.float().t()).to(x.dtype)
+
+
+def small_m_gemm_silu_mul_reference(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
+    """silu_mul_reference of small_m_gemm_reference: x [M, K], w_gate_up [2I, K] (gate rows first) -> [M, I]
+    in x's dtype; the product rounded to x's dtype before the activation, as the unfused path stores it."""
+    return silu_mul_reference(small_m_gemm_reference(x, w_gate_up))
+
+
 # --- quantized GEMMs ------------------------------------------------------------------------
 
 

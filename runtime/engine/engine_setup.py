@@ -1,6 +1,6 @@
 """Putting a loaded model to work before the engine's first step: quantization, torch.compile, the
-kernels' pre-tune (`kernel_warmup.py`) and CUDA-graph capture (with the reason in the log when
-graphs are off), and the checkpoint's head size that picks the attention back end.
+small-M GEMM's table, the kernels' pre-tune (`kernel_warmup.py`) and CUDA-graph capture (with the reason
+in the log when graphs are off), and the checkpoint's head size that picks the attention back end.
 """
 
 from __future__ import annotations
@@ -32,9 +32,10 @@ def quantize(loaded: LoadedModel, method: str, fp8_mode: str = "auto") -> None:
 
 
 def prepare_execution(runner: ModelRunner, loaded: LoadedModel, config: EngineConfig, max_model_len: int) -> None:
-    """torch.compile (--compile), the pre-tune of every kernel key the steps can reach (on CUDA, with
-    or without --enforce-eager: eager steps launch the same kernels) and CUDA-graph capture of decode
-    steps, with the reason when graphs are off."""
+    """torch.compile (--compile), the small-M GEMM's measured table (on CUDA: small_m_linear.py), the
+    pre-tune of every kernel key the steps can reach (on CUDA, with or without --enforce-eager: eager
+    steps launch the same kernels) and CUDA-graph capture of decode steps, with the reason when graphs
+    are off."""
     from sits.runtime.engine.cuda_graphs import decode_batch_sizes
 
     if config.compile:
@@ -43,7 +44,9 @@ def prepare_execution(runner: ModelRunner, loaded: LoadedModel, config: EngineCo
         compile_non_attention(loaded.model)
     if loaded.device.type == "cuda":
         from sits.runtime.engine.kernel_warmup import pretune_kernels
+        from sits.runtime.models.small_m_linear import enable_small_m_gemm
 
+        enable_small_m_gemm(loaded.model, loaded.device, compiled=config.compile)  # before its pre-tune
         pretune_kernels(runner, loaded.dtype, config.scheduler, max_model_len)
     backend = getattr(loaded.model, "backend", None)
     if loaded.device.type != "cuda":

@@ -5,8 +5,9 @@ fresh machine); on live traffic that stalls every stream of the engine for secon
 one step on an H200: the first mixed step whose decodes passed a context of 1,024). So once the
 model is loaded and its KV cache allocated, before CUDA-graph capture, `pretune_kernels` launches
 the attention back end's prefill kernel for every query-length bucket, its decode kernel for every
-split plan, and the quantized GEMMs for every row bucket (with --quantization fp8 / int8): the
-launches of `tuning_plan`, on dummy inputs that read the real cache and write nothing into it.
+split plan, the quantized GEMMs for every row bucket (with --quantization fp8 / int8) and the
+small-M direct GEMM for every bucket its measured table gave a layer: the launches of `tuning_plan`,
+on dummy inputs that read the real cache and write nothing into it.
 
 Triton's on-disk autotune cache (TRITON_CACHE_AUTOTUNING) is switched on for the engine unless the
 user set the variable, so the next start on the same machine and Triton cache reads the results
@@ -30,9 +31,11 @@ import torch
 from triton.runtime.autotuner import Autotuner
 
 from sits.kernels.launch_utils import cdiv, is_interpreter, num_sms
+from sits.kernels.small_m_table import m_bucket
 from sits.runtime.attention.backend import AttentionMetadata
 from sits.runtime.engine.tuning_plan import DecodeShape, KernelLimits, PrefillShape, TuningPlan, tuning_plan
 from sits.runtime.engine.tuning_records import load_choices, save_choices
+from sits.runtime.models.small_m_linear import DecodeLinear
 
 if TYPE_CHECKING:
     from sits.runtime.config import SchedulerConfig
@@ -130,6 +133,7 @@ def pretune_kernels(runner: ModelRunner, dtype: torch.dtype, scheduler: Schedule
         load_choices(tuners, gpu)
     plan = tuning_plan(kernel_limits(runner, scheduler, max_model_len))
     shapes = run_attention_plan(runner, dtype, plan) + run_gemm_plan(runner.model, dtype, plan.gemm_rows)
+    shapes += run_small_m_plan(runner.model, plan.small_m_rows)
     torch.cuda.synchronize(runner.device)
     if disk_cache:
         save_choices(tuners, gpu)
@@ -213,4 +217,33 @@ def run_gemm_plan(model: torch.nn.Module, dtype: torch.dtype, rows: Iterable[int
         for count in rows:
             layer(inputs[:count])
             launches += 1
+    return launches
+
+
+def small_m_layers(model: torch.nn.Module) -> list[DecodeLinear]:
+    """One DecodeLinear per distinct small-M launch set: layers whose table gave them direct (or fused
+    SiLU·mul) buckets, deduplicated by shape, dtype and buckets (every decoder layer repeats them)."""
+    layers: dict[tuple, DecodeLinear] = {}
+    for module in model.modules():
+        if isinstance(module, DecodeLinear) and (module.direct_buckets or module.silu_mul_buckets):
+            signature = (tuple(module.weight.shape), module.weight.dtype, module.direct_buckets,
+                         module.silu_mul_buckets)
+            layers.setdefault(signature, module)
+    return list(layers.values())
+
+
+def run_small_m_plan(model: torch.nn.Module, rows: Iterable[int]) -> int:
+    """Run each distinct small-M layer of `model` (`small_m_layers`) on every row count whose bucket it runs
+    on the direct kernel, and its fused SiLU·mul on those of its SiLU·mul buckets; returns the launches."""
+    rows = sorted(rows)
+    launches = 0
+    for layer in small_m_layers(model) if rows else []:
+        inputs = torch.randn(rows[-1], layer.in_features, dtype=layer.weight.dtype, device=layer.weight.device)
+        for count in rows:
+            if m_bucket(count) in layer.direct_buckets:
+                layer(inputs[:count])
+                launches += 1
+            if m_bucket(count) in layer.silu_mul_buckets:
+                layer.silu_mul(inputs[:count])
+                launches += 1
     return launches

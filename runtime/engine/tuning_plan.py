@@ -3,12 +3,13 @@
 The Triton kernels pick their tile configs per key: prefill attention per bucket of the longest
 query chunk (`prefill_len_bucket`), decode attention per split plan (`plan_decode_splits`: one
 split or several, the bucket of the tokens per split, the merge kernel's block), the quantized
-GEMMs per bucket of the row count. The first launch of a new key benchmarks every config, and
-compiles them on a fresh machine: seconds during which every stream of the engine waits.
+GEMMs and the small-M direct GEMM per bucket of the row count. The first launch of a new key
+benchmarks every config, and compiles them on a fresh machine: seconds during which every stream of
+the engine waits.
 `tuning_plan` lists the keys an engine with these limits can reach, each with one concrete launch
 shape that reaches it (a "witness"), so the start-up pre-tune (`kernel_warmup.py`) can run them all.
 
-    tuning_plan(KernelLimits) -> TuningPlan(prefill, decode, gemm_rows)
+    tuning_plan(KernelLimits) -> TuningPlan(prefill, decode, gemm_rows, small_m_rows)
 
 Pure host code: the same bucket functions the kernel launchers call, no device.
 """
@@ -24,6 +25,7 @@ from sits.kernels.attention_prefill import prefill_len_bucket
 from sits.kernels.launch_utils import cdiv, length_bucket
 
 GEMM_ROWS_BUCKET_CAP = 1 << 16  # the GEMM launchers' length_bucket(m, cap=1 << 16) of their M_BUCKET
+SMALL_M_MAX_ROWS = 64  # the small-M direct GEMM's largest batch (sits.kernels.gemm_small_m.MAX_M)
 # A prefill chunk attends to at least this much context in the pre-tune's launches: short chunks
 # are mostly the tails of chunked prompts, prefix-cache hits and speculative verifications.
 PREFILL_MIN_CONTEXT = 1024
@@ -109,16 +111,21 @@ class TuningPlan:
         decode: one shape per decode key (single, split bucket, merge block).
         gemm_rows: row counts (M) for the quantized GEMMs: per bucket, the largest M of each
             compile-time class of M (1, a multiple of 16, other) that the bucket holds.
+        small_m_rows: row counts for the small-M direct GEMM (sits.kernels.gemm_small_m): one per
+            power-of-two bucket up to 64 that steps reach, its largest reachable M (the kernel does not
+            specialize on M, so one launch per bucket tunes and compiles it).
     """
 
     prefill: tuple[PrefillShape, ...]
     decode: tuple[DecodeShape, ...]
     gemm_rows: tuple[int, ...]
+    small_m_rows: tuple[int, ...] = ()
 
 
 def tuning_plan(limits: KernelLimits) -> TuningPlan:
     """Every prefill, decode and GEMM key that steps within `limits` can reach, each with a launch."""
-    return TuningPlan(_prefill_shapes(limits), _decode_shapes(limits), _gemm_rows(limits.max_num_batched_tokens))
+    return TuningPlan(_prefill_shapes(limits), _decode_shapes(limits), _gemm_rows(limits.max_num_batched_tokens),
+                      small_m_rows(limits.max_num_batched_tokens))
 
 
 def _last_true(lo: int, hi: int, holds: Callable[[int], bool]) -> int:
@@ -215,3 +222,11 @@ def _gemm_rows(max_rows: int) -> tuple[int, ...]:
                 classes.add(int_specialization(rows_count))
                 rows.add(rows_count)
     return tuple(sorted(rows))
+
+
+def small_m_rows(max_rows: int) -> tuple[int, ...]:
+    """One row count per bucket (1, 2, 4, ..., SMALL_M_MAX_ROWS) of the small-M GEMM that steps of at most
+    max_rows tokens reach: the bucket's largest reachable M."""
+    top = min(max(max_rows, 0), SMALL_M_MAX_ROWS)
+    powers = range(SMALL_M_MAX_ROWS.bit_length())
+    return tuple(min(1 << power, top) for power in powers if (1 << power) // 2 < top)

@@ -8,7 +8,9 @@ the batch layout arrives explicitly in `AttentionMetadata`.
 Q/K/V and gate/up projections are fused into one matrix each (one GEMM instead of three / two);
 `load_weights` accepts HF tensor names and copies each into its slice; `export_weights` gives them back.
 RMSNorm and SiLU·mul go through the `KernelOps` the attention back end brings (plain PyTorch by
-default, fused Triton kernels with the Triton back end), so the model has no device branches.
+default, fused Triton kernels with the Triton back end), so the model has no device branches. The four
+projections are `DecodeLinear` (nn.Linear unless a measured table moves decode batches to the small-M
+direct GEMM, see small_m_linear.py).
 The layers carry the residual stream beside their output (vLLM's layout): every residual add is fused
 into the norm that follows it, so a layer launches two norm kernels and no separate add.
 """
@@ -25,6 +27,7 @@ from sits.runtime.engine.kv_cache_fp8 import scale_kwargs
 from sits.runtime.models.config import LlamaConfig
 from sits.runtime.models.kernel_ops import TORCH_OPS, KernelOps, logits_float32
 from sits.runtime.models.rotary import build_cos_sin_cache
+from sits.runtime.models.small_m_linear import DecodeLinear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blocks, block_size, kv_heads, head_dim]
 
@@ -78,8 +81,8 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         self.backend = backend
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.qkv_proj = DecodeLinear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = DecodeLinear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
 
     def forward(
         self,
@@ -110,12 +113,16 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: LlamaConfig, ops: KernelOps = TORCH_OPS) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.gate_up_proj = DecodeLinear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias,
+                                         gated=True)
+        self.down_proj = DecodeLinear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj
+        if isinstance(gate_up, DecodeLinear) and gate_up.fuses_silu_mul(x):  # GEMM and SiLU·mul in one launch
+            return self.down_proj(gate_up.silu_mul(x))
+        return self.down_proj(self.ops.silu_mul(gate_up(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -1,6 +1,7 @@
 """No autotune and no kernel compile after start-up: the engine's pre-tune reaches every key.
 
-An engine over SmolLM2-135M (bf16, Triton attention; and fp8 weights without CUDA graphs) starts,
+An engine over SmolLM2-135M (bf16, Triton attention; the same with every projection on the small-M direct
+GEMM at every decode bucket, gate_up fused with SiLU·mul; and fp8 weights without CUDA graphs) starts,
 its kernels pre-tuned; then a workload of varied prompt lengths (1 to 1,900 tokens, chunked
 across steps), shared prefixes (prefix-cache hits: short chunks over long contexts), decodes that
 cross every power of two up to the 2,048-token context and arrivals in the middle of decoding
@@ -31,11 +32,29 @@ from sits.runtime.engine.request import SamplingParams
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 MAX_MODEL_LEN = 2048
-PRETUNED_MODULES = ("attention_prefill.", "attention_decode.", "fp8_gemm.", "int8_gemm.", "fp8_quantize.")
-CONFIGS = {  # name: (quantization, enforce_eager)
-    "bf16, CUDA graphs": ("none", False),
-    "fp8 weights, eager": ("fp8", True),
+PRETUNED_MODULES = ("attention_prefill.", "attention_decode.", "fp8_gemm.", "int8_gemm.", "fp8_quantize.",
+                    "gemm_small_m.")
+CONFIGS = {  # name: (quantization, enforce_eager, a small-M table naming the direct kernel everywhere)
+    "bf16, CUDA graphs": ("none", False, False),
+    "bf16 small-M direct GEMM, CUDA graphs": ("none", False, True),
+    "fp8 weights, eager": ("fp8", True, False),
 }
+
+
+def direct_everywhere_table(path: Path) -> str:
+    """A small-M table whose every entry (SmolLM2's four projections and its fused gate_up, M buckets 1 to
+    64) names the direct kernel, measured on this GPU; returns its path."""
+    from sits.kernels.small_m_table import SmallMEntry, SmallMTable
+    from sits.runtime.models import loading
+
+    c = loading.read_model_config(ModelConfig(model=str(gguf_path())), progress=False)
+    qkv = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+    shapes = [("linear", qkv, c.hidden_size), ("linear", c.hidden_size, c.num_attention_heads * c.head_dim),
+              ("linear", 2 * c.intermediate_size, c.hidden_size), ("linear", c.hidden_size, c.intermediate_size),
+              ("silu_mul", 2 * c.intermediate_size, c.hidden_size)]
+    entries = {(op, n, k, b): SmallMEntry(op, n, k, b, "direct") for op, n, k in shapes for b in (1, 2, 4, 8, 16, 32, 64)}
+    path.write_text(SmallMTable(torch.cuda.get_device_name(), entries).to_json())
+    return str(path)
 
 
 def gguf_path() -> Path:
@@ -102,8 +121,9 @@ def workload(llm: LLMEngine, seed: int) -> int:
 
 
 @pytest.mark.parametrize("name", CONFIGS)
-def test_no_autotune_or_compile_after_start(name, caplog):
-    quantization, eager = CONFIGS[name]
+def test_no_autotune_or_compile_after_start(name, caplog, monkeypatch, tmp_path):
+    quantization, eager, small_m = CONFIGS[name]
+    monkeypatch.setenv("SITS_SMALL_M_GEMM", direct_everywhere_table(tmp_path / "table.json") if small_m else "off")
     config = EngineConfig(
         model=ModelConfig(model=str(gguf_path()), device="cuda", dtype="bfloat16", quantization=quantization,
                           max_model_len=MAX_MODEL_LEN),

@@ -1,0 +1,304 @@
+"""The bf16 / fp16 GEMM at decode batches (M <= 64): the "direct" kernel, and the same with SiLU·mul fused.
+
+    small_m_gemm(x [M, K], w [N, K]) -> out [M, N] = x @ w^T in x's dtype, float32 sums
+    small_m_gemm_silu_mul(x [M, K], w_gate_up [2I, K]) -> out [M, I] = silu(x @ w[:I]^T) * (x @ w[I:]^T)
+
+At decode the weight read is the whole cost: Llama-3-8B's projections read 32 to 235 MB per call for
+1 to 64 rows. cuBLAS splits K at these shapes and adds a reduction kernel; this kernel does what
+fp8_gemm's direct kernel does for fp8 (sits.kernels.fp8_gemm, `_fp8_gemm_direct_kernel`): one launch,
+no split along K. Narrow column tiles (BLOCK_N 16 to 64) give every SM about two programs at N = 4,096
+and more at larger N; each program streams its [BLOCK_N, K] slice of the weight through a deep load
+pipeline (`num_stages`), keeps float32 sums and writes the output dtype itself. Where the batch has
+few rows the operands may swap (SWAP_AB): out^T = W x^T, so the weight rows are the tensor-core MMA's
+M side instead of padding the activations to 16+ rows and using the weight as the narrow N side.
+
+The SiLU·mul variant (the Llama MLP's gate_up projection and activation, see LlamaMLP and
+sits.kernels.silu_mul: gate rows w[:I] first, up rows w[I:]) has each program stream the gate rows of
+its column tile and the matching up rows as one weight tile (one pipeline; swapped, 2 x 32 rows fill a
+wgmma), and write silu(gate) * up rounded as the unfused path rounds it
+(each product rounded to the dtype as the GEMM stores it, silu in float32 rounded to the dtype, the
+product rounded again): one launch, no [M, 2I] intermediate in memory.
+
+The row count M is not specialized (`do_not_specialize`): one binary per row tile (16, 32 or 64
+rows), whatever the batch. Configs are autotuned per (N, K, bucket of M) and dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sits.kernels.launch_utils import (
+    HALF_DTYPES,
+    autotune,
+    check_inner_contiguous,
+    check_shape,
+    check_tensor,
+    is_interpreter,
+    length_bucket,
+    require,
+)
+from sits.kernels.reference import small_m_gemm_reference, small_m_gemm_silu_mul_reference
+
+__all__ = [
+    "MAX_M",
+    "small_m_gemm",
+    "small_m_gemm_reference",
+    "small_m_gemm_silu_mul",
+    "small_m_gemm_silu_mul_reference",
+    "small_m_rows_bucket",
+]
+
+MAX_M = 64  # the largest row tile: one row tile covers every batch the kernel takes
+SMEM_BYTES = 227 * 1024  # shared memory one program may use on an H100 / H200 (sm_90)
+
+
+def small_m_rows_bucket(m: int) -> int:
+    """The autotune bucket of M rows (the key's M_BUCKET): M rounded up to a power of two."""
+    return length_bucket(m, cap=MAX_M)
+
+
+def _block_m(m: int) -> int:
+    """The row tile for M rows: a power of two from 16 (tl.dot's minimum) to MAX_M."""
+    return min(max(length_bucket(m), 16), MAX_M)
+
+
+def _config(block_n: int, block_k: int, swap_ab: bool, warps: int, stages: int) -> triton.Config:
+    """One config (BLOCK_M is not tuned: it follows M, see `_block_m`)."""
+    return triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k, "SWAP_AB": swap_ab},
+                         num_warps=warps, num_stages=stages)
+
+
+# (BLOCK_N, BLOCK_K, SWAP_AB, warps, stages). Programs at N = 4,096: 256 with 16 columns, 128 with 32;
+# at N = 6,144: 384 / 192; at 28,672 (or the SiLU·mul variant's I = 14,336, twice the rows a program):
+# 448 to 1,792. Wide K tiles and 3 to 8 stages keep 64 to 128 KB of weight in flight per SM; the
+# 16 x 128 swapped tile keeps two programs per SM resident even at a 64-row tile (100 KB each), and the
+# 4-stage 32 x 128 one fits the SiLU·mul variant's 64-row tile (its 2 x 32 weight rows: a wgmma).
+# Not measured yet: benchmarks/bench_gemm_small_m.py times each of them beside cuBLAS on the H200.
+GPU_CONFIGS = [
+    _config(*c)
+    for c in (
+        (16, 512, False, 4, 4), (16, 256, False, 4, 6), (16, 256, True, 4, 5), (16, 128, True, 4, 6),
+        (32, 256, True, 4, 4), (32, 128, True, 4, 8), (32, 128, True, 4, 4), (64, 256, True, 4, 3),
+        (64, 128, True, 8, 5),
+    )
+]
+INTERPRETER_CONFIG = _config(32, 32, False, 4, 1)
+
+
+def shared_memory_bytes(config: triton.Config, block_m: int, silu_mul: bool = False, elem_bytes: int = 2) -> int:
+    """Shared memory a config's load pipeline takes on sm_90: its weight tile (BLOCK_N rows, 2 BLOCK_N with
+    SiLU·mul) and activation tile, times the stages where the dot's M side (the weight rows swapped, else
+    BLOCK_M) has 64+ rows and becomes a wgmma, else times stages - 1 (mma.sync). (As Triton 3.9 allocates it
+    for every shipped launch: benchmarks/compile_gemm_small_m_sm90.py.)"""
+    kw = config.kwargs
+    w_rows = kw["BLOCK_N"] * (2 if silu_mul else 1)
+    m_side = w_rows if kw["SWAP_AB"] else block_m
+    buffers = config.num_stages if m_side >= 64 else max(config.num_stages - 1, 1)
+    return buffers * (w_rows + block_m) * kw["BLOCK_K"] * elem_bytes
+
+
+def _prune(configs, named_args, **kwargs):
+    """Drop K tiles wider than K itself (mostly masked zeros) and pipelines that overflow shared memory."""
+    k = named_args["K"]
+    block_m = kwargs.get("BLOCK_M", named_args.get("BLOCK_M", MAX_M))
+    silu_mul = bool(kwargs.get("SILU_MUL", named_args.get("SILU_MUL", False)))
+    kept = [
+        c for c in configs
+        if c.kwargs["BLOCK_K"] <= max(k, 128) and shared_memory_bytes(c, block_m, silu_mul) <= SMEM_BYTES
+    ]
+    return kept or configs[:1]
+
+
+@triton.jit
+def _k_mask(k, K, K_AXIS: tl.constexpr):
+    """Which elements of a tile whose K indices `k` run along axis K_AXIS lie before K."""
+    if K_AXIS == 0:
+        mask = k[:, None] < K
+    else:
+        mask = k[None, :] < K
+    return mask
+
+
+@triton.jit
+def _load_w(ptrs, k, K, EVEN_K: tl.constexpr, K_AXIS: tl.constexpr):
+    """A weight tile along K (rows already wrapped into range): masked past K unless every K tile is whole."""
+    if EVEN_K:
+        tile = tl.load(ptrs)
+    else:
+        tile = tl.load(ptrs, mask=_k_mask(k, K, K_AXIS), other=0.0)
+    return tile
+
+
+@triton.jit
+def _load_x(ptrs, row_mask, k, K, EVEN_K: tl.constexpr, K_AXIS: tl.constexpr):
+    """An activation tile along K: rows past M masked (row_mask, broadcastable), and columns past K."""
+    if EVEN_K:
+        tile = tl.load(ptrs, mask=row_mask, other=0.0)
+    else:
+        tile = tl.load(ptrs, mask=row_mask & _k_mask(k, K, K_AXIS), other=0.0)
+    return tile
+
+
+@triton.jit
+def _weight_rows(N, BLOCK_N: tl.constexpr, SILU_MUL: tl.constexpr):
+    """The weight rows this program streams (int64): its BLOCK_N output columns wrapped into [0, N); with
+    SILU_MUL the gate rows of those columns, then their up rows (N + each): 2 BLOCK_N rows."""
+    if SILU_MUL:
+        r = tl.arange(0, 2 * BLOCK_N)
+        rows = (tl.program_id(0) * BLOCK_N + r % BLOCK_N) % N + (r // BLOCK_N) * N
+    else:
+        rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+    return rows.to(tl.int64)
+
+
+@triton.jit
+def _row_sums(x_ptr, w_ptr, rows_x, in_m, rows_w, K, stride_xm, stride_wn,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr):  # fmt: skip
+    """float32 sums x[rows_x] @ w[rows_w]^T over the whole K: [BLOCK_M, BLOCK_N] (BLOCK_N: rows_w's length).
+    DOT_FP32 (the interpreter only, which multiplies bf16 tiles as raw bits) upcasts both tiles to float32
+    before the dot."""
+    offs_k = tl.arange(0, BLOCK_K)
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        if SWAP_AB:  # w [BLOCK_N, BLOCK_K] and x^T [BLOCK_K, BLOCK_M], both K-major
+            w = _load_w(w_ptr + rows_w[:, None] * stride_wn + k[None, :], k, K, EVEN_K, 1)
+            x = _load_x(x_ptr + rows_x[None, :] * stride_xm + k[:, None], in_m[None, :], k, K, EVEN_K, 0)
+            if DOT_FP32:
+                w, x = w.to(tl.float32), x.to(tl.float32)
+            acc = tl.dot(w, x, acc)
+        else:  # x [BLOCK_M, BLOCK_K] and w^T [BLOCK_K, BLOCK_N]
+            x = _load_x(x_ptr + rows_x[:, None] * stride_xm + k[None, :], in_m[:, None], k, K, EVEN_K, 1)
+            w = _load_w(w_ptr + rows_w[None, :] * stride_wn + k[:, None], k, K, EVEN_K, 0)
+            if DOT_FP32:
+                x, w = x.to(tl.float32), w.to(tl.float32)
+            acc = tl.dot(x, w, acc)
+    if SWAP_AB:
+        acc = tl.trans(acc)
+    return acc
+
+
+@triton.jit(do_not_specialize=["M", "M_BUCKET"])  # one binary per row tile, not per batch size
+def _small_m_gemm_kernel(
+    x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, M_BUCKET,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
+    SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    """out [M, N] in out's dtype; grid (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M)).
+
+    Plain: out = x @ w^T, w [N, K]. SILU_MUL: w is [2N, K] (gate rows [0, N), up rows [N, 2N)) and
+    out = silu(x @ w[:N]^T) * (x @ w[N:]^T), rounded as the unfused GEMM + silu_mul round it.
+    Each program sums the whole K for one [BLOCK_M, BLOCK_N] tile; with SILU_MUL its weight tile holds
+    the gate rows and then the up rows of its columns (2 BLOCK_N rows, one load pipeline, one dot per
+    K tile), split apart in the epilogue. Columns past N are wrapped for the loads and masked at the
+    store; activation rows past M are masked at the load (a batch of 1 to 15 rows in a 16-row tile
+    reads only its rows).
+    """
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows_x = offs_m.to(tl.int64)
+    in_m = offs_m < M
+    rows_w = _weight_rows(N, BLOCK_N, SILU_MUL)
+    dtype = out_ptr.dtype.element_ty
+    if SILU_MUL:
+        both = _row_sums(x_ptr, w_ptr, rows_x, in_m, rows_w, K, stride_xm, stride_wn,
+                         BLOCK_M, 2 * BLOCK_N, BLOCK_K, SWAP_AB, EVEN_K, DOT_FP32)  # fmt: skip
+        gate, up = tl.split(tl.permute(tl.reshape(both, [BLOCK_M, 2, BLOCK_N]), [0, 2, 1]))
+        gate = gate.to(dtype).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        acc = silu * up.to(dtype).to(tl.float32)
+    else:
+        acc = _row_sums(x_ptr, w_ptr, rows_x, in_m, rows_w, K, stride_xm, stride_wn,
+                        BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, EVEN_K, DOT_FP32)  # fmt: skip
+    ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(ptrs, acc.to(dtype), mask=in_m[:, None] & (offs_n[None, :] < N))
+
+
+_small_m_gemm_kernel_even_k = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(
+    _small_m_gemm_kernel
+)
+_KEY = ("N", "K", "M_BUCKET")
+# Two tuners over the same kernel: the plain GEMM and the SiLU·mul variant pick configs apart (their
+# N means different things, and the variant streams twice the weight rows per program).
+_small_m_gemm = autotune(GPU_CONFIGS, INTERPRETER_CONFIG, _KEY, _prune)(_small_m_gemm_kernel_even_k)
+_small_m_gemm_silu = autotune(GPU_CONFIGS, INTERPRETER_CONFIG, _KEY, _prune)(_small_m_gemm_kernel_even_k)
+
+
+def launch(kernel, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, silu_mul: bool, **meta) -> None:
+    """Launch `kernel` (an autotuner above, or the raw jit kernel with every constexpr in `meta`) writing
+    out [M, N'] (N' = N, or I = N / 2 with silu_mul) from checked operands."""
+    m, k = x.shape
+    n = out.shape[1]
+    block_m = _block_m(m)
+    grid = lambda meta_: (triton.cdiv(n, meta_["BLOCK_N"]), triton.cdiv(m, block_m))  # noqa: E731
+    kernel[grid](
+        x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0), small_m_rows_bucket(m),
+        BLOCK_M=block_m, SILU_MUL=silu_mul, DOT_FP32=is_interpreter(), **meta,
+    )  # fmt: skip
+
+
+def _check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, out_cols: int | None,
+           name: str) -> tuple[int, int]:
+    """Checks shared by both entry points; returns (M, output columns)."""
+    check_tensor(x, "x", ndim=2, dtypes=HALF_DTYPES)
+    check_tensor(w, name, ndim=2, dtypes=(x.dtype,), device=x.device)
+    m, k = x.shape
+    require(w.shape[1] == k, f"x is [M, {k}] but {name} is {tuple(w.shape)}; expected [rows, {k}]")
+    require(k > 0, "K must be positive")
+    require(m <= MAX_M, f"the small-M GEMM takes at most {MAX_M} rows, got M = {m}")
+    check_inner_contiguous(x, "x")
+    check_inner_contiguous(w, name)
+    cols = w.shape[0] if out_cols is None else out_cols
+    if out is not None:
+        check_tensor(out, "out", dtypes=(x.dtype,), device=x.device)
+        check_shape(out, "out", (m, cols))
+        check_inner_contiguous(out, "out")
+    return m, cols
+
+
+def small_m_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """out = x @ w^T with float32 sums, for decode batches.
+
+    Args:
+        x: [M, K] bfloat16 / float16 activations, 0 <= M <= MAX_M (64), last dimension contiguous
+            (any row stride).
+        w: [N, K] weight in x's dtype (nn.Linear layout), last dimension contiguous.
+        out: optional [M, N] buffer in x's dtype, last dimension contiguous.
+    Returns:
+        [M, N] in x's dtype.
+    Raises:
+        ValueError: wrong dtype, rank, shape, layout or device, or M > MAX_M.
+    """
+    m, n = _check(x, w, out, None, "w")
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
+    if m and n:
+        launch(_small_m_gemm, x, w, out, False)
+    return out
+
+
+def small_m_gemm_silu_mul(x: torch.Tensor, w_gate_up: torch.Tensor, out: torch.Tensor | None = None
+                          ) -> torch.Tensor:
+    """silu(x @ gate^T) * (x @ up^T), the gate_up GEMM and SiLU·mul in one launch.
+
+    Args:
+        x: [M, K] bfloat16 / float16, 0 <= M <= MAX_M (64), last dimension contiguous.
+        w_gate_up: [2I, K] in x's dtype: gate rows [0, I), up rows [I, 2I) (LlamaMLP's gate_up_proj).
+        out: optional [M, I] buffer in x's dtype, last dimension contiguous.
+    Returns:
+        [M, I] in x's dtype: the unfused silu_mul(x @ w_gate_up^T), each step rounded as it rounds.
+    Raises:
+        ValueError: as small_m_gemm, or an odd number of weight rows.
+    """
+    rows = w_gate_up.shape[0] if isinstance(w_gate_up, torch.Tensor) and w_gate_up.dim() == 2 else 1
+    require(rows % 2 == 0, f"w_gate_up must have an even number of rows (gate, then up), got {rows}")
+    m, cols = _check(x, w_gate_up, out, rows // 2, "w_gate_up")
+    out = torch.empty(m, cols, dtype=x.dtype, device=x.device) if out is None else out
+    if m and cols:
+        launch(_small_m_gemm_silu, x, w_gate_up, out, True)
+    return out

@@ -1,0 +1,154 @@
+"""Where the small-M direct GEMM (sits.kernels.gemm_small_m) beats cuBLAS: a measured table per GPU.
+
+Written by benchmarks/bench_gemm_small_m.py on the GPU, read by the engine (Triton-free: the engine
+reads it before any kernel is imported). One entry per (op, N, K, M bucket):
+
+* op "linear": small_m_gemm(x, w) against torch.nn.functional.linear, w [N, K];
+* op "silu_mul": small_m_gemm_silu_mul(x, w) against F.linear then sits.kernels.silu_mul.silu_mul,
+  w [N, K] = [2I, K] (the MLP's gate_up weight; N is its row count, 2I).
+
+Each entry holds both sides' microseconds per call and the winner, "direct" where the direct kernel
+took at most 1 / MIN_SPEEDUP of cuBLAS's time, else "cublas". M buckets are powers of two up to 64
+(the bench measures each); a call takes its own bucket's entry, and a shape or bucket with no entry
+runs cuBLAS.
+
+    {"version": 1, "device": "NVIDIA H200", "entries": [
+      {"op": "linear", "n": 4096, "k": 4096, "m_bucket": 1, "winner": "direct",
+       "us": {"direct": 9.8, "cublas": 10.9}}, ...]}
+
+A table applies on a GPU of the same name only (an empty "device": anywhere).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeGuard
+
+__all__ = ["DEFAULT_TABLE_PATH", "MAX_M", "MIN_SPEEDUP", "OPS", "TABLE_VERSION", "WINNERS", "SmallMEntry",
+           "SmallMTable", "choose_winner", "load_small_m_table", "m_bucket", "parse_small_m_table"]
+
+OPS = ("linear", "silu_mul")
+WINNERS = ("direct", "cublas")
+MAX_M = 64  # the direct kernel's largest batch (gemm_small_m.MAX_M)
+MIN_SPEEDUP = 1.02  # the direct kernel replaces cuBLAS only where it is measurably faster
+TABLE_VERSION = 1
+DEFAULT_TABLE_PATH = Path(__file__).with_name("small_m_gemm_table.json")
+
+
+def m_bucket(m: int) -> int:
+    """A batch's table key: M rounded up to a power of two (M >= 1)."""
+    return 1 << max(int(m) - 1, 0).bit_length()
+
+
+def choose_winner(direct_us: float | None, cublas_us: float | None) -> str:
+    """"direct" where it was measured and took at most 1 / MIN_SPEEDUP of cuBLAS's time, else "cublas"."""
+    if direct_us is None or not direct_us > 0:
+        return "cublas"
+    if cublas_us is None or not cublas_us > 0:
+        return "direct"
+    return "direct" if direct_us * MIN_SPEEDUP <= cublas_us else "cublas"
+
+
+@dataclass(frozen=True)
+class SmallMEntry:
+    """One measured shape: op, weight [n, k], the batch's M bucket, the winner and each side's µs."""
+
+    op: str
+    n: int
+    k: int
+    m_bucket: int
+    winner: str
+    us: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"op": self.op, "n": self.n, "k": self.k, "m_bucket": self.m_bucket, "winner": self.winner,
+                "us": self.us}
+
+
+@dataclass(frozen=True)
+class SmallMTable:
+    """The winner of each measured shape (cuBLAS elsewhere).
+
+    Attributes:
+        device: the GPU the figures were measured on ("": applies anywhere).
+        entries: (op, n, k, m_bucket) -> SmallMEntry.
+    """
+
+    device: str = ""
+    entries: dict[tuple[str, int, int, int], SmallMEntry] = field(default_factory=dict)
+
+    def direct_buckets(self, op: str, n: int, k: int) -> frozenset[int]:
+        """The M buckets at which `op` on an [n, k] weight runs the direct kernel."""
+        return frozenset(b for (o, bn, bk, b), e in self.entries.items()
+                         if (o, bn, bk) == (op, n, k) and e.winner == "direct")
+
+    def describe(self) -> str:
+        """E.g. "measured table of NVIDIA H200: direct at 12 of 35 shapes"."""
+        if not self.entries:
+            return "cuBLAS everywhere (no measured entry)"
+        direct = sum(e.winner == "direct" for e in self.entries.values())
+        return f"measured table of {self.device or 'an unnamed GPU'}: direct at {direct} of {len(self.entries)} shapes"
+
+    def to_json(self) -> str:
+        """The table's file: version and device, then one entry per line, by (op, N, K, M bucket)."""
+        rows = [json.dumps(self.entries[key].to_dict()) for key in sorted(self.entries)]
+        head = json.dumps({"version": TABLE_VERSION, "device": self.device})[:-1]
+        return head + ', "entries": [' + ("\n" + ",\n".join(rows) + "\n" if rows else "") + "]}\n"
+
+
+def _positive_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _entry(row: object) -> SmallMEntry:
+    if not isinstance(row, dict):
+        raise ValueError(f"bad small-M GEMM table entry {row!r}: not an object")
+    op, winner, us = row.get("op"), row.get("winner"), row.get("us", {})
+    if op not in OPS:
+        raise ValueError(f"bad small-M GEMM table entry {row!r}: op must be one of {', '.join(OPS)}")
+    if winner not in WINNERS:
+        raise ValueError(f"bad small-M GEMM table entry {row!r}: winner must be one of {', '.join(WINNERS)}")
+    n, k, bucket = (row.get(name) for name in ("n", "k", "m_bucket"))
+    if not (_positive_int(n) and _positive_int(k) and _positive_int(bucket)) or bucket != m_bucket(bucket) \
+            or bucket > MAX_M:
+        raise ValueError(f"bad small-M GEMM table entry {row!r}: n and k must be positive, m_bucket a power of "
+                         f"two up to {MAX_M}")
+    if op == "silu_mul" and n % 2:
+        raise ValueError(f"bad small-M GEMM table entry {row!r}: a silu_mul weight has an even row count")
+    if not isinstance(us, dict) or any(s not in WINNERS or not isinstance(v, (int, float)) for s, v in us.items()):
+        raise ValueError(f"bad small-M GEMM table entry {row!r}: 'us' must map {WINNERS} to numbers")
+    return SmallMEntry(op, n, k, bucket, winner, {s: float(v) for s, v in us.items()})
+
+
+def parse_small_m_table(text: str) -> SmallMTable:
+    """A SmallMTable from its JSON; ValueError naming what is wrong."""
+    try:
+        data = json.loads(text)
+        rows, device, version = data["entries"], str(data.get("device", "")), data.get("version")
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as error:
+        raise ValueError(f"not a small-M GEMM table ({error})") from None
+    if version != TABLE_VERSION:
+        raise ValueError(f"small-M GEMM table version {version!r}: this build reads version {TABLE_VERSION}; "
+                         "measure it again with benchmarks/bench_gemm_small_m.py")
+    if not isinstance(rows, list):
+        raise ValueError("not a small-M GEMM table ('entries' must be a list)")
+    entries = [_entry(row) for row in rows]
+    return SmallMTable(device, {(e.op, e.n, e.k, e.m_bucket): e for e in entries})
+
+
+def load_small_m_table(path: Path | str | None = None, device_name: str | None = None) -> SmallMTable:
+    """The table at `path` (default: DEFAULT_TABLE_PATH); an empty table (cuBLAS everywhere) when there is
+    no file, or when it was measured on another GPU than `device_name` (when both name one).
+
+    Raises:
+        ValueError: the file exists but is not a valid table.
+    """
+    path = Path(path) if path is not None else DEFAULT_TABLE_PATH
+    if not path.is_file():
+        return SmallMTable()
+    table = parse_small_m_table(path.read_text())
+    if device_name is not None and table.device and table.device != device_name:
+        return SmallMTable()
+    return table

@@ -1,0 +1,166 @@
+"""Decode-batch projections on the small-M direct GEMM where a measured table says it beats cuBLAS.
+
+`DecodeLinear` is the nn.Linear of the Llama projections (qkv_proj, o_proj, gate_up_proj, down_proj).
+Until `install_small_m_gemm` gives it M buckets it is nn.Linear exactly (F.linear, cuBLAS on CUDA).
+Installed, a call whose row count M (1 to 64) falls in one of its buckets runs
+sits.kernels.gemm_small_m.small_m_gemm instead; a gate_up projection (`gated`: gate rows first, then up,
+no bias) whose SiLU·mul bucket holds M computes silu(gate) * up in the same launch
+(`small_m_gemm_silu_mul`, called by LlamaMLP). The choice is made on the host from the row count alone,
+so each CUDA-graph batch size captures one fixed path.
+
+Where the buckets come from (`enable_small_m_gemm`, at engine start-up, CUDA only): the committed table
+kernels/small_m_gemm_table.json (sits.kernels.small_m_table, written by benchmarks/bench_gemm_small_m.py)
+when it was measured on a GPU of this name; SITS_SMALL_M_GEMM=off keeps cuBLAS everywhere, =PATH reads
+another table. A shape or bucket the table does not hold runs cuBLAS. Not installed on tensor-parallel
+shards nor with --compile, whose paths stay as they were; quantized layers (Fp8Linear, Int8Linear) replace
+DecodeLinear and are untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sits.kernels.reference import small_m_gemm_reference, small_m_gemm_silu_mul_reference
+from sits.kernels.small_m_table import DEFAULT_TABLE_PATH, MAX_M, SmallMTable, load_small_m_table, m_bucket
+from sits.runtime.config import ConfigError
+
+logger = logging.getLogger(__name__)
+
+SMALL_M_ENV = "SITS_SMALL_M_GEMM"
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+Gemm = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class DecodeLinear(nn.Linear):
+    """nn.Linear whose decode batches may run the direct small-M GEMM (see the module doc).
+
+    Args:
+        in_features, out_features, bias, device, dtype: as nn.Linear.
+        gated: the rows are [gate; up] halves of a SwiGLU MLP (LlamaMLP's gate_up_proj), so the
+            SiLU·mul can be fused into the GEMM.
+    Attributes:
+        direct_buckets: M buckets (powers of two <= 64) that run the direct kernel; empty: F.linear always.
+        silu_mul_buckets: M buckets whose gate_up + SiLU·mul run as one launch (gated layers only).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, gated: bool = False,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self.gated = gated
+        self.direct_buckets: frozenset[int] = frozenset()
+        self.silu_mul_buckets: frozenset[int] = frozenset()
+        self._gemm: Gemm = small_m_gemm_reference
+        self._gemm_silu_mul: Gemm = small_m_gemm_silu_mul_reference
+
+    def _direct_rows(self, x: torch.Tensor, buckets: frozenset[int]) -> int:
+        """x's row count when it runs the direct kernel at `buckets`, else 0 (host-side: shapes only)."""
+        if x.shape[-1] != self.in_features or x.stride(-1) != 1:
+            return 0
+        rows = x.numel() // self.in_features if self.in_features else 0
+        return rows if 0 < rows <= MAX_M and m_bucket(rows) in buckets else 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., in_features] -> [..., out_features] in x's dtype."""
+        rows = self._direct_rows(x, self.direct_buckets) if self.direct_buckets else 0
+        if not rows:  # uninstalled (the usual case): one attribute test on top of nn.Linear
+            return F.linear(x, self.weight, self.bias)
+        out = self._gemm(x.reshape(rows, self.in_features), self.weight)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def fuses_silu_mul(self, x: torch.Tensor) -> bool:
+        """Whether `silu_mul(x)` serves this call: a SiLU·mul bucket holds x's rows and no hook (a LoRA
+        delta) needs the gate_up output itself."""
+        if not self.silu_mul_buckets or self._forward_hooks or self._forward_pre_hooks:
+            return False
+        return bool(self._direct_rows(x, self.silu_mul_buckets))
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of x [..., in_features] -> [..., out_features / 2], one launch (see fuses_silu_mul)."""
+        rows = x.numel() // self.in_features
+        out = self._gemm_silu_mul(x.reshape(rows, self.in_features), self.weight)
+        return out.reshape(*x.shape[:-1], self.out_features // 2)
+
+    def extra_repr(self) -> str:
+        extra = f", direct GEMM at M buckets {sorted(self.direct_buckets)}" if self.direct_buckets else ""
+        if self.silu_mul_buckets:
+            extra += f", SiLU·mul fused at M buckets {sorted(self.silu_mul_buckets)}"
+        return super().extra_repr() + extra
+
+
+def _kernels(device: torch.device) -> tuple[Gemm, Gemm]:
+    """The Triton kernels on CUDA (or under Triton's interpreter, for CPU tests), else their references."""
+    from sits.kernels.launch_utils import is_interpreter
+
+    if device.type == "cuda" or is_interpreter():
+        from sits.kernels.gemm_small_m import small_m_gemm, small_m_gemm_silu_mul
+
+        return small_m_gemm, small_m_gemm_silu_mul
+    return small_m_gemm_reference, small_m_gemm_silu_mul_reference
+
+
+def install_small_m_gemm(model: nn.Module, table: SmallMTable) -> int:
+    """Give every half-precision DecodeLinear of `model` its buckets from `table`; returns how many layers
+    run the direct kernel at some bucket (plain or fused). Layers of other dtypes keep F.linear."""
+    installed = 0
+    for module in model.modules():
+        if not isinstance(module, DecodeLinear) or module.weight.dtype not in HALF_DTYPES:
+            continue
+        n, k = module.out_features, module.in_features
+        module.direct_buckets = table.direct_buckets("linear", n, k)
+        fusable = module.gated and module.bias is None and n % 2 == 0
+        module.silu_mul_buckets = table.direct_buckets("silu_mul", n, k) if fusable else frozenset()
+        module._gemm, module._gemm_silu_mul = _kernels(module.weight.device)
+        installed += bool(module.direct_buckets or module.silu_mul_buckets)
+    return installed
+
+
+def installed_table(device_name: str) -> SmallMTable:
+    """The small-M table for this GPU: SITS_SMALL_M_GEMM=off an empty one (cuBLAS everywhere), =PATH that
+    table, unset the committed one (each applies only where its device matches `device_name`).
+
+    Raises:
+        ConfigError: the path names no file, or the file is not a valid table.
+    """
+    source = os.environ.get(SMALL_M_ENV, "").strip()
+    if source.lower() == "off":
+        return SmallMTable()
+    path = Path(source) if source else DEFAULT_TABLE_PATH
+    if source and not path.is_file():
+        raise ConfigError(f"{SMALL_M_ENV}={source}: no such file (give a table written by "
+                          "benchmarks/bench_gemm_small_m.py --table, or 'off')")
+    try:
+        return load_small_m_table(path, device_name=device_name)
+    except ValueError as error:
+        raise ConfigError(f"{path}: {error}") from None
+
+
+def _sharded(model: nn.Module) -> bool:
+    from sits.runtime.parallel.layers import RowParallelLinear
+
+    return any(isinstance(module, RowParallelLinear) for module in model.modules())
+
+
+def enable_small_m_gemm(model: nn.Module, device: torch.device, compiled: bool = False) -> int:
+    """Install the table of this GPU (`installed_table`) in `model`'s DecodeLinear layers, at start-up
+    (before the kernels' pre-tune and graph capture); returns how many layers use the direct kernel.
+
+    Nothing is installed off CUDA, on a tensor-parallel shard or with `compiled` (torch.compile): their
+    layers keep F.linear.
+    """
+    if device.type != "cuda" or compiled or _sharded(model):
+        return 0
+    table = installed_table(torch.cuda.get_device_name(device))
+    installed = install_small_m_gemm(model, table) if table.entries else 0
+    logger.info("small-M GEMM: %s; %d projections run the direct kernel at some batch size", table.describe(),
+                installed)
+    return installed

@@ -1,0 +1,90 @@
+"""The small-M GEMM's measured table: the winner rule, the file format, what a table applies to."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sits.kernels.small_m_table import (
+    DEFAULT_TABLE_PATH,
+    MIN_SPEEDUP,
+    SmallMEntry,
+    SmallMTable,
+    choose_winner,
+    load_small_m_table,
+    m_bucket,
+    parse_small_m_table,
+)
+
+
+def _table() -> SmallMTable:
+    entries = [
+        SmallMEntry("linear", 4096, 4096, 1, "direct", {"direct": 9.0, "cublas": 11.0}),
+        SmallMEntry("linear", 4096, 4096, 32, "cublas", {"direct": 12.0, "cublas": 11.0}),
+        SmallMEntry("silu_mul", 28672, 4096, 1, "direct", {"direct": 50.0, "cublas": 60.0}),
+    ]
+    return SmallMTable("NVIDIA H200", {(e.op, e.n, e.k, e.m_bucket): e for e in entries})
+
+
+def test_winner_rule():
+    assert choose_winner(10.0, 10.0 * MIN_SPEEDUP) == "direct"
+    assert choose_winner(10.0, 10.1) == "cublas"  # within the margin: cuBLAS stays
+    assert choose_winner(None, 10.0) == "cublas" and choose_winner(float("nan"), 10.0) == "cublas"
+    assert choose_winner(10.0, None) == "direct"
+
+
+def test_buckets():
+    assert [m_bucket(m) for m in (1, 2, 3, 4, 5, 33, 64)] == [1, 2, 4, 4, 8, 64, 64]
+
+
+def test_round_trip_and_lookup(tmp_path):
+    table = _table()
+    path = tmp_path / "table.json"
+    path.write_text(table.to_json())
+    loaded = load_small_m_table(path, device_name="NVIDIA H200")
+    assert loaded == table
+    assert loaded.direct_buckets("linear", 4096, 4096) == {1}
+    assert loaded.direct_buckets("silu_mul", 28672, 4096) == {1}
+    assert loaded.direct_buckets("linear", 28672, 4096) == frozenset()
+    assert "direct at 2 of 3 shapes" in loaded.describe()
+
+
+def test_another_gpu_or_no_file_gives_cublas_everywhere(tmp_path):
+    path = tmp_path / "table.json"
+    path.write_text(_table().to_json())
+    assert load_small_m_table(path, device_name="NVIDIA A100-SXM4-80GB").entries == {}
+    assert load_small_m_table(tmp_path / "missing.json").entries == {}
+    anywhere = SmallMTable("", _table().entries)
+    path.write_text(anywhere.to_json())
+    assert load_small_m_table(path, device_name="cpu").entries == anywhere.entries
+
+
+def test_the_shipped_table_is_valid_and_empty():
+    """Nothing measured yet: the engine runs cuBLAS everywhere until the H200 run fills it."""
+    table = load_small_m_table(DEFAULT_TABLE_PATH)
+    assert table.device == "NVIDIA H200" and table.entries == {}
+
+
+@pytest.mark.parametrize(
+    "row,message",
+    [
+        ({"op": "mlp", "n": 8, "k": 8, "m_bucket": 1, "winner": "direct"}, "op must be"),
+        ({"op": "linear", "n": 8, "k": 8, "m_bucket": 3, "winner": "direct"}, "power of two"),
+        ({"op": "linear", "n": 8, "k": 8, "m_bucket": 128, "winner": "direct"}, "up to 64"),
+        ({"op": "linear", "n": 0, "k": 8, "m_bucket": 1, "winner": "direct"}, "positive"),
+        ({"op": "linear", "n": 8, "k": 8, "m_bucket": 1, "winner": "triton"}, "winner must be"),
+        ({"op": "silu_mul", "n": 7, "k": 8, "m_bucket": 1, "winner": "direct"}, "even row count"),
+        ({"op": "linear", "n": 8, "k": 8, "m_bucket": 1, "winner": "direct", "us": {"x": 1}}, "'us' must map"),
+    ],
+)
+def test_bad_entries_are_named(row, message):
+    with pytest.raises(ValueError, match=message):
+        parse_small_m_table(json.dumps({"version": 1, "device": "", "entries": [row]}))
+
+
+def test_bad_files():
+    with pytest.raises(ValueError, match="not a small-M GEMM table"):
+        parse_small_m_table("[]")
+    with pytest.raises(ValueError, match="version 2"):
+        parse_small_m_table(json.dumps({"version": 2, "entries": []}))
