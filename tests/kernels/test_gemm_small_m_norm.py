@@ -207,3 +207,22 @@ def test_llama_shapes_gpu(m, n):
     expected, expected_stream = reference(x, residual, norm_weight, EPS, w)
     assert torch.equal(stream, expected_stream)
     assert ((out.float() - expected.float()).norm() / expected.float().norm()).item() < 8e-3
+
+
+@pytest.mark.gpu
+def test_replays_in_a_cuda_graph():
+    """Decode replays the fused launch in a CUDA graph: new x and stream copied in, the right product and stream
+    out, no host sync."""
+    x, residual, norm_weight, w = _operands(1, 6144, torch.bfloat16, seed=2, k=4096)
+    small_m_norm_gemm(x, residual, norm_weight, EPS, w)  # autotune outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, stream = small_m_norm_gemm(x, residual, norm_weight, EPS, w)
+    new_x, new_residual, _, _ = _operands(1, 6144, torch.bfloat16, seed=3, k=4096)
+    x.copy_(new_x)
+    residual.copy_(new_residual)
+    graph.replay()
+    expected, expected_stream = small_m_norm_gemm_reference(new_x, new_residual, norm_weight, EPS, w)
+    assert torch.equal(stream, expected_stream)
+    assert ((out.float() - expected.float()).norm() / expected.float().norm()).item() < 4e-3
