@@ -10,14 +10,22 @@ For each Llama-3-8B projection (nn.Linear weight [N, K] in bf16) and each M, in 
     it each GPU config alone (`configs`: the raw kernel, no autotuning; configs whose pipeline overflows
     shared memory at this row tile are listed as skipped);
   * gate_up also as the MLP's activation step: cublas+silu (F.linear, then sits.kernels.silu_mul.silu_mul)
-    against direct+silu (small_m_gemm_silu_mul: one launch, no [M, 2I] intermediate).
+    against direct+silu (small_m_gemm_silu_mul: one launch, no [M, 2I] intermediate);
+  * at M <= 8, qkv and gate_up+silu with the decoder norm before them (the residual add into a float32
+    stream and the RMSNorm, sits.kernels.rmsnorm.rms_norm): norm+cublas (rms_norm, then F.linear [+ silu_mul]),
+    norm+direct (rms_norm, then the direct kernel) and fused (sits.kernels.gemm_small_m_norm: the norm in the
+    direct kernel's prologue, one launch), and the norm alone; "prologue" is fused minus the direct kernel
+    alone (what the first pass and the rows' re-reads cost), to set beside the norm launch it saves.
 Each is timed inside a CUDA graph (10 calls per graph, median of 15 replays; kernel_bench_utils.time_ms),
 rotating through weight copies of >= 256 MB together so no weight is read from L2 (50 MB on an H200).
 Printed per case: microseconds per call, TB/s of weight bytes (2 N K per call, the traffic's floor), the
 ratio cublas / direct (> 1: the direct kernel is faster), the max relative error of each side against
 float32 sums, the autotuner's pick. Per M: one decode step's 32 layers x (qkv, o, gate_up, down) under
 cuBLAS, under the direct kernel and under the winners (the same with the activation: cublas+silu,
-direct+silu). --table writes the winners per (op, N, K, M bucket) (sits.kernels.small_m_table; copy it to
+direct+silu); at M <= 8 also the step's 32 x (norm + qkv, norm + gate_up + silu) unfused (the faster of
+norm+cublas and norm+direct) against fused. --table writes the winners per (op, N, K, M bucket), the norm
+ops ("norm_linear", "norm_silu_mul": fused against the faster unfused side) included
+(sits.kernels.small_m_table; copy it to
 kernels/small_m_gemm_table.json to use it, it applies on a GPU of the same name only). --json writes the
 rows after each case (a run cut short keeps what it measured).
 """
@@ -38,15 +46,19 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from kernel_bench_utils import hbm_copy_gbps, rotating, time_ms  # noqa: E402
 
-from sits.kernels import gemm_small_m  # noqa: E402
+from sits.kernels import gemm_small_m, gemm_small_m_norm  # noqa: E402
+from sits.kernels.reference import small_m_norm_gemm_reference, small_m_norm_gemm_silu_mul_reference  # noqa: E402
+from sits.kernels.rmsnorm import rms_norm  # noqa: E402
 from sits.kernels.silu_mul import silu_mul  # noqa: E402
-from sits.kernels.small_m_table import SmallMEntry, SmallMTable, choose_winner, m_bucket  # noqa: E402
+from sits.kernels.small_m_table import NORM_MAX_M, SmallMEntry, SmallMTable, choose_winner, m_bucket  # noqa: E402
 
 L2_DEFEAT_BYTES = 256 << 20
 LLAMA3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 TOY = {"qkv": (96, 64), "o": (64, 64), "gate_up": (160, 64), "down": (64, 80)}
 LAYERS = 32
 DTYPE = torch.bfloat16
+NORM_PROJS = {"qkv": "norm_linear", "gate_up": "norm_silu_mul"}  # the projections a decoder norm feeds
+EPS = 1e-5
 
 
 class Setup:
@@ -138,7 +150,42 @@ def bench_case(setup: Setup, name: str, m: int, n: int, k: int, configs: bool) -
     row["winner"] = choose_winner(row.get("direct_us"), row.get("cublas_us"))
     if name == "gate_up":
         row["silu_winner"] = choose_winner(row.get("direct_silu_us"), row.get("cublas_silu_us"))
+    if name in NORM_PROJS and m <= NORM_MAX_M:
+        bench_norm(setup, row, ws, name == "gate_up", weight_bytes)
     return row
+
+
+def bench_norm(setup: Setup, row: dict, ws: list[torch.Tensor], silu: bool, weight_bytes: int) -> None:
+    """The decoder norm before the projection (see the module doc), into row["norm_*"]: each side's µs, TB/s
+    and error, the norm alone, the prologue's cost, the fused kernel's pick and the winner."""
+    m, k, device = row["m"], row["k"], setup.device
+    x = torch.randn(m, k, dtype=DTYPE, device=device)  # the sublayer's output
+    residual = torch.randn(m, k, device=device) * 4  # the float32 stream
+    norm_weight = (1 + 0.1 * torch.randn(k, device=device)).to(DTYPE)
+    normed, stream = torch.empty_like(x), torch.empty_like(residual)
+    reference = small_m_norm_gemm_silu_mul_reference if silu else small_m_norm_gemm_reference
+    ref = reference(x, residual, norm_weight, EPS, ws[0])[0].float()
+    gemm = gemm_small_m.small_m_gemm_silu_mul if silu else gemm_small_m.small_m_gemm
+    fused = gemm_small_m_norm.small_m_norm_gemm_silu_mul if silu else gemm_small_m_norm.small_m_norm_gemm
+
+    def norm():  # what TritonKernelOps.add_rms_norm launches (into a buffer of its own: the inputs stay put)
+        return rms_norm(x, norm_weight, EPS, residual=residual, out=normed, residual_out=stream)[0]
+
+    def cublas(i: int) -> torch.Tensor:
+        return silu_mul(F.linear(norm(), ws[i])) if silu else F.linear(norm(), ws[i])
+
+    sides = {"cublas": cublas, "direct": lambda i: gemm(norm(), ws[i]),
+             "fused": lambda i: fused(x, residual, norm_weight, EPS, ws[i], residual_out=stream)[0]}
+    for side, call in sides.items():
+        _time(setup, row, f"norm_{side}", call, len(ws), ref, weight_bytes)
+    row["norm_alone_us"] = setup.time_ms(norm) * 1e3
+    plain = row.get("direct_silu_us" if silu else "direct_us")
+    if "norm_fused_us" in row and plain is not None:
+        row["norm_prologue_us"] = row["norm_fused_us"] - plain
+    tuner = gemm_small_m_norm._norm_gemm_silu if silu else gemm_small_m_norm._norm_gemm
+    row["norm_fused_config"] = short(getattr(tuner, "best_config", None))
+    unfused = [row[f"norm_{side}_us"] for side in ("cublas", "direct") if f"norm_{side}_us" in row]
+    row["norm_winner"] = choose_winner(row.get("norm_fused_us"), min(unfused) if unfused else None)
 
 
 def _side(row: dict, side: str) -> str:
@@ -164,6 +211,12 @@ def format_row(row: dict) -> str:
         lines.append(head + f"{_side(row, 'cublas_silu')} | {_side(row, 'direct_silu')} | cublas+silu/direct+silu "
                      f"{ratio('cublas_silu', 'direct_silu')} | winner {row['silu_winner']} | pick "
                      f"{row['direct_silu_config']} | configs (us): {configs('silu_')}")
+    if "norm_winner" in row:
+        prologue = f"{row['norm_prologue_us']:.2f}" if "norm_prologue_us" in row else "n/a"
+        lines.append(head + f"norm {row['norm_alone_us']:.2f} us | {_side(row, 'norm_cublas')} | "
+                     f"{_side(row, 'norm_direct')} | {_side(row, 'norm_fused')} | norm+cublas/fused "
+                     f"{ratio('norm_cublas', 'norm_fused')} norm+direct/fused {ratio('norm_direct', 'norm_fused')} | "
+                     f"prologue {prologue} us | winner {row['norm_winner']} | pick {row['norm_fused_config']}")
     return "\n".join(lines)
 
 
@@ -189,6 +242,22 @@ def step_sums(rows: list[dict]) -> dict[str, float]:
     return {side: LAYERS * total for side, total in sums.items()}
 
 
+def norm_step_sums(rows: list[dict]) -> dict[str, float]:
+    """One decode step's LAYERS x (norm + qkv, norm + gate_up + silu) in µs: unfused (the faster of
+    norm+cublas and norm+direct per projection), fused, and the winners (what the table installs)."""
+    measured = [r for r in rows if "norm_winner" in r]
+
+    def unfused(r: dict) -> float:
+        return min(r.get("norm_cublas_us", float("nan")), r.get("norm_direct_us", float("nan")))
+
+    def fused(r: dict) -> float:
+        return r.get("norm_fused_us", float("nan"))
+
+    sums = {"unfused": sum(unfused(r) for r in measured), "fused": sum(fused(r) for r in measured),
+            "winners": sum(fused(r) if r["norm_winner"] == "direct" else unfused(r) for r in measured)}
+    return {side: LAYERS * total for side, total in sums.items()}
+
+
 def winners_table(rows: list[dict], device: str) -> SmallMTable:
     """The measured winners as the engine's table: op "linear" for every row, "silu_mul" for gate_up's."""
     entries = {}
@@ -200,6 +269,12 @@ def winners_table(rows: list[dict], device: str) -> SmallMTable:
             us = {side: round(r[f"{key}_us"], 3) for side, key in (("direct", direct), ("cublas", cublas))
                   if f"{key}_us" in r}
             entries[(op, r["n"], r["k"], r["m_bucket"])] = SmallMEntry(op, r["n"], r["k"], r["m_bucket"], winner, us)
+        if "norm_winner" in r:  # "direct": the fused launch; "cublas": the unfused path
+            op = NORM_PROJS[r["proj"]]
+            us = {side: round(r[f"norm_{key}_us"], 3) for side, key in
+                  (("direct", "fused"), ("cublas", "cublas"), ("norm_direct", "direct")) if f"norm_{key}_us" in r}
+            entries[(op, r["n"], r["k"], r["m_bucket"])] = SmallMEntry(op, r["n"], r["k"], r["m_bucket"],
+                                                                       r["norm_winner"], us)
     return SmallMTable(device, entries)
 
 
@@ -226,6 +301,11 @@ def _summarize(rows: list[dict], projs: list[str], m: int) -> None:
           + ", ".join(f"{side} {value / 1e3:.3f}" for side, value in sums.items())
           + f" | cublas/winners {sums['cublas'] / sums['winners']:.3f}x, "
           f"cublas+silu/winners+silu {sums['cublas+silu'] / sums['winners+silu']:.3f}x", flush=True)
+    if any("norm_winner" in r for r in measured):
+        norms = norm_step_sums(measured)
+        print(f"M{m}: one decode step's {LAYERS} x (norm + qkv, norm + gate_up + silu), ms: "
+              + ", ".join(f"{side} {value / 1e3:.3f}" for side, value in norms.items())
+              + f" | unfused/fused {norms['unfused'] / norms['fused']:.3f}x", flush=True)
 
 
 def main() -> None:

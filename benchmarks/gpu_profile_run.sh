@@ -21,8 +21,9 @@
 #                  SITS_FP8_GEMM_TABLE=off (every fp8 GEMM on precise Triton)
 #   gemv           benchmarks/bench_gemm_small_m.py: the bf16 small-M direct GEMM (each config, then the autotuned
 #                  pick) and its gate_up + SiLU·mul fusion against cuBLAS (+ silu_mul) on Llama-3-8B's projections at
-#                  M = 1..64, CUDA graphs; writes LOG_DIR/gemv.json and the winners' table LOG_DIR/small_m_gemm_table.json
-#                  (copy it to kernels/small_m_gemm_table.json to use it)
+#                  M = 1..64, and at M = 1..8 the decoder norm fused into qkv / gate_up + SiLU·mul against rms_norm then
+#                  cuBLAS or the direct kernel, CUDA graphs; writes LOG_DIR/gemv.json and the winners' table (every op,
+#                  the norm ops included) LOG_DIR/small_m_gemm_table.json (copy it to kernels/small_m_gemm_table.json)
 #   prof1-gemv, prof32-gemv  prof1 / prof32 with that table installed (SITS_SMALL_M_GEMM): run after gemv
 set -u
 cd "$(dirname "$0")/.."

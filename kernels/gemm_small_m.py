@@ -184,6 +184,24 @@ def _row_sums(x_ptr, w_ptr, rows_x, in_m, rows_w, K, stride_xm, stride_wn,
     return acc
 
 
+@triton.jit
+def store_out(out_ptr, sums, offs_m, offs_n, in_m, N, stride_om,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SILU_MUL: tl.constexpr):  # fmt: skip
+    """Write a program's [BLOCK_M, BLOCK_N] output tile in out's dtype from its float32 sums: as they are, or
+    with SILU_MUL (sums [BLOCK_M, 2 BLOCK_N]: gate columns, then up) silu(gate) * up, rounded as the unfused
+    GEMM + silu_mul round it (each product to the dtype, silu in float32 to the dtype, the product again)."""
+    dtype = out_ptr.dtype.element_ty
+    if SILU_MUL:
+        gate, up = tl.split(tl.permute(tl.reshape(sums, [BLOCK_M, 2, BLOCK_N]), [0, 2, 1]))
+        gate = gate.to(dtype).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        acc = silu * up.to(dtype).to(tl.float32)
+    else:
+        acc = sums
+    ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(ptrs, acc.to(dtype), mask=in_m[:, None] & (offs_n[None, :] < N))
+
+
 @triton.jit(do_not_specialize=["M", "M_BUCKET"])  # one binary per row tile, not per batch size
 def _small_m_gemm_kernel(
     x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, M_BUCKET,
@@ -205,19 +223,13 @@ def _small_m_gemm_kernel(
     rows_x = offs_m.to(tl.int64)
     in_m = offs_m < M
     rows_w = _weight_rows(N, BLOCK_N, SILU_MUL)
-    dtype = out_ptr.dtype.element_ty
     if SILU_MUL:
-        both = _row_sums(x_ptr, w_ptr, rows_x, in_m, rows_w, K, stride_xm, stride_wn,
+        sums = _row_sums(x_ptr, w_ptr, rows_x, in_m, rows_w, K, stride_xm, stride_wn,
                          BLOCK_M, 2 * BLOCK_N, BLOCK_K, SWAP_AB, EVEN_K, DOT_FP32)  # fmt: skip
-        gate, up = tl.split(tl.permute(tl.reshape(both, [BLOCK_M, 2, BLOCK_N]), [0, 2, 1]))
-        gate = gate.to(dtype).to(tl.float32)
-        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        acc = silu * up.to(dtype).to(tl.float32)
     else:
-        acc = _row_sums(x_ptr, w_ptr, rows_x, in_m, rows_w, K, stride_xm, stride_wn,
-                        BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, EVEN_K, DOT_FP32)  # fmt: skip
-    ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    tl.store(ptrs, acc.to(dtype), mask=in_m[:, None] & (offs_n[None, :] < N))
+        sums = _row_sums(x_ptr, w_ptr, rows_x, in_m, rows_w, K, stride_xm, stride_wn,
+                         BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, EVEN_K, DOT_FP32)  # fmt: skip
+    store_out(out_ptr, sums, offs_m, offs_n, in_m, N, stride_om, BLOCK_M, BLOCK_N, SILU_MUL)
 
 
 _small_m_gemm_kernel_even_k = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(

@@ -261,3 +261,41 @@ def int8_weight_only_gemm_reference(
     """x [M, K] @ dequantized(w_int8 [N, K])^T, with float32 accumulation -> x's dtype."""
     w = dequantize_int8_weight(w_int8, scales, group_size, x.dtype)
     return (x.float() @ w.float().t()).to(x.dtype)
+
+
+def rms_norm_stream_reference(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+    stream_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoder norm over its residual stream, rounded as sits.kernels.rmsnorm rounds it: x [M, K] (half),
+    residual [M, K] or None -> (normed [M, K] in x's dtype, stream [M, K]). stream = residual + x in float32
+    rounded to residual's dtype; without residual, x in stream_dtype (x itself when None). normed = the
+    stream in float32 times 1 / sqrt(mean of squares + eps), rounded to x's dtype, times the weight, rounded."""
+    if residual is not None:
+        stream = (residual.float() + x.float()).to(residual.dtype)
+    else:
+        stream = x if stream_dtype is None else x.to(stream_dtype)
+    s = stream.float()
+    rstd = torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps)
+    normed = ((s * rstd).to(x.dtype).float() * norm_weight.float()).to(x.dtype)
+    return normed, stream
+
+
+def small_m_norm_gemm_reference(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, w: torch.Tensor,
+    stream_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """rms_norm_stream_reference, then small_m_gemm_reference of the normed rows with w [N, K]:
+    (out [M, N] in x's dtype, stream [M, K])."""
+    normed, stream = rms_norm_stream_reference(x, residual, norm_weight, eps, stream_dtype)
+    return small_m_gemm_reference(normed, w), stream
+
+
+def small_m_norm_gemm_silu_mul_reference(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+    w_gate_up: torch.Tensor, stream_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """rms_norm_stream_reference, then small_m_gemm_silu_mul_reference with w_gate_up [2I, K]:
+    (out [M, I] in x's dtype, stream [M, K])."""
+    normed, stream = rms_norm_stream_reference(x, residual, norm_weight, eps, stream_dtype)
+    return small_m_gemm_silu_mul_reference(normed, w_gate_up), stream

@@ -5,10 +5,17 @@ reads it before any kernel is imported). One entry per (op, N, K, M bucket):
 
 * op "linear": small_m_gemm(x, w) against torch.nn.functional.linear, w [N, K];
 * op "silu_mul": small_m_gemm_silu_mul(x, w) against F.linear then sits.kernels.silu_mul.silu_mul,
-  w [N, K] = [2I, K] (the MLP's gate_up weight; N is its row count, 2I).
+  w [N, K] = [2I, K] (the MLP's gate_up weight; N is its row count, 2I);
+* op "norm_linear": the decoder norm fused into the GEMM (sits.kernels.gemm_small_m_norm.small_m_norm_gemm,
+  one launch) against the unfused path, sits.kernels.rmsnorm.rms_norm then the projection: "direct" is
+  the fused launch, "cublas" the unfused path (us: "cublas" rms_norm + F.linear, "norm_direct" rms_norm +
+  small_m_gemm); w [N, K] (qkv_proj's), M buckets up to NORM_MAX_M;
+* op "norm_silu_mul": the same with the gate_up GEMM and SiLU·mul (small_m_norm_gemm_silu_mul against
+  rms_norm + F.linear + silu_mul, and rms_norm + small_m_gemm_silu_mul), w [2I, K].
 
 Each entry holds both sides' microseconds per call and the winner, "direct" where the direct kernel
-took at most 1 / MIN_SPEEDUP of cuBLAS's time, else "cublas". M buckets are powers of two up to 64
+took at most 1 / MIN_SPEEDUP of cuBLAS's time, else "cublas" (for the norm ops: of the faster unfused
+path's time). M buckets are powers of two up to 64
 (the bench measures each); a call takes its own bucket's entry, and a shape or bucket with no entry
 runs cuBLAS.
 
@@ -16,7 +23,9 @@ runs cuBLAS.
       {"op": "linear", "n": 4096, "k": 4096, "m_bucket": 1, "winner": "direct",
        "us": {"direct": 9.8, "cublas": 10.9}}, ...]}
 
-A table applies on a GPU of the same name only (an empty "device": anywhere).
+A table applies on a GPU of the same name only (an empty "device": anywhere). The norm ops joined the
+format without changing it (version 1 still): a table without them reads as before, and a table with
+them needs a build that knows them.
 """
 
 from __future__ import annotations
@@ -26,12 +35,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeGuard
 
-__all__ = ["DEFAULT_TABLE_PATH", "MAX_M", "MIN_SPEEDUP", "OPS", "TABLE_VERSION", "WINNERS", "SmallMEntry",
-           "SmallMTable", "choose_winner", "load_small_m_table", "m_bucket", "parse_small_m_table"]
+__all__ = ["DEFAULT_TABLE_PATH", "MAX_M", "MIN_SPEEDUP", "NORM_MAX_M", "NORM_OPS", "OPS", "TABLE_VERSION",
+           "TIMED_SIDES", "WINNERS", "SmallMEntry", "SmallMTable", "choose_winner", "load_small_m_table", "m_bucket",
+           "parse_small_m_table"]
 
-OPS = ("linear", "silu_mul")
+NORM_OPS = ("norm_linear", "norm_silu_mul")  # the decoder norm fused into the GEMM's prologue
+OPS = ("linear", "silu_mul", *NORM_OPS)
 WINNERS = ("direct", "cublas")
+TIMED_SIDES = (*WINNERS, "norm_direct")  # the keys of an entry's "us" ("norm_direct": norm ops only)
 MAX_M = 64  # the direct kernel's largest batch (gemm_small_m.MAX_M)
+NORM_MAX_M = 8  # the fused norm's largest batch (gemm_small_m_norm.NORM_MAX_M)
 MIN_SPEEDUP = 1.02  # the direct kernel replaces cuBLAS only where it is measurably faster
 TABLE_VERSION = 1
 DEFAULT_TABLE_PATH = Path(__file__).with_name("small_m_gemm_table.json")
@@ -115,10 +128,12 @@ def _entry(row: object) -> SmallMEntry:
             or bucket > MAX_M:
         raise ValueError(f"bad small-M GEMM table entry {row!r}: n and k must be positive, m_bucket a power of "
                          f"two up to {MAX_M}")
-    if op == "silu_mul" and n % 2:
+    if op in NORM_OPS and bucket > NORM_MAX_M:
+        raise ValueError(f"bad small-M GEMM table entry {row!r}: {op} takes M buckets up to {NORM_MAX_M}")
+    if op in ("silu_mul", "norm_silu_mul") and n % 2:
         raise ValueError(f"bad small-M GEMM table entry {row!r}: a silu_mul weight has an even row count")
-    if not isinstance(us, dict) or any(s not in WINNERS or not isinstance(v, (int, float)) for s, v in us.items()):
-        raise ValueError(f"bad small-M GEMM table entry {row!r}: 'us' must map {WINNERS} to numbers")
+    if not isinstance(us, dict) or any(s not in TIMED_SIDES or not isinstance(v, (int, float)) for s, v in us.items()):
+        raise ValueError(f"bad small-M GEMM table entry {row!r}: 'us' must map {TIMED_SIDES} to numbers")
     return SmallMEntry(op, n, k, bucket, winner, {s: float(v) for s, v in us.items()})
 
 

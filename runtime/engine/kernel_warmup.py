@@ -6,8 +6,8 @@ one step on an H200: the first mixed step whose decodes passed a context of 1,02
 model is loaded and its KV cache allocated, before CUDA-graph capture, `pretune_kernels` launches
 the attention back end's prefill kernel for every query-length bucket, its decode kernel for every
 split plan, the quantized GEMMs for every row bucket (with --quantization fp8 / int8) and the
-small-M direct GEMM for every bucket its measured table gave a layer: the launches of `tuning_plan`,
-on dummy inputs that read the real cache and write nothing into it.
+small-M direct GEMM (and its fused norm) for every bucket its measured table gave a layer: the launches
+of `tuning_plan`, on dummy inputs that read the real cache and write nothing into it.
 
 Triton's on-disk autotune cache (TRITON_CACHE_AUTOTUNING) is switched on for the engine unless the
 user set the variable, so the next start on the same machine and Triton cache reads the results
@@ -220,25 +220,48 @@ def run_gemm_plan(model: torch.nn.Module, dtype: torch.dtype, rows: Iterable[int
     return launches
 
 
+def _small_m_buckets(module: DecodeLinear) -> tuple[frozenset[int], ...]:
+    return module.direct_buckets, module.silu_mul_buckets, module.norm_buckets, module.norm_silu_mul_buckets
+
+
 def small_m_layers(model: torch.nn.Module) -> list[DecodeLinear]:
     """One DecodeLinear per distinct small-M launch set: layers whose table gave them direct (or fused
-    SiLU·mul) buckets, deduplicated by shape, dtype and buckets (every decoder layer repeats them)."""
+    SiLU·mul, or fused norm) buckets, deduplicated by shape, dtype and buckets (every decoder layer repeats
+    them)."""
     layers: dict[tuple, DecodeLinear] = {}
     for module in model.modules():
-        if isinstance(module, DecodeLinear) and (module.direct_buckets or module.silu_mul_buckets):
-            signature = (tuple(module.weight.shape), module.weight.dtype, module.direct_buckets,
-                         module.silu_mul_buckets)
+        if isinstance(module, DecodeLinear) and any(_small_m_buckets(module)):
+            signature = (tuple(module.weight.shape), module.weight.dtype, *_small_m_buckets(module))
             layers.setdefault(signature, module)
     return list(layers.values())
 
 
+def _run_norm_fused(layer: DecodeLinear, inputs: torch.Tensor, stream_dtype: torch.dtype) -> int:
+    """The fused norm's launches of one bucket (inputs: its rows): with a residual stream, and for the
+    plain variant (qkv_proj: the first layer's input norm starts the stream) without; returns the launches."""
+    weight = torch.ones(layer.in_features, dtype=inputs.dtype, device=inputs.device)
+    residual = torch.zeros(inputs.shape, dtype=stream_dtype, device=inputs.device)
+    launches = 0
+    for silu_mul, buckets in ((False, layer.norm_buckets), (True, layer.norm_silu_mul_buckets)):
+        if m_bucket(inputs.shape[0]) in buckets:
+            layer.norm_linear(inputs, residual, weight, 1e-5, None, silu_mul)
+            launches += 1
+            if not silu_mul:
+                layer.norm_linear(inputs, None, weight, 1e-5, stream_dtype)
+                launches += 1
+    return launches
+
+
 def run_small_m_plan(model: torch.nn.Module, rows: Iterable[int]) -> int:
     """Run each distinct small-M layer of `model` (`small_m_layers`) on every row count whose bucket it runs
-    on the direct kernel, and its fused SiLU·mul on those of its SiLU·mul buckets; returns the launches."""
+    on the direct kernel, its fused SiLU·mul on those of its SiLU·mul buckets, and its fused norm (with and
+    without a residual stream in the model's `residual_dtype`) on those of its norm buckets; returns the
+    launches."""
     rows = sorted(rows)
     launches = 0
     for layer in small_m_layers(model) if rows else []:
         inputs = torch.randn(rows[-1], layer.in_features, dtype=layer.weight.dtype, device=layer.weight.device)
+        stream_dtype = getattr(model, "residual_dtype", None) or layer.weight.dtype
         for count in rows:
             if m_bucket(count) in layer.direct_buckets:
                 layer(inputs[:count])
@@ -246,4 +269,5 @@ def run_small_m_plan(model: torch.nn.Module, rows: Iterable[int]) -> int:
             if m_bucket(count) in layer.silu_mul_buckets:
                 layer.silu_mul(inputs[:count])
                 launches += 1
+            launches += _run_norm_fused(layer, inputs[:count], stream_dtype)
     return launches

@@ -111,9 +111,10 @@ class TuningPlan:
         decode: one shape per decode key (single, split bucket, merge block).
         gemm_rows: row counts (M) for the quantized GEMMs: per bucket, the largest M of each
             compile-time class of M (1, a multiple of 16, other) that the bucket holds.
-        small_m_rows: row counts for the small-M direct GEMM (sits.kernels.gemm_small_m): one per
-            power-of-two bucket up to 64 that steps reach, its largest reachable M (the kernel does not
-            specialize on M, so one launch per bucket tunes and compiles it).
+        small_m_rows: row counts for the small-M direct GEMM (sits.kernels.gemm_small_m) and its fused
+            norm (sits.kernels.gemm_small_m_norm, buckets up to 8): one per power-of-two bucket up to 64
+            that steps reach, its largest reachable M (the kernels do not specialize on M, so one launch
+            per bucket tunes and compiles each).
     """
 
     prefill: tuple[PrefillShape, ...]

@@ -12,7 +12,9 @@ default, fused Triton kernels with the Triton back end), so the model has no dev
 projections are `DecodeLinear` (nn.Linear unless a measured table moves decode batches to the small-M
 direct GEMM, see small_m_linear.py).
 The layers carry the residual stream beside their output (vLLM's layout): every residual add is fused
-into the norm that follows it, so a layer launches two norm kernels and no separate add.
+into the norm that follows it, so a layer launches two norm kernels and no separate add. At the smallest
+decode batches a measured table may fuse each of those norms into the projection it feeds as well (one
+launch for norm + qkv_proj, one for norm + gate_up_proj + SiLU·mul; `RMSNorm.fuses_into`).
 """
 
 from __future__ import annotations
@@ -57,6 +59,22 @@ class RMSNorm(nn.Module):
             return self.ops.stream_rms_norm(x, self.weight, self.eps, stream_dtype)
         return self.ops.rms_norm(x, self.weight, self.eps)
 
+    def fuses_into(self, linear: nn.Module, x: torch.Tensor, silu_mul: bool = False) -> bool:
+        """Whether this norm of x and `linear` (the projection it feeds; silu_mul: gate_up + SiLU·mul) run as
+        one launch: the norm is the Triton kernel and `linear` a DecodeLinear whose measured table says the
+        fused form wins at x's rows (host-side, from shapes only). The torch back end never fuses."""
+        return self.ops.name == "triton" and isinstance(linear, DecodeLinear) and linear.fuses_norm(
+            x, self.weight, silu_mul)
+
+    def fused_linear(self, linear: DecodeLinear, x: torch.Tensor, residual: torch.Tensor | None,
+                     stream_dtype: torch.dtype | None = None, silu_mul: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`linear(self(x, residual, stream_dtype)[0])` (silu_mul: its SiLU·mul) and the new stream, in one
+        launch (see `fuses_into`): (out [num_tokens, out], stream). With residual the stream is x + residual
+        (a new tensor), else x in stream_dtype (x itself in its own dtype)."""
+        return linear.norm_linear(x, residual, self.weight, self.eps, None if residual is not None else stream_dtype,
+                                  silu_mul)
+
 
 class LMHead(nn.Linear):
     """The output head: hidden [N, hidden_size] → logits [N, vocab_size] float32, never rounded to the
@@ -93,8 +111,19 @@ class LlamaAttention(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """hidden: [num_tokens, hidden_size] → [num_tokens, hidden_size]."""
-        num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.attend(self.qkv_proj(hidden), positions, cos_sin_cache, kv_cache, metadata)
+
+    def attend(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The rest of `forward` after qkv_proj: qkv [num_tokens, q_size + 2 kv_size] → [num_tokens, hidden]."""
+        num_tokens = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -130,7 +159,9 @@ class LlamaDecoderLayer(nn.Module):
 
     A layer does not add its MLP's output to the stream: it returns it, and the next norm (the next
     layer's input_layernorm, or the model's final norm) adds it as part of its fused add + norm. So a
-    layer runs two fused norm kernels and no separate add.
+    layer runs two fused norm kernels and no separate add; at the batches where the measured small-M
+    table says so, each of those norms runs inside the launch of the projection it feeds instead
+    (`RMSNorm.fuses_into`: the Triton norm, a DecodeLinear, no hook), and the layer has no norm launch.
     """
 
     def __init__(self, config: LlamaConfig, backend: AttentionBackend, ops: KernelOps = TORCH_OPS) -> None:
@@ -163,13 +194,22 @@ class LlamaDecoderLayer(nn.Module):
             the stream with the previous MLP output and this attention output added (not the MLP's: the
             next norm adds it).
         """
-        if residual is None:
-            normed, residual = self.input_layernorm(hidden, stream_dtype=stream_dtype or hidden.dtype)
+        attn, norm, mlp = self.self_attn, self.input_layernorm, self.mlp
+        if norm.fuses_into(attn.qkv_proj, hidden):  # the norm and qkv_proj in one launch
+            qkv, residual = norm.fused_linear(attn.qkv_proj, hidden, residual, stream_dtype or hidden.dtype)
+            attention = attn.attend(qkv, positions, cos_sin_cache, kv_cache, metadata)
         else:
-            normed, residual = self.input_layernorm(hidden, residual)  # residual += previous MLP output
-        attention = self.self_attn(normed, positions, cos_sin_cache, kv_cache, metadata)
-        normed, residual = self.post_attention_layernorm(attention, residual)  # residual += attention
-        return self.mlp(normed), residual
+            if residual is None:
+                normed, residual = norm(hidden, stream_dtype=stream_dtype or hidden.dtype)
+            else:
+                normed, residual = norm(hidden, residual)  # residual += previous MLP output
+            attention = attn(normed, positions, cos_sin_cache, kv_cache, metadata)
+        norm = self.post_attention_layernorm
+        if isinstance(mlp, LlamaMLP) and norm.fuses_into(mlp.gate_up_proj, attention, silu_mul=True):
+            activated, residual = norm.fused_linear(mlp.gate_up_proj, attention, residual, silu_mul=True)
+            return mlp.down_proj(activated), residual  # the norm, gate_up and SiLU·mul in one launch
+        normed, residual = norm(attention, residual)  # residual += attention
+        return mlp(normed), residual
 
 
 class LlamaModel(nn.Module):

@@ -5,8 +5,11 @@ Until `install_small_m_gemm` gives it M buckets it is nn.Linear exactly (F.linea
 Installed, a call whose row count M (1 to 64) falls in one of its buckets runs
 sits.kernels.gemm_small_m.small_m_gemm instead; a gate_up projection (`gated`: gate rows first, then up,
 no bias) whose SiLU·mul bucket holds M computes silu(gate) * up in the same launch
-(`small_m_gemm_silu_mul`, called by LlamaMLP). The choice is made on the host from the row count alone,
-so each CUDA-graph batch size captures one fixed path.
+(`small_m_gemm_silu_mul`, called by LlamaMLP). At the smallest batches the decoder norm that feeds a
+projection may run in the same launch too (`norm_buckets`: qkv_proj after input_layernorm;
+`norm_silu_mul_buckets`: gate_up_proj + SiLU·mul after post_attention_layernorm; sits.kernels.gemm_small_m_norm,
+called by LlamaDecoderLayer). The choice is made on the host from the row count alone, so each CUDA-graph
+batch size captures one fixed path.
 
 Where the buckets come from (`enable_small_m_gemm`, at engine start-up, CUDA only): the committed table
 kernels/small_m_gemm_table.json (sits.kernels.small_m_table, written by benchmarks/bench_gemm_small_m.py)
@@ -27,8 +30,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sits.kernels.reference import small_m_gemm_reference, small_m_gemm_silu_mul_reference
-from sits.kernels.small_m_table import DEFAULT_TABLE_PATH, MAX_M, SmallMTable, load_small_m_table, m_bucket
+from sits.kernels.reference import (
+    small_m_gemm_reference,
+    small_m_gemm_silu_mul_reference,
+    small_m_norm_gemm_reference,
+    small_m_norm_gemm_silu_mul_reference,
+)
+from sits.kernels.small_m_table import (
+    DEFAULT_TABLE_PATH,
+    MAX_M,
+    NORM_MAX_M,
+    SmallMTable,
+    load_small_m_table,
+    m_bucket,
+)
 from sits.runtime.config import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -37,6 +52,8 @@ SMALL_M_ENV = "SITS_SMALL_M_GEMM"
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 Gemm = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# (x, residual or None, norm weight, eps, w, stream dtype) -> (out, new stream): gemm_small_m_norm's functions
+NormGemm = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 class DecodeLinear(nn.Linear):
@@ -49,6 +66,9 @@ class DecodeLinear(nn.Linear):
     Attributes:
         direct_buckets: M buckets (powers of two <= 64) that run the direct kernel; empty: F.linear always.
         silu_mul_buckets: M buckets whose gate_up + SiLU·mul run as one launch (gated layers only).
+        norm_buckets: M buckets (<= 8) whose preceding decoder norm and this GEMM run as one launch
+            (`norm_linear`; no bias).
+        norm_silu_mul_buckets: the same with the SiLU·mul fused as well (`norm_silu_mul`; gated layers).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, gated: bool = False,
@@ -57,8 +77,12 @@ class DecodeLinear(nn.Linear):
         self.gated = gated
         self.direct_buckets: frozenset[int] = frozenset()
         self.silu_mul_buckets: frozenset[int] = frozenset()
+        self.norm_buckets: frozenset[int] = frozenset()
+        self.norm_silu_mul_buckets: frozenset[int] = frozenset()
         self._gemm: Gemm = small_m_gemm_reference
         self._gemm_silu_mul: Gemm = small_m_gemm_silu_mul_reference
+        self._norm_gemm: NormGemm = small_m_norm_gemm_reference
+        self._norm_gemm_silu_mul: NormGemm = small_m_norm_gemm_silu_mul_reference
 
     def _direct_rows(self, x: torch.Tensor, buckets: frozenset[int]) -> int:
         """x's row count when it runs the direct kernel at `buckets`, else 0 (host-side: shapes only)."""
@@ -90,27 +114,60 @@ class DecodeLinear(nn.Linear):
         out = self._gemm_silu_mul(x.reshape(rows, self.in_features), self.weight)
         return out.reshape(*x.shape[:-1], self.out_features // 2)
 
+    def fuses_norm(self, x: torch.Tensor, norm_weight: torch.Tensor, silu_mul: bool = False) -> bool:
+        """Whether `norm_linear(x, ...)` (silu_mul: `norm_silu_mul`) serves this call: its bucket holds x's rows
+        (x [rows, in_features], contiguous, in the weight's dtype, as the norm weight), and no hook (a LoRA
+        delta) needs the plain output. The caller checks that the norm is the Triton one."""
+        buckets = self.norm_silu_mul_buckets if silu_mul else self.norm_buckets
+        if not buckets or self._forward_hooks or self._forward_pre_hooks:
+            return False
+        if x.dim() != 2 or not x.is_contiguous() or not x.dtype == norm_weight.dtype == self.weight.dtype:
+            return False
+        return bool(self._direct_rows(x, buckets))
+
+    def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                    stream_dtype: torch.dtype | None, silu_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder norm of the stream and this projection in one launch (see `fuses_norm`): x [M, in] the
+        previous sublayer's output, residual [M, in] the stream (None: x starts it, in stream_dtype) ->
+        (out [M, out_features] (silu_mul: silu(gate) * up, [M, out_features / 2]), the new stream). The
+        stream passed is left as it was: the new one is another tensor."""
+        fused = self._norm_gemm_silu_mul if silu_mul else self._norm_gemm
+        return fused(x, residual, norm_weight, eps, self.weight, stream_dtype=stream_dtype)
+
     def extra_repr(self) -> str:
         extra = f", direct GEMM at M buckets {sorted(self.direct_buckets)}" if self.direct_buckets else ""
         if self.silu_mul_buckets:
             extra += f", SiLU·mul fused at M buckets {sorted(self.silu_mul_buckets)}"
+        if self.norm_buckets or self.norm_silu_mul_buckets:
+            extra += f", norm fused at M buckets {sorted(self.norm_buckets | self.norm_silu_mul_buckets)}"
         return super().extra_repr() + extra
 
 
-def _kernels(device: torch.device) -> tuple[Gemm, Gemm]:
-    """The Triton kernels on CUDA (or under Triton's interpreter, for CPU tests), else their references."""
+def _kernels(device: torch.device) -> tuple[Gemm, Gemm, NormGemm, NormGemm]:
+    """The Triton kernels on CUDA (or under Triton's interpreter, for CPU tests), else their references:
+    plain, SiLU·mul, norm + plain, norm + SiLU·mul."""
     from sits.kernels.launch_utils import is_interpreter
 
     if device.type == "cuda" or is_interpreter():
         from sits.kernels.gemm_small_m import small_m_gemm, small_m_gemm_silu_mul
+        from sits.kernels.gemm_small_m_norm import small_m_norm_gemm, small_m_norm_gemm_silu_mul
 
-        return small_m_gemm, small_m_gemm_silu_mul
-    return small_m_gemm_reference, small_m_gemm_silu_mul_reference
+        return small_m_gemm, small_m_gemm_silu_mul, small_m_norm_gemm, small_m_norm_gemm_silu_mul
+    return (small_m_gemm_reference, small_m_gemm_silu_mul_reference, small_m_norm_gemm_reference,
+            small_m_norm_gemm_silu_mul_reference)
+
+
+def _norm_buckets(table: SmallMTable, op: str, module: DecodeLinear) -> frozenset[int]:
+    """The table's buckets of a norm op for `module` (none past NORM_MAX_M, none with a bias)."""
+    if module.bias is not None:
+        return frozenset()
+    return frozenset(b for b in table.direct_buckets(op, module.out_features, module.in_features) if b <= NORM_MAX_M)
 
 
 def install_small_m_gemm(model: nn.Module, table: SmallMTable) -> int:
     """Give every half-precision DecodeLinear of `model` its buckets from `table`; returns how many layers
-    run the direct kernel at some bucket (plain or fused). Layers of other dtypes keep F.linear."""
+    run the direct kernel at some bucket (plain or fused, the norm's fusion included). Layers of other dtypes
+    keep F.linear."""
     installed = 0
     for module in model.modules():
         if not isinstance(module, DecodeLinear) or module.weight.dtype not in HALF_DTYPES:
@@ -119,8 +176,12 @@ def install_small_m_gemm(model: nn.Module, table: SmallMTable) -> int:
         module.direct_buckets = table.direct_buckets("linear", n, k)
         fusable = module.gated and module.bias is None and n % 2 == 0
         module.silu_mul_buckets = table.direct_buckets("silu_mul", n, k) if fusable else frozenset()
-        module._gemm, module._gemm_silu_mul = _kernels(module.weight.device)
-        installed += bool(module.direct_buckets or module.silu_mul_buckets)
+        module.norm_buckets = _norm_buckets(table, "norm_linear", module) if not module.gated else frozenset()
+        module.norm_silu_mul_buckets = _norm_buckets(table, "norm_silu_mul", module) if fusable else frozenset()
+        module._gemm, module._gemm_silu_mul, module._norm_gemm, module._norm_gemm_silu_mul = _kernels(
+            module.weight.device)
+        installed += bool(module.direct_buckets or module.silu_mul_buckets or module.norm_buckets
+                          or module.norm_silu_mul_buckets)
     return installed
 
 

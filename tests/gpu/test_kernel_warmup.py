@@ -33,17 +33,18 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 MAX_MODEL_LEN = 2048
 PRETUNED_MODULES = ("attention_prefill.", "attention_decode.", "fp8_gemm.", "int8_gemm.", "fp8_quantize.",
-                    "gemm_small_m.")
+                    "gemm_small_m.", "gemm_small_m_norm.")
 CONFIGS = {  # name: (quantization, enforce_eager, a small-M table naming the direct kernel everywhere)
     "bf16, CUDA graphs": ("none", False, False),
-    "bf16 small-M direct GEMM, CUDA graphs": ("none", False, True),
+    "bf16 small-M direct GEMM and fused norms, CUDA graphs": ("none", False, True),
     "fp8 weights, eager": ("fp8", True, False),
 }
 
 
 def direct_everywhere_table(path: Path) -> str:
     """A small-M table whose every entry (SmolLM2's four projections and its fused gate_up, M buckets 1 to
-    64) names the direct kernel, measured on this GPU; returns its path."""
+    64; the norms fused into qkv and gate_up + SiLU·mul, M buckets 1 to 8) names the direct kernel, measured
+    on this GPU; returns its path."""
     from sits.kernels.small_m_table import SmallMEntry, SmallMTable
     from sits.runtime.models import loading
 
@@ -53,6 +54,8 @@ def direct_everywhere_table(path: Path) -> str:
               ("linear", 2 * c.intermediate_size, c.hidden_size), ("linear", c.hidden_size, c.intermediate_size),
               ("silu_mul", 2 * c.intermediate_size, c.hidden_size)]
     entries = {(op, n, k, b): SmallMEntry(op, n, k, b, "direct") for op, n, k in shapes for b in (1, 2, 4, 8, 16, 32, 64)}
+    norms = [("norm_linear", qkv, c.hidden_size), ("norm_silu_mul", 2 * c.intermediate_size, c.hidden_size)]
+    entries.update({(op, n, k, b): SmallMEntry(op, n, k, b, "direct") for op, n, k in norms for b in (1, 2, 4, 8)})
     path.write_text(SmallMTable(torch.cuda.get_device_name(), entries).to_json())
     return str(path)
 

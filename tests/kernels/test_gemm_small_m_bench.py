@@ -45,7 +45,16 @@ def test_cpu_toy_run_measures_every_side_and_writes_the_table(bench, tmp_path, m
         assert all(isinstance(t, float) for t in row["configs"].values()), row["configs"]
         assert row["winner"] in ("direct", "cublas")
     table = load_small_m_table(table_path, device_name="cpu")
-    assert len(table.entries) == 6  # 2 buckets x (o, gate_up) + 2 buckets x gate_up's silu_mul
+    # 2 buckets x (o, gate_up) + 2 buckets x gate_up's silu_mul + 2 buckets (M <= 8) x gate_up's norm_silu_mul
+    assert len(table.entries) == 8
+    for row in (r for r in rows if r["proj"] == "gate_up"):
+        for side in ("norm_cublas", "norm_direct", "norm_fused"):
+            assert row[f"{side}_us"] > 0 and row[f"{side}_err"] < 3e-2, row
+        assert row["norm_alone_us"] > 0 and "norm_prologue_us" in row
+        entry = table.entries[("norm_silu_mul", row["n"], row["k"], row["m_bucket"])]
+        assert entry.winner == row["norm_winner"] and set(entry.us) == {"direct", "cublas", "norm_direct"}
+        assert entry.us["direct"] == round(row["norm_fused_us"], 3)
+    assert not any("norm_winner" in r for r in rows if r["proj"] == "o")
     gate_up = next(r for r in rows if r["proj"] == "gate_up" and r["m"] == 5)
     entry = table.entries[("silu_mul", gate_up["n"], gate_up["k"], 8)]
     assert entry.winner == gate_up["silu_winner"] and entry.us["direct"] == round(gate_up["direct_silu_us"], 3)
@@ -54,6 +63,7 @@ def test_cpu_toy_run_measures_every_side_and_writes_the_table(bench, tmp_path, m
         line = next(line for line in out.splitlines() if line.startswith(f"M{m}: one decode step"))
         cublas = sum(r["cublas_us"] for r in rows if r["m"] == m) * bench.LAYERS / 1e3
         assert f"cublas {cublas:.3f}" in line and "winners+silu" in line
+        assert any(line.startswith(f"M{m}: one decode step's 32 x (norm + qkv") for line in out.splitlines())
     assert "table: measured table of cpu" in out
 
 

@@ -76,6 +76,8 @@ def test_the_shipped_table_is_valid_and_empty():
         ({"op": "linear", "n": 8, "k": 8, "m_bucket": 1, "winner": "triton"}, "winner must be"),
         ({"op": "silu_mul", "n": 7, "k": 8, "m_bucket": 1, "winner": "direct"}, "even row count"),
         ({"op": "linear", "n": 8, "k": 8, "m_bucket": 1, "winner": "direct", "us": {"x": 1}}, "'us' must map"),
+        ({"op": "norm_linear", "n": 8, "k": 8, "m_bucket": 16, "winner": "direct"}, "buckets up to 8"),
+        ({"op": "norm_silu_mul", "n": 7, "k": 8, "m_bucket": 1, "winner": "direct"}, "even row count"),
     ],
 )
 def test_bad_entries_are_named(row, message):
@@ -88,3 +90,22 @@ def test_bad_files():
         parse_small_m_table("[]")
     with pytest.raises(ValueError, match="version 2"):
         parse_small_m_table(json.dumps({"version": 2, "entries": []}))
+
+
+def test_norm_ops_read_back_beside_the_plain_ones():
+    """The fused norm's ops ("direct": the one launch; "cublas": the unfused path, with both unfused sides'
+    µs) join a version-1 table; a table with only the plain ops reads as before."""
+    table = SmallMTable("NVIDIA H200", {
+        ("linear", 6144, 4096, 1): SmallMEntry("linear", 6144, 4096, 1, "direct", {"direct": 20.0, "cublas": 22.0}),
+        ("norm_linear", 6144, 4096, 1): SmallMEntry("norm_linear", 6144, 4096, 1, "direct",
+                                                    {"direct": 21.0, "cublas": 25.0, "norm_direct": 23.0}),
+        ("norm_silu_mul", 28672, 4096, 8): SmallMEntry("norm_silu_mul", 28672, 4096, 8, "cublas",
+                                                       {"direct": 90.0, "cublas": 95.0, "norm_direct": 89.0}),
+    })  # fmt: skip
+    loaded = parse_small_m_table(table.to_json())
+    assert loaded == table and json.loads(table.to_json())["version"] == 1
+    assert loaded.direct_buckets("norm_linear", 6144, 4096) == {1}
+    assert loaded.direct_buckets("norm_silu_mul", 28672, 4096) == frozenset()
+    plain = {"version": 1, "device": "", "entries": [{"op": "linear", "n": 8, "k": 8, "m_bucket": 2, "winner":
+                                                      "direct", "us": {"direct": 1.0, "cublas": 2.0}}]}  # fmt: skip
+    assert parse_small_m_table(json.dumps(plain)).direct_buckets("linear", 8, 8) == {2}
