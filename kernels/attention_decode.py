@@ -8,6 +8,10 @@ once for all Hq / Hkv query heads that share it (the query heads are the rows of
 an online softmax over its split, and writes a normalized partial result with its log-sum-exp.
 A second small kernel merges the splits. Splitting the context keeps every multiprocessor busy
 when batch x KV heads alone would not; with one split the first kernel writes the output directly.
+Given split_counters (a persistent zeroed int32 buffer, one counter per sequence and KV head), the
+last split of each sequence and KV head to finish merges instead, inside the split kernel (one
+launch, the same bits; see `_last_arrival` for the memory ordering); FUSED_MERGE_DEFAULT says whether
+callers that own counters (the Triton attention back end) pass them.
 
 Rows with seq_len 0 (CUDA-graph padding) read nothing and return zeros. The grid depends only on
 shapes (the block-table width bounds the context), so a launch never syncs with the device and can
