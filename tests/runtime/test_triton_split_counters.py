@@ -65,3 +65,39 @@ def test_back_end_passes_counters_only_when_the_fused_merge_is_on(monkeypatch):
     assert torch.equal(fused, two_launches)
     assert backend.split_counters.size(DEVICE) == 3 * 2
     assert backend.split_counters.get(DEVICE, 3, 2).count_nonzero() == 0
+
+
+@pytest.mark.skipif(DEVICE.type == "cpu" and not attention_decode.is_interpreter(), reason="needs the interpreter")
+def test_engine_tokens_are_the_same_with_the_fused_merge(monkeypatch):
+    """The tiny Llama through the engine and the graphs' static padded buffers (3 decodes in a bucket of 4:
+    a padding row; then 2, then 1), with two 128-token splits (MIN_TOKENS_PER_SPLIT lowered so a 256-token
+    model splits, 16 multiprocessors so 4 x 2 programs do): the same greedy tokens with the fused merge as
+    with the merge kernel."""
+    from sits.runtime.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from sits.runtime.engine.engine import LLMEngine
+    from tests.runtime.test_triton_backend import greedy, prompt, tiny_model
+
+    monkeypatch.setattr(attention_decode, "MIN_TOKENS_PER_SPLIT", 64)
+    monkeypatch.setattr(attention_decode, "num_sms", lambda device: 16)  # 4 x 2 programs still split
+    loaded = tiny_model("triton")
+    waves = [[("x", prompt(6, 140), 7), ("y", prompt(7, 20), 3), ("z", prompt(8, 129), 5)]]
+
+    def tokens(fused: bool) -> dict[str, list[int]]:
+        monkeypatch.setattr(attention_decode, "FUSED_MERGE_DEFAULT", fused)
+        config = EngineConfig(model=ModelConfig(device=DEVICE.type, dtype="float16", max_model_len=256),
+                              cache=CacheConfig(block_size=16, num_blocks=64),
+                              scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=512),
+                              enforce_eager=True)
+        engine = LLMEngine.from_loaded(loaded, config)
+        engine.runner.setup_cuda_graphs([1, 2, 4], max_model_len=256, capture=torch.cuda.is_available())
+        results: dict[str, list[int]] = {}
+        for request_id, ids, count in waves[0]:
+            engine.add_request(request_id, ids, greedy(count))
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    results[output.request_id] = output.outputs[0].token_ids
+        return results
+
+    assert tokens(True) == tokens(False)
+    assert loaded.model.backend.split_counters.size(DEVICE) >= 3 * 2
