@@ -299,7 +299,7 @@ def _merge_partials(po_rows, pl_rows, row_valid, stride_po_split, num_valid,
     masked past num_valid: those add exact zeros), never through a tl.sum, whose order follows the
     register layout and so the kernel's warps. Both callers (the merge kernel, and the split kernel's
     fused merge at any schedule) therefore compute bit-identical outputs. BYPASS_L1 loads with
-    .cg (for partials other programs wrote during this launch, see _decode_split_kernel)."""
+    .cg (for partials other programs wrote during this launch, see _last_arrival)."""
     offs_d = tl.arange(0, HEAD_DIM)
     lse_max = tl.full(po_rows.shape, float("-inf"), dtype=tl.float32)
     for s in tl.static_range(BLOCK_S):  # max is exact in any order
@@ -348,9 +348,9 @@ def _last_arrival(counter_ptr, num_valid):
     * release: the caller's partial stores come first in program order; the barrier orders every
       thread's stores before the atomic, and the atomic's release (acq_rel, gpu scope) is cumulative,
       so it publishes them all at gpu scope before the count can be seen.
-    * acquire: the last arrival reads the count num_valid - 1 with acquire semantics, so every other
-      program's release (each increment before it in the counter's order) happens before its
-      later loads; the barrier after the atomic keeps all its threads' loads after the acquire, and
+    * acquire: the last arrival reads the count num_valid - 1 with acquire semantics; the increments
+      before it are read-modify-writes of the same counter, so they all lie in one release sequence
+      that it reads from, and every other program's release happens before its later loads; the barrier after the atomic keeps all its threads' loads after the acquire, and
       the caller loads with .cg (L2, never a stale L1 line).
     * reset: every program of this launch has incremented by then and none touches the counter
       again, so a plain store of 0 suffices; the next launch on the stream sees it (kernel boundary).
