@@ -26,7 +26,10 @@ the autotuned default and the bf16 kernel. Every candidate is compiled ahead in 
 --small-batch sweeps the split count where it decides the time: batches 1 to 16 at context 2,048, bf16
 and fp8 caches, every split count the 128-token split granule allows (1 to 16) beside the one
 `choose_num_splits` picks (the peer, same run), each timed in CUDA graphs over block tables rotated
-past L2 (at batch 1 the live K and V are 8 MiB, which L2 would otherwise serve).
+past L2 (at batch 1 the live K and V are 8 MiB, which L2 would otherwise serve). At every split count the
+fused merge (split_counters: the last split merges, one launch) is timed beside the two launches (split
+kernel + merge kernel), with their ratio, and a second row per case sets the fused merge's best count
+against the two launches' best; the fused outputs are checked bit for bit against the two launches'.
 """
 
 from __future__ import annotations
@@ -358,43 +361,61 @@ SMALL_BATCHES = (1, 2, 4, 8, 16)
 SMALL_SPLITS = (1, 2, 4, 8, 16)
 
 
-def small_batch_case(batch: int, context: int, fp8: bool) -> tuple[Measurement, str]:
-    """One batch's split-count sweep (bf16 or fp8 cache): the fastest count against the chosen one."""
+def small_batch_case(batch: int, context: int, fp8: bool) -> tuple[list[Measurement], str]:
+    """One batch's split-count sweep (bf16 or fp8 cache): the fastest count against the chosen one, and
+    at each count the fused merge (split_counters) beside the two launches (split kernel + merge kernel)."""
     scale = HEAD_DIM**-0.5
     (k16, v16), (k8, v8), (ks, vs), tables = _fp8_caches(batch, context, 16)
     q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=DEVICE)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=DEVICE)
     out = torch.empty_like(q)
     cache = dict(k_cache=k8, v_cache=v8, k_scale=ks, v_scale=vs) if fp8 else dict(k_cache=k16, v_cache=v16)
+    counters = torch.zeros(batch * NUM_KV_HEADS, dtype=torch.int32, device=DEVICE)
 
-    def timed(splits: int) -> float:
+    def launch(splits: int, fused: bool) -> Callable[[int], torch.Tensor]:
         def call(i):
             return paged_decode_attention(q, block_tables=tables[i], seq_lens=seq_lens, scale=scale, out=out,
-                                          num_splits=splits, **cache)
-        return time_ms(rotating(call, len(tables)))
+                                          num_splits=splits, split_counters=counters if fused else None, **cache)
+        return call
 
     chosen = choose_num_splits(batch, NUM_KV_HEADS, context, q.device)
-    ms = {splits: timed(splits) for splits in sorted({chosen, *SMALL_SPLITS})}
-    best = min(ms, key=ms.get)
+    counts = sorted({chosen, *SMALL_SPLITS})
+    ms, fused_ms = {}, {}
+    for splits in counts:  # each count's two variants back to back, so clock drift does not favour one
+        ms[splits] = time_ms(rotating(launch(splits, False), len(tables)))
+        # One split has no merge: the same single launch either way.
+        fused_ms[splits] = time_ms(rotating(launch(splits, True), len(tables))) if splits > 1 else ms[splits]
+    identical = all(torch.equal(launch(s, False)(0).clone(), launch(s, True)(0)) for s in counts if s > 1)
+    assert counters.count_nonzero().item() == 0, "the fused merge left counters set"
+    best, best_fused = min(ms, key=ms.get), min(fused_ms, key=fused_ms.get)
     kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * (1 if fp8 else 2)
     gbps = lambda t: kv_bytes / (t * 1e-3) / 1e9  # noqa: E731
     case = f"{'fp8' if fp8 else 'bf16'} B{batch} ctx{context}"
-    note = (f"{case}: chosen {chosen} splits {ms[chosen] * 1e3:.1f} us, best {best} splits {ms[best] * 1e3:.1f} us "
-            f"({ms[chosen] / ms[best]:.2f}x); " + ", ".join(f"{s}: {t * 1e3:.1f}" for s, t in ms.items()))
+    note = (f"{case}: chosen {chosen} splits {ms[chosen] * 1e3:.1f} us (fused {fused_ms[chosen] * 1e3:.1f}), best two-launch "
+            f"{best} splits {ms[best] * 1e3:.1f} us ({ms[chosen] / ms[best]:.2f}x), best fused {best_fused} splits "
+            f"{fused_ms[best_fused] * 1e3:.1f} us (two-launch best / fused best {ms[best] / fused_ms[best_fused]:.2f}x); "
+            f"fused bit-identical: {identical}; splits: two-launch / fused us (ratio): "
+            + ", ".join(f"{s}: {ms[s] * 1e3:.1f} / {fused_ms[s] * 1e3:.1f} ({ms[s] / fused_ms[s]:.2f}x)" for s in counts))
     print(note, flush=True)
-    extra = {"chosen_splits": chosen, "best_splits": best, "us_by_splits": {s: round(t * 1e3, 2) for s, t in ms.items()}}
-    return Measurement(case, "GB/s", gbps(ms[best]), gbps(ms[chosen]), f"chosen ({chosen} splits)", ms[best],
-                       ms[chosen], extra), note
+    extra = {"chosen_splits": chosen, "best_splits": best, "us_by_splits": {s: round(t * 1e3, 2) for s, t in ms.items()},
+             "best_fused_splits": best_fused, "fused_bit_identical": identical,
+             "fused_us_by_splits": {s: round(t * 1e3, 2) for s, t in fused_ms.items()}}
+    rows = [Measurement(case, "GB/s", gbps(ms[best]), gbps(ms[chosen]), f"chosen ({chosen} splits)", ms[best],
+                        ms[chosen], extra),
+            Measurement(f"{case} fused merge", "GB/s", gbps(fused_ms[best_fused]), gbps(ms[best]),
+                        f"two launches ({best} splits)", fused_ms[best_fused], ms[best], extra)]
+    return rows, note
 
 
 def small_batch_main(args):
     rows, notes = [], []
     for fp8 in (False, True):
         for batch in SMALL_BATCHES[:1] if args.quick else SMALL_BATCHES:
-            row, note = small_batch_case(batch, 2048, fp8)
-            rows.append(row)
+            case_rows, note = small_batch_case(batch, 2048, fp8)
+            rows += case_rows
             notes.append(note)
-    report("Decode attention at small batches: best split count against the chosen one", rows, args.json, notes)
+    report("Decode attention at small batches: best split count against the chosen one; the fused merge's best "
+           "against the two launches' best", rows, args.json, notes)
 
 
 def main():

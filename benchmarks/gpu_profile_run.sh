@@ -14,7 +14,8 @@
 #   trace256-capN[-minM]  the same with --max-prefill-tokens-with-decodes N [--prefill-cap-min-decodes M]
 #                  (e.g. trace256-cap2048, trace256-cap1024-min64; cap0 turns the device's default off)
 #   attn-small     benchmarks/bench_attention_decode.py --small-batch: the decode attention's split count at batches
-#                  1-16 (bf16 and fp8 caches), every count against the chosen one
+#                  1-16 (bf16 and fp8 caches), every count against the chosen one, and the fused merge beside
+#                  the two launches at each count
 #   argmax         benchmarks/bench_argmax.py: greedy sampling's vocabulary argmax against torch.argmax
 #   trace448fp8    the fp8-2k2k bench's run step by step (fp8 weights + fp8 cache, 448 prompts of 2,048 / 2,048
 #                  at once): decode-only step times apart from mixed ones; trace448fp8-tableoff: the same with
@@ -41,7 +42,7 @@ for step in $STEPS; do
       --quantization fp8 --kv-cache-dtype fp8 ;;
     trace256) timeout 300 python3 benchmarks/bench_step_trace.py $COMMON --batch 256 --input-len 1024 \
       --output-len 512 --prompts 512 ;;
-    attn-small) timeout 300 python3 benchmarks/bench_attention_decode.py --small-batch --json "$LOG_DIR/attn-small.json" ;;
+    attn-small) timeout 600 python3 benchmarks/bench_attention_decode.py --small-batch --json "$LOG_DIR/attn-small.json" ;;
     argmax) timeout 120 python3 benchmarks/bench_argmax.py --json "$LOG_DIR/argmax.json" ;;
     trace448fp8) timeout 400 python3 benchmarks/bench_step_trace.py $COMMON --batch 448 --input-len 2048 \
       --output-len 2048 --prompts 448 --quantization fp8 --kv-cache-dtype fp8 --warmup-output-len 4 ;;

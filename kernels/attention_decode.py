@@ -8,6 +8,10 @@ once for all Hq / Hkv query heads that share it (the query heads are the rows of
 an online softmax over its split, and writes a normalized partial result with its log-sum-exp.
 A second small kernel merges the splits. Splitting the context keeps every multiprocessor busy
 when batch x KV heads alone would not; with one split the first kernel writes the output directly.
+Given split_counters (a persistent zeroed int32 buffer, one counter per sequence and KV head), the
+last split of each sequence and KV head to finish merges instead, inside the split kernel (one
+launch, the same bits; see `_last_arrival` for the memory ordering); FUSED_MERGE_DEFAULT says whether
+callers that own counters (the Triton attention back end) pass them.
 
 Rows with seq_len 0 (CUDA-graph padding) read nothing and return zeros. The grid depends only on
 shapes (the block-table width bounds the context), so a launch never syncs with the device and can
@@ -45,6 +49,7 @@ from sits.kernels.attention_checks import (
 from sits.kernels.launch_utils import (
     autotune,
     cdiv,
+    check_tensor,
     is_interpreter,
     length_bucket,
     next_power_of_2,
@@ -57,6 +62,7 @@ from sits.kernels.reference import paged_decode_attention_reference
 __all__ = [
     "DEFAULT_FP8_VARIANT",
     "FP8_DECODE_VARIANTS",
+    "FUSED_MERGE_DEFAULT",
     "DecodeSplitPlan",
     "choose_num_splits",
     "paged_decode_attention",
@@ -70,6 +76,10 @@ SPLIT_GRANULE = 128  # tokens; every split length is a multiple of every BLOCK_N
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 64
 MAX_GRID_Y = 65535  # CUDA's limit on the grid's second dimension (sequences)
+# Whether callers that own split counters (the Triton attention back end) pass them, so split launches
+# merge inside the split kernel (one launch) instead of in _decode_merge_kernel (two). Off until timed
+# on an H200 (`bench_attention_decode.py --small-batch` prints both); switching it on is this line.
+FUSED_MERGE_DEFAULT = False
 
 
 def _config(block_n, warps, stages, maxnreg=None):
@@ -127,7 +137,7 @@ def _prune_configs(configs, named_args, **kwargs):
 # addresses of per-sequence rows (a mixed step's decodes start after its prefills).
 _VARYING_INTS = ["stride_block_table", "stride_po_seq", "stride_po_head", "stride_po_split", "stride_pl_seq",
                  "stride_pl_head", "tokens_per_split", "split_bucket"]
-_VARYING_POINTERS = ["block_tables_ptr", "seq_lens_ptr", "k_scale_ptr", "v_scale_ptr"]
+_VARYING_POINTERS = ["block_tables_ptr", "seq_lens_ptr", "k_scale_ptr", "v_scale_ptr", "split_counters_ptr"]
 
 
 # Variants of the fp8-cache inner loop: the VARIANT constexpr (bit flags, used with FP8_F16). Each reads
@@ -275,13 +285,116 @@ def _swap_tile(acc_t, m_i, l_i, q_t, q_hi_t, q_lo_t, scale, tile_start, end, blo
     return acc_t, m_new, l_i
 
 
+@triton.jit
+def _merge_partials(po_rows, pl_rows, row_valid, stride_po_split, num_valid,
+                    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BYPASS_L1: tl.constexpr):  # fmt: skip
+    """Merged outputs [R, HEAD_DIM] float32 of R query heads from their splits' partials.
+
+    po_rows [R] points at each head's partial output of split 0 (split s at + s * stride_po_split,
+    HEAD_DIM float32 each), pl_rows [R] at its log-sum-exp of split 0 (split s at + s, log2 domain);
+    row_valid [R] masks heads. Splits 0 .. num_valid - 1 count: out = sum_s w_s * o_s / sum_s w_s
+    with w_s = 2^(lse_s - max lse); zeros when num_valid is 0 (a padding row).
+
+    The splits are added one after another in split order, element by element (BLOCK_S unrolled,
+    masked past num_valid: those add exact zeros), never through a tl.sum, whose order follows the
+    register layout and so the kernel's warps. Both callers (the merge kernel, and the split kernel's
+    fused merge at any schedule) therefore compute bit-identical outputs. BYPASS_L1 loads with
+    .cg (for partials other programs wrote during this launch, see _last_arrival)."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    lse_max = tl.full(po_rows.shape, float("-inf"), dtype=tl.float32)
+    for s in tl.static_range(BLOCK_S):  # max is exact in any order
+        valid = row_valid & (tl.full(po_rows.shape, s, tl.int32) < num_valid)  # (a vector: the interpreter)
+        if BYPASS_L1:
+            lse_s = tl.load(pl_rows + s, mask=valid, other=float("-inf"), cache_modifier=".cg")
+        else:
+            lse_s = tl.load(pl_rows + s, mask=valid, other=float("-inf"))
+        lse_max = tl.maximum(lse_max, lse_s)
+    lse_max = tl.where(row_valid & (num_valid > 0), lse_max, 0.0)  # no inf - inf in empty rows
+    acc = tl.zeros([po_rows.shape[0], HEAD_DIM], dtype=tl.float32)
+    total = tl.zeros(po_rows.shape, dtype=tl.float32)
+    for s in tl.static_range(BLOCK_S):
+        valid = row_valid & (tl.full(po_rows.shape, s, tl.int32) < num_valid)  # (a vector: the interpreter)
+        rows = po_rows[:, None] + s * stride_po_split + offs_d[None, :]
+        if BYPASS_L1:
+            lse_s = tl.load(pl_rows + s, mask=valid, other=float("-inf"), cache_modifier=".cg")
+            partial = tl.load(rows, mask=valid[:, None], other=0.0, cache_modifier=".cg")
+        else:
+            lse_s = tl.load(pl_rows + s, mask=valid, other=float("-inf"))
+            partial = tl.load(rows, mask=valid[:, None], other=0.0)
+        weight = tl.math.exp2(lse_s - lse_max)
+        acc = acc + partial * weight[:, None]
+        total = total + weight
+    return acc / tl.where(total > 0.0, total, 1.0)[:, None]
+
+
+@triton.jit
+def _store_group_rows(out_ptr, seq, kv_head, group_size, stride_o_seq, stride_o_head, rows,
+                      HEAD_DIM: tl.constexpr, MERGE_G: tl.constexpr):  # fmt: skip
+    """rows [MERGE_G, HEAD_DIM] float32 -> out[seq, the KV head's query heads] (rows past the group dropped)."""
+    offs_g = tl.arange(0, MERGE_G)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_heads = kv_head * group_size + offs_g
+    dst = out_ptr + seq * stride_o_seq + q_heads[:, None] * stride_o_head + offs_d[None, :]
+    tl.store(dst, rows.to(out_ptr.dtype.element_ty), mask=(offs_g < group_size)[:, None])
+
+
+@triton.jit
+def _last_arrival(counter_ptr, num_valid):
+    """True in exactly one of the num_valid programs that call this once per launch on one counter
+    (the last to arrive), which also resets the counter to 0 for the next launch.
+
+    Ordering (the PTX memory model; Triton runs a scalar atomic in one thread and hands its result
+    to the others through shared memory behind a barrier):
+    * release: the caller's partial stores come first in program order; the barrier orders every
+      thread's stores before the atomic, and the atomic's release (acq_rel, gpu scope) is cumulative,
+      so it publishes them all at gpu scope before the count can be seen.
+    * acquire: the last arrival reads the count num_valid - 1 with acquire semantics; the increments
+      before it are read-modify-writes of the same counter, so they all lie in one release sequence
+      that it reads from, and every other program's release happens before its later loads; the barrier after the atomic keeps all its threads' loads after the acquire, and
+      the caller loads with .cg (L2, never a stale L1 line).
+    * reset: every program of this launch has incremented by then and none touches the counter
+      again, so a plain store of 0 suffices; the next launch on the stream sees it (kernel boundary).
+    """
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    tl.debug_barrier()
+    last = arrived == num_valid - 1
+    if last:
+        tl.store(counter_ptr, 0)
+    return last
+
+
+@triton.jit
+def _fused_merge(partial_out_ptr, partial_lse_ptr, out_ptr, split_counters_ptr, seq, kv_head, seq_len,
+                 tokens_per_split, group_size, stride_po_seq, stride_po_head, stride_po_split,
+                 stride_pl_seq, stride_pl_head, stride_o_seq, stride_o_head,
+                 HEAD_DIM: tl.constexpr, MERGE_BLOCK: tl.constexpr, MERGE_G: tl.constexpr):  # fmt: skip
+    """After a non-empty split stored its partials: the last of the sequence's num_valid =
+    cdiv(seq_len, tokens_per_split) non-empty splits to finish (counted on the int32 counter
+    split_counters[seq * num_kv_heads + kv_head], which is 0 before the launch and after it) merges
+    all of them for the KV head's query heads, as `_decode_merge_kernel` does (`_merge_partials`, so
+    bit for bit), and writes out. Empty splits return before they get here and never count."""
+    counter = split_counters_ptr + seq * tl.num_programs(0) + kv_head
+    # At most the launched splits (a seq_len past the caller's max_seq_len must not leave the count unfinished).
+    num_valid = tl.minimum((seq_len + tokens_per_split - 1) // tokens_per_split, tl.num_programs(2))
+    if _last_arrival(counter, num_valid):
+        offs_g = tl.arange(0, MERGE_G)
+        q_heads = kv_head * group_size + offs_g
+        merged = _merge_partials(
+            partial_out_ptr + seq * stride_po_seq + q_heads * stride_po_head,
+            partial_lse_ptr + seq * stride_pl_seq + q_heads * stride_pl_head,
+            offs_g < group_size, stride_po_split, num_valid, HEAD_DIM, MERGE_BLOCK, True,
+        )  # fmt: skip
+        _store_group_rows(out_ptr, seq, kv_head, group_size, stride_o_seq, stride_o_head, merged, HEAD_DIM, MERGE_G)
+
+
 @autotune(_GPU_CONFIGS, _INTERPRETER_CONFIG, ["HEAD_DIM", "PAGE_SIZE", "BLOCK_G", "FP8_KV", "FP8_F16", "VARIANT",
-           "SINGLE_SPLIT", "split_bucket"],
+           "SINGLE_SPLIT", "FUSED_MERGE", "MERGE_BLOCK", "split_bucket"],
           _prune_configs)
 @triton.jit(do_not_specialize=_VARYING_INTS, do_not_specialize_on_alignment=_VARYING_POINTERS)
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    out_ptr, partial_out_ptr, partial_lse_ptr, k_scale_ptr, v_scale_ptr,
+    out_ptr, partial_out_ptr, partial_lse_ptr, k_scale_ptr, v_scale_ptr, split_counters_ptr,
     qk_scale,
     stride_q_seq, stride_q_head,
     stride_k_block, stride_k_slot, stride_k_head,
@@ -293,15 +406,21 @@ def _decode_split_kernel(
     tokens_per_split, group_size, split_bucket,
     HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr, FP8_KV: tl.constexpr, FP8_F16: tl.constexpr, VARIANT: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, MERGE_BLOCK: tl.constexpr, MERGE_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
+    """One (KV head, sequence, split) program; see the module docstring and, for FUSED_MERGE,
+    `_fused_merge` (MERGE_BLOCK: the merge's BLOCK_S; MERGE_G: the GQA group as a power of two)."""
     kv_head = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     start = split * tokens_per_split
     if not SINGLE_SPLIT and start >= seq_len:
-        return  # an empty split: the merge kernel never reads it
+        if FUSED_MERGE and split == 0:  # nothing arrives for a padding row (seq_len 0): split 0 writes zeros
+            _store_group_rows(out_ptr, seq, kv_head, group_size, stride_o_seq, stride_o_head,
+                              tl.zeros([MERGE_G, HEAD_DIM], dtype=tl.float32), HEAD_DIM, MERGE_G)
+        return  # an empty split: it never counts, and no merge reads it
     end = tl.minimum(start + tokens_per_split, seq_len)
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -370,6 +489,11 @@ def _decode_split_kernel(
         tl.store(dst, result, mask=head_valid[:, None])
         lse = m_i + tl.math.log2(safe_l)
         tl.store(partial_lse_ptr + seq * stride_pl_seq + q_heads * stride_pl_head + split, lse, mask=head_valid)
+        if FUSED_MERGE:
+            _fused_merge(partial_out_ptr, partial_lse_ptr, out_ptr, split_counters_ptr, seq, kv_head, seq_len,
+                         tokens_per_split, group_size, stride_po_seq, stride_po_head, stride_po_split,
+                         stride_pl_seq, stride_pl_head, stride_o_seq, stride_o_head,
+                         HEAD_DIM, MERGE_BLOCK, MERGE_G)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["stride_pl_seq", "stride_pl_head", "tokens_per_split"],
@@ -382,29 +506,21 @@ def _decode_merge_kernel(
     tokens_per_split,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
-    """out = sum_s w_s * o_s / sum_s w_s with w_s = 2^(lse_s - max lse), over non-empty splits."""
+    """out = sum_s w_s * o_s / sum_s w_s with w_s = 2^(lse_s - max lse), over non-empty splits
+    (`_merge_partials` for one query head per program)."""
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
     num_valid = (seq_len + tokens_per_split - 1) // tokens_per_split
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, HEAD_DIM)
-    split_valid = offs_s < num_valid
-    lse = tl.load(
-        partial_lse_ptr + seq * stride_pl_seq + head * stride_pl_head + offs_s, mask=split_valid, other=float("-inf")
-    )
-    lse_max = tl.max(lse, 0)
-    lse_max = tl.where(num_valid > 0, lse_max, 0.0)
-    weights = tl.math.exp2(lse - lse_max)
-    partial = tl.load(
-        partial_out_ptr + seq * stride_po_seq + head * stride_po_head
-        + offs_s[:, None] * stride_po_split + offs_d[None, :],
-        mask=split_valid[:, None],
-        other=0.0,
+    row = tl.arange(0, 1)
+    merged = _merge_partials(
+        partial_out_ptr + seq * stride_po_seq + head * stride_po_head + row,
+        partial_lse_ptr + seq * stride_pl_seq + head * stride_pl_head + row,
+        row < 1, stride_po_split, num_valid, HEAD_DIM, BLOCK_S, False,
     )  # fmt: skip
-    total = tl.sum(weights, 0)
-    merged = tl.sum(partial * weights[:, None], 0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(out_ptr + seq * stride_o_seq + head * stride_o_head + offs_d, merged.to(out_ptr.dtype.element_ty))
+    offs_d = tl.arange(0, HEAD_DIM)
+    dst = out_ptr + seq * stride_o_seq + head * stride_o_head + row[:, None] + offs_d[None, :]
+    tl.store(dst, merged.to(out_ptr.dtype.element_ty))
 
 
 def split_count(num_seqs: int, num_kv_heads: int, max_context: int, sms: int) -> int:
@@ -488,6 +604,16 @@ def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out, k_scale, v_s
     check_fp8_scales(k_cache, k_scale, v_scale)
 
 
+def _check_split_counters(split_counters: torch.Tensor, num_seqs: int, num_kv_heads: int,
+                          device: torch.device) -> None:
+    """A contiguous 1-D int32 buffer on q's device with a counter per (sequence, KV head)."""
+    check_tensor(split_counters, "split_counters", ndim=1, dtypes=(torch.int32,), device=device)
+    require(split_counters.is_contiguous(), "split_counters must be contiguous")
+    need = num_seqs * num_kv_heads
+    require(split_counters.numel() >= need,
+            f"split_counters needs num_seqs x num_kv_heads = {need} entries, got {split_counters.numel()}")
+
+
 def _split_kernel_meta(fp8: bool, fp8_via_float16: bool, fp8_variant: str,
                        schedule: tuple[int, ...] | None) -> dict:
     """The split kernel's FP8_F16 / VARIANT constexprs, plus BLOCK_N / num_warps / num_stages of a
@@ -527,6 +653,7 @@ def paged_decode_attention(
     fp8_variant: str = DEFAULT_FP8_VARIANT,
     schedule: tuple[int, ...] | None = None,
     compile_only: bool = False,
+    split_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its paged context.
 
@@ -551,6 +678,10 @@ def paged_decode_attention(
         compile_only: compile the split kernel for these arguments without launching anything
             (inside triton's AsyncCompileMode the compile runs in its executor); out is returned
             unwritten.
+        split_counters: [>= B * Hkv] int32, all zero: with it, a launch of several splits merges
+            them inside the split kernel (the last split of each sequence and KV head to finish
+            merges; no second launch), and leaves the counters at zero again. A persistent buffer
+            (a CUDA graph keeps its address), used by one stream at a time. None: the merge kernel.
     Returns:
         out [B, Hq, D].
     """
@@ -568,6 +699,9 @@ def paged_decode_attention(
     require(num_seqs <= MAX_GRID_Y, f"at most {MAX_GRID_Y} sequences per launch, got {num_seqs}")
     plan = plan_decode_splits(num_seqs, num_kv_heads, max_context, num_sms(q.device), num_splits)
     num_splits, tokens_per_split, single = plan.num_splits, plan.tokens_per_split, plan.single
+    if split_counters is not None:
+        _check_split_counters(split_counters, num_seqs, num_kv_heads, q.device)
+    fused = split_counters is not None and not single
     if single:
         partial_out = partial_lse = out  # unused
     else:
@@ -579,7 +713,7 @@ def paged_decode_attention(
     args = (
         q, k_cache, v_cache, block_tables, seq_lens,
         out, partial_out, partial_lse, k_scale if fp8 else seq_lens, v_scale if fp8 else seq_lens,
-        float(scale) * LOG2_E,
+        split_counters if fused else seq_lens, float(scale) * LOG2_E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -595,13 +729,14 @@ def paged_decode_attention(
     elif meta["VARIANT"] & _PACKED:
         group_rows = max(8, next_power_of_2(group))  # hi and lo fill the dot's 16 columns
     meta |= {"HEAD_DIM": head_dim, "BLOCK_G": group_rows, "PAGE_SIZE": page_size,
-             "SINGLE_SPLIT": single, "FP8_KV": fp8}  # fmt: skip
+             "SINGLE_SPLIT": single, "FP8_KV": fp8, "FUSED_MERGE": fused,
+             "MERGE_BLOCK": plan.merge_block if fused else 1, "MERGE_G": next_power_of_2(group) if fused else 1}  # fmt: skip
     if compile_only:
         if not is_interpreter():  # the interpreter compiles nothing
             kernel.warmup(*args, grid=grid, **meta)
         return out
     kernel[grid](*args, **meta)
-    if not single:
+    if not single and not fused:
         _decode_merge_kernel[(num_seqs, num_q_heads)](
             partial_out, partial_lse, seq_lens, out,
             partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),

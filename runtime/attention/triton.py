@@ -15,6 +15,10 @@ back end.
 An fp8 (e4m3) cache goes to the same kernels with its per-KV-head scales. The interpreter's
 float32 -> fp8 cast is broken (it loses the exponent carry), so on a CPU the cache write of an fp8
 cache is the torch back end's (the kernel still rotates q and k); the attention kernels read fp8 there.
+
+With `attention_decode.FUSED_MERGE_DEFAULT` on, decode launches get the back end's split counters
+(`SplitCounters`, one zeroed int32 buffer per device) and merge their split-KV partials inside the
+split kernel: one launch per layer instead of two at small batches.
 """
 
 from __future__ import annotations
@@ -25,11 +29,13 @@ import torch
 
 # The kernels import triton: on a machine without it this module raises ImportError, which the
 # registry logs and skips.
+from sits.kernels import attention_decode
 from sits.kernels.attention_decode import paged_decode_attention
 from sits.kernels.attention_prefill import paged_prefill_attention
 from sits.kernels.rope_kv_write import rope_and_cache_write
 from sits.runtime.attention.backend import AttentionBackend, AttentionMetadata
 from sits.runtime.attention.registry import register_backend
+from sits.runtime.attention.split_counters import SplitCounters
 from sits.runtime.attention.torch_ref import write_kv_cache
 from sits.runtime.models.kernel_ops import KernelOps, TritonKernelOps
 
@@ -53,6 +59,9 @@ class TritonAttentionBackend(AttentionBackend):
     head_dims = HEAD_DIMS
     supports_cuda_graphs = True
     fp8_kv_cache = True
+
+    def __init__(self) -> None:
+        self.split_counters = SplitCounters()
 
     @classmethod
     def unsupported_reason(cls, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
@@ -106,10 +115,14 @@ class TritonAttentionBackend(AttentionBackend):
             )  # fmt: skip
         if metadata.num_decodes:
             rows = slice(prefill_tokens, prefill_tokens + metadata.num_decodes)
+            counters = None
+            if attention_decode.FUSED_MERGE_DEFAULT:
+                counters = self.split_counters.get(q.device, metadata.num_decodes, k_cache.shape[2])
             paged_decode_attention(
                 q[rows], k_cache, v_cache,
                 metadata.block_tables[prefills: prefills + metadata.num_decodes],
                 metadata.seq_lens[prefills: prefills + metadata.num_decodes], scale,
                 out=out[rows], max_seq_len=metadata.max_seq_len, k_scale=k_scale, v_scale=v_scale,
+                split_counters=counters,
             )  # fmt: skip
         return out

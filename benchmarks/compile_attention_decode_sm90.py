@@ -1,0 +1,106 @@
+"""Compile the decode split kernel for the H200 (sm_90a) without a GPU, with and without the fused merge.
+
+    python benchmarks/compile_attention_decode_sm90.py [--merge-blocks 16,64] [--quick] [--json out.json]
+
+For each shipped bf16 config (sits.kernels.attention_decode._BF16_CONFIGS) and the fp8 default schedule
+(_FP8_CONFIGS, DEFAULT_FP8_VARIANT), the split kernel is compiled as a Llama-3-8B launch specializes it
+(32 query / 8 KV heads, head_dim 128, 16-token pages, several splits): the two-launch variant (partials
+only) and the fused-merge variant at each merge size (BLOCK_S 16: batch 1 at a 4k context; 64: the most
+splits). The bundled ptxas assembles the PTX for sm_90a and reports registers and spill bytes
+(CompiledKernel.n_regs needs a GPU, hence ptxas); shared memory comes from Triton's metadata. --quick:
+the fp8 default and the first bf16 config only. Run it without TRITON_INTERPRET: the interpreter's
+kernels cannot be compiled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from sits.kernels import attention_decode as ad
+
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE = 32, 8, 128, 16
+GROUP = NUM_Q_HEADS // NUM_KV_HEADS
+# The launch's 16-divisible arguments that Triton specializes (those in _VARYING_INTS / _VARYING_POINTERS are not).
+_ALIGNED = ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "partial_out_ptr", "partial_lse_ptr", "stride_q_seq",
+            "stride_q_head", "stride_k_block", "stride_k_slot", "stride_k_head", "stride_v_block", "stride_v_slot",
+            "stride_v_head", "stride_o_seq", "stride_o_head")
+
+
+def _ptxas(ptx: str) -> dict:
+    """Registers and spill bytes of the PTX's kernel, from `ptxas -arch=sm_90a -v`."""
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas-blackwell")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    try:
+        report = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"], capture_output=True,
+                                text=True, check=False).stderr
+    finally:
+        os.unlink(f.name)
+    regs = re.search(r"Used (\d+) registers", report)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    return {"regs": int(regs.group(1)) if regs else None,
+            "spill_stores": int(spills.group(1)) if spills else None,
+            "spill_loads": int(spills.group(2)) if spills else None}
+
+
+def compile_one(config: triton.Config, fp8: bool, merge_block: int) -> dict:
+    """The split kernel at one config: fused merge of BLOCK_S merge_block, or (0) the two-launch variant."""
+    fn = ad._decode_split_kernel.fn
+    cache = "*fp8e4nv" if fp8 else "*bf16"
+    types = {"q_ptr": "*bf16", "k_cache_ptr": cache, "v_cache_ptr": cache, "block_tables_ptr": "*i32",
+             "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32",
+             "k_scale_ptr": "*fp32" if fp8 else "*i32", "v_scale_ptr": "*fp32" if fp8 else "*i32",
+             "split_counters_ptr": "*i32", "qk_scale": "fp32"}
+    variant = ad.FP8_DECODE_VARIANTS[ad.DEFAULT_FP8_VARIANT] if fp8 else 0
+    group_rows = ad.next_power_of_2(GROUP) if variant & ad._GROUP_ROWS else max(16, ad.next_power_of_2(GROUP))
+    constexprs = dict(config.kwargs, HEAD_DIM=HEAD_DIM, BLOCK_G=group_rows, PAGE_SIZE=PAGE_SIZE, SINGLE_SPLIT=False,
+                      FP8_KV=fp8, FP8_F16=fp8, VARIANT=variant, FUSED_MERGE=merge_block > 0,
+                      MERGE_BLOCK=merge_block or 1, MERGE_G=ad.next_power_of_2(GROUP) if merge_block else 1)
+    signature = {name: types.get(name, "i32") for name in fn.arg_names if name not in constexprs}
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in _ALIGNED}
+    options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    if config.maxnreg:
+        options["maxnreg"] = config.maxnreg
+    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options=options)
+    return {"cache": "fp8" if fp8 else "bf16", "schedule": "/".join(map(str, ad._schedule(config))),
+            "fused_merge_block": merge_block, "shared_bytes": compiled.metadata.shared, **_ptxas(compiled.asm["ptx"])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--merge-blocks", default="16,64", help="comma-separated fused-merge BLOCK_S values")
+    parser.add_argument("--quick", action="store_true", help="the fp8 default and the first bf16 config only")
+    parser.add_argument("--json", help="also write the rows to this JSON file")
+    args = parser.parse_args()
+    launches = [(c, False) for c in ad._BF16_CONFIGS] + [(c, True) for c in ad._FP8_CONFIGS]
+    if args.quick:
+        launches = [launches[0], launches[-1]]
+    blocks = [0] + [int(v) for v in args.merge_blocks.split(",")]
+    rows = []
+    for config, fp8 in launches:
+        for block in blocks:
+            try:
+                row = compile_one(config, fp8, block)
+            except Exception as error:  # noqa: BLE001 - report every config
+                row = {"cache": "fp8" if fp8 else "bf16", "schedule": "/".join(map(str, ad._schedule(config))),
+                       "fused_merge_block": block, "error": f"{type(error).__name__}: {str(error)[:300]}"}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""benchmarks/bench_attention_decode.py --small-batch's case, run through Triton's interpreter at a toy size
+(one sequence, a 512-token context, 1 / 2 / 4 splits) with the CUDA-graph timer replaced: only the flow is
+checked (every split count timed with both merges, the fused outputs bit-identical, the counters back at
+zero, two rows per case). On the H200 the script runs it at full size (benchmarks/gpu_profile_run.sh attn-small).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.kernels.helpers import ON_GPU
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+pytestmark = pytest.mark.skipif(ON_GPU, reason="the CPU run of the script; on the GPU it runs at full size")
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the script imports kernel_bench_utils as a sibling
+    import bench_attention_decode
+
+    yield bench_attention_decode
+    sys.modules.pop("bench_attention_decode", None)
+
+
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
+def test_small_batch_case_times_both_merges_at_every_split_count(bench, monkeypatch, fp8):
+    timed: list[object] = []
+
+    def fake_time_ms(fn):
+        fn()
+        timed.append(fn)
+        return 0.01 * (1 + len(timed) % 3)
+
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "MIN_ROTATED_FP8_BYTES", 1)
+    monkeypatch.setattr(bench, "SMALL_SPLITS", (1, 2, 4))
+    monkeypatch.setattr(bench, "time_ms", fake_time_ms)
+    rows, note = bench.small_batch_case(1, 512, fp8)
+    assert len(timed) == 5  # two-launch at 1, 2, 4 splits; fused at 2, 4 (one split has no merge)
+    assert [row.case for row in rows] == [f"{'fp8' if fp8 else 'bf16'} B1 ctx512",
+                                          f"{'fp8' if fp8 else 'bf16'} B1 ctx512 fused merge"]
+    extra = rows[1].extra
+    assert extra["fused_bit_identical"] is True
+    assert set(extra["fused_us_by_splits"]) == set(extra["us_by_splits"]) == {1, 2, 4}
+    assert "fused bit-identical: True" in note

@@ -1,0 +1,103 @@
+"""The Triton back end's split counters: one persistent zeroed buffer per device for the decode kernel's
+fused merge, grown outside CUDA-graph capture only, and passed only while FUSED_MERGE_DEFAULT is on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sits.runtime.attention.backend import AttentionMetadata
+from sits.runtime.attention.split_counters import SplitCounters
+
+pytest.importorskip("triton")
+from sits.kernels import attention_decode  # noqa: E402
+from sits.runtime.attention.triton import TritonAttentionBackend  # noqa: E402
+from tests.kernels.paged import random_paged_cache  # noqa: E402
+
+DEVICE = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+
+
+def test_counters_grow_never_shrink_and_keep_replaced_buffers():
+    counters = SplitCounters()
+    assert counters.size(DEVICE) == 0
+    first = counters.get(DEVICE, 4, 8)
+    assert first.dtype == torch.int32 and first.numel() == 32 and first.count_nonzero() == 0
+    assert counters.get(DEVICE, 1, 8) is first  # smaller batches reuse it
+    grown = counters.get(DEVICE, 16, 8)
+    assert grown is not first and grown.numel() == 128 and counters.size(DEVICE) == 128
+    assert counters.get(DEVICE, 4, 8) is grown
+    assert any(old is first for old in counters._replaced)  # graphs captured with it may still replay
+
+
+def test_no_allocation_while_a_cuda_graph_is_captured(monkeypatch):
+    """A capture that would need a larger buffer gets None (the two-launch merge), never a new buffer."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    counters = SplitCounters()
+    assert counters.get(torch.device("cuda:0"), 4, 8) is None
+    assert counters.size(torch.device("cuda:0")) == 0
+
+
+def _decode_metadata(cache, max_seq_len):
+    lens = cache.seq_lens.tolist()
+    num = len(lens)
+    return AttentionMetadata(
+        num_prefills=0, num_prefill_tokens=0, num_decodes=num,
+        slot_mapping=torch.full((num,), -1, dtype=torch.int64, device=DEVICE),
+        query_start_loc=torch.arange(num + 1, dtype=torch.int32, device=DEVICE),
+        seq_lens=cache.seq_lens, block_tables=cache.block_tables, max_query_len=1, max_seq_len=max_seq_len,
+        seq_lens_list=lens, query_lens_list=[1] * num,
+    )  # fmt: skip
+
+
+@pytest.mark.skipif(DEVICE.type == "cpu" and not attention_decode.is_interpreter(), reason="needs the interpreter")
+def test_back_end_passes_counters_only_when_the_fused_merge_is_on(monkeypatch):
+    """Decodes long enough for several splits: the same bits either way; counters allocated and zero after."""
+    torch.manual_seed(3)
+    cache = random_paged_cache([700, 0, 300], 2, 64, 16, torch.float16)
+    q = torch.randn(3, 4, 64).to(device=DEVICE, dtype=torch.float16)
+    metadata = _decode_metadata(cache, 768)
+    backend = TritonAttentionBackend()
+    args = (q, q, q, cache.k_cache, cache.v_cache, metadata, 0.125)
+    two_launches = backend.forward(*args)
+    assert backend.split_counters.size(DEVICE) == 0
+    monkeypatch.setattr(attention_decode, "FUSED_MERGE_DEFAULT", True)
+    fused = backend.forward(*args)
+    assert torch.equal(fused, two_launches)
+    assert backend.split_counters.size(DEVICE) == 3 * 2
+    assert backend.split_counters.get(DEVICE, 3, 2).count_nonzero() == 0
+
+
+@pytest.mark.skipif(DEVICE.type == "cpu" and not attention_decode.is_interpreter(), reason="needs the interpreter")
+def test_engine_tokens_are_the_same_with_the_fused_merge(monkeypatch):
+    """The tiny Llama through the engine and the graphs' static padded buffers (3 decodes in a bucket of 4:
+    a padding row; then 2, then 1), with two 128-token splits (MIN_TOKENS_PER_SPLIT lowered so a 256-token
+    model splits, 16 multiprocessors so 4 x 2 programs do): the same greedy tokens with the fused merge as
+    with the merge kernel."""
+    from sits.runtime.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from sits.runtime.engine.engine import LLMEngine
+    from tests.runtime.test_triton_backend import greedy, prompt, tiny_model
+
+    monkeypatch.setattr(attention_decode, "MIN_TOKENS_PER_SPLIT", 64)
+    monkeypatch.setattr(attention_decode, "num_sms", lambda device: 16)  # 4 x 2 programs still split
+    loaded = tiny_model("triton")
+    waves = [[("x", prompt(6, 140), 7), ("y", prompt(7, 20), 3), ("z", prompt(8, 129), 5)]]
+
+    def tokens(fused: bool) -> dict[str, list[int]]:
+        monkeypatch.setattr(attention_decode, "FUSED_MERGE_DEFAULT", fused)
+        config = EngineConfig(model=ModelConfig(device=DEVICE.type, dtype="float16", max_model_len=256),
+                              cache=CacheConfig(block_size=16, num_blocks=64),
+                              scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=512),
+                              enforce_eager=True)
+        engine = LLMEngine.from_loaded(loaded, config)
+        engine.runner.setup_cuda_graphs([1, 2, 4], max_model_len=256, capture=torch.cuda.is_available())
+        results: dict[str, list[int]] = {}
+        for request_id, ids, count in waves[0]:
+            engine.add_request(request_id, ids, greedy(count))
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    results[output.request_id] = output.outputs[0].token_ids
+        return results
+
+    assert tokens(True) == tokens(False)
+    assert loaded.model.backend.split_counters.size(DEVICE) >= 3 * 2
