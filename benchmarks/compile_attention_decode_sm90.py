@@ -15,15 +15,9 @@ kernels cannot be compiled.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import re
-import subprocess
-import tempfile
 
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from sm90_compile import compile_sm90, report_rows
 
 from sits.kernels import attention_decode as ad
 
@@ -35,26 +29,8 @@ _ALIGNED = ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "partial_out_ptr",
             "stride_v_head", "stride_o_seq", "stride_o_head")
 
 
-def _ptxas(ptx: str) -> dict:
-    """Registers and spill bytes of the PTX's kernel, from `ptxas -arch=sm_90a -v`."""
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas-blackwell")
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(ptx)
-    try:
-        report = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"], capture_output=True,
-                                text=True, check=False).stderr
-    finally:
-        os.unlink(f.name)
-    regs = re.search(r"Used (\d+) registers", report)
-    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
-    return {"regs": int(regs.group(1)) if regs else None,
-            "spill_stores": int(spills.group(1)) if spills else None,
-            "spill_loads": int(spills.group(2)) if spills else None}
-
-
 def compile_one(config: triton.Config, fp8: bool, merge_block: int) -> dict:
     """The split kernel at one config: fused merge of BLOCK_S merge_block, or (0) the two-launch variant."""
-    fn = ad._decode_split_kernel.fn
     cache = "*fp8e4nv" if fp8 else "*bf16"
     types = {"q_ptr": "*bf16", "k_cache_ptr": cache, "v_cache_ptr": cache, "block_tables_ptr": "*i32",
              "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32",
@@ -65,16 +41,14 @@ def compile_one(config: triton.Config, fp8: bool, merge_block: int) -> dict:
     constexprs = dict(config.kwargs, HEAD_DIM=HEAD_DIM, BLOCK_G=group_rows, PAGE_SIZE=PAGE_SIZE, SINGLE_SPLIT=False,
                       FP8_KV=fp8, FP8_F16=fp8, VARIANT=variant, FUSED_MERGE=merge_block > 0,
                       MERGE_BLOCK=merge_block or 1, MERGE_G=ad.next_power_of_2(GROUP) if merge_block else 1)
-    signature = {name: types.get(name, "i32") for name in fn.arg_names if name not in constexprs}
-    signature.update(dict.fromkeys(constexprs, "constexpr"))
-    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in _ALIGNED}
-    options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
-    if config.maxnreg:
-        options["maxnreg"] = config.maxnreg
-    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32), options=options)
+    figures = compile_sm90(ad._decode_split_kernel.fn, types, constexprs, _ALIGNED, config)
+    figures.pop("wgmma")
+    return figures
+
+
+def _describe(config: triton.Config, fp8: bool, merge_block: int) -> dict:
     return {"cache": "fp8" if fp8 else "bf16", "schedule": "/".join(map(str, ad._schedule(config))),
-            "fused_merge_block": merge_block, "shared_bytes": compiled.metadata.shared, **_ptxas(compiled.asm["ptx"])}
+            "fused_merge_block": merge_block}
 
 
 def main() -> None:
@@ -87,19 +61,8 @@ def main() -> None:
     if args.quick:
         launches = [launches[0], launches[-1]]
     blocks = [0] + [int(v) for v in args.merge_blocks.split(",")]
-    rows = []
-    for config, fp8 in launches:
-        for block in blocks:
-            try:
-                row = compile_one(config, fp8, block)
-            except Exception as error:  # noqa: BLE001 - report every config
-                row = {"cache": "fp8" if fp8 else "bf16", "schedule": "/".join(map(str, ad._schedule(config))),
-                       "fused_merge_block": block, "error": f"{type(error).__name__}: {str(error)[:300]}"}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    report_rows([(config, fp8, block) for config, fp8 in launches for block in blocks], _describe, compile_one,
+                args.json)
 
 
 if __name__ == "__main__":

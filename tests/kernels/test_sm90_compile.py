@@ -1,0 +1,76 @@
+"""Kernels compile for the H200 (sm_90a) without a GPU, with no register spills where they can launch.
+
+Each test runs a benchmarks/compile_*_sm90.py script in a process of its own (Triton's interpreter, on for
+the other kernel tests here, cannot compile) and reads its JSON rows; skipped where Triton bundles no
+ptxas-blackwell.
+
+* The small-M GEMM: every shipped config at the heaviest launch the autotuner keeps for it (the SiLU·mul
+  variant at the widest row tile whose pipeline fits), and the shared memory Triton allocates is within
+  what the autotuner's prune assumes (so every config it keeps fits).
+* The small-M GEMM with the decoder norm fused: every config, plain and SiLU·mul, with and without a
+  residual; the launches the prune keeps spill nothing and fit.
+* The decode split kernel with its fused merge at the largest merge size (BLOCK_S 64) and without it, for
+  the first bf16 config and the fp8 default schedule (the full list: the script without --quick).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import triton
+
+from sits.kernels import gemm_small_m, gemm_small_m_norm
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas-blackwell"
+pytestmark = pytest.mark.skipif(not os.access(PTXAS, os.X_OK), reason="Triton's bundled ptxas-blackwell is missing")
+
+
+def compile_rows(tmp_path: Path, script: str, *args: str) -> list[dict]:
+    """The rows `benchmarks/<script> *args --json` writes, run without the interpreter."""
+    out = tmp_path / "sm90.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BENCHMARKS), env.get("PYTHONPATH")]))  # sibling imports
+    done = subprocess.run([sys.executable, str(BENCHMARKS / script), *args, "--json", str(out)], capture_output=True,
+                          text=True, timeout=540, env=env, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    for row in rows:
+        assert "error" not in row, row
+        assert row["regs"] is not None and row["regs"] <= 255, row
+    return rows
+
+
+def test_small_m_gemm_configs_compile_without_spills(tmp_path):
+    rows = compile_rows(tmp_path, "compile_gemm_small_m_sm90.py", "--heaviest")
+    assert len(rows) == len(gemm_small_m.GPU_CONFIGS)
+    for row in rows:
+        assert row["silu_mul"] and row["kept_by_prune"], row
+        assert row["spill_stores"] == 0 and row["spill_loads"] == 0, row
+        # what the prune assumed bounds what Triton allocates (equal, with Triton 3.9): kept configs fit
+        assert row["shared_bytes"] <= min(row["predicted_shared_bytes"], gemm_small_m.SMEM_BYTES), row
+
+
+def test_fused_norm_gemm_configs_compile_and_the_kept_ones_fit(tmp_path):
+    rows = compile_rows(tmp_path, "compile_gemm_small_m_norm_sm90.py")
+    assert len(rows) == 4 * len(gemm_small_m_norm.NORM_GPU_CONFIGS)
+    for row in rows:
+        assert row["shared_bytes"] <= row["predicted_shared_bytes"], row
+        if row["kept_by_prune"]:
+            assert row["spill_stores"] == 0 and row["spill_loads"] == 0, row
+            assert row["shared_bytes"] <= gemm_small_m.SMEM_BYTES, row
+    assert sum(row["kept_by_prune"] for row in rows) >= 3 * len(gemm_small_m_norm.NORM_GPU_CONFIGS)
+
+
+def test_split_kernel_with_fused_merge_compiles_without_spills(tmp_path):
+    rows = compile_rows(tmp_path, "compile_attention_decode_sm90.py", "--quick", "--merge-blocks", "64")
+    assert {(row["cache"], row["fused_merge_block"]) for row in rows} == {
+        ("bf16", 0), ("bf16", 64), ("fp8", 0), ("fp8", 64)}
+    for row in rows:
+        assert row["spill_stores"] == 0 and row["spill_loads"] == 0, row
