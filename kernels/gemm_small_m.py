@@ -87,28 +87,42 @@ GPU_CONFIGS = [
 INTERPRETER_CONFIG = _config(32, 32, False, 4, 1)
 
 
-def shared_memory_bytes(config: triton.Config, block_m: int, silu_mul: bool = False, elem_bytes: int = 2) -> int:
-    """Shared memory a config's load pipeline takes on sm_90: its weight tile (BLOCK_N rows, 2 BLOCK_N with
-    SiLU·mul) and activation tile, times the stages where the dot's M side (the weight rows swapped, else
-    BLOCK_M) has 64+ rows and becomes a wgmma, else times stages - 1 (mma.sync). (As Triton 3.9 allocates it
-    for every shipped launch: benchmarks/compile_gemm_small_m_sm90.py.)"""
+def pipeline_tiles(config: triton.Config, block_m: int, silu_mul: bool = False) -> tuple[int, int]:
+    """(pipeline buffers, weight rows per tile) of a config on sm_90: the weight tile has BLOCK_N rows (2 BLOCK_N
+    with SiLU·mul); the K loop keeps `stages` buffers where the dot's M side (the weight rows swapped, else
+    BLOCK_M) has 64+ rows and becomes a wgmma, else stages - 1 (mma.sync)."""
     kw = config.kwargs
     w_rows = kw["BLOCK_N"] * (2 if silu_mul else 1)
     m_side = w_rows if kw["SWAP_AB"] else block_m
-    buffers = config.num_stages if m_side >= 64 else max(config.num_stages - 1, 1)
-    return buffers * (w_rows + block_m) * kw["BLOCK_K"] * elem_bytes
+    return (config.num_stages if m_side >= 64 else max(config.num_stages - 1, 1)), w_rows
 
 
-def _prune(configs, named_args, **kwargs):
-    """Drop K tiles wider than K itself (mostly masked zeros) and pipelines that overflow shared memory."""
-    k = named_args["K"]
-    block_m = kwargs.get("BLOCK_M", named_args.get("BLOCK_M", MAX_M))
-    silu_mul = bool(kwargs.get("SILU_MUL", named_args.get("SILU_MUL", False)))
-    kept = [
-        c for c in configs
-        if c.kwargs["BLOCK_K"] <= max(k, 128) and shared_memory_bytes(c, block_m, silu_mul) <= SMEM_BYTES
-    ]
-    return kept or configs[:1]
+def shared_memory_bytes(config: triton.Config, block_m: int, silu_mul: bool = False, elem_bytes: int = 2) -> int:
+    """Shared memory a config's load pipeline takes on sm_90: its weight and activation tiles times the
+    buffers of `pipeline_tiles`. (As Triton 3.9 allocates it for every shipped launch:
+    benchmarks/compile_gemm_small_m_sm90.py.)"""
+    buffers, w_rows = pipeline_tiles(config, block_m, silu_mul)
+    return buffers * (w_rows + block_m) * config.kwargs["BLOCK_K"] * elem_bytes
+
+
+def shared_memory_prune(shared_bytes, default_block_m: int):
+    """An autotune prune that drops K tiles wider than K itself (mostly masked zeros) and pipelines whose
+    `shared_bytes(config, block_m, silu_mul)` overflow shared memory."""
+
+    def prune(configs, named_args, **kwargs):
+        k = named_args["K"]
+        block_m = kwargs.get("BLOCK_M", named_args.get("BLOCK_M", default_block_m))
+        silu_mul = bool(kwargs.get("SILU_MUL", named_args.get("SILU_MUL", False)))
+        kept = [
+            c for c in configs
+            if c.kwargs["BLOCK_K"] <= max(k, 128) and shared_bytes(c, block_m, silu_mul) <= SMEM_BYTES
+        ]
+        return kept or configs[:1]
+
+    return prune
+
+
+_prune = shared_memory_prune(shared_memory_bytes, MAX_M)
 
 
 @triton.jit

@@ -42,11 +42,12 @@ import triton.language as tl
 from sits.kernels.gemm_small_m import (
     GPU_CONFIGS,
     INTERPRETER_CONFIG,
-    SMEM_BYTES,
     _block_m,
     _k_mask,
     _load_w,
     _weight_rows,
+    pipeline_tiles,
+    shared_memory_prune,
     small_m_rows_bucket,
     store_out,
 )
@@ -84,26 +85,13 @@ NORM_GPU_CONFIGS = [c for c in GPU_CONFIGS if c.kwargs["BLOCK_K"] <= 256]
 
 
 def shared_memory_bytes(config: triton.Config, block_m: int, silu_mul: bool = False) -> int:
-    """Shared memory bound of a config's K loop on sm_90: per pipeline buffer (stages, or stages - 1 where
-    the dot's M side is under 64 rows: mma.sync) the weight tile (BLOCK_N rows, 2 BLOCK_N with SiLU·mul,
-    bf16), the x tile (2 bytes an element), the float32 stream tile (4) and the norm weight's K tile (2)."""
-    kw = config.kwargs
-    w_rows = kw["BLOCK_N"] * (2 if silu_mul else 1)
-    m_side = w_rows if kw["SWAP_AB"] else block_m
-    buffers = config.num_stages if m_side >= 64 else max(config.num_stages - 1, 1)
-    return buffers * (w_rows * 2 + block_m * 6 + 2) * kw["BLOCK_K"]
+    """Shared memory bound of a config's K loop on sm_90: per pipeline buffer (`pipeline_tiles`) the weight
+    tile (bf16), the x tile (2 bytes an element), the float32 stream tile (4) and the norm weight's K tile (2)."""
+    buffers, w_rows = pipeline_tiles(config, block_m, silu_mul)
+    return buffers * (w_rows * 2 + block_m * 6 + 2) * config.kwargs["BLOCK_K"]
 
 
-def _prune(configs, named_args, **kwargs):
-    """Drop K tiles wider than K itself and pipelines that overflow shared memory (`shared_memory_bytes`)."""
-    k = named_args["K"]
-    block_m = kwargs.get("BLOCK_M", named_args.get("BLOCK_M", 16))
-    silu_mul = bool(kwargs.get("SILU_MUL", named_args.get("SILU_MUL", False)))
-    kept = [
-        c for c in configs
-        if c.kwargs["BLOCK_K"] <= max(k, 128) and shared_memory_bytes(c, block_m, silu_mul) <= SMEM_BYTES
-    ]
-    return kept or configs[:1]
+_prune = shared_memory_prune(shared_memory_bytes, 16)
 
 
 @triton.jit

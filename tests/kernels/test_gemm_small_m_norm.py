@@ -15,7 +15,7 @@ import torch
 from triton.runtime.errors import OutOfResources
 
 from sits.kernels import gemm_small_m_norm as kernel_module
-from sits.kernels.gemm_small_m import small_m_gemm, small_m_gemm_silu_mul
+from sits.kernels.gemm_small_m import SMEM_BYTES, small_m_gemm, small_m_gemm_silu_mul
 from sits.kernels.gemm_small_m_norm import (
     NORM_MAX_M,
     small_m_norm_gemm,
@@ -163,7 +163,7 @@ def test_configs_fit_shared_memory():
     for silu_mul in (False, True):
         kept = kernel_module._prune(kernel_module.NORM_GPU_CONFIGS, {"K": 4096}, BLOCK_M=16, SILU_MUL=silu_mul)
         assert len(kept) >= 4
-        assert all(kernel_module.shared_memory_bytes(c, 16, silu_mul) <= kernel_module.SMEM_BYTES for c in kept)
+        assert all(kernel_module.shared_memory_bytes(c, 16, silu_mul) <= SMEM_BYTES for c in kept)
     assert all(c.kwargs["BLOCK_K"] <= 256 for c in kernel_module.NORM_GPU_CONFIGS)
 
 
