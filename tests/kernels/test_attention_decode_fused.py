@@ -24,8 +24,9 @@ from sits.kernels.attention_decode import (
 from tests.kernels.helpers import DEVICE, ON_GPU, assert_close, poisoned, randn
 from tests.kernels.paged import random_paged_cache
 
-HEAD_LAYOUTS = [pytest.param(2, 2, id="gqa1"), pytest.param(8, 2, id="gqa4"), pytest.param(8, 1, id="gqa8"),
-                pytest.param(6, 2, id="gqa3")]  # fmt: skip
+# (query heads, KV heads, tokens per page): every GQA group size, each page size with two of them.
+HEAD_LAYOUTS = [pytest.param(2, 2, 16, id="gqa1-page16"), pytest.param(8, 2, 64, id="gqa4-page64"),
+                pytest.param(8, 1, 16, id="gqa8-page16"), pytest.param(6, 2, 64, id="gqa3-page64")]  # fmt: skip
 # Ragged: padding rows (0), a context inside one 128-token split (1, 37), exact split ends (128, 256).
 SEQ_LENS = [300, 0, 37, 128, 1, 256, 0, 129]
 
@@ -71,8 +72,7 @@ def _both(cache, q, splits, counters, **kwargs):
     return two, fused
 
 
-@pytest.mark.parametrize("num_q_heads,num_kv_heads", HEAD_LAYOUTS)
-@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,block_size", HEAD_LAYOUTS)
 def test_fused_merge_is_bit_identical(nan_empty, num_q_heads, num_kv_heads, block_size):
     """fp16, several batches and split counts, the same counters reused by every call."""
     torch.manual_seed(num_q_heads * 10 + num_kv_heads + block_size)
