@@ -25,7 +25,9 @@
 #                  M = 1..64, and at M = 1..8 the decoder norm fused into qkv / gate_up + SiLU·mul against rms_norm then
 #                  cuBLAS or the direct kernel, CUDA graphs; writes LOG_DIR/gemv.json and the winners' table (every op,
 #                  the norm ops included) LOG_DIR/small_m_gemm_table.json (copy it to kernels/small_m_gemm_table.json)
-#   prof1-gemv, prof32-gemv  prof1 / prof32 with that table installed (SITS_SMALL_M_GEMM): run after gemv
+#   prof1-gemv, prof32-gemv  prof1 / prof32 with that table installed (SITS_SMALL_M_GEMM): run after gemv;
+#                  -fused (prof1-fused, prof1-gemv-fused, ...): with the decode attention's fused split merge
+#                  (SITS_DECODE_FUSED_MERGE=1)
 set -u
 cd "$(dirname "$0")/.."
 . benchmarks/gpu_env.sh "${1:-}" gpu-profile-logs
@@ -50,8 +52,11 @@ for step in $STEPS; do
       --batch 448 --input-len 2048 --output-len 2048 --prompts 448 --quantization fp8 --kv-cache-dtype fp8 --warmup-output-len 4 ;;
     gemv) timeout 600 python3 benchmarks/bench_gemm_small_m.py --json "$LOG_DIR/gemv.json" \
       --table "$LOG_DIR/small_m_gemm_table.json" ;;
-    prof1-gemv|prof32-gemv) batch=${step#prof}; SITS_SMALL_M_GEMM="$LOG_DIR/small_m_gemm_table.json" timeout 200 \
-      python3 benchmarks/profile_decode.py $COMMON --batch "${batch%-gemv}" --input-len 2048 ;;
+    prof1-*|prof32-*) batch=${step#prof}; batch=${batch%%-*}; table=""; fused=""
+      case $step in *-gemv*) table="$LOG_DIR/small_m_gemm_table.json" ;; esac
+      case $step in *-fused*) fused=1 ;; esac
+      SITS_SMALL_M_GEMM="$table" SITS_DECODE_FUSED_MERGE="$fused" timeout 200 \
+      python3 benchmarks/profile_decode.py $COMMON --batch "$batch" --input-len 2048 ;;
     trace256-cap*) budget=${step#trace256-cap}; cap=${budget%%-min*}; least=0
       [ "$budget" != "$cap" ] && least=${budget##*-min}
       timeout 300 python3 benchmarks/bench_step_trace.py $COMMON --batch 256 --input-len 1024 \

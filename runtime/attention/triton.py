@@ -16,9 +16,10 @@ An fp8 (e4m3) cache goes to the same kernels with its per-KV-head scales. The in
 float32 -> fp8 cast is broken (it loses the exponent carry), so on a CPU the cache write of an fp8
 cache is the torch back end's (the kernel still rotates q and k); the attention kernels read fp8 there.
 
-With `attention_decode.FUSED_MERGE_DEFAULT` on, decode launches get the back end's split counters
-(`SplitCounters`, one zeroed int32 buffer per device) and merge their split-KV partials inside the
-split kernel: one launch per layer instead of two at small batches.
+With the fused merge on (`attention_decode.FUSED_MERGE_DEFAULT`, or SITS_DECODE_FUSED_MERGE=1 / 0 to
+measure both ways), decode launches get the back end's split counters (`SplitCounters`, one zeroed int32
+buffer per device) and merge their split-KV partials inside the split kernel: one launch per layer
+instead of two at small batches.
 """
 
 from __future__ import annotations
@@ -43,8 +44,20 @@ _TRITON_OPS = TritonKernelOps()
 HEAD_DIMS = (16, 32, 64, 128, 256)  # the paged kernels' tl.arange over a head needs a power of two
 
 
+FUSED_MERGE_ENV = "SITS_DECODE_FUSED_MERGE"
+
+
 def _interpreter_on() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def fused_merge_on() -> bool:
+    """Whether decode launches merge inside the split kernel: SITS_DECODE_FUSED_MERGE=1 / 0 when set (a
+    benchmark measuring both ways), else attention_decode.FUSED_MERGE_DEFAULT."""
+    value = os.environ.get(FUSED_MERGE_ENV, "").strip().lower()
+    if not value:
+        return attention_decode.FUSED_MERGE_DEFAULT
+    return value not in ("0", "off", "false", "no")
 
 
 @register_backend
@@ -116,7 +129,7 @@ class TritonAttentionBackend(AttentionBackend):
         if metadata.num_decodes:
             rows = slice(prefill_tokens, prefill_tokens + metadata.num_decodes)
             counters = None
-            if attention_decode.FUSED_MERGE_DEFAULT:
+            if fused_merge_on():
                 counters = self.split_counters.get(q.device, metadata.num_decodes, k_cache.shape[2])
             paged_decode_attention(
                 q[rows], k_cache, v_cache,

@@ -11,7 +11,7 @@ from sits.runtime.attention.split_counters import SplitCounters
 
 pytest.importorskip("triton")
 from sits.kernels import attention_decode  # noqa: E402
-from sits.runtime.attention.triton import TritonAttentionBackend  # noqa: E402
+from sits.runtime.attention.triton import FUSED_MERGE_ENV, TritonAttentionBackend, fused_merge_on  # noqa: E402
 from tests.kernels.paged import random_paged_cache  # noqa: E402
 
 DEVICE = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
@@ -47,6 +47,17 @@ def _decode_metadata(cache, max_seq_len):
         seq_lens=cache.seq_lens, block_tables=cache.block_tables, max_query_len=1, max_seq_len=max_seq_len,
         seq_lens_list=lens, query_lens_list=[1] * num,
     )  # fmt: skip
+
+
+@pytest.mark.parametrize(("env", "default", "expected"), [(None, False, False), (None, True, True), ("1", False, True),
+                                                          ("0", True, False), ("off", True, False)])
+def test_the_environment_overrides_the_fused_merge_default(monkeypatch, env, default, expected):
+    monkeypatch.setattr(attention_decode, "FUSED_MERGE_DEFAULT", default)
+    if env is None:
+        monkeypatch.delenv(FUSED_MERGE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(FUSED_MERGE_ENV, env)
+    assert fused_merge_on() is expected
 
 
 @pytest.mark.skipif(DEVICE.type == "cpu" and not attention_decode.is_interpreter(), reason="needs the interpreter")
