@@ -118,6 +118,11 @@ class TritonKernelOps(KernelOps):
     def rms_norm_quant_fp8(self, x, residual, weight, eps, stream_dtype):
         if not x.is_cuda or x.dtype != weight.dtype:  # the kernel rounds the normed row to x's dtype
             return super().rms_norm_quant_fp8(x, residual, weight, eps, stream_dtype)
+        return self.fused_rms_norm_quant_fp8(x, residual, weight, eps, stream_dtype)
+
+    def fused_rms_norm_quant_fp8(self, x, residual, weight, eps, stream_dtype):
+        """`rms_norm_quant_fp8` in one launch of sits.kernels.rmsnorm_quant (any device: the interpreter's
+        fp8 cast off CUDA; x in weight's dtype)."""
         if residual is not None:
             stream = residual if residual.is_contiguous() else None
             return self._rms_norm_quant_fp8(x, weight, eps, residual=residual, residual_out=stream)

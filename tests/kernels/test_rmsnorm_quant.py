@@ -107,8 +107,11 @@ def test_a_residual_in_the_model_dtype_and_a_zero_row():
     residual = randn(5, 320, dtype=torch.float16, scale=2.0)
     x[1], residual[1] = 0, 0  # a zero row: the floor scale, not a division by zero
     _check(x, randn(320, dtype=torch.float16) + 1.0, residual=residual)
-    _, scale, _ = rms_norm_quant_fp8(x, randn(320, dtype=torch.float16), 1e-5, residual=residual.clone())
+    weight = randn(320, dtype=torch.float16)
+    _, scale, stream = rms_norm_quant_fp8(x, weight, 1e-5, residual=residual)  # a new stream tensor
     assert scale[1].item() == pytest.approx(1e-12 / 448)
+    assert stream is not residual and stream.dtype == torch.float16
+    torch.testing.assert_close(stream, rms_norm(x, weight, 1e-5, residual=residual)[1], atol=0, rtol=0)
 
 
 def test_a_strided_x_and_no_rows():

@@ -33,10 +33,10 @@ def _with_ops(model, ops):
     return model
 
 
-def _models(dtype):
+def _models(dtype, device="cpu"):
     """(fused, unfused) fp8 w8a8 copies of one tiny model with the Triton norms; unfused: no norm quantization
     (its MLPs still Fp8SwiGLU)."""
-    loaded = random_loaded_model(TINY, TorchAttentionBackend(), "cpu", dtype, seed=0)
+    loaded = random_loaded_model(TINY, TorchAttentionBackend(), device, dtype, seed=0)
     with torch.no_grad():
         loaded.model.lm_head.weight.mul_(8.0)
     quantize_model(loaded.model, "fp8", fp8_mode="w8a8")
@@ -101,6 +101,26 @@ def test_other_paths_are_kept(calls):
     assert calls == {"norm": 0, "qkv": 0, "mlp": 0}
 
 
+@pytest.mark.parametrize("stream", [torch.float32, torch.float16, "residual"])
+def test_the_ops_kernel_launch_is_norm_then_quantize(stream):
+    """TritonKernelOps' CUDA branch (the fused kernel) against its norm then quantize_fp8_per_token, through the
+    interpreter: the same bytes, the stream written where the norm writes it."""
+    from sits.kernels.fp8_quantize import quantize_fp8_per_token
+
+    torch.manual_seed(0)
+    ops = TritonKernelOps()
+    x, weight = torch.randn(5, 96).half(), (torch.randn(96) + 1).half()
+    residual = torch.randn(5, 96) * 4 if stream == "residual" else None
+    dtype = torch.float32 if stream == "residual" else stream
+    got_fp8, got_scale, got_stream = ops.fused_rms_norm_quant_fp8(
+        x, None if residual is None else residual.clone(), weight, 1e-5, dtype)
+    normed, expected_stream = ops._norm_of_stream(x, residual, weight, 1e-5, dtype)
+    expected_fp8, expected_scale = quantize_fp8_per_token(normed)
+    assert torch.equal(got_stream, expected_stream) and got_stream.dtype == dtype
+    assert (got_stream is x) == (stream == torch.float16)
+    assert torch.equal(got_scale, expected_scale) and torch.equal(got_fp8.view(torch.uint8), expected_fp8.view(torch.uint8))
+
+
 def test_only_w8a8_unsharded_models_enable_it():
     loaded = random_loaded_model(TINY, TorchAttentionBackend(), "cpu", torch.float32, seed=0)
     weight_only = copy.deepcopy(loaded.model)
@@ -113,3 +133,28 @@ def test_only_w8a8_unsharded_models_enable_it():
     quantize_model(loaded.model, "fp8", fp8_mode="w8a8", fuse_activation_quant=False)
     assert fuse_fp8_norm_quant(loaded.model) == 2 * LAYERS  # qkv_proj and gate_up_proj of each layer
     assert not isinstance(loaded.model.model.layers[0].mlp, Fp8SwiGLU)  # a plain MLP still runs forward
+
+
+@torch.inference_mode()
+def _logits_on(model, tokens: list[int], device: torch.device) -> torch.Tensor:
+    """all_logits on `device`: one prefill of `tokens` through the paged cache, [len(tokens), vocab] float32."""
+    from tests.support.model_driver import PagedKVCache, PagedSequence, build_metadata
+
+    cache = PagedKVCache(model, -(-len(tokens) // 16) + 1, 16)
+    positions, metadata, _ = build_metadata(cache, [(PagedSequence(list(tokens)), len(tokens))], device)
+    return model.compute_logits(model(torch.tensor(tokens, device=device), positions, cache.caches, metadata))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs fp8 tensor cores")
+def test_fused_norm_quantization_on_the_gpu(calls):
+    """The fused kernel on CUDA against the autotuned rms_norm then quantize_fp8_per_token: the same function
+    (bit for bit where both norms sum their squares in the same order: at equal num_warps)."""
+    device = torch.device("cuda")
+    fused, unfused = _models(torch.bfloat16, device)
+    expected = _logits_on(unfused, TOKENS, device)
+    got = _logits_on(fused, TOKENS, device)
+    assert calls == {"norm": 2 * LAYERS, "qkv": LAYERS, "mlp": LAYERS}
+    assert ((got - expected).norm() / expected.norm()).item() < 1e-3
+    print(f"fused vs unfused logits on the GPU: {int((got != expected).sum())} of {got.numel()} differ")
