@@ -180,7 +180,9 @@ class LlamaDecoderLayer(nn.Module):
     layer's input_layernorm, or the model's final norm) adds it as part of its fused add + norm. So a
     layer runs two fused norm kernels and no separate add; at the batches where the measured small-M
     table says so, each of those norms runs inside the launch of the projection it feeds instead
-    (`RMSNorm.fuses_into`: the Triton norm, a DecodeLinear, no hook), and the layer has no norm launch.
+    (`RMSNorm.fuses_into`: the Triton norm, a DecodeLinear, no hook), and the layer has no norm launch. With
+    fp8 w8a8 projections each norm writes its row quantized for the projection it feeds instead
+    (`RMSNorm.quantizes_for`), and qkv_proj and the MLP's gate_up launch no quantization of their own.
     """
 
     def __init__(self, config: LlamaConfig, backend: AttentionBackend, ops: KernelOps = TORCH_OPS) -> None:
