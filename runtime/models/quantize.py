@@ -278,15 +278,19 @@ def fuse_fp8_activation_quant(model: nn.Module) -> int:
     return fused
 
 
+NORM_QUANT_ENV = "SITS_FP8_NORM_QUANT"
+
+
 def fuse_fp8_norm_quant(model: nn.Module) -> int:
     """Let each decoder layer's norms quantize the input of the fp8 w8a8 projection they feed (qkv_proj; an
     Fp8SwiGLU's gate_up) in the norm's own launch; returns how many projections take quantized input.
 
-    Not on a tensor-parallel shard (`model.tensor_parallel` over more than one rank), whose path stays as it was.
-    Where it applies, the layer decides per call (`RMSNorm.quantizes_for`: the Triton norm, not compiled).
+    Not on a tensor-parallel shard (`model.tensor_parallel` over more than one rank), whose path stays as it was,
+    nor with SITS_FP8_NORM_QUANT=off (to measure the unfused step in the same build). Where it applies, the layer
+    decides per call (`RMSNorm.quantizes_for`: the Triton norm, not compiled).
     """
     layout = getattr(model, "tensor_parallel", None)
-    if layout is not None and layout.world_size > 1:
+    if (layout is not None and layout.world_size > 1) or os.environ.get(NORM_QUANT_ENV, "").strip().lower() == "off":
         return 0
     enabled = 0
     for module in model.modules():

@@ -17,7 +17,13 @@ import torch
 
 from sits.runtime.attention.torch_ref import TorchAttentionBackend
 from sits.runtime.models.kernel_ops import TORCH_OPS, TritonKernelOps
-from sits.runtime.models.quantize import Fp8Linear, Fp8SwiGLU, fuse_fp8_norm_quant, quantize_model
+from sits.runtime.models.quantize import (
+    NORM_QUANT_ENV,
+    Fp8Linear,
+    Fp8SwiGLU,
+    fuse_fp8_norm_quant,
+    quantize_model,
+)
 from sits.runtime.models.random_model import random_loaded_model
 from sits.runtime.parallel.tp import TensorParallelLayout
 from tests.runtime.test_quantize import TINY, all_logits
@@ -121,7 +127,7 @@ def test_the_ops_kernel_launch_is_norm_then_quantize(stream):
     assert torch.equal(got_scale, expected_scale) and torch.equal(got_fp8.view(torch.uint8), expected_fp8.view(torch.uint8))
 
 
-def test_only_w8a8_unsharded_models_enable_it():
+def test_only_w8a8_unsharded_models_enable_it(monkeypatch):
     loaded = random_loaded_model(TINY, TorchAttentionBackend(), "cpu", torch.float32, seed=0)
     weight_only = copy.deepcopy(loaded.model)
     sharded = copy.deepcopy(loaded.model)
@@ -131,6 +137,9 @@ def test_only_w8a8_unsharded_models_enable_it():
     quantize_model(sharded, "fp8", fp8_mode="w8a8")
     assert not any(m.accepts_quantized_input() for m in sharded.modules() if isinstance(m, Fp8Linear))
     quantize_model(loaded.model, "fp8", fp8_mode="w8a8", fuse_activation_quant=False)
+    monkeypatch.setenv(NORM_QUANT_ENV, "off")  # the unfused step in the same build, to measure it
+    assert fuse_fp8_norm_quant(loaded.model) == 0
+    monkeypatch.delenv(NORM_QUANT_ENV)
     assert fuse_fp8_norm_quant(loaded.model) == 2 * LAYERS  # qkv_proj and gate_up_proj of each layer
     assert not isinstance(loaded.model.model.layers[0].mlp, Fp8SwiGLU)  # a plain MLP still runs forward
 
