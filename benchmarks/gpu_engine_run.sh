@@ -28,7 +28,8 @@
 # Issue 14's fp8 steps run by name (cheapest first, so the GEMM benches' autotuning cache serves the rest):
 #   STEPS="fp8-tests fp8-modes fp8-act fp8-wo-gemm fp8-b32 fp8-wo fp8-2k2k fp8-1k1k" benchmarks/gpu_engine_run.sh
 #   fp8-tests  the GPU cases of the fp8 weight-only GEMM, the SiLU·mul kernels (plain and with the fused
-#          e4m3 quantization) and the fp8 modes (fused MLP against unfused on the GPU)
+#          e4m3 quantization), the norm with the fused quantization and the fp8 modes (fused MLP against
+#          unfused on the GPU)
 #   fp8-2k2k  fp8 weights + fp8 KV cache, 2,048 in / 2,048 out at batch $FP8_2K2K_BATCH (448: ~112 GiB of
 #          fp8 cache at 64 KiB/token holds 448 sequences of 4,096 tokens beside ~8 GiB of weights; 224
 #          with a bf16 cache, where this build has no --kv-cache-dtype),
@@ -43,7 +44,9 @@
 #          projections against bf16 cuBLAS (F.linear) in the same run, with the H200's native e4m3
 #          conversion and with the A100's integer decoding; RESULT: ratio per decoding and M
 #   fp8-act   benchmarks/bench_silu_mul_quant.py: SiLU·mul with the fused e4m3 quantization against the
-#          unfused kernels and eager PyTorch at 32 / 512 / 8,192 tokens x 14,336; RESULT: speed-up per shape
+#          unfused kernels and eager PyTorch at 32 / 512 / 8,192 tokens x 14,336; RESULT: speed-up per shape;
+#          then benchmarks/bench_rmsnorm_quant.py: add + RMSNorm with the fused e4m3 quantization against
+#          rms_norm then quantize_fp8_per_token at 1 / 32 / 448 / 8,192 x 4,096, with a bit-identity check
 #   fp8-modes  benchmarks/bench_fp8_accum.py: four backends per shape (Triton and torch._scaled_mm, each with
 #          precise and fast sums: error against float32 sums, speed), Llama-3-8B projections at M = 16..16,384;
 #          writes LOG_DIR/fp8_accum_table.json (copy to kernels/fp8_accum_table.json to use it)
@@ -145,10 +148,14 @@ for step in $STEPS; do
       PYTHONSAFEPATH=1 timeout "${FP8_TESTS_TIMEOUT:-300}" python3 -m pytest \
         tests/kernels/test_fp8_weight_only_gemm.py tests/kernels/test_silu_mul_quant.py \
         tests/kernels/test_silu_mul.py tests/runtime/test_fp8_modes.py \
+        tests/kernels/test_rmsnorm_quant.py tests/runtime/test_fp8_norm_quant.py \
         -q -p no:cacheprovider --confcutdir=tests --durations=5 >"$LOG_DIR/fp8-tests.log" 2>&1 ;;
     fp8-act)
-      timeout "${FP8_ACT_TIMEOUT:-90}" python3 benchmarks/bench_silu_mul_quant.py --json "$LOG_DIR/fp8-act.json" \
-        >"$LOG_DIR/fp8-act.log" 2>&1 ;;
+      ( timeout "${FP8_ACT_TIMEOUT:-90}" python3 benchmarks/bench_silu_mul_quant.py --json "$LOG_DIR/fp8-act.json"
+        rc=$?
+        timeout "${FP8_ACT_TIMEOUT:-90}" python3 benchmarks/bench_rmsnorm_quant.py \
+          --json "$LOG_DIR/fp8-act-norm.json" || rc=$?
+        exit $rc ) >"$LOG_DIR/fp8-act.log" 2>&1 ;;
     fp8-modes)
       timeout "${FP8_MODES_TIMEOUT:-480}" python3 benchmarks/bench_fp8_accum.py --json "$LOG_DIR/fp8-modes.json" \
         --table "$LOG_DIR/fp8_accum_table.json" >"$LOG_DIR/fp8-modes.log" 2>&1 ;;

@@ -5,6 +5,7 @@ Modules (import them directly; this package imports nothing, so CPU-only code ne
     attention_decode   paged_decode_attention                              (split-KV, GQA, fp8 cache)
     rope_kv_write      rope_and_cache_write, build_cos_sin_cache           (fused RoPE + cache write)
     rmsnorm            rms_norm (optional fused residual add)
+    rmsnorm_quant      rms_norm_quant_fp8                                  (the norm + fp8 per-token quantization)
     silu_mul           silu_mul
     fp8_quantize       quantize_fp8_per_token
     fp8_gemm           fp8_gemm, quantize_weight_fp8_per_channel

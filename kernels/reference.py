@@ -299,3 +299,14 @@ def small_m_norm_gemm_silu_mul_reference(
     (out [M, I] in x's dtype, stream [M, K])."""
     normed, stream = rms_norm_stream_reference(x, residual, norm_weight, eps, stream_dtype)
     return small_m_gemm_silu_mul_reference(normed, w_gate_up), stream
+
+
+def rms_norm_quant_fp8_reference(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+    stream_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """rms_norm_stream_reference, then quantize_fp8_per_token_reference of the normed rows (in x's dtype):
+    x [M, K], residual [M, K] or None -> (normed_fp8 [M, K] e4m3, scale [M, 1] float32, stream [M, K])."""
+    normed, stream = rms_norm_stream_reference(x, residual, norm_weight, eps, stream_dtype)
+    normed_fp8, scale = quantize_fp8_per_token_reference(normed)
+    return normed_fp8, scale, stream

@@ -2,7 +2,9 @@
 
 A decoder calls exactly one norm op per norm of the model and no separate add or cast: the stream's first
 norm (`stream_rms_norm`: the embedding rows cast to the stream's dtype and normalized), then one
-`add_rms_norm` per sublayer output (the add fused into the next norm, the final model norm included).
+`add_rms_norm` per sublayer output (the add fused into the next norm, the final model norm included). A norm
+that feeds an fp8 w8a8 projection may be `rms_norm_quant_fp8` instead: the same norm, its row quantized per
+token to e4m3 for the projection (the quantization in the norm's launch with the Triton kernels).
 
 `llama.py` calls these through a `KernelOps` object instead of spelling the math inline, so an
 attention back end can bring fused GPU kernels for them (`AttentionBackend.kernel_ops()`) without
@@ -51,6 +53,24 @@ class KernelOps:
         stream = x.to(stream_dtype)
         return self.rms_norm(stream, weight, eps), stream
 
+    def rms_norm_quant_fp8(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+        stream_dtype: torch.dtype,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`add_rms_norm` (residual given, handed over) or `stream_rms_norm` (None: x starts the stream in
+        stream_dtype), its normed row then quantized per token for an fp8 w8a8 GEMM (as quantize_fp8_per_token):
+        (normed_fp8 [num_tokens, hidden] float8_e4m3fn, scale [num_tokens, 1] float32, stream)."""
+        from sits.kernels.reference import quantize_fp8_per_token_reference
+
+        normed, stream = self._norm_of_stream(x, residual, weight, eps, stream_dtype)
+        normed_fp8, scale = quantize_fp8_per_token_reference(normed)
+        return normed_fp8, scale, stream
+
+    def _norm_of_stream(self, x, residual, weight, eps, stream_dtype):
+        if residual is not None:
+            return self.add_rms_norm(x, residual, weight, eps)
+        return self.stream_rms_norm(x, weight, eps, stream_dtype)
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up: [num_tokens, 2F] (gate first) → silu(gate) * up, [num_tokens, F]."""
         gate, up = gate_up.chunk(2, dim=-1)
@@ -59,7 +79,9 @@ class KernelOps:
 
 class TritonKernelOps(KernelOps):
     """The Triton kernels: RMSNorm with the residual add (or the stream's cast) fused into one pass,
-    SiLU·mul in one pass; one launch per op.
+    SiLU·mul in one pass; one launch per op. `rms_norm_quant_fp8` on CUDA is one launch too (the
+    quantization in the norm's epilogue, sits.kernels.rmsnorm_quant); elsewhere (the interpreter) the norm
+    kernel, then the reference quantization, as an fp8 Fp8Linear off CUDA quantizes.
 
     They take float16 / bfloat16 / float32 with a contiguous last dimension (what the model's
     linear layers produce). `add_rms_norm` writes the new stream into `residual` when it is contiguous
@@ -71,9 +93,11 @@ class TritonKernelOps(KernelOps):
 
     def __init__(self) -> None:
         from sits.kernels.rmsnorm import rms_norm
+        from sits.kernels.rmsnorm_quant import rms_norm_quant_fp8
         from sits.kernels.silu_mul import silu_mul
 
         self._rms_norm = rms_norm
+        self._rms_norm_quant_fp8 = rms_norm_quant_fp8
         self._silu_mul = silu_mul
 
     def rms_norm(self, x, weight, eps):
@@ -90,6 +114,20 @@ class TritonKernelOps(KernelOps):
         out = torch.empty(x.shape, dtype=weight.dtype, device=x.device)
         stream = torch.empty(x.shape, dtype=stream_dtype, device=x.device)
         return self._rms_norm(x, weight, eps, out=out, residual_out=stream)
+
+    def rms_norm_quant_fp8(self, x, residual, weight, eps, stream_dtype):
+        if not x.is_cuda or x.dtype != weight.dtype:  # the kernel rounds the normed row to x's dtype
+            return super().rms_norm_quant_fp8(x, residual, weight, eps, stream_dtype)
+        return self.fused_rms_norm_quant_fp8(x, residual, weight, eps, stream_dtype)
+
+    def fused_rms_norm_quant_fp8(self, x, residual, weight, eps, stream_dtype):
+        """`rms_norm_quant_fp8` in one launch of sits.kernels.rmsnorm_quant (any device: the interpreter's
+        fp8 cast off CUDA; x in weight's dtype)."""
+        if residual is not None:
+            stream = residual if residual.is_contiguous() else None
+            return self._rms_norm_quant_fp8(x, weight, eps, residual=residual, residual_out=stream)
+        stream = None if stream_dtype == x.dtype else torch.empty(x.shape, dtype=stream_dtype, device=x.device)
+        return self._rms_norm_quant_fp8(x, weight, eps, residual_out=stream)
 
     def silu_mul(self, gate_up):
         return self._silu_mul(gate_up)

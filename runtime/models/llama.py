@@ -14,7 +14,9 @@ direct GEMM, see small_m_linear.py).
 The layers carry the residual stream beside their output (vLLM's layout): every residual add is fused
 into the norm that follows it, so a layer launches two norm kernels and no separate add. At the smallest
 decode batches a measured table may fuse each of those norms into the projection it feeds as well (one
-launch for norm + qkv_proj, one for norm + gate_up_proj + SiLU·mul; `RMSNorm.fuses_into`).
+launch for norm + qkv_proj, one for norm + gate_up_proj + SiLU·mul; `RMSNorm.fuses_into`). With fp8 w8a8
+projections the norms before qkv_proj and gate_up_proj write their rows already quantized per token (e4m3 and
+a scale: `RMSNorm.quantizes_for`), so those projections launch no quantization of their own.
 """
 
 from __future__ import annotations
@@ -65,6 +67,23 @@ class RMSNorm(nn.Module):
         fused form wins at x's rows (host-side, from shapes only). The torch back end never fuses."""
         return self.ops.name == "triton" and isinstance(linear, DecodeLinear) and linear.fuses_norm(
             x, self.weight, silu_mul)
+
+    def quantizes_for(self, consumer: nn.Module, x: torch.Tensor) -> bool:
+        """Whether this norm of x writes its row already quantized for `consumer` (`quantized`, then the
+        consumer's forward_quantized / forward_quantized_input): the norm is the Triton one and not compiled
+        (--compile keeps its path), x is [num_tokens, hidden] in the weight's dtype, and the consumer (an fp8
+        w8a8 Fp8Linear or Fp8SwiGLU) accepts quantized input. Host-side, from types and shapes only."""
+        accepts = getattr(consumer, "accepts_quantized_input", None)
+        return (self.ops.name == "triton" and self._compiled_call_impl is None and x.dim() == 2
+                and x.dtype == self.weight.dtype and callable(accepts) and bool(accepts()))
+
+    def quantized(self, x: torch.Tensor, residual: torch.Tensor | None, stream_dtype: torch.dtype | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`self(x, residual, stream_dtype)` with its normed row quantized per token to e4m3 for an fp8 w8a8 GEMM,
+        in the norm's launch (see `quantizes_for`): (normed_fp8 [num_tokens, hidden] float8_e4m3fn,
+        scale [num_tokens, 1] float32, stream). residual is handed over as in forward; without it x starts the
+        stream in stream_dtype (x's own when None)."""
+        return self.ops.rms_norm_quant_fp8(x, residual, self.weight, self.eps, stream_dtype or x.dtype)
 
     def fused_linear(self, linear: DecodeLinear, x: torch.Tensor, residual: torch.Tensor | None,
                      stream_dtype: torch.dtype | None = None, silu_mul: bool = False
@@ -161,7 +180,9 @@ class LlamaDecoderLayer(nn.Module):
     layer's input_layernorm, or the model's final norm) adds it as part of its fused add + norm. So a
     layer runs two fused norm kernels and no separate add; at the batches where the measured small-M
     table says so, each of those norms runs inside the launch of the projection it feeds instead
-    (`RMSNorm.fuses_into`: the Triton norm, a DecodeLinear, no hook), and the layer has no norm launch.
+    (`RMSNorm.fuses_into`: the Triton norm, a DecodeLinear, no hook), and the layer has no norm launch. With
+    fp8 w8a8 projections each norm writes its row quantized for the projection it feeds instead
+    (`RMSNorm.quantizes_for`), and qkv_proj and the MLP's gate_up launch no quantization of their own.
     """
 
     def __init__(self, config: LlamaConfig, backend: AttentionBackend, ops: KernelOps = TORCH_OPS) -> None:
@@ -198,6 +219,10 @@ class LlamaDecoderLayer(nn.Module):
         if norm.fuses_into(attn.qkv_proj, hidden):  # the norm and qkv_proj in one launch
             qkv, residual = norm.fused_linear(attn.qkv_proj, hidden, residual, stream_dtype or hidden.dtype)
             attention = attn.attend(qkv, positions, cos_sin_cache, kv_cache, metadata)
+        elif norm.quantizes_for(attn.qkv_proj, hidden):  # fp8 w8a8: the norm quantizes qkv_proj's input
+            normed_fp8, scale, residual = norm.quantized(hidden, residual, stream_dtype)
+            qkv = attn.qkv_proj.forward_quantized(normed_fp8, scale, norm.weight.dtype)
+            attention = attn.attend(qkv, positions, cos_sin_cache, kv_cache, metadata)
         else:
             if residual is None:
                 normed, residual = norm(hidden, stream_dtype=stream_dtype or hidden.dtype)
@@ -208,6 +233,9 @@ class LlamaDecoderLayer(nn.Module):
         if isinstance(mlp, LlamaMLP) and norm.fuses_into(mlp.gate_up_proj, attention, silu_mul=True):
             activated, residual = norm.fused_linear(mlp.gate_up_proj, attention, residual, silu_mul=True)
             return mlp.down_proj(activated), residual  # the norm, gate_up and SiLU·mul in one launch
+        if norm.quantizes_for(mlp, attention):  # fp8 w8a8 (Fp8SwiGLU): the norm quantizes gate_up's input
+            normed_fp8, scale, residual = norm.quantized(attention, residual)
+            return mlp.forward_quantized_input(normed_fp8, scale, norm.weight.dtype), residual
         normed, residual = norm(attention, residual)  # residual += attention
         return mlp(normed), residual
 

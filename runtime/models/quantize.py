@@ -158,6 +158,7 @@ class Fp8Linear(nn.Module):
         else:
             self._matmul = _fp8_matmul_cuda if weight.is_cuda else _fp8_matmul_reference
         self._gemm = _fp8_gemm_cuda if weight.is_cuda else _fp8_gemm_reference
+        self.input_quantized_upstream = False  # set by fuse_fp8_norm_quant: a norm may quantize this layer's input
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, weight_only: bool = False, accum: AccumTable | None = None) -> Fp8Linear:
@@ -185,6 +186,12 @@ class Fp8Linear(nn.Module):
         """
         out = self._gemm(x_fp8, x_scale, self.weight, self.weight_scale, out_dtype, self.backend_for(x_fp8.shape[0]))
         return out if self.bias is None else out + self.bias
+
+    def accepts_quantized_input(self) -> bool:
+        """Whether the norm before this layer may hand it e4m3 rows and scales (`forward_quantized`) instead of x:
+        w8a8, enabled by fuse_fp8_norm_quant, and no hook (which would expect forward's x). Host-side only."""
+        return self.input_quantized_upstream and not self.weight_only and not (
+            self._forward_hooks or self._forward_pre_hooks)
 
     def backend_for(self, rows: int) -> str:
         """The w8a8 GEMM backend (sits.kernels.fp8_accum.BACKENDS) of a call with `rows` tokens."""
@@ -230,6 +237,26 @@ class Fp8SwiGLU(nn.Module):
         out = self.down_proj.forward_quantized(product_fp8, product_scale, x.dtype)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
+    def forward_quantized_input(self, x_fp8: torch.Tensor, x_scale: torch.Tensor, out_dtype: torch.dtype
+                                ) -> torch.Tensor:
+        """`forward` of an input the norm before it already quantized per token (fp8 w8a8 gate_up).
+
+        Args:
+            x_fp8: [M, hidden] float8_e4m3fn.
+            x_scale: [M, 1] float32.
+            out_dtype: the model dtype (forward's x's).
+        Returns:
+            [M, hidden] in out_dtype.
+        """
+        gate_up = self.gate_up_proj.forward_quantized(x_fp8, x_scale, out_dtype)
+        product_fp8, product_scale = self._activation(gate_up)
+        return self.down_proj.forward_quantized(product_fp8, product_scale, out_dtype)
+
+    def accepts_quantized_input(self) -> bool:
+        """Whether the norm before this MLP may hand it e4m3 rows (`forward_quantized_input`): its gate_up
+        accepts them and no hook on the MLP expects forward's x. Host-side only."""
+        return self.gate_up_proj.accepts_quantized_input() and not (self._forward_hooks or self._forward_pre_hooks)
+
 
 def fuse_fp8_activation_quant(model: nn.Module) -> int:
     """Replace each Llama MLP whose projections are both fp8 w8a8 by an Fp8SwiGLU; returns how many.
@@ -249,6 +276,30 @@ def fuse_fp8_activation_quant(model: nn.Module) -> int:
         setattr(model.get_submodule(parent_name) if parent_name else model, child, Fp8SwiGLU(gate_up, down))
         fused += 1
     return fused
+
+
+NORM_QUANT_ENV = "SITS_FP8_NORM_QUANT"
+
+
+def fuse_fp8_norm_quant(model: nn.Module) -> int:
+    """Let each decoder layer's norms quantize the input of the fp8 w8a8 projection they feed (qkv_proj; an
+    Fp8SwiGLU's gate_up) in the norm's own launch; returns how many projections take quantized input.
+
+    Not on a tensor-parallel shard (`model.tensor_parallel` over more than one rank), whose path stays as it was,
+    nor with SITS_FP8_NORM_QUANT=off (to measure the unfused step in the same build). Where it applies, the layer
+    decides per call (`RMSNorm.quantizes_for`: the Triton norm, not compiled).
+    """
+    layout = getattr(model, "tensor_parallel", None)
+    if (layout is not None and layout.world_size > 1) or os.environ.get(NORM_QUANT_ENV, "").strip().lower() == "off":
+        return 0
+    enabled = 0
+    for module in model.modules():
+        attention, mlp = getattr(module, "self_attn", None), getattr(module, "mlp", None)
+        for consumer in (getattr(attention, "qkv_proj", None), getattr(mlp, "gate_up_proj", None)):
+            if isinstance(consumer, Fp8Linear) and not consumer.weight_only:
+                consumer.input_quantized_upstream = True
+                enabled += 1
+    return enabled
 
 
 class Int8Linear(nn.Module):
@@ -364,7 +415,8 @@ def quantize_model(model: nn.Module, method: str, skip: tuple[str, ...] = DEFAUL
         accum: with fp8 w8a8, the GEMM backend per shape; None: the installed table of this GPU
             (sits.kernels.fp8_accum.load_accum_table), else precise Triton everywhere.
         fuse_activation_quant: with fp8 w8a8, quantize the MLP's SiLU·mul product in that kernel's
-            epilogue (Fp8SwiGLU) instead of in a pass of its own before the down projection.
+            epilogue (Fp8SwiGLU) instead of in a pass of its own before the down projection, and the
+            input of qkv_proj and gate_up_proj in the epilogue of the norm before them (fuse_fp8_norm_quant).
     Raises:
         ValueError: an unknown method or fp8 mode.
     """
@@ -388,9 +440,12 @@ def quantize_model(model: nn.Module, method: str, skip: tuple[str, ...] = DEFAUL
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the bf16 weights just released
     fused = fuse_fp8_activation_quant(model) if mode == "w8a8" and fuse_activation_quant else 0
-    logger.info("quantization %s: %d linear layers converted%s%s", method, converted,
+    norm_fused = fuse_fp8_norm_quant(model) if mode == "w8a8" and fuse_activation_quant else 0
+    logger.info("quantization %s: %d linear layers converted%s%s%s", method, converted,
                 f"; kept in the model dtype (shape unsupported): {', '.join(kept)}" if kept else "",
-                f"; {fused} MLPs quantize the SiLU·mul product in its epilogue" if fused else "")
+                f"; {fused} MLPs quantize the SiLU·mul product in its epilogue" if fused else "",
+                f"; {norm_fused} projections take their input quantized by the norm before them" if norm_fused
+                else "")
     return converted
 
 
