@@ -7,19 +7,16 @@ sits.kernels.rmsnorm_quant is not autotuned: a hidden size gives one (BLOCK, num
 8,192 Llama-3-70B, 16,384 the widest single pass) and one wider than that (three passes), each stream case is
 compiled as the decoder launches it (a float32 residual added in place; the first layer's stream started from
 x in float32; a stream in the model dtype, nothing written), then ptxas reports registers and spills
-(compile_gemm_small_m_sm90._ptxas). Run it without TRITON_INTERPRET; with PYTHONPATH pointing at another
+(benchmarks/sm90_compile.py). Run it without TRITON_INTERPRET; with PYTHONPATH pointing at another
 Triton to check that version.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 
 import triton
-from compile_gemm_small_m_sm90 import _ptxas
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from sm90_compile import compile_sm90, report_rows
 
 from sits.kernels import rmsnorm_quant
 
@@ -31,21 +28,17 @@ _ALIGNED = ("x_ptr", "weight_ptr", "residual_ptr", "residual_out_ptr", "out_ptr"
 
 def compile_one(hidden: int, stream: str, dtype: str = "bf16") -> dict:
     """One launch compiled for sm_90a as a model of this hidden size specializes it: registers and spills."""
-    fn = rmsnorm_quant._rms_norm_quant_kernel
     block, warps, single = rmsnorm_quant.launch_config(hidden)
     has_residual, write_residual = STREAMS[stream]
     stream_ty = "*fp32" if write_residual else f"*{dtype}"
-    signature = {"x_ptr": f"*{dtype}", "weight_ptr": f"*{dtype}", "residual_ptr": stream_ty,
-                 "residual_out_ptr": stream_ty, "out_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
-                 **dict.fromkeys(("stride_x", "stride_res", "stride_res_out", "stride_out", "n_cols"), "i32"),
-                 "eps": "fp32"}  # fmt: skip
+    types = {"x_ptr": f"*{dtype}", "weight_ptr": f"*{dtype}", "residual_ptr": stream_ty,
+             "residual_out_ptr": stream_ty, "out_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "eps": "fp32"}
     constexprs = {"BLOCK": block, "HAS_RESIDUAL": has_residual, "WRITE_RESIDUAL": write_residual,
                   "SINGLE_PASS": single}
-    signature.update(dict.fromkeys(constexprs, "constexpr"))
-    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in _ALIGNED}
-    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-    return {"block": block, "num_warps": warps, "single_pass": single, **_ptxas(compiled.asm["ptx"])}
+    figures = compile_sm90(rmsnorm_quant._rms_norm_quant_kernel, types, constexprs, _ALIGNED,
+                           triton.Config({}, num_warps=warps, num_stages=3))
+    figures.pop("wgmma")
+    return {"block": block, "num_warps": warps, "single_pass": single, **figures}
 
 
 def main() -> None:
@@ -53,19 +46,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
     parser.add_argument("--json", help="also write the rows to this JSON file")
     args = parser.parse_args()
-    rows = []
-    for hidden in HIDDEN_SIZES:
-        for stream in STREAMS:
-            row: dict = {"triton": triton.__version__, "hidden": hidden, "stream": stream}
-            try:
-                row.update(compile_one(hidden, stream, args.dtype))
-            except Exception as error:  # noqa: BLE001 - report every launch
-                row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    todo = [(hidden, stream, args.dtype) for hidden in HIDDEN_SIZES for stream in STREAMS]
+    report_rows(todo, lambda hidden, stream, dtype: {"triton": triton.__version__, "hidden": hidden, "stream": stream},
+                compile_one, args.json)
 
 
 if __name__ == "__main__":

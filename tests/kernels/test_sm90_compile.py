@@ -9,6 +9,8 @@ ptxas-blackwell.
   what the autotuner's prune assumes (so every config it keeps fits).
 * The small-M GEMM with the decoder norm fused: every config, plain and SiLU·mul, with and without a
   residual; the launches the prune keeps spill nothing and fit.
+* The fused add + RMSNorm + e4m3 quantization: every launch a served hidden size makes (and a three-pass
+  row), each stream case.
 * The decode split kernel with its fused merge at the largest merge size (BLOCK_S 64) and without it, for
   the first bf16 config and the fp8 default schedule (the full list: the script without --quick).
 """
@@ -73,4 +75,12 @@ def test_split_kernel_with_fused_merge_compiles_without_spills(tmp_path):
     assert {(row["cache"], row["fused_merge_block"]) for row in rows} == {
         ("bf16", 0), ("bf16", 64), ("fp8", 0), ("fp8", 64)}
     for row in rows:
+        assert row["spill_stores"] == 0 and row["spill_loads"] == 0, row
+
+
+def test_rmsnorm_quant_launches_compile_without_spills(tmp_path):
+    rows = compile_rows(tmp_path, "compile_rmsnorm_quant_sm90.py")
+    assert len(rows) == 18 and sum(not row["single_pass"] for row in rows) == 3
+    for row in rows:
+        assert row["regs"] <= 128, row
         assert row["spill_stores"] == 0 and row["spill_loads"] == 0, row
