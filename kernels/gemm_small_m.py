@@ -269,9 +269,10 @@ def launch(kernel, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, silu_mul
     )  # fmt: skip
 
 
-def _check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, out_cols: int | None,
-           name: str) -> tuple[int, int]:
-    """Checks shared by both entry points; returns (M, output columns)."""
+def check_gemm_operands(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, out_cols: int | None,
+                        name: str) -> tuple[int, int]:
+    """The operand checks of every small-M entry point (x [M, K] half, `name` [rows, K] of x's dtype, out
+    [M, out_cols or rows]): raises ValueError, else returns (M, output columns)."""
     check_tensor(x, "x", ndim=2, dtypes=HALF_DTYPES)
     check_tensor(w, name, ndim=2, dtypes=(x.dtype,), device=x.device)
     m, k = x.shape
@@ -301,7 +302,7 @@ def small_m_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = No
     Raises:
         ValueError: wrong dtype, rank, shape, layout or device, or M > MAX_M.
     """
-    m, n = _check(x, w, out, None, "w")
+    m, n = check_gemm_operands(x, w, out, None, "w")
     out = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     if m and n:
         launch(_small_m_gemm, x, w, out, False)
@@ -323,7 +324,7 @@ def small_m_gemm_silu_mul(x: torch.Tensor, w_gate_up: torch.Tensor, out: torch.T
     """
     rows = w_gate_up.shape[0] if isinstance(w_gate_up, torch.Tensor) and w_gate_up.dim() == 2 else 1
     require(rows % 2 == 0, f"w_gate_up must have an even number of rows (gate, then up), got {rows}")
-    m, cols = _check(x, w_gate_up, out, rows // 2, "w_gate_up")
+    m, cols = check_gemm_operands(x, w_gate_up, out, rows // 2, "w_gate_up")
     out = torch.empty(m, cols, dtype=x.dtype, device=x.device) if out is None else out
     if m and cols:
         launch(_small_m_gemm_silu, x, w_gate_up, out, True)

@@ -46,6 +46,7 @@ from sits.kernels.gemm_small_m import (
     _k_mask,
     _load_w,
     _weight_rows,
+    check_gemm_operands,
     pipeline_tiles,
     shared_memory_prune,
     small_m_rows_bucket,
@@ -279,22 +280,14 @@ def _check_stream(x: torch.Tensor, residual: torch.Tensor | None, stream_dtype: 
 def _check(x, residual, norm_weight, eps, w, out, out_cols, stream_dtype, residual_out, name):
     """Checks shared by both entry points; returns (M, output columns, residual_new's dtype or None)."""
     check_tensor(x, "x", ndim=2, dtypes=HALF_DTYPES)
-    check_tensor(w, name, ndim=2, dtypes=(x.dtype,), device=x.device)
     m, k = x.shape
-    require(w.shape[1] == k, f"x is [M, {k}] but {name} is {tuple(w.shape)}; expected [rows, {k}]")
     require(0 < k <= NORM_MAX_K, f"K must be in 1..{NORM_MAX_K}, got {k}")
     require(m <= NORM_MAX_M, f"the fused norm + small-M GEMM takes at most {NORM_MAX_M} rows, got M = {m}")
     check_tensor(norm_weight, "norm_weight", ndim=1, dtypes=FLOAT_DTYPES, device=x.device)
     check_shape(norm_weight, "norm_weight", (k,))
     require(norm_weight.is_contiguous(), "norm_weight must be contiguous")
     require(isinstance(eps, (int, float)) and eps >= 0, f"eps must be a non-negative number, got {eps!r}")
-    check_inner_contiguous(x, "x")
-    check_inner_contiguous(w, name)
-    cols = w.shape[0] if out_cols is None else out_cols
-    if out is not None:
-        check_tensor(out, "out", dtypes=(x.dtype,), device=x.device)
-        check_shape(out, "out", (m, cols))
-        check_inner_contiguous(out, "out")
+    m, cols = check_gemm_operands(x, w, out, out_cols, name)
     return m, cols, _check_stream(x, residual, stream_dtype, residual_out)
 
 
