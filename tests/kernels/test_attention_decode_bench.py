@@ -6,24 +6,17 @@ zero, two rows per case). On the H200 the script runs it at full size (benchmark
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
+from tests.kernels.bench_scripts import bench_script
 from tests.kernels.helpers import ON_GPU
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 pytestmark = pytest.mark.skipif(ON_GPU, reason="the CPU run of the script; on the GPU it runs at full size")
 
 
 @pytest.fixture
 def bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the script imports kernel_bench_utils as a sibling
-    import bench_attention_decode
-
-    yield bench_attention_decode
-    sys.modules.pop("bench_attention_decode", None)
+    yield from bench_script(monkeypatch, "bench_attention_decode")
 
 
 @pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])

@@ -9,44 +9,23 @@ checked here). On the GPU the same script measures the Llama-3-8B shapes (docs/f
 from __future__ import annotations
 
 import json
-import statistics
 import sys
-import time
-from pathlib import Path
 
 import pytest
 import torch
 
 from sits.kernels.fp8_accum import BACKENDS, MAX_FAST_ERROR, choose_backend, load_accum_table
 from sits.kernels.fp8_quantize import quantize_fp8_per_token_reference
+from tests.kernels.bench_scripts import bench_script, wall_ms
 from tests.kernels.helpers import ON_GPU
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _wall_ms(fn, calls: int = 1) -> float:
-    fn()
-    samples = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
 
 
 @pytest.fixture
 def bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the script imports kernel_bench_utils as a sibling
-    import bench_fp8_accum
-
-    monkeypatch.setattr(bench_fp8_accum, "DEVICE", "cpu")
-    monkeypatch.setattr(bench_fp8_accum, "time_ms", _wall_ms)
     # the interpreter computes bf16 on raw bits: quantize the bf16 activations with the reference
-    monkeypatch.setattr(bench_fp8_accum, "quantize_fp8_per_token", quantize_fp8_per_token_reference)
-    monkeypatch.setattr(bench_fp8_accum, "LLAMA3_8B", {"qkv": (32, 64), "down": (16, 128)})
-    monkeypatch.setattr(bench_fp8_accum, "M_VALUES", (8, 160))
-    yield bench_fp8_accum
-    sys.modules.pop("bench_fp8_accum", None)
+    yield from bench_script(monkeypatch, "bench_fp8_accum", DEVICE="cpu", time_ms=wall_ms,
+                            quantize_fp8_per_token=quantize_fp8_per_token_reference,
+                            LLAMA3_8B={"qkv": (32, 64), "down": (16, 128)}, M_VALUES=(8, 160))
 
 
 @pytest.mark.skipif(ON_GPU, reason="the CPU run of the script; on the GPU it runs at full size")

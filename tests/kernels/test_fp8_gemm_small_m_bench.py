@@ -10,40 +10,24 @@ from __future__ import annotations
 
 import json
 import sys
-import time
-from pathlib import Path
 
 import pytest
 
 from sits.kernels import fp8_gemm as fp8_gemm_module
 from sits.kernels.fp8_quantize import quantize_fp8_per_token_reference
+from tests.kernels.bench_scripts import bench_script, wall_ms
 from tests.kernels.helpers import ON_GPU
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 pytestmark = pytest.mark.skipif(ON_GPU, reason="the CPU run of the script; on the GPU it runs at full size")
-
-
-def _wall_ms(fn) -> float:
-    fn()
-    start = time.perf_counter()
-    fn()
-    return (time.perf_counter() - start) * 1e3
 
 
 @pytest.fixture
 def bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the script imports kernel_bench_utils as a sibling
-    import bench_fp8_small_m
-
-    monkeypatch.setattr(bench_fp8_small_m, "DEVICE", "cpu")
-    monkeypatch.setattr(bench_fp8_small_m, "time_ms", _wall_ms)
-    monkeypatch.setattr(bench_fp8_small_m, "hbm_copy_gbps", lambda: 1.0)
-    # the interpreter computes bf16 on raw bits: quantize the bf16 activations with the reference
-    monkeypatch.setattr(bench_fp8_small_m, "quantize_fp8_per_token", quantize_fp8_per_token_reference)
+    # the interpreter computes bf16 on raw bits: quantize the bf16 activations with the reference;
     # K <= 2 N (the direct kernel's side of the rule) and K = 6 N (split-K's)
-    monkeypatch.setattr(bench_fp8_small_m, "LLAMA3_8B", {"wide": (64, 32), "long": (16, 96)})
-    yield bench_fp8_small_m
-    sys.modules.pop("bench_fp8_small_m", None)
+    yield from bench_script(monkeypatch, "bench_fp8_small_m", DEVICE="cpu", time_ms=wall_ms,
+                            hbm_copy_gbps=lambda: 1.0, quantize_fp8_per_token=quantize_fp8_per_token_reference,
+                            LLAMA3_8B={"wide": (64, 32), "long": (16, 96)})
 
 
 def test_the_bench_times_three_sides_and_sums_the_rules_pick(bench, tmp_path, monkeypatch, capsys):

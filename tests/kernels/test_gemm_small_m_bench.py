@@ -7,25 +7,20 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
 from sits.kernels import gemm_small_m
 from sits.kernels.small_m_table import load_small_m_table
+from tests.kernels.bench_scripts import bench_script
 from tests.kernels.helpers import ON_GPU
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 pytestmark = pytest.mark.skipif(ON_GPU, reason="the CPU run of the script; on the GPU it runs at full size")
 
 
 @pytest.fixture
 def bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the script imports kernel_bench_utils as a sibling
-    import bench_gemm_small_m
-
-    yield bench_gemm_small_m
-    sys.modules.pop("bench_gemm_small_m", None)
+    yield from bench_script(monkeypatch, "bench_gemm_small_m")
 
 
 def test_cpu_toy_run_measures_every_side_and_writes_the_table(bench, tmp_path, monkeypatch, capsys):

@@ -10,37 +10,20 @@ from __future__ import annotations
 
 import json
 import sys
-import time
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.kernels.bench_scripts import bench_script, wall_ms
 from tests.kernels.helpers import ON_GPU
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 pytestmark = pytest.mark.skipif(ON_GPU, reason="the CPU run of the script; on the GPU it runs at full size")
-
-
-def _wall_ms(fn) -> float:
-    fn()
-    start = time.perf_counter()
-    fn()
-    return (time.perf_counter() - start) * 1e3
 
 
 @pytest.fixture
 def bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the script imports kernel_bench_utils as a sibling
-    import bench_rmsnorm_quant
-
-    monkeypatch.setattr(bench_rmsnorm_quant, "DEVICE", "cpu")
-    monkeypatch.setattr(bench_rmsnorm_quant, "DTYPE", torch.float16)
-    monkeypatch.setattr(bench_rmsnorm_quant, "time_ms", _wall_ms)
-    monkeypatch.setattr(bench_rmsnorm_quant, "HIDDEN", 96)
-    monkeypatch.setattr(bench_rmsnorm_quant, "ROWS", [1, 5])
-    yield bench_rmsnorm_quant
-    sys.modules.pop("bench_rmsnorm_quant", None)
+    yield from bench_script(monkeypatch, "bench_rmsnorm_quant", DEVICE="cpu", DTYPE=torch.float16, time_ms=wall_ms,
+                            HIDDEN=96, ROWS=[1, 5])
 
 
 def test_the_bench_times_both_sides_and_checks_identity(bench, tmp_path, monkeypatch, capsys):
