@@ -12,5 +12,5 @@ Modules (import them directly; this package imports nothing, so CPU-only code ne
     int8_gemm          int8_weight_only_gemm, quantize_weight_int8
     gemm_small_m       small_m_gemm, small_m_gemm_silu_mul                 (bf16 / fp16, decode batches M <= 64)
 Triton-free: reference (every reference), rope_tables (cos/sin tables), quantization (weight quantizers),
-small_m_table (where small_m_gemm beat cuBLAS, per GPU).
+small_m_table (where small_m_gemm beat cuBLAS, per GPU), device_tables (loading a per-GPU measured table).
 """

@@ -38,6 +38,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from sits.kernels.device_tables import load_device_table
+
 __all__ = ["BACKENDS", "DEFAULT_BACKEND", "DEFAULT_TABLE_PATH", "SCALED_MM_BACKENDS", "TABLE_VERSION", "AccumEntry",
            "AccumTable", "backend_at", "choose_backend", "load_accum_table", "m_bucket", "parse_accum_table"]
 
@@ -235,10 +237,4 @@ def load_accum_table(path: Path | str | None = None, device_name: str | None = N
     Raises:
         ValueError: the file exists but is not a valid table.
     """
-    path = Path(path) if path is not None else DEFAULT_TABLE_PATH
-    if not path.is_file():
-        return AccumTable()
-    table = parse_accum_table(path.read_text())
-    if device_name is not None and table.device and table.device != device_name:
-        return AccumTable()
-    return table
+    return load_device_table(path, DEFAULT_TABLE_PATH, device_name, parse_accum_table, AccumTable)

@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeGuard
 
+from sits.kernels.device_tables import load_device_table
+
 __all__ = ["DEFAULT_TABLE_PATH", "MAX_M", "MIN_SPEEDUP", "NORM_MAX_M", "NORM_OPS", "OPS", "TABLE_VERSION",
            "TIMED_SIDES", "WINNERS", "SmallMEntry", "SmallMTable", "choose_winner", "load_small_m_table", "m_bucket",
            "parse_small_m_table"]
@@ -160,10 +162,4 @@ def load_small_m_table(path: Path | str | None = None, device_name: str | None =
     Raises:
         ValueError: the file exists but is not a valid table.
     """
-    path = Path(path) if path is not None else DEFAULT_TABLE_PATH
-    if not path.is_file():
-        return SmallMTable()
-    table = parse_small_m_table(path.read_text())
-    if device_name is not None and table.device and table.device != device_name:
-        return SmallMTable()
-    return table
+    return load_device_table(path, DEFAULT_TABLE_PATH, device_name, parse_small_m_table, SmallMTable)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -48,6 +47,7 @@ from sits.kernels.reference import (
     silu_mul_quant_fp8_reference,
 )
 from sits.runtime.config import FP8_MODES, ConfigError
+from sits.runtime.models.table_env import table_from_env
 
 logger = logging.getLogger(__name__)
 
@@ -359,17 +359,8 @@ GEMM_TABLE_ENV = "SITS_FP8_GEMM_TABLE"
 def _installed_table(device_name: str) -> AccumTable:
     """The GEMM backend table for this GPU: SITS_FP8_GEMM_TABLE=off gives the default rule (precise Triton
     everywhere: to measure what the table changes), =PATH another measured table, unset the installed one."""
-    source = os.environ.get(GEMM_TABLE_ENV, "").strip()
-    if source.lower() == "off":
-        return AccumTable()
-    path = Path(source) if source else DEFAULT_TABLE_PATH
-    if source and not path.is_file():
-        raise ConfigError(f"{GEMM_TABLE_ENV}={source}: no such file (give a table written by "
-                          "benchmarks/bench_fp8_accum.py --table, or 'off')")
-    try:
-        return load_accum_table(path, device_name=device_name)
-    except ValueError as error:
-        raise ConfigError(f"{path}: {error}") from None
+    return table_from_env(GEMM_TABLE_ENV, device_name, DEFAULT_TABLE_PATH, load_accum_table, AccumTable,
+                          "benchmarks/bench_fp8_accum.py --table")
 
 
 def _fp8_setup(targets: list[tuple[str, nn.Linear]], fp8_mode: str, accum: AccumTable | None

@@ -22,9 +22,7 @@ DecodeLinear and are untouched.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +42,7 @@ from sits.kernels.small_m_table import (
     load_small_m_table,
     m_bucket,
 )
-from sits.runtime.config import ConfigError
+from sits.runtime.models.table_env import table_from_env
 
 logger = logging.getLogger(__name__)
 
@@ -192,17 +190,8 @@ def installed_table(device_name: str) -> SmallMTable:
     Raises:
         ConfigError: the path names no file, or the file is not a valid table.
     """
-    source = os.environ.get(SMALL_M_ENV, "").strip()
-    if source.lower() == "off":
-        return SmallMTable()
-    path = Path(source) if source else DEFAULT_TABLE_PATH
-    if source and not path.is_file():
-        raise ConfigError(f"{SMALL_M_ENV}={source}: no such file (give a table written by "
-                          "benchmarks/bench_gemm_small_m.py --table, or 'off')")
-    try:
-        return load_small_m_table(path, device_name=device_name)
-    except ValueError as error:
-        raise ConfigError(f"{path}: {error}") from None
+    return table_from_env(SMALL_M_ENV, device_name, DEFAULT_TABLE_PATH, load_small_m_table, SmallMTable,
+                          "benchmarks/bench_gemm_small_m.py --table")
 
 
 def _sharded(model: nn.Module) -> bool:
