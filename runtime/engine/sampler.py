@@ -18,6 +18,7 @@ is batched. Requests without a seed share the engine's generator.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -37,18 +38,29 @@ from sits.runtime.engine.sequence import Sequence as EngineSequence
 from sits.runtime.engine.token_masks import StepTokenMask
 
 _TINY = torch.finfo(torch.float32).tiny
+logger = logging.getLogger(__name__)
+
+
+def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
 
 
 def _argmax_on(device: torch.device):
-    """torch.argmax(logits, dim=-1) of [N, V] float32 rows: the Triton kernel on CUDA, torch elsewhere."""
+    """torch.argmax(logits, dim=-1) of [N, V] float32 rows: the Triton kernel on CUDA (compiled now, not on
+    the first greedy step), torch elsewhere and where the kernel cannot be built (logged once)."""
     if device.type != "cuda":
-        return lambda logits: logits.argmax(dim=-1)
-    from sits.kernels.argmax import argmax_rows, warm_up
+        return _torch_argmax
+    try:
+        from sits.kernels.argmax import argmax_rows, warm_up
 
-    warm_up(device)  # compiled now, not on the first greedy step
+        warm_up(device)
+    except Exception as error:  # noqa: BLE001 - a GPU or Triton build the kernel does not support
+        logger.warning("greedy sampling uses torch.argmax on %s: the Triton argmax kernel could not be built (%s: %s)",
+                       device, type(error).__name__, str(error)[:200])
+        return _torch_argmax
 
     def argmax(logits: torch.Tensor) -> torch.Tensor:
-        return argmax_rows(logits) if logits.stride(-1) == 1 else logits.argmax(dim=-1)
+        return argmax_rows(logits) if logits.stride(-1) == 1 else _torch_argmax(logits)
 
     return argmax
 

@@ -159,3 +159,19 @@ def test_a_seeded_sequence_owns_its_generator_and_a_new_sequence_starts_from_the
     assert isinstance(sequence.generator, torch.Generator)  # on the sequence: it goes with it
     again = seq("gone", temperature=1.0, seed=3)  # the same id and seed, a new sequence
     assert sampler(logits, [again])[0].token_id == first  # a fresh generator from the same seed
+
+
+def test_greedy_argmax_falls_back_to_torch_where_the_kernel_cannot_be_built(monkeypatch, caplog):
+    import sits.kernels.argmax as argmax_kernels
+    from sits.runtime.engine import sampler as sampler_module
+
+    def broken(device):
+        raise RuntimeError("no compiler for this GPU")
+
+    monkeypatch.setattr(argmax_kernels, "warm_up", broken)
+    with caplog.at_level("WARNING", logger=sampler_module.__name__):
+        argmax = sampler_module._argmax_on(torch.device("cuda"))
+    assert argmax is sampler_module._torch_argmax
+    assert "torch.argmax" in caplog.text and "no compiler for this GPU" in caplog.text
+    logits = torch.tensor([[0.0, 3.0, 3.0, -1.0], [float("nan"), 1.0, 2.0, 0.0]])
+    assert argmax(logits).tolist() == [1, 0]
