@@ -25,7 +25,8 @@
 #                  M = 1..64, and at M = 1..8 the decoder norm fused into qkv / gate_up + SiLU·mul against rms_norm then
 #                  cuBLAS or the direct kernel, CUDA graphs; writes LOG_DIR/gemv.json and the winners' table (every op,
 #                  the norm ops included) LOG_DIR/small_m_gemm_table.json (copy it to kernels/small_m_gemm_table.json)
-#   prof1-gemv, prof32-gemv  prof1 / prof32 with that table installed (SITS_SMALL_M_GEMM): run after gemv;
+#   prof1-gemv, prof32-gemv  prof1 / prof32 with that table installed (SITS_SMALL_M_GEMM): run after gemv in the
+#                  same call, or give the table's path as SMALL_M_TABLE (LOG_DIR is emptied between calls);
 #                  -fused (prof1-fused, prof1-gemv-fused, ...): with the decode attention's fused split merge
 #                  (SITS_DECODE_FUSED_MERGE=1)
 set -u
@@ -53,7 +54,7 @@ for step in $STEPS; do
     gemv) timeout 600 python3 benchmarks/bench_gemm_small_m.py --json "$LOG_DIR/gemv.json" \
       --table "$LOG_DIR/small_m_gemm_table.json" ;;
     prof1-*|prof32-*) batch=${step#prof}; batch=${batch%%-*}; table=""; fused=""
-      case $step in *-gemv*) table="$LOG_DIR/small_m_gemm_table.json" ;; esac
+      case $step in *-gemv*) table="${SMALL_M_TABLE:-$LOG_DIR/small_m_gemm_table.json}" ;; esac
       case $step in *-fused*) fused=1 ;; esac
       SITS_SMALL_M_GEMM="$table" SITS_DECODE_FUSED_MERGE="$fused" timeout 200 \
       python3 benchmarks/profile_decode.py $COMMON --batch "$batch" --input-len 2048 ;;
