@@ -51,13 +51,11 @@ def _interpreter_on() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def fused_merge_on() -> bool:
-    """Whether decode launches merge inside the split kernel: SITS_DECODE_FUSED_MERGE=1 / 0 when set (a
-    benchmark measuring both ways), else attention_decode.FUSED_MERGE_DEFAULT."""
+def fused_merge_env() -> bool | None:
+    """SITS_DECODE_FUSED_MERGE=1 / 0 (a benchmark measuring both ways): whether decode launches merge inside
+    the split kernel whatever attention_decode.FUSED_MERGE_DEFAULT says; None when unset."""
     value = os.environ.get(FUSED_MERGE_ENV, "").strip().lower()
-    if not value:
-        return attention_decode.FUSED_MERGE_DEFAULT
-    return value not in ("0", "off", "false", "no")
+    return None if not value else value not in ("0", "off", "false", "no")
 
 
 @register_backend
@@ -75,6 +73,13 @@ class TritonAttentionBackend(AttentionBackend):
 
     def __init__(self) -> None:
         self.split_counters = SplitCounters()
+        self._fused_merge_env = fused_merge_env()  # read once, not per launch
+
+    @property
+    def fused_merge(self) -> bool:
+        """Whether decode launches get the split counters (the environment's choice, else the default)."""
+        env = self._fused_merge_env
+        return attention_decode.FUSED_MERGE_DEFAULT if env is None else env
 
     @classmethod
     def unsupported_reason(cls, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
@@ -129,7 +134,7 @@ class TritonAttentionBackend(AttentionBackend):
         if metadata.num_decodes:
             rows = slice(prefill_tokens, prefill_tokens + metadata.num_decodes)
             counters = None
-            if fused_merge_on():
+            if self.fused_merge:
                 counters = self.split_counters.get(q.device, metadata.num_decodes, k_cache.shape[2])
             paged_decode_attention(
                 q[rows], k_cache, v_cache,

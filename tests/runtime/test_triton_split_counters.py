@@ -11,7 +11,7 @@ from sits.runtime.attention.split_counters import SplitCounters
 
 pytest.importorskip("triton")
 from sits.kernels import attention_decode  # noqa: E402
-from sits.runtime.attention.triton import FUSED_MERGE_ENV, TritonAttentionBackend, fused_merge_on  # noqa: E402
+from sits.runtime.attention.triton import FUSED_MERGE_ENV, TritonAttentionBackend  # noqa: E402
 from tests.kernels.paged import random_paged_cache  # noqa: E402
 
 DEVICE = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
@@ -57,7 +57,7 @@ def test_the_environment_overrides_the_fused_merge_default(monkeypatch, env, def
         monkeypatch.delenv(FUSED_MERGE_ENV, raising=False)
     else:
         monkeypatch.setenv(FUSED_MERGE_ENV, env)
-    assert fused_merge_on() is expected
+    assert TritonAttentionBackend().fused_merge is expected
 
 
 @pytest.mark.skipif(DEVICE.type == "cpu" and not attention_decode.is_interpreter(), reason="needs the interpreter")
