@@ -24,7 +24,8 @@
 #                  pick) and its gate_up + SiLU·mul fusion against cuBLAS (+ silu_mul) on Llama-3-8B's projections at
 #                  M = 1..64, and at M = 1..8 the decoder norm fused into qkv / gate_up + SiLU·mul against rms_norm then
 #                  cuBLAS or the direct kernel, CUDA graphs; writes LOG_DIR/gemv.json and the winners' table (every op,
-#                  the norm ops included) LOG_DIR/small_m_gemm_table.json (copy it to kernels/small_m_gemm_table.json)
+#                  the norm ops included) LOG_DIR/small_m_gemm_table.json (copy it to kernels/small_m_gemm_table.json);
+#                  GEMV_ARGS adds flags (e.g. "--m 1,32 --no-configs --budget-s 200")
 #   prof1-gemv, prof32-gemv  prof1 / prof32 with that table installed (SITS_SMALL_M_GEMM): run after gemv in the
 #                  same call, or give the table's path as SMALL_M_TABLE (LOG_DIR is emptied between calls);
 #                  -fused (prof1-fused, prof1-gemv-fused, ...): with the decode attention's fused split merge
@@ -52,7 +53,7 @@ for step in $STEPS; do
     trace448fp8-tableoff) SITS_FP8_GEMM_TABLE=off timeout 400 python3 benchmarks/bench_step_trace.py $COMMON \
       --batch 448 --input-len 2048 --output-len 2048 --prompts 448 --quantization fp8 --kv-cache-dtype fp8 --warmup-output-len 4 ;;
     gemv) timeout 600 python3 benchmarks/bench_gemm_small_m.py --json "$LOG_DIR/gemv.json" \
-      --table "$LOG_DIR/small_m_gemm_table.json" ;;
+      --table "$LOG_DIR/small_m_gemm_table.json" ${GEMV_ARGS:-} ;;
     prof1-*|prof32-*) batch=${step#prof}; batch=${batch%%-*}; table=""; fused=""
       case $step in *-gemv*) table="${SMALL_M_TABLE:-$LOG_DIR/small_m_gemm_table.json}" ;; esac
       case $step in *-fused*) fused=1 ;; esac
