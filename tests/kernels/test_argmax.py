@@ -64,15 +64,17 @@ def test_empty_batch():
 @pytest.mark.parametrize(
     ("logits", "match"),
     [
-        (torch.zeros(4), "2 dimensions"),
-        (torch.zeros(2, 3, dtype=torch.float16), "dtype"),
-        (torch.zeros(2, 0), "at least one column"),
-        (torch.zeros(4, 6)[:, ::2], "contiguous last dimension"),
+        (lambda: torch.zeros(4, device=DEVICE), "2 dimensions"),
+        (lambda: torch.zeros(2, 3, dtype=torch.float16, device=DEVICE), "dtype"),
+        (lambda: torch.zeros(2, 0, device=DEVICE), "at least one column"),
+        # made on the device and then sliced: `.to(device)` of a strided CPU view would copy it contiguous
+        (lambda: torch.zeros(4, 6, device=DEVICE)[:, ::2], "contiguous last dimension"),
     ],
+    ids=["1d", "float16", "no-columns", "strided-columns"],
 )
 def test_bad_input_is_a_value_error(logits, match):
     with pytest.raises(ValueError, match=match):
-        argmax_rows(logits.to(DEVICE))
+        argmax_rows(logits())
 
 
 def test_bad_out_is_a_value_error():

