@@ -35,17 +35,26 @@ from sits.kernels.launch_utils import (
     require,
 )
 
-__all__ = ["argmax_chunks", "argmax_rows", "argmax_rows_reference", "warm_up"]
+__all__ = ["KERNEL_MAX_ROWS", "argmax_chunks", "argmax_rows", "argmax_rows_reference", "kernel_is_faster", "warm_up"]
 
 BLOCK = 1024  # columns per tile; a chunk is a whole number of tiles
 MAX_CHUNKS = 256  # the second launch reduces at most this many partials per row in one tile
 PROGRAMS_PER_SM = 4
 INT32_MAX = 2**31 - 1
+# Up to this many rows the kernel beats torch.argmax; past it torch's one-block-per-row reduction wins.
+# H200, 128,256 columns (bench_argmax.py, 2026-12-02): 6.6x at 1 row, 2.3x at 32, 0.57x at 256, 0.52x at 512.
+KERNEL_MAX_ROWS = 32
 
 
 def argmax_rows_reference(logits: torch.Tensor) -> torch.Tensor:
     """torch.argmax(logits, dim=-1): [N, V] -> [N] int64."""
     return logits.argmax(dim=-1)
+
+
+def kernel_is_faster(logits: torch.Tensor) -> bool:
+    """Whether argmax_rows beats torch.argmax on these [N, V] logits: at most KERNEL_MAX_ROWS rows with
+    contiguous columns (the kernel's layout)."""
+    return logits.shape[0] <= KERNEL_MAX_ROWS and logits.stride(-1) == 1
 
 
 def argmax_chunks(rows: int, vocab: int, sms: int) -> tuple[int, int]:

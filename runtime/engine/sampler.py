@@ -46,12 +46,13 @@ def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _argmax_on(device: torch.device):
-    """torch.argmax(logits, dim=-1) of [N, V] float32 rows: the Triton kernel on CUDA (compiled now, not on
-    the first greedy step), torch elsewhere and where the kernel cannot be built (logged once)."""
+    """torch.argmax(logits, dim=-1) of [N, V] float32 rows: the Triton kernel on CUDA where it is the faster
+    (small batches, `kernel_is_faster`; compiled now, not on the first greedy step), torch elsewhere and
+    where the kernel cannot be built (logged once)."""
     if device.type != "cuda":
         return _torch_argmax
     try:
-        from sits.kernels.argmax import argmax_rows, warm_up
+        from sits.kernels.argmax import argmax_rows, kernel_is_faster, warm_up
 
         warm_up(device)
     except Exception as error:  # noqa: BLE001 - a GPU or Triton build the kernel does not support
@@ -60,7 +61,7 @@ def _argmax_on(device: torch.device):
         return _torch_argmax
 
     def argmax(logits: torch.Tensor) -> torch.Tensor:
-        return argmax_rows(logits) if logits.stride(-1) == 1 else _torch_argmax(logits)
+        return argmax_rows(logits) if kernel_is_faster(logits) else _torch_argmax(logits)
 
     return argmax
 

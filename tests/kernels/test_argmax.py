@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sits.kernels.argmax import BLOCK, MAX_CHUNKS, argmax_chunks, argmax_rows, argmax_rows_reference
+from sits.kernels.argmax import (
+    BLOCK,
+    KERNEL_MAX_ROWS,
+    MAX_CHUNKS,
+    argmax_chunks,
+    argmax_rows,
+    argmax_rows_reference,
+    kernel_is_faster,
+)
 from tests.kernels.helpers import DEVICE, randn
 
 
@@ -80,6 +88,13 @@ def test_bad_input_is_a_value_error(logits, match):
 def test_bad_out_is_a_value_error():
     with pytest.raises(ValueError, match="int64"):
         argmax_rows(randn(2, 8), out=torch.zeros(2, dtype=torch.int32, device=DEVICE))
+
+
+def test_the_kernel_runs_only_where_it_beats_torch():
+    """Greedy sampling calls the kernel at small batches (measured faster) and torch.argmax past them."""
+    assert kernel_is_faster(torch.zeros(1, 8)) and kernel_is_faster(torch.zeros(KERNEL_MAX_ROWS, 8))
+    assert not kernel_is_faster(torch.zeros(KERNEL_MAX_ROWS + 1, 8))
+    assert not kernel_is_faster(torch.zeros(8, 4)[:, ::2])
 
 
 def test_chunks_cover_the_row_and_fill_the_gpu():
