@@ -117,6 +117,7 @@ CPU_DEFAULTS = EngineDefaults(512, 32, 32, "CPU: a few cores, small steps")
 # bf16) is 0.9 GiB.
 THROUGHPUT_DEFAULTS = (16384, 512, 512)
 THROUGHPUT_MIN_FREE_GIB = 120
+DECODE_PREFILL_BUDGET = 768  # prompt tokens a GPU step may add beside 64+ running decodes (see engine_defaults)
 FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 
 
@@ -155,14 +156,16 @@ def engine_defaults(profile: GpuProfile | None, quantization: str = "none", kv_c
         tokens, seqs, graphs = 2048, 64, 64
     reason = (f"{profile.name} ({profile.family}, {profile.memory_bytes / GIB:.0f} GiB, "
               f"{free_gib:.0f} GiB free, {profile.multiprocessors} SMs)")
-    # The decode latency budget, on by default on GPUs: at most 1,024 prompt tokens in a step beside 64 or
-    # more decodes. Measured on an H200 (2026-12-02, Llama-3-8B shape, bf16, benchmarks/RESULTS.md): at 256
-    # streams (1,024 / 512) served ITL p99 / p50 went to 2.58 (85 / 33 ms) with served output at 0.955x of
-    # offline (7,849 / 8,221 tok/s); without it a mixed step of 8,192 prompt tokens takes ~200 ms against
-    # 17 ms for a decode step. Beside fewer decodes (a burst of new prompts, batch 32) prompts still fill
-    # the step, so time to first token and batch-32 throughput keep the full budget. Throughput mode
-    # (above) leaves it off: there a batch's own prefill is the work. 0 turns it off.
-    return EngineDefaults(tokens, seqs, graphs, reason, max_prefill_tokens_with_decodes=1024,
+    # The decode latency budget, on by default on GPUs: at most 768 prompt tokens in a step beside 64 or
+    # more decodes. Measured on an H200 (Llama-3-8B shape, bf16, benchmarks/RESULTS.md): without it a mixed
+    # step of 8,192 prompt tokens takes ~200 ms against 17 ms for a decode step. At 256 streams (1,024 /
+    # 512, 2026-12-02 afternoon, served and offline with the same budget): 1,024 tokens gave served ITL
+    # p99 / p50 of 4.89 and 4.19 and offline 6,661-6,712 tok/s; 768 gave 2.61 and 3.27 and offline
+    # 7,403-8,126; 512 held prefill to about the rate new streams bring (0.77x of offline served). Beside
+    # fewer decodes (a burst of new prompts, batch 32) prompts still fill the step, so time to first token
+    # and batch-32 throughput keep the full budget. Throughput mode (above) leaves it off: there a batch's
+    # own prefill is the work. 0 turns it off.
+    return EngineDefaults(tokens, seqs, graphs, reason, max_prefill_tokens_with_decodes=DECODE_PREFILL_BUDGET,
                           prefill_cap_min_decodes=64)
 
 

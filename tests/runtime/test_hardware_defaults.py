@@ -64,13 +64,13 @@ def test_engine_config_takes_throughput_defaults_logs_them_and_flags_override(ca
 def test_the_decode_latency_budget_is_on_for_interactive_gpus_off_in_throughput_mode_and_flags_win():
     h200 = _profile()
     plain = engine_defaults(h200)
-    assert (plain.max_prefill_tokens_with_decodes, plain.prefill_cap_min_decodes) == (1024, 64)
+    assert (plain.max_prefill_tokens_with_decodes, plain.prefill_cap_min_decodes) == (768, 64)
     fast = engine_defaults(h200, "fp8", "fp8")
     assert fast.max_prefill_tokens_with_decodes == 0  # a throughput batch's own prefill is the work
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)
     config = engine_config_from_args(parser.parse_args(["--device", "cpu"]), plain)
-    assert config.scheduler.prefill_cap_with_decodes == 1024 and config.scheduler.prefill_cap_min_decodes == 64
+    assert config.scheduler.prefill_cap_with_decodes == 768 and config.scheduler.prefill_cap_min_decodes == 64
     config = engine_config_from_args(parser.parse_args(["--device", "cpu", "--max-prefill-tokens-with-decodes", "0",
                                                         "--prefill-cap-min-decodes", "8"]), plain)
     assert config.scheduler.prefill_cap_with_decodes is None and config.scheduler.prefill_cap_min_decodes == 8
