@@ -60,10 +60,17 @@ def test_another_gpu_or_no_file_gives_cublas_everywhere(tmp_path):
     assert load_small_m_table(path, device_name="cpu").entries == anywhere.entries
 
 
-def test_the_shipped_table_is_valid_and_empty():
-    """Nothing measured yet: the engine runs cuBLAS everywhere until the H200 run fills it."""
-    table = load_small_m_table(DEFAULT_TABLE_PATH)
-    assert table.device == "NVIDIA H200" and table.entries == {}
+def test_the_shipped_table_is_the_h200_measurement_and_each_winner_follows_its_figures():
+    """Measured on the H200 (batch buckets 1 and 32): each entry's winner is what choose_winner makes of its
+    own timings, so a hand edit that contradicts them fails here."""
+    table = load_small_m_table(DEFAULT_TABLE_PATH, device_name="NVIDIA H200")
+    assert table.device == "NVIDIA H200" and table.entries
+    assert {bucket for (_, _, _, bucket) in table.entries} == {1, 32}
+    for entry in table.entries.values():  # a norm op's "cublas" is the faster unfused path
+        unfused = min(entry.us["cublas"], entry.us.get("norm_direct", float("inf")))
+        assert entry.winner == choose_winner(entry.us["direct"], unfused), entry
+    assert table.direct_buckets("linear", 4096, 4096) == {1}  # o_proj at batch 1
+    assert load_small_m_table(DEFAULT_TABLE_PATH, device_name="NVIDIA A100-SXM4-80GB").entries == {}
 
 
 @pytest.mark.parametrize(
