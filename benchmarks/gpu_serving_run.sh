@@ -13,7 +13,8 @@
 #   c1     2,048 / 128: offline batch 1, served at concurrency 1 ($C1_PROMPTS, default 12)
 #   budget c256 served again with --max-prefill-tokens-with-decodes $BUDGET_ALT (default 2048)
 # Extra engine flags for every step: $ENGINE_ARGS. The summary (each step's figures and ratio) is printed
-# last and written to LOG_DIR/summary.md.
+# last and written to LOG_DIR/summary.md. The server's packages: where the image lacks them, run
+# benchmarks/gpu_wheels.sh beforehand and carry .whl (installed into /tmp/sits-site before the first step).
 set -u
 LOG_DIR=${1:-${OUT:-gpu-serving-logs}}
 mkdir -p "$LOG_DIR"
@@ -25,6 +26,17 @@ if ! python3 -c "import sits.runtime.engine.engine" 2>/dev/null; then
   mkdir -p "$SHIM/sits" && touch "$SHIM/sits/__init__.py"
   for part in kernels runtime operator; do ln -s "$ROOT/$part" "$SHIM/sits/$part"; done
   export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
+fi
+if ! python3 -c "import fastapi, uvicorn, xgrammar" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+  # an offline GPU image without the server's packages: the wheels benchmarks/gpu_wheels.sh fetched (carry .whl)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/sits-site \
+    .whl/*.whl && export PYTHONPATH="/tmp/sits-site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+# Fail in seconds, not after each step's offline run, when `sits serve` could not start here.
+if ! missing=$(python3 -c "import sits.runtime.server.app, uvicorn, httptools, xgrammar" 2>&1); then
+  echo "gpu_serving_run.sh: the server cannot start on this machine (run benchmarks/gpu_wheels.sh and carry .whl):"
+  echo "$missing" | tail -n 1
+  exit 3
 fi
 CONFIG=${CONFIG:-llama-3-8b}
 VOCAB=$(python3 -c "from sits.runtime.models.presets import preset_config as p; print(p('$CONFIG').vocab_size)")
