@@ -12,6 +12,7 @@
 #   c32    2,048 / 512: offline batch 32, served at concurrency 32 ($C32_PROMPTS, default 128)
 #   c1     2,048 / 128: offline batch 1, served at concurrency 1 ($C1_PROMPTS, default 12)
 #   budget c256 served again with --max-prefill-tokens-with-decodes $BUDGET_ALT (default 2048)
+#   c256-2, c32-2, ... (any suffix)  the same step again under its own name, for the spread between pairs
 # Extra engine flags for every step: $ENGINE_ARGS. The summary (each step's figures and ratio) is printed
 # last and written to LOG_DIR/summary.md. The server's packages: where the image lacks them, run
 # benchmarks/gpu_wheels.sh beforehand and carry .whl (installed into /tmp/sits-site before the first step).
@@ -81,10 +82,11 @@ PY
 echo "# GPU serving run $(date -u +%Y-%m-%dT%H:%MZ), $CONFIG, engine args: ${ENGINE_ARGS:-none}" >"$SUMMARY"
 for step in $STEPS; do
   start=$(date +%s)
+  s=$step  # a step again under its own name: c256-2 runs c256 and writes c256-2-*.json (the spread in one call)
   case $step in
-    c256) offline c256 256 1024 512; served c256 256 "${C256_PROMPTS:-1024}" 1024 512; compare c256 c256 ;;
-    c32) offline c32 32 2048 512; served c32 32 "${C32_PROMPTS:-128}" 2048 512; compare c32 c32 ;;
-    c1) offline c1 1 2048 128; served c1 1 "${C1_PROMPTS:-12}" 2048 128; compare c1 c1 ;;
+    c256|c256-*) offline "$s" 256 1024 512; served "$s" 256 "${C256_PROMPTS:-1024}" 1024 512; compare "$s" "$s" ;;
+    c32|c32-*) offline "$s" 32 2048 512; served "$s" 32 "${C32_PROMPTS:-128}" 2048 512; compare "$s" "$s" ;;
+    c1|c1-*) offline "$s" 1 2048 128; served "$s" 1 "${C1_PROMPTS:-12}" 2048 128; compare "$s" "$s" ;;
     budget) served budget 256 "${C256_PROMPTS:-1024}" 1024 512 \
               "--max-prefill-tokens-with-decodes ${BUDGET_ALT:-2048}"; compare budget c256 ;;
     *) echo "unknown step $step"; continue ;;
