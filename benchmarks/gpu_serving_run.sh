@@ -75,7 +75,9 @@ print(f"| {name} | served {srv['output_throughput']:.0f} out tok/s vs offline {o
       f"p99 {srv['itl_ms']['p99']:.2f} ms (p99/p50 {srv['itl_ms']['p99'] / srv['itl_ms']['median']:.2f}); offline ITL "
       f"p50 {ms(off, 'itl_p50_s'):.2f} p99 {ms(off, 'itl_p99_s'):.2f} ms | TTFT p50 {srv['ttft_ms']['median']:.0f} ms "
       f"p99 {srv['ttft_ms']['p99']:.0f} ms | failed {srv['failed']} | prefix hit rate {srv.get('prefix_cache_hit_rate')} "
-      f"| preemptions {srv.get('preemptions')} |")
+      f"| preemptions {srv.get('preemptions')} | mean engine step {srv.get('mean_engine_step_ms')} ms | CPU cores "
+      f"engine {srv.get('engine_cpu_cores')} API {srv.get('server_cpu_cores')} | tokens/chunk "
+      f"{srv.get('output_tokens_per_chunk')} |")
 PY
 }
 

@@ -30,6 +30,9 @@ PERCENTILES = (50.0, 90.0, 99.0)
 PREFIX_QUERIES = "sits_prefix_cache_queries_total"
 PREFIX_HITS = "sits_prefix_cache_hits_total"
 PREEMPTIONS = "sits_preemptions_total"
+ENGINE_STEPS = "sits_engine_steps_total"
+ENGINE_CPU = "sits_engine_cpu_seconds_total"
+SERVER_CPU = "process_cpu_seconds_total"  # the process that answers /metrics: the API server's
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 
 
@@ -138,8 +141,10 @@ def parse_prometheus(text: str) -> dict[str, float]:
 
 
 def server_counters(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float | None]:
-    """Prefix-cache hit rate (hit prompt tokens / queried prompt tokens) and preemptions during the run,
-    from /metrics read before and after; None (reported n/a) where the server does not export them."""
+    """What the server counted during the run, from /metrics read before and after; None (reported n/a)
+    where the server does not export it: prefix-cache hit rate (hit prompt tokens / queried prompt tokens),
+    preemptions, engine steps, and CPU seconds of the engine's process and of the API server's (SITS names
+    the first three, prometheus_client the last)."""
     def delta(name: str) -> float | None:
         if before is None or after is None or name not in after:
             return None
@@ -148,7 +153,28 @@ def server_counters(before: dict[str, float] | None, after: dict[str, float] | N
     queries, hits, preemptions = delta(PREFIX_QUERIES), delta(PREFIX_HITS), delta(PREEMPTIONS)
     rate = hits / queries if queries and hits is not None else None
     return {"prefix_cache_hit_rate": rate, "prefix_cache_hit_tokens": hits, "prefix_cache_query_tokens": queries,
-            "preemptions": preemptions}
+            "preemptions": preemptions, "engine_steps": delta(ENGINE_STEPS), "engine_cpu_s": delta(ENGINE_CPU),
+            "server_cpu_s": delta(SERVER_CPU)}
+
+
+def load_figures(records: Sequence[RequestRecord], duration_s: float,
+                 counters: dict[str, float | None]) -> dict[str, float | None]:
+    """Where a run's time went, to tell a slow engine from a busy API server or client:
+      - output_tokens_per_chunk: output tokens / output chunks the client received (above 1 where the server
+        sent several tokens in one chunk: its API process fell behind the engine, or speculation);
+      - mean_engine_step_ms: the run's duration / engine steps during it (a step's GPU and host time together);
+      - engine_cpu_cores, server_cpu_cores: CPU seconds / duration of the engine's process and of the API
+        server's (1.0: one core busy all the run; the API server's loop runs on one).
+    None where a figure is missing (a server without these series, no chunk)."""
+    chunks = sum(len(r.chunk_times_s) for r in records)
+    steps, engine_cpu, server_cpu = counters.get("engine_steps"), counters.get("engine_cpu_s"), counters.get("server_cpu_s")
+    duration = max(duration_s, 1e-9)
+    return {
+        "output_tokens_per_chunk": sum(r.output_tokens for r in records) / chunks if chunks else None,
+        "mean_engine_step_ms": 1000.0 * duration / steps if steps else None,
+        "engine_cpu_cores": engine_cpu / duration if engine_cpu is not None else None,
+        "server_cpu_cores": server_cpu / duration if server_cpu is not None else None,
+    }
 
 
 def compute_report(records: Iterable[RequestRecord], duration_s: float, slos: dict[str, float],
@@ -171,6 +197,7 @@ def compute_report(records: Iterable[RequestRecord], duration_s: float, slos: di
         "itl_ms": summary_ms([gap for r in done for gap in r.itl_s]),
         "e2el_ms": summary_ms([r.e2el_s for r in done]),
         **counters,
+        **load_figures(done, duration_s, counters),
     }
     if slos:
         good = sum(1 for r in done if meets_slos(r, slos))
@@ -216,6 +243,11 @@ def format_report(report: dict[str, Any]) -> str:
     rate = report["prefix_cache_hit_rate"]
     row("Prefix cache hit rate (%):", _number(rate * 100.0 if rate is not None else None))
     row("Preemptions:", _number(report["preemptions"], 0))
+    row("Engine steps:", _number(report["engine_steps"], 0))
+    row("Mean engine step (ms):", _number(report["mean_engine_step_ms"]))
+    row("Engine process CPU (cores):", _number(report["engine_cpu_cores"]))
+    row("API server CPU (cores):", _number(report["server_cpu_cores"]))
+    row("Output tokens per chunk:", _number(report["output_tokens_per_chunk"]))
     lines.append("=" * 60)
     return "\n".join(lines)
 

@@ -423,7 +423,7 @@ class LLMEngine:
         return dataclasses.replace(
             self.scheduler.stats(), num_requests=len(self._requests), num_finished=c["finished"],
             num_aborted=c["aborted"], num_prompt_tokens=c["prompt_tokens"],
-            num_generation_tokens=c["generation_tokens"], num_steps=c["steps"])
+            num_generation_tokens=c["generation_tokens"], num_steps=c["steps"], cpu_seconds=time.process_time())
 
 
 def _resolve_async_scheduling(config: EngineConfig, loaded: LoadedModel) -> bool:

@@ -70,11 +70,14 @@ class EngineStats:
         num_aborted: of those, aborted (cumulative).                         [engine]
         num_prompt_tokens, num_generation_tokens: tokens taken in and produced (cumulative). [engine]
         num_steps: engine steps that ran the model (cumulative).             [engine]
+        cpu_seconds: CPU time of the process the engine runs in, all its threads (cumulative;
+            `time.process_time()`: the engine process's own under `sits serve`). [engine]
     """
 
     timestamp: float = field(default_factory=time.time)
     num_requests: int = 0
     num_steps: int = 0
+    cpu_seconds: float = 0.0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     num_running: int = 0

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -56,7 +56,8 @@ class EngineStatsCollector(SnapshotCollector[EngineStats]):
           ("sits_prefix_cache_queries", "sits_prefix_cache_hits", "sits_prefix_cache_cross_tenant_hits",
            "sits_prefix_cache_shared_hits", "sits_preemptions")),
         *((CounterMetricFamily, name, SPEC_LABELS) for name in
-          ("sits_spec_decode_draft_tokens", "sits_spec_decode_accepted_tokens")),
+          ("sits_spec_decode_draft_tokens", "sits_spec_decode_accepted_tokens", "sits_engine_steps",
+           "sits_engine_cpu_seconds")),
         (CounterMetricFamily, "sits_prefix_cache_tier_hits", TIER_LABELS),
         (GaugeMetricFamily, "sits_kv_host_blocks_used", LABELS),
         (GaugeMetricFamily, "sits_kv_host_blocks_total", SPEC_LABELS),
@@ -79,6 +80,11 @@ class EngineStatsCollector(SnapshotCollector[EngineStats]):
         yield self._per_tenant(CounterMetricFamily, "sits_preemptions",
                                "Times a running sequence lost its KV blocks to make room.",
                                _by_tenant(stats.preemptions_by_tenant, stats.num_preemptions))
+        yield self._single(CounterMetricFamily, "sits_engine_steps", "Engine steps that ran the model.",
+                           stats.num_steps)
+        yield self._single(CounterMetricFamily, "sits_engine_cpu_seconds",
+                           "CPU seconds of the engine's process (the engine core process under sits serve), "
+                           "all its threads.", stats.cpu_seconds)
         spec = stats.spec_decode
         if spec is not None:  # only while speculative decoding is on (engine-wide, as vLLM's spec_decode_*)
             yield self._single(CounterMetricFamily, "sits_spec_decode_draft_tokens",
@@ -163,6 +169,9 @@ class ServerMetrics:
             "sits_requests", "Completed API requests by HTTP status (499: the client went away).",
             (*LABELS, "status"), registry=registry)
         registry.register(EngineStatsCollector(stats_source, model, track))
+        # process_cpu_seconds_total, process_resident_memory_bytes, ...: this (the API server's) process, as
+        # prometheus_client's default registry exports them (Linux; nothing elsewhere).
+        ProcessCollector(registry=registry)
 
     def register(self, collector: Any) -> None:
         """Add a custom collector (e.g. the tenancy layer's) to this server's registry."""

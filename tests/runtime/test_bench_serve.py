@@ -22,8 +22,10 @@ from sits.runtime import cli
 from sits.runtime.commands.bench_serve_metrics import (
     RequestRecord,
     compute_report,
+    format_report,
     parse_goodput,
     percentile,
+    server_counters,
     summary_ms,
 )
 from tests.support.services import free_port, started
@@ -146,6 +148,12 @@ def test_random_dataset_counts_exact_lengths_and_metric_math(dummy_server, tmp_p
     assert figures["good_requests"] == 12 and figures["request_goodput"] == pytest.approx(12 / duration)
     assert figures["preemptions"] == 0 and figures["prefix_cache_hit_rate"] is not None
     assert result["setup"]["max_concurrency"] == 4 and result["setup"]["dataset"] == "random"
+    # where the time went, from the server's /metrics: at least one engine step per token of the longest answer,
+    # each process's CPU, and the tokens per chunk the client counted
+    assert figures["engine_steps"] >= 10
+    assert figures["mean_engine_step_ms"] == pytest.approx(1000 * duration / figures["engine_steps"])
+    assert figures["engine_cpu_cores"] > 0 and figures["server_cpu_cores"] > 0
+    assert figures["output_tokens_per_chunk"] == pytest.approx(120 / sum(len(r.chunk_times_s) for r in records))
 
 
 def test_goodput_counts_only_requests_within_every_slo(dummy_server, tmp_path):
@@ -222,6 +230,22 @@ def test_report_itl_is_every_gap_between_chunks():
     assert report["itl_ms"]["p99"] == pytest.approx(1000 * percentile(gaps, 99))
     assert report["completed"] == 2 and report["failed_by_status"] == {"503": 1}
     assert math.isnan(compute_report(records[1:], 2.0, {}, {})["itl_ms"]["p99"])
+
+
+def test_load_figures_tell_engine_steps_from_server_cpu():
+    records = [RequestRecord(sent_s=0.0, end_s=1.0, chunk_times_s=[0.1, 0.4, 1.0], output_tokens=6, status=200),
+               RequestRecord(sent_s=0.5, end_s=0.9, chunk_times_s=[0.9], output_tokens=2, status=200)]
+    before = {"sits_engine_steps_total": 100.0, "sits_engine_cpu_seconds_total": 3.0, "process_cpu_seconds_total": 7.5}
+    after = {"sits_engine_steps_total": 180.0, "sits_engine_cpu_seconds_total": 4.0, "process_cpu_seconds_total": 9.0}
+    counters = server_counters(before, after)
+    assert (counters["engine_steps"], counters["engine_cpu_s"], counters["server_cpu_s"]) == (80.0, 1.0, 1.5)
+    report = compute_report(records, 2.0, {}, counters)
+    assert report["mean_engine_step_ms"] == pytest.approx(25.0)  # 2 s over 80 steps
+    assert report["engine_cpu_cores"] == pytest.approx(0.5) and report["server_cpu_cores"] == pytest.approx(0.75)
+    assert report["output_tokens_per_chunk"] == pytest.approx(2.0)  # 8 tokens in 4 chunks
+    unknown = compute_report(records, 2.0, {}, server_counters(None, None))  # a server without these series
+    assert unknown["mean_engine_step_ms"] is None and unknown["server_cpu_cores"] is None
+    assert "Mean engine step (ms):" in format_report(report) and "n/a" in format_report(unknown)
 
 
 def test_launch_serves_text_prompts_on_the_embedded_model_and_leaves_no_process(tmp_path):

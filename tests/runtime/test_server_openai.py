@@ -220,6 +220,17 @@ def test_client_leaving_a_non_stream_request_aborts_it(served, model):
     wait_until(lambda: engine.stats().num_requests == 0 and engine.stats().kv_blocks_used == 0)
 
 
+def test_metrics_count_engine_steps_and_the_cpu_of_engine_and_server(served, client, model):
+    """What `sits bench serve` reads to tell a slow GPU step from a busy API process: the engine's steps and its
+    process's CPU seconds (model and track labels), and this process's own CPU (prometheus_client's names)."""
+    server, _ = served
+    steps, engine_cpu = metric_value(server, "sits_engine_steps_total"), metric_value(server, "sits_engine_cpu_seconds_total")
+    client.completions.create(model=model, prompt="One, two,", max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    assert metric_value(server, "sits_engine_steps_total", model=model, track="canary") >= steps + 6
+    assert metric_value(server, "sits_engine_cpu_seconds_total") > engine_cpu
+    assert metric_value(server, "process_cpu_seconds_total") > 0.0
+
+
 def test_metrics_expose_every_metric_with_model_tenant_track_labels(served, client, model):
     server, _ = served
     client.chat.completions.create(model=model, messages=QUESTION, max_tokens=3, temperature=0)
