@@ -33,7 +33,8 @@ too, and the server drains first and then tells the engine to stop (or SIGKILLs 
 Profiling: with `SITS_ENGINE_PROFILE=DIR` in the server's environment, the loop and receiver threads
 run under their own `cProfile` (timed in that thread's CPU time) and write
 `DIR/engine-<pid>-<thread>.prof` when the loop ends (an orderly stop: SIGTERM to the server, or its
-exit); read them with `python -m pstats`. Off by default: it slows steps.
+exit); read them with `python -m pstats`. Off by default: it slows steps. With `SITS_ENGINE_STEP_TRACE=DIR`
+each step's composition and return time go to `DIR/engine-<pid>-steps.jsonl` (`step_trace.py`).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ from sits.runtime.engine.client_base import EngineFacts
 from sits.runtime.engine.engine import LLMEngine
 from sits.runtime.engine.errors import EngineError, EngineShuttingDownError
 from sits.runtime.engine.pipe_writer import PipeWriter
+from sits.runtime.engine.step_trace import StepTrace
 from sits.runtime.gc_heap import freeze_startup_heap
 from sits.runtime.lora.manager import LoraAdapter, LoraManager
 
@@ -93,6 +95,7 @@ def run_engine_core(conn: Connection, config: EngineConfig, tenancy_spec: Any, p
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     tenancy = None
+    trace = None
     try:
         hooks: dict = {}
         if tenancy_spec is not None:
@@ -100,6 +103,9 @@ def run_engine_core(conn: Connection, config: EngineConfig, tenancy_spec: Any, p
 
             tenancy = EngineTenancy.from_spec(tenancy_spec)
             hooks = tenancy.engine_hooks()
+        trace = StepTrace.from_env()
+        if trace is not None:
+            hooks["step_observer"] = trace.observe
         engine = LLMEngine.from_config(config, progress=True, **hooks)
     except Exception as error:
         from sits.runtime.models.errors import ModelLoadError
@@ -110,7 +116,7 @@ def run_engine_core(conn: Connection, config: EngineConfig, tenancy_spec: Any, p
         conn.send_bytes(wire.encode(wire.StartFailed(str(error) if user_error else f"{type(error).__name__}: "
                                                      f"{error}", user_error)))
         return
-    core = EngineCore(engine, conn, tenancy)
+    core = EngineCore(engine, conn, tenancy, trace)
     freeze_startup_heap("engine process")  # full collections would stall steps (gc_heap.py)
     conn.send_bytes(wire.encode(core.ready()))
     # The loop runs on its own thread, as AsyncEngine's does in-process: torch's intra-op (OpenMP)
@@ -120,6 +126,8 @@ def run_engine_core(conn: Connection, config: EngineConfig, tenancy_spec: Any, p
     loop = threading.Thread(target=_run_core, args=(core, crashed), name="sits-engine-loop")
     loop.start()
     loop.join()
+    if trace is not None:
+        trace.close()
     engine.shutdown()
     if crashed.is_set():  # the server sees the pipe close and fails what was in flight
         os._exit(1)
@@ -184,12 +192,17 @@ class _AdapterRead:
 
 
 class EngineCore:
-    """The loop (see the module docstring). Args: the engine, the pipe, the engine-side tenancy (or None)."""
+    """The loop (see the module docstring). Args: the engine, the pipe, the engine-side tenancy (or None), the
+    step trace (`SITS_ENGINE_STEP_TRACE`, or None; its observer is already the engine's step_observer)."""
 
-    def __init__(self, engine: LLMEngine, conn: Connection, tenancy: Any = None) -> None:
+    def __init__(self, engine: LLMEngine, conn: Connection, tenancy: Any = None, trace: StepTrace | None = None
+                 ) -> None:
         self.engine = engine
         self.conn = conn
         self.tenancy = tenancy
+        self._trace = trace
+        if trace is not None:
+            trace.watch_queue(lambda: len(engine.scheduler.waiting))
         engine.output_processor.detokenize = False  # the server decodes the text and applies stop strings
         self._cond = threading.Condition()
         self._inbox: list = []  # guarded by _cond: commands from the server and from helper threads
@@ -266,6 +279,8 @@ class EngineCore:
             busy = self.engine.has_unfinished_requests()
             if busy:
                 self._deliver(self.engine.step(), batch)
+                if self._trace is not None:
+                    self._trace.stamp()
                 if self.engine.last_step_num_tokens == 0:
                     self._back_off()
             self._dirty |= busy or bool(commands)

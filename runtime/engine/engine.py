@@ -70,6 +70,8 @@ class LLMEngine:
         waiting_queue: replaces the admission order (the tenancy layer's fair queue).
         shared_cache_salt: the prefix-cache salt of prompts marked for the shared-prefix pool
             (hits under it on another tenant's blocks are counted as shared, not cross-tenant).
+        step_observer: called with each step's batch once scheduled (a step that runs the model), before it
+            runs; reads it, never changes it (`sits.runtime.engine.step_trace`).
     """
 
     def __init__(
@@ -83,8 +85,10 @@ class LLMEngine:
         runner_factory: Callable[..., ModelRunner] = ModelRunner,
         shared_cache_salt: str | None = None,
         host_eviction_policy: EvictionPolicy | Callable[[int], EvictionPolicy] | None = None,
+        step_observer: Callable[[SchedulerOutput], None] | None = None,
     ) -> None:
         config.validate()
+        self._step_observer = step_observer  # sees each scheduled step's batch (step_trace.py); never changes it
         self.config = config
         self.loaded_model = loaded
         self.tokenizer = loaded.tokenizer
@@ -149,7 +153,8 @@ class LLMEngine:
     def from_config(cls, config: EngineConfig, *, progress: bool = True, **hooks: Any) -> LLMEngine:
         """Load the model `config.model` names (and pick its attention back end), then build the engine.
 
-        `hooks`: eviction_policy, scheduling_policy, waiting_queue, shared_cache_salt (see the class).
+        `hooks`: eviction_policy, scheduling_policy, waiting_queue, shared_cache_salt, step_observer (see the
+        class).
         """
         from sits.runtime.attention.registry import BackendUnavailableError, select_backend
         from sits.runtime.models import loading
@@ -370,6 +375,8 @@ class LLMEngine:
             previous[0].num_batched_tokens if previous is not None else 0)
         if not scheduler_output.is_empty:
             self._counters["steps"] += 1
+            if self._step_observer is not None:
+                self._step_observer(scheduler_output)
         if not self.async_scheduling:
             runner_output = self.runner.execute(scheduler_output)
             return self._complete(scheduler_output, runner_output) if not scheduler_output.is_empty else []

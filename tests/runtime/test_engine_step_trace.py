@@ -1,0 +1,75 @@
+"""SITS_ENGINE_STEP_TRACE: each step's composition, written by the served engine process.
+
+In process: the engine's step_observer sees every scheduled step, and the lines add up to the requests that
+ran. Served: `sits serve` with the variable set writes the file from its engine process, complete once the
+server stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+
+import httpx
+
+from sits.runtime.engine.request import SamplingParams
+from sits.runtime.engine.step_trace import STEP_TRACE_ENV, StepTrace, read_step_trace
+from tests.support.services import free_port, started
+
+
+def _tiny_engine(**hooks):
+    from sits.runtime.commands import bench
+    from sits.runtime.engine.engine import LLMEngine
+
+    parser = argparse.ArgumentParser()
+    bench.add_bench_arguments(parser)
+    args = parser.parse_args(["--config", "tiny", "--device", "cpu", "--batch", "4", "--input-len", "48",
+                              "--output-len", "8", "--num-blocks", "64", "--max-num-batched-tokens", "32",
+                              "--no-async-scheduling"])
+    config = bench.build_config(args)
+    return LLMEngine.from_loaded(bench.load(args, config), config, **hooks)
+
+
+def test_the_lines_add_up_to_the_requests_that_ran(tmp_path):
+    trace = StepTrace(tmp_path / "steps.jsonl")
+    engine = _tiny_engine(step_observer=trace.observe)
+    trace.watch_queue(lambda: len(engine.scheduler.waiting))
+    params = SamplingParams(temperature=0.0, max_tokens=5, min_tokens=5, ignore_eos=True)
+    for index, length in enumerate((20, 30, 40)):  # no shared prefix: nothing comes from the prefix cache
+        engine.add_request(f"r{index}", list(range(3 + 100 * index, 3 + 100 * index + length)), params)
+    while engine.has_unfinished_requests():
+        engine.step()
+        trace.stamp()
+    trace.close()
+    lines = read_step_trace(tmp_path / "steps.jsonl")
+    assert sum(line["prompt_tokens"] for line in lines) == 90  # each prompt computed once, in chunks of <= 32
+    assert max(line["prompt_tokens"] for line in lines) <= 32
+    assert sum(line["new_sequences"] for line in lines) == 3
+    assert sum(line["decodes"] for line in lines) == 3 * 4  # the first token comes from the prompt's last chunk
+    assert [line["t_s"] for line in lines] == sorted(line["t_s"] for line in lines)
+    assert lines[0]["waiting"] >= 1 and lines[-1]["waiting"] == 0
+
+
+def test_sits_serve_writes_the_trace_from_its_engine_process(tmp_path):
+    port = free_port()
+    argv = [sys.executable, "-m", "sits.runtime.cli", "serve", "--load-format", "dummy", "--config", "tiny",
+            "--host", "127.0.0.1", "--port", str(port), "--num-blocks", "64", "--max-num-seqs", "4"]
+    traces = tmp_path / "traces"
+    with started(argv, port, timeout_s=120.0, env={STEP_TRACE_ENV: str(traces)}) as service:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+                    break
+            time.sleep(0.1)
+        for prompt in ([5, 6, 7, 8, 9, 10, 11, 12], list(range(20, 32))):
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "min_tokens": 4, "temperature": 0.0}
+            assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
+        service.stop()  # SIGTERM: the server drains, the engine's loop ends and the trace is closed
+    files = list(traces.glob("engine-*-steps.jsonl"))
+    assert len(files) == 1
+    lines = read_step_trace(files[0])
+    assert sum(line["prompt_tokens"] for line in lines) == 20 and sum(line["decodes"] for line in lines) == 6
