@@ -14,8 +14,10 @@
 #   budget c256 served again with --max-prefill-tokens-with-decodes $BUDGET_ALT (default 2048)
 #   c256-2, c32-2, ... (any suffix)  the same step again under its own name, for the spread between pairs
 # Extra engine flags for every step: $ENGINE_ARGS. The summary (each step's figures and ratio) is printed
-# last and written to LOG_DIR/summary.md. The server's packages: where the image lacks them, run
-# benchmarks/gpu_wheels.sh beforehand and carry .whl (installed into /tmp/sits-site before the first step).
+# last and written to LOG_DIR/summary.md, with each served run's engine steps by class (the engine
+# process's SITS_ENGINE_STEP_TRACE, in LOG_DIR/<step>-steps/; benchmarks/step_trace_report.py). The
+# server's packages: where the image lacks them, run benchmarks/gpu_wheels.sh beforehand and carry .whl
+# (installed into /tmp/sits-site before the first step).
 set -u
 LOG_DIR=${1:-${OUT:-gpu-serving-logs}}
 mkdir -p "$LOG_DIR"
@@ -54,6 +56,7 @@ offline() {  # name batch in out
 served() {  # name concurrency prompts in out [extra serve args]
   local serve="--load-format dummy --config $CONFIG --max-num-seqs $2 --max-waiting-requests $3 \
 --max-model-len $(($4 + $5 + 16)) --log-level warning $ENGINE_ARGS ${6:-}"
+  SITS_ENGINE_STEP_TRACE="$LOG_DIR/$1-steps" \
   timeout "${SERVED_TIMEOUT:-300}" $SITS bench serve --launch "$serve" --num-prompts "$3" --max-concurrency "$2" \
     --random-input-len "$4" --random-output-len "$5" --vocab-size "$VOCAB" --no-progress \
     --json "$LOG_DIR/$1-served.json" >"$LOG_DIR/$1-served.log" 2>&1
@@ -70,14 +73,15 @@ except (OSError, KeyError, ValueError) as error:
     print(f"| {name} | missing result: {error} |")
     raise SystemExit(0)
 ms = lambda d, k: 1000 * d[k]
+num = lambda d, k, digits=2: "n/a" if d.get(k) is None else f"{d[k]:.{digits}f}"
 print(f"| {name} | served {srv['output_throughput']:.0f} out tok/s vs offline {off['output_tok_s']:.0f} = "
       f"{srv['output_throughput'] / off['output_tok_s']:.3f}x | served ITL p50 {srv['itl_ms']['median']:.2f} ms "
       f"p99 {srv['itl_ms']['p99']:.2f} ms (p99/p50 {srv['itl_ms']['p99'] / srv['itl_ms']['median']:.2f}); offline ITL "
       f"p50 {ms(off, 'itl_p50_s'):.2f} p99 {ms(off, 'itl_p99_s'):.2f} ms | TTFT p50 {srv['ttft_ms']['median']:.0f} ms "
       f"p99 {srv['ttft_ms']['p99']:.0f} ms | failed {srv['failed']} | prefix hit rate {srv.get('prefix_cache_hit_rate')} "
-      f"| preemptions {srv.get('preemptions')} | mean engine step {srv.get('mean_engine_step_ms')} ms | CPU cores "
-      f"engine {srv.get('engine_cpu_cores')} API {srv.get('server_cpu_cores')} | tokens/chunk "
-      f"{srv.get('output_tokens_per_chunk')} |")
+      f"| preemptions {srv.get('preemptions')} | mean engine step {num(srv, 'mean_engine_step_ms')} ms | CPU cores "
+      f"engine {num(srv, 'engine_cpu_cores')} API {num(srv, 'server_cpu_cores')} | tokens/chunk "
+      f"{num(srv, 'output_tokens_per_chunk', 3)} |")
 PY
 }
 
@@ -93,6 +97,8 @@ for step in $STEPS; do
               "--max-prefill-tokens-with-decodes ${BUDGET_ALT:-2048}"; compare budget c256 ;;
     *) echo "unknown step $step"; continue ;;
   esac
+  [ -d "$LOG_DIR/$s-steps" ] && python3 benchmarks/step_trace_report.py "$LOG_DIR/$s-steps" \
+    --json "$LOG_DIR/$s-steps.json" | tee -a "$SUMMARY"
   echo "step $step in $(($(date +%s) - start)) s" | tee -a "$SUMMARY"
 done
 cat "$SUMMARY"

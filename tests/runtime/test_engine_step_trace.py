@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import sys
 import time
 
@@ -73,3 +74,23 @@ def test_sits_serve_writes_the_trace_from_its_engine_process(tmp_path):
     assert len(files) == 1
     lines = read_step_trace(files[0])
     assert sum(line["prompt_tokens"] for line in lines) == 20 and sum(line["decodes"] for line in lines) == 6
+
+
+def test_the_report_times_each_step_from_the_line_before_and_classes_them(tmp_path, capsys):
+    from benchmarks import step_trace_report
+
+    lines = [{"t_s": 0.0, "decodes": 0, "prompt_tokens": 8192, "new_sequences": 8},
+             {"t_s": 0.020, "decodes": 256, "prompt_tokens": 0, "new_sequences": 0},
+             {"t_s": 0.080, "decodes": 250, "prompt_tokens": 768, "new_sequences": 1},
+             {"t_s": 0.100, "decodes": 251, "prompt_tokens": 0, "new_sequences": 0}]
+    summary = step_trace_report.summarise(lines)
+    assert summary["steps"] == 3 and summary["mean_decodes"] == (256 + 250 + 251) / 3
+    assert summary["long_step_time_share"] == 0.6  # the 60 ms mixed step of 100 ms
+    mixed = summary["classes"]["decodes + <= 1024 prompt tokens"]
+    assert mixed["steps"] == 1 and mixed["time_share"] == 0.6 and abs(mixed["max_ms"] - 60.0) < 1e-9
+    assert summary["classes"]["decode only"]["steps"] == 2
+    folder = tmp_path / "traces"
+    folder.mkdir()
+    (folder / "engine-7-steps.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert step_trace_report.main([str(folder)]) == 0
+    assert "engine-7-steps.jsonl: 3 steps" in capsys.readouterr().out
