@@ -11,7 +11,7 @@ cap) on a tiny random model; only the clock is modelled: each step advances a vi
 composition would take on one H200 with the Llama-3-8B shape in bf16 (`StepCost`, fitted to the measured steps):
 
     ms = fixed + per_decode * decodes + kv_ms_per_mtoken * (context tokens the decodes read) / 1e6
-         + per_prompt_token * prompt tokens
+         + per_prompt_token * prompt tokens + (mixed_fixed if prompt tokens beside decodes)
 
 For each cap it runs the two `gpu_serving_run.sh` compares in virtual time: offline (`--batch` prompts at once,
 one wave, as `sits bench`) and served (`--prompts` through a closed loop of `--batch` in flight, as
@@ -38,16 +38,20 @@ class StepCost:
     """Milliseconds of one step on an H200, Llama-3-8B shape, bf16 (benchmarks/RESULTS.md, 2026-12-02):
     batch 1 at 2,048 tokens of context 4.4 ms; batch 32 at 2,048 6.7 ms; 256 decodes at ~1,280 17.3 ms;
     a step of 8,192 prompt tokens beside 256 decodes ~200 ms (22.6 us a prompt token). KV: 128 KiB a token
-    read at ~4.0 TB/s (32.8 ms per million tokens)."""
+    read at ~4.0 TB/s (32.8 ms per million tokens). mixed_fixed_ms: what a step with prompt tokens beside
+    decodes took beyond that in the served 256-stream runs (fitted to their durations: 9.5-20 ms; 0 gives
+    the plain model)."""
 
     fixed_ms: float = 4.35
     per_decode_ms: float = 0.008
     kv_ms_per_mtoken: float = 32.8
     per_prompt_token_ms: float = 0.0226
+    mixed_fixed_ms: float = 15.0
 
     def ms(self, decodes: int, context_tokens: int, prompt_tokens: int) -> float:
+        mixed = self.mixed_fixed_ms if decodes and prompt_tokens else 0.0
         return (self.fixed_ms + self.per_decode_ms * decodes + self.kv_ms_per_mtoken * context_tokens / 1e6
-                + self.per_prompt_token_ms * prompt_tokens)
+                + self.per_prompt_token_ms * prompt_tokens + mixed)
 
 
 @dataclass(frozen=True)
@@ -176,6 +180,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--budgets", default="0,512,768,1024,2048",
                         help="comma-separated caps to compare (0: no cap)")
     parser.add_argument("--min-decodes", type=int, default=64, help="the cap applies beside this many decodes")
+    parser.add_argument("--mixed-fixed-ms", type=float, default=StepCost.mixed_fixed_ms,
+                        help="ms a step with prompt tokens beside decodes costs beyond the linear model")
     # The H200's engine limits (runtime/hardware.py) and KV blocks (108.7 GiB of bf16 Llama-3-8B KV, 16-token
     # blocks), on a tiny random model on the CPU; later flags override these.
     defaults = ["--config", "tiny", "--device", "cpu", "--batch", "256", "--input-len", "1024", "--output-len",
@@ -199,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(argv)
     configure_logging(args.log_level)
-    cost = StepCost()
+    cost = StepCost(mixed_fixed_ms=args.mixed_fixed_ms)
     print(f"modelled H200 step: {cost}; {args.batch} in flight, {args.input_len} / {args.output_len}, "
           f"{args.prompts} served prompts, engine shape {args.config} on {args.device}", flush=True)
     rows = []

@@ -17,9 +17,12 @@ SMALL = ["--batch", "8", "--input-len", "64", "--output-len", "12", "--prompts",
 
 
 def test_step_cost_adds_its_terms():
-    cost = sim.StepCost(fixed_ms=4.0, per_decode_ms=0.01, kv_ms_per_mtoken=30.0, per_prompt_token_ms=0.02)
+    cost = sim.StepCost(fixed_ms=4.0, per_decode_ms=0.01, kv_ms_per_mtoken=30.0, per_prompt_token_ms=0.02,
+                        mixed_fixed_ms=7.0)
     assert cost.ms(decodes=0, context_tokens=0, prompt_tokens=0) == pytest.approx(4.0)
-    assert cost.ms(decodes=100, context_tokens=2_000_000, prompt_tokens=500) == pytest.approx(4.0 + 1.0 + 60.0 + 10.0)
+    assert cost.ms(decodes=0, context_tokens=0, prompt_tokens=500) == pytest.approx(4.0 + 10.0)  # prefill only
+    assert cost.ms(decodes=100, context_tokens=2_000_000, prompt_tokens=0) == pytest.approx(4.0 + 1.0 + 60.0)
+    assert cost.ms(decodes=100, context_tokens=2_000_000, prompt_tokens=500) == pytest.approx(4.0 + 1.0 + 60.0 + 10.0 + 7.0)
 
 
 def test_the_cap_holds_in_every_traced_step_and_every_token_is_stamped():
