@@ -7,6 +7,9 @@
 #
 # Steps:
 #   prof1, prof32  benchmarks/profile_decode.py: Llama-3-8B shape, bf16, 2,048-token context, batch 1 / 32
+#   prof256        the same at batch 256, 1,024-token context (the served 256-stream runs' decode batch)
+#   mixed256-N     prof256 with N prompt tokens in every step (mixed256-768: the decode budget's chunk beside
+#                  256 decodes): eager steps; wall against GPU busy is the time the GPU waits for the host
 #   prof448fp8     the same at fp8 throughput: fp8 weights + fp8 KV cache, batch 448, 3,072-token context
 #                  (the middle of a 2,048 / 2,048 run), 10 steps
 #   prof32fp8      fp8 weights + fp8 KV cache at batch 32, 2,048-token context (the fp8-b32 bench's decode)
@@ -40,6 +43,9 @@ for step in $STEPS; do
   case $step in
     prof1) timeout 200 python3 benchmarks/profile_decode.py $COMMON --batch 1 --input-len 2048 ;;
     prof32) timeout 200 python3 benchmarks/profile_decode.py $COMMON --batch 32 --input-len 2048 ;;
+    prof256) timeout 240 python3 benchmarks/profile_decode.py $COMMON --batch 256 --input-len 1024 --steps 20 ;;
+    mixed256-*) timeout 240 python3 benchmarks/profile_decode.py $COMMON --batch 256 --input-len 1024 --steps 20 \
+      --mixed-prompt-tokens "${step#mixed256-}" ;;
     prof448fp8) timeout 400 python3 benchmarks/profile_decode.py $COMMON --batch 448 --input-len 3072 \
       --quantization fp8 --kv-cache-dtype fp8 --steps 10 ;;
     prof32fp8) timeout 300 python3 benchmarks/profile_decode.py $COMMON --batch 32 --input-len 2048 \

@@ -1,6 +1,7 @@
 """Where a decode step's time goes on the GPU: torch profiler over steady decode steps.
 
     python benchmarks/profile_decode.py --config llama-3-8b --batch 1 --input-len 2048 [--steps 30]
+        [--mixed-prompt-tokens N]
 
 Prefills `--batch` random prompts of `--input-len` tokens, warms up, then profiles `--steps` decode-only
 steps of the engine as users run it (CUDA graphs, async scheduling unless flagged off). Prints:
@@ -8,6 +9,10 @@ steps of the engine as users run it (CUDA graphs, async scheduling unless flagge
   of kernel intervals): their difference is time the GPU sat idle waiting for the host;
 - the kernels by total GPU time, with calls per step and µs per call, and the launches per step;
 - the floor: the bytes a step must read (weights + live KV) at the GPU's HBM bandwidth.
+With `--mixed-prompt-tokens N` every measured step also computes one new N-token prompt (a fresh random
+prompt added before the step, answered with one token, so the decode batch stays the same): the mixed
+steps a served engine runs while streams arrive. Those run eagerly (CUDA graphs hold decode-only steps),
+so wall against GPU busy says how much of a mixed step the GPU waits for the host's launches.
 """
 
 from __future__ import annotations
@@ -47,7 +52,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     bench.add_bench_arguments(parser)
     parser.add_argument("--steps", type=int, default=30, help="decode steps profiled")
+    parser.add_argument("--mixed-prompt-tokens", type=int, default=0, metavar="N",
+                        help="each measured step also prefills one new N-token prompt (0: decode-only steps)")
     args = parser.parse_args(argv)
+    if args.mixed_prompt_tokens < 0:
+        parser.error("--mixed-prompt-tokens must be 0 or a positive number of tokens")
+    if args.mixed_prompt_tokens and args.max_num_seqs is None:
+        args.max_num_seqs = args.batch + 1  # room for the new prompt beside the whole batch
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     args.output_len = max(args.output_len, args.steps + 64)
     configure_logging(args.log_level)
@@ -57,15 +68,16 @@ def main(argv=None) -> int:
     _start_decoding(engine, bench.random_prompts(args.batch, args.input_len, loaded.config.vocab_size, 7),
                     SamplingParams(temperature=0.0, max_tokens=args.output_len, min_tokens=args.output_len,
                                    ignore_eos=True))
+    step = _mixed_stepper(engine, args.mixed_prompt_tokens, 2 * args.steps, loaded.config.vocab_size)
     sync()
     begin = time.perf_counter()
     for _ in range(args.steps):
-        engine.step()
+        step()
     sync()
     wall_ms = (time.perf_counter() - begin) * 1e3 / args.steps
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         for _ in range(args.steps):
-            engine.step()
+            step()
         sync()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     if not kernels:  # CPU: the operators instead
@@ -75,7 +87,8 @@ def main(argv=None) -> int:
         by_name[event.name].append(event.device_time or (event.time_range.end - event.time_range.start))
     total_us = sum(sum(v) for v in by_name.values())
     busy = _busy_ms(kernels) / args.steps
-    print(f"\nbatch {args.batch}, context {args.input_len}: wall {wall_ms:.3f} ms/step (unprofiled), GPU busy "
+    mixed = f" + {args.mixed_prompt_tokens} prompt tokens a step" if args.mixed_prompt_tokens else ""
+    print(f"\nbatch {args.batch}{mixed}, context {args.input_len}: wall {wall_ms:.3f} ms/step (unprofiled), GPU busy "
           f"{busy:.3f} ms/step, kernel sum {total_us / 1e3 / args.steps:.3f} ms/step, "
           f"{len(kernels) / args.steps:.0f} kernels/step")
     model = loaded.model
@@ -90,6 +103,25 @@ def main(argv=None) -> int:
               f"{gpu.hbm_bytes_per_s / 1e12:.2f} TB/s = {floor:.3f} ms; wall/floor {wall_ms / floor:.2f}")
     _print_kernel_table(by_name, total_us, args.steps)
     return 0
+
+
+def _mixed_stepper(engine, prompt_tokens: int, count: int, vocab_size: int):
+    """engine.step, or (prompt_tokens > 0) a step that first adds one fresh prompt of that length, answered with
+    one token (it leaves after its prefill, so the decode batch keeps its size): up to `count` of them."""
+    if not prompt_tokens:
+        return engine.step
+    from sits.runtime.commands import bench
+    from sits.runtime.engine.request import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    prompts = iter(bench.random_prompts(count, prompt_tokens, vocab_size, 11))
+    added = iter(range(count))
+
+    def step():
+        engine.add_request(f"mixed-{next(added)}", next(prompts), params)
+        return engine.step()
+
+    return step
 
 
 def _start_decoding(engine, prompts, params) -> None:

@@ -1,0 +1,34 @@
+"""benchmarks/profile_decode.py's mixed steps, on the CPU: each measured step prefills one fresh prompt beside an
+unchanged decode batch (the steps a served engine runs while streams arrive)."""
+
+from __future__ import annotations
+
+import argparse
+
+from benchmarks import profile_decode
+from sits.runtime.engine.request import SamplingParams
+from sits.runtime.engine.step_trace import StepComposition
+
+
+def test_each_mixed_step_prefills_one_new_prompt_beside_the_same_decodes():
+    from sits.runtime.commands import bench
+    from sits.runtime.engine.engine import LLMEngine
+
+    parser = argparse.ArgumentParser()
+    bench.add_bench_arguments(parser)
+    args = parser.parse_args(["--config", "tiny", "--device", "cpu", "--batch", "4", "--input-len", "48",
+                              "--output-len", "64", "--num-blocks", "128", "--max-num-seqs", "5",
+                              "--no-async-scheduling"])
+    config = bench.build_config(args)
+    loaded = bench.load(args, config)
+    steps: list[StepComposition] = []
+    engine = LLMEngine.from_loaded(loaded, config, step_observer=lambda output: steps.append(StepComposition.of(output)))
+    params = SamplingParams(temperature=0.0, max_tokens=64, min_tokens=64, ignore_eos=True)
+    profile_decode._start_decoding(engine, bench.random_prompts(4, 48, loaded.config.vocab_size, 7), params)
+    step = profile_decode._mixed_stepper(engine, 16, 6, loaded.config.vocab_size)
+    del steps[:]
+    for _ in range(6):
+        step()
+    assert steps == [StepComposition(decodes=4, prompt_tokens=16, new_sequences=1)] * 6
+    assert engine.num_unfinished_requests == 4  # each one-token answer left after its prefill
+    assert profile_decode._mixed_stepper(engine, 0, 6, loaded.config.vocab_size) == engine.step
