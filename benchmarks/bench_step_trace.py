@@ -54,33 +54,13 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
-def _traced_schedule(engine, compositions: list[tuple[int, int, int]]):
-    """Wrap the scheduler's schedule() (instrumentation only) to note each step's composition."""
-    schedule = engine.scheduler.schedule
-
-    def traced():
-        output = schedule()
-        decodes = prompt = new = 0
-        for scheduled in output.scheduled:
-            seq = scheduled.sequence
-            if scheduled.start_position >= seq.num_prompt_tokens:
-                decodes += 1
-            else:
-                prompt += len(scheduled.token_ids)
-                new += scheduled.start_position == 0
-        compositions.append((decodes, prompt, new))
-        return output
-
-    engine.scheduler.schedule = traced
-
-
-def run_closed_loop(engine, prompts, output_len: int, concurrency: int):
-    """Closed loop over the prompts; returns (step records, per-token gaps in ms, seconds, tokens)."""
+def run_closed_loop(engine, compositions: list, prompts, output_len: int, concurrency: int):
+    """Closed loop over the prompts; returns (step records, per-token gaps in ms, seconds, tokens).
+    `compositions`: the list the engine's step_observer appends each step's StepComposition to."""
     from sits.runtime.engine.request import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, min_tokens=output_len, ignore_eos=True)
-    compositions: list[tuple[int, int, int]] = []
-    _traced_schedule(engine, compositions)
+    del compositions[:]  # the warm-up's
     times: dict[str, list[float]] = defaultdict(list)
     steps: list[StepRecord] = []
     queue = list(enumerate(prompts))[::-1]
@@ -94,7 +74,8 @@ def run_closed_loop(engine, prompts, output_len: int, concurrency: int):
         now = time.perf_counter()
         if len(compositions) > before:  # the composition of the step completed in this call
             done = compositions[-2] if engine.async_scheduling and len(compositions) >= 2 else compositions[-1]
-            steps.append(StepRecord(len(steps), *done, ms=(now - last) * 1e3))
+            steps.append(StepRecord(len(steps), done.decodes, done.prompt_tokens, done.new_sequences,
+                                    ms=(now - last) * 1e3))
         last = now
         for output in outputs:
             times[output.request_id].extend([now] * len(output.outputs[0].token_ids_delta))
@@ -127,6 +108,7 @@ def main(argv=None) -> int:
     from sits.runtime.commands import bench
     from sits.runtime.commands.engine_args import configure_logging
     from sits.runtime.engine.engine import LLMEngine
+    from sits.runtime.engine.step_trace import StepComposition
     from sits.runtime.gc_heap import frozen_startup_heap
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -138,14 +120,16 @@ def main(argv=None) -> int:
     configure_logging(args.log_level)
     config = bench.build_config(args)
     loaded = bench.load(args, config)
-    engine = LLMEngine.from_loaded(loaded, config)
+    compositions: list[StepComposition] = []
+    engine = LLMEngine.from_loaded(loaded, config,
+                                   step_observer=lambda output: compositions.append(StepComposition.of(output)))
     vocab = loaded.config.vocab_size
     if args.warmup_output_len:
         warmup = bench.random_prompts(args.batch, args.input_len, vocab, config.model.seed + 2)
         bench.run_engine(engine, warmup, min(args.warmup_output_len, args.output_len), "warmup")
     prompts = bench.random_prompts(args.prompts or args.batch, args.input_len, vocab, config.model.seed + 1)
     with frozen_startup_heap("trace") if args.gc_freeze else nullcontext():
-        steps, gaps, seconds, tokens = run_closed_loop(engine, prompts, args.output_len, args.batch)
+        steps, gaps, seconds, tokens = run_closed_loop(engine, compositions, prompts, args.output_len, args.batch)
     result = report(steps, gaps, seconds, tokens)
     if args.json:
         Path(args.json).write_text(json.dumps(result))

@@ -29,6 +29,8 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from sits.runtime.engine.step_trace import StepComposition
+
 GAP_TAIL_MS = 50.0
 H200_KV_BLOCKS = 55_654  # 108.7 GiB for the KV cache / (16 tokens x 128 KiB), the bf16 runs' start-up line
 
@@ -54,34 +56,6 @@ class StepCost:
                 + self.per_prompt_token_ms * prompt_tokens + mixed)
 
 
-@dataclass(frozen=True)
-class Composition:
-    """What one step ran: decode sequences, the context they read (tokens), prompt tokens."""
-
-    decodes: int
-    context_tokens: int
-    prompt_tokens: int
-
-
-def trace_compositions(engine, into: list[Composition]) -> None:
-    """Wrap the scheduler's schedule() (instrumentation only) to note each step's composition."""
-    schedule = engine.scheduler.schedule
-
-    def traced():
-        output = schedule()
-        decodes = context = prompt = 0
-        for scheduled in output.scheduled:
-            if scheduled.start_position >= scheduled.sequence.num_prompt_tokens:
-                decodes += 1
-                context += scheduled.start_position + len(scheduled.token_ids)
-            else:
-                prompt += len(scheduled.token_ids)
-        into.append(Composition(decodes, context, prompt))
-        return output
-
-    engine.scheduler.schedule = traced
-
-
 @dataclass
 class Run:
     """One closed loop in virtual time: output tok/s, per-token gaps and TTFTs (ms), steps."""
@@ -92,14 +66,15 @@ class Run:
     steps: int
 
 
-def run_virtual(engine, prompts: list[list[int]], output_len: int, concurrency: int, cost: StepCost) -> Run:
+def run_virtual(engine, compositions: list[StepComposition], prompts: list[list[int]], output_len: int,
+                concurrency: int, cost: StepCost) -> Run:
     """Every prompt through the engine with at most `concurrency` in flight; the clock advances by each
-    step's modelled time, and each token is stamped at the end of the step that made it."""
+    step's modelled time, and each token is stamped at the end of the step that made it. `compositions`: the
+    list the engine's step_observer appends each step's StepComposition to."""
     from sits.runtime.engine.request import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, min_tokens=output_len, ignore_eos=True)
-    compositions: list[Composition] = []
-    trace_compositions(engine, compositions)
+    del compositions[:]
     stamps: dict[str, list[float]] = {}
     sent: dict[str, float] = {}
     queue = list(enumerate(prompts))[::-1]
@@ -143,6 +118,11 @@ def compare(offline: Run, served: Run) -> dict:
             "offline_steps": offline.steps, "served_steps": served.steps}
 
 
+def _appender(steps: list[StepComposition]):
+    """A step_observer that appends each scheduled step's composition to `steps`."""
+    return lambda output: steps.append(StepComposition.of(output))
+
+
 def simulate_cap(args: argparse.Namespace, cap: int, cost: StepCost) -> dict:
     """Offline and served runs with one cap, each on an engine of its own (same seed, same prompts)."""
     from sits.runtime.commands import bench
@@ -153,9 +133,10 @@ def simulate_cap(args: argparse.Namespace, cap: int, cost: StepCost) -> dict:
         args.max_prefill_tokens_with_decodes = cap
         config = bench.build_config(args)
         loaded = bench.load(args, config)
-        engine = LLMEngine.from_loaded(loaded, config)
+        steps: list[StepComposition] = []
+        engine = LLMEngine.from_loaded(loaded, config, step_observer=_appender(steps))
         prompts = bench.random_prompts(count, args.input_len, loaded.config.vocab_size, 1)
-        runs.append(run_virtual(engine, prompts, args.output_len, args.batch, cost))
+        runs.append(run_virtual(engine, steps, prompts, args.output_len, args.batch, cost))
     return {"cap": cap, "min_decodes": args.prefill_cap_min_decodes, **compare(*runs)}
 
 

@@ -6,13 +6,15 @@ its ITL tail are decided (how many prompt tokens shared a step with how many dec
 `SITS_ENGINE_STEP_TRACE=DIR` in `sits serve`'s environment, the engine process writes
 `DIR/engine-<pid>-steps.jsonl`, one line per step that ran the model:
 
-    {"t_s": 12.3456, "decodes": 250, "prompt_tokens": 768, "new_sequences": 1, "waiting": 3}
+    {"t_s": 12.3456, "decodes": 250, "prompt_tokens": 768, "new_sequences": 1, "context_tokens": 331520,
+     "waiting": 3}
 
 - `t_s`: seconds since the trace opened (monotonic clock) when `LLMEngine.step()` returned. With async
   scheduling a call launches one step and completes the one before, so the gap between two lines is the
   device time of the step completed in the later call, as `bench_step_trace.py` reads it;
 - `decodes`: sequences that decoded a token; `prompt_tokens`: prompt tokens computed (prefill chunks);
-  `new_sequences`: sequences whose first chunk ran; `waiting`: sequences still queued after scheduling.
+  `new_sequences`: sequences whose first chunk ran; `context_tokens`: the tokens of context the decodes
+  attended over (their KV read); `waiting`: sequences still queued after scheduling.
 
 The composition is noted by `observe` (the engine's `step_observer` hook, called once per scheduled step)
 and written by `stamp` when the step call returns. Lines are buffered and flushed at `close` (the loop's end):
@@ -42,17 +44,19 @@ class StepComposition:
     decodes: int
     prompt_tokens: int
     new_sequences: int
+    context_tokens: int = 0
 
     @classmethod
     def of(cls, output: SchedulerOutput) -> StepComposition:
-        decodes = prompt = new = 0
+        decodes = prompt = new = context = 0
         for scheduled in output.scheduled:
             if scheduled.start_position >= scheduled.sequence.num_prompt_tokens:
                 decodes += 1
+                context += scheduled.start_position + len(scheduled.token_ids)
             else:
                 prompt += len(scheduled.token_ids)
                 new += scheduled.start_position == 0
-        return cls(decodes, prompt, new)
+        return cls(decodes, prompt, new, context)
 
 
 class StepTrace:

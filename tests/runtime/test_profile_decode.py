@@ -29,6 +29,7 @@ def test_each_mixed_step_prefills_one_new_prompt_beside_the_same_decodes():
     del steps[:]
     for _ in range(6):
         step()
-    assert steps == [StepComposition(decodes=4, prompt_tokens=16, new_sequences=1)] * 6
+    assert [(s.decodes, s.prompt_tokens, s.new_sequences) for s in steps] == [(4, 16, 1)] * 6
+    assert [b.context_tokens - a.context_tokens for a, b in zip(steps, steps[1:], strict=False)] == [4] * 5
     assert engine.num_unfinished_requests == 4  # each one-token answer left after its prefill
     assert profile_decode._mixed_stepper(engine, 0, 6, loaded.config.vocab_size) == engine.step

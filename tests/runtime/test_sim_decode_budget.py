@@ -11,6 +11,7 @@ import json
 import pytest
 
 from benchmarks import sim_decode_budget as sim
+from sits.runtime.engine.step_trace import StepComposition
 
 SMALL = ["--batch", "8", "--input-len", "64", "--output-len", "12", "--prompts", "24",
          "--max-num-batched-tokens", "128", "--num-blocks", "256", "--min-decodes", "2"]
@@ -33,11 +34,10 @@ def test_the_cap_holds_in_every_traced_step_and_every_token_is_stamped():
 
     config = bench.build_config(args)
     loaded = bench.load(args, config)
-    engine = LLMEngine.from_loaded(loaded, config)
-    traced: list[sim.Composition] = []
-    sim.trace_compositions(engine, traced)
+    traced: list[StepComposition] = []
+    engine = LLMEngine.from_loaded(loaded, config, step_observer=lambda out: traced.append(StepComposition.of(out)))
     prompts = bench.random_prompts(24, 64, loaded.config.vocab_size, 1)
-    run = sim.run_virtual(engine, prompts, 12, 8, sim.StepCost())
+    run = sim.run_virtual(engine, traced, prompts, 12, 8, sim.StepCost())
     assert traced and all(step.prompt_tokens <= 16 for step in traced if step.decodes >= 2)
     assert any(step.prompt_tokens > 16 for step in traced)  # beside fewer decodes the step fills up
     assert len(run.ttft_ms) == 24 and len(run.itl_ms) == 24 * 11  # one gap per token after the first
