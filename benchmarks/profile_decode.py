@@ -47,7 +47,6 @@ def main(argv=None) -> int:
     from sits.runtime.commands.engine_args import configure_logging
     from sits.runtime.engine.engine import LLMEngine
     from sits.runtime.engine.request import SamplingParams
-    from sits.runtime.hardware import detect_gpu
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     bench.add_bench_arguments(parser)
@@ -79,6 +78,16 @@ def main(argv=None) -> int:
         for _ in range(args.steps):
             step()
         sync()
+    _report(args, prof, wall_ms, loaded, engine)
+    return 0
+
+
+def _report(args, prof, wall_ms: float, loaded, engine) -> None:
+    """Wall against GPU busy per step, the floor, the kernel table."""
+    import torch
+
+    from sits.runtime.hardware import detect_gpu
+
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     if not kernels:  # CPU: the operators instead
         kernels = [e for e in prof.events() if e.name.startswith("aten::")]
@@ -102,7 +111,6 @@ def main(argv=None) -> int:
         print(f"floor: {weight_bytes / 2**30:.2f} GiB weights + {kv_bytes / 2**30:.2f} GiB KV at "
               f"{gpu.hbm_bytes_per_s / 1e12:.2f} TB/s = {floor:.3f} ms; wall/floor {wall_ms / floor:.2f}")
     _print_kernel_table(by_name, total_us, args.steps)
-    return 0
 
 
 def _mixed_stepper(engine, prompt_tokens: int, count: int, vocab_size: int):

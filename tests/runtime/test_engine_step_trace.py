@@ -7,7 +7,6 @@ server stopped.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import sys
@@ -17,25 +16,14 @@ import httpx
 
 from sits.runtime.engine.request import SamplingParams
 from sits.runtime.engine.step_trace import STEP_TRACE_ENV, StepTrace, read_step_trace
+from tests.support.models import dummy_engine
 from tests.support.services import free_port, started
-
-
-def _tiny_engine(**hooks):
-    from sits.runtime.commands import bench
-    from sits.runtime.engine.engine import LLMEngine
-
-    parser = argparse.ArgumentParser()
-    bench.add_bench_arguments(parser)
-    args = parser.parse_args(["--config", "tiny", "--device", "cpu", "--batch", "4", "--input-len", "48",
-                              "--output-len", "8", "--num-blocks", "64", "--max-num-batched-tokens", "32",
-                              "--no-async-scheduling"])
-    config = bench.build_config(args)
-    return LLMEngine.from_loaded(bench.load(args, config), config, **hooks)
 
 
 def test_the_lines_add_up_to_the_requests_that_ran(tmp_path):
     trace = StepTrace(tmp_path / "steps.jsonl")
-    engine = _tiny_engine(step_observer=trace.observe)
+    engine, _ = dummy_engine("--batch", "4", "--input-len", "48", "--output-len", "8", "--num-blocks", "64",
+                             "--max-num-batched-tokens", "32", "--no-async-scheduling", step_observer=trace.observe)
     trace.watch_queue(lambda: len(engine.scheduler.waiting))
     params = SamplingParams(temperature=0.0, max_tokens=5, min_tokens=5, ignore_eos=True)
     for index, length in enumerate((20, 30, 40)):  # no shared prefix: nothing comes from the prefix cache

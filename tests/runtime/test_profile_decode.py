@@ -3,26 +3,19 @@ unchanged decode batch (the steps a served engine runs while streams arrive)."""
 
 from __future__ import annotations
 
-import argparse
-
 from benchmarks import profile_decode
 from sits.runtime.engine.request import SamplingParams
 from sits.runtime.engine.step_trace import StepComposition
+from tests.support.models import dummy_engine
 
 
 def test_each_mixed_step_prefills_one_new_prompt_beside_the_same_decodes():
     from sits.runtime.commands import bench
-    from sits.runtime.engine.engine import LLMEngine
 
-    parser = argparse.ArgumentParser()
-    bench.add_bench_arguments(parser)
-    args = parser.parse_args(["--config", "tiny", "--device", "cpu", "--batch", "4", "--input-len", "48",
-                              "--output-len", "64", "--num-blocks", "128", "--max-num-seqs", "5",
-                              "--no-async-scheduling"])
-    config = bench.build_config(args)
-    loaded = bench.load(args, config)
     steps: list[StepComposition] = []
-    engine = LLMEngine.from_loaded(loaded, config, step_observer=lambda output: steps.append(StepComposition.of(output)))
+    engine, loaded = dummy_engine("--batch", "4", "--input-len", "48", "--output-len", "64", "--num-blocks", "128",
+                                  "--max-num-seqs", "5", "--no-async-scheduling",
+                                  step_observer=lambda output: steps.append(StepComposition.of(output)))
     params = SamplingParams(temperature=0.0, max_tokens=64, min_tokens=64, ignore_eos=True)
     profile_decode._start_decoding(engine, bench.random_prompts(4, 48, loaded.config.vocab_size, 7), params)
     step = profile_decode._mixed_stepper(engine, 16, 6, loaded.config.vocab_size)

@@ -115,3 +115,19 @@ def tiny_llama_dir(tmp_path_factory, smollm2_checkpoint_dir: Path) -> Path:
     """A random GQA Llama (2 layers, hidden 64) saved as sharded HF safetensors, with SmolLM2's tokenizer."""
     directory = tmp_path_factory.mktemp("tiny-llama")
     return save_hf_model(tiny_hf_model("llama"), directory, smollm2_checkpoint_dir, max_shard_size="1MB")
+
+
+def dummy_engine(*flags: str, **hooks):
+    """An LLMEngine on the CPU over the `tiny` shape with random weights, built from `sits bench` flags (after
+    `--config tiny --device cpu`), with engine hooks (e.g. step_observer); returns (engine, LoadedModel)."""
+    import argparse
+
+    from sits.runtime.commands import bench
+    from sits.runtime.engine.engine import LLMEngine
+
+    parser = argparse.ArgumentParser()
+    bench.add_bench_arguments(parser)
+    args = parser.parse_args(["--config", "tiny", "--device", "cpu", *flags])
+    config = bench.build_config(args)
+    loaded = bench.load(args, config)
+    return LLMEngine.from_loaded(loaded, config, **hooks), loaded
