@@ -202,7 +202,7 @@ class EngineCore:
         self.tenancy = tenancy
         self._trace = trace
         if trace is not None:
-            trace.watch_queue(lambda: len(engine.scheduler.waiting))
+            trace.attach(engine)
         engine.output_processor.detokenize = False  # the server decodes the text and applies stop strings
         self._cond = threading.Condition()
         self._inbox: list = []  # guarded by _cond: commands from the server and from helper threads

@@ -17,7 +17,8 @@ its ITL tail are decided (how many prompt tokens shared a step with how many dec
   attended over (their KV read); `waiting`: sequences still queued after scheduling.
 
 The composition is noted by `observe` (the engine's `step_observer` hook, called once per scheduled step)
-and written by `stamp` when the step call returns. Lines are buffered and flushed at `close` (the loop's end):
+and written by `stamp` when the step call that completed it returns: the same call without async scheduling,
+the next one with it (`attach` tells which), so each line's gap times the step that line describes. Lines are buffered and flushed at `close` (the loop's end):
 writing costs a few microseconds a step. Off unless the variable is set.
 """
 
@@ -59,6 +60,15 @@ class StepComposition:
         return cls(decodes, prompt, new, context)
 
 
+def step_class(decodes: int, prompt_tokens: int) -> str:
+    """A step's class in the step reports: decode only, prefill only, or decodes beside <= N prompt tokens."""
+    if prompt_tokens == 0:
+        return "decode only"
+    if decodes == 0:
+        return "prefill only"
+    return f"decodes + <= {1 << max(prompt_tokens - 1, 0).bit_length()} prompt tokens"
+
+
 class StepTrace:
     """The trace file of one engine process (the loop thread is its only user)."""
 
@@ -66,7 +76,9 @@ class StepTrace:
         self.path = path
         self._file = path.open("w", buffering=1 << 16)
         self._start = time.monotonic()
-        self._pending: StepComposition | None = None
+        self._pending: StepComposition | None = None  # scheduled in the step call under way
+        self._launched: StepComposition | None = None  # async scheduling: scheduled in the previous call
+        self._async = False
         self._waiting: Callable[[], int] | None = None
 
     @classmethod
@@ -78,17 +90,21 @@ class StepTrace:
         Path(directory).mkdir(parents=True, exist_ok=True)
         return cls(Path(directory) / f"engine-{os.getpid()}-steps.jsonl")
 
-    def watch_queue(self, waiting: Callable[[], int]) -> None:
-        """Report `waiting()` (sequences queued after scheduling) on each line."""
-        self._waiting = waiting
+    def attach(self, engine) -> None:
+        """Follow `engine` (an LLMEngine whose step_observer is `observe`): its async scheduling (a step completes
+        in the call after the one that scheduled it) and its queue (`waiting` on each line)."""
+        self._async = bool(engine.async_scheduling)
+        self._waiting = lambda: len(engine.scheduler.waiting)
 
     def observe(self, output: SchedulerOutput) -> None:
         """The engine's step_observer: note the composition of the step just scheduled."""
         self._pending = StepComposition.of(output)
 
     def stamp(self) -> None:
-        """The step call returned: write the step it scheduled, if it ran the model."""
+        """A step call returned: write the step it completed, if that ran the model."""
         step, self._pending = self._pending, None
+        if self._async:
+            step, self._launched = self._launched, step
         if step is None or not (step.decodes or step.prompt_tokens):
             return
         line = {"t_s": round(time.monotonic() - self._start, 6), **asdict(step)}
@@ -105,4 +121,4 @@ def read_step_trace(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-__all__ = ["STEP_TRACE_ENV", "StepComposition", "StepTrace", "read_step_trace"]
+__all__ = ["STEP_TRACE_ENV", "StepComposition", "StepTrace", "read_step_trace", "step_class"]

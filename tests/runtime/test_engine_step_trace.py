@@ -15,7 +15,7 @@ import time
 import httpx
 
 from sits.runtime.engine.request import SamplingParams
-from sits.runtime.engine.step_trace import STEP_TRACE_ENV, StepTrace, read_step_trace
+from sits.runtime.engine.step_trace import STEP_TRACE_ENV, StepComposition, StepTrace, read_step_trace
 from tests.support.models import dummy_engine
 from tests.support.services import free_port, started
 
@@ -24,7 +24,7 @@ def test_the_lines_add_up_to_the_requests_that_ran(tmp_path):
     trace = StepTrace(tmp_path / "steps.jsonl")
     engine, _ = dummy_engine("--batch", "4", "--input-len", "48", "--output-len", "8", "--num-blocks", "64",
                              "--max-num-batched-tokens", "32", "--no-async-scheduling", step_observer=trace.observe)
-    trace.watch_queue(lambda: len(engine.scheduler.waiting))
+    trace.attach(engine)
     params = SamplingParams(temperature=0.0, max_tokens=5, min_tokens=5, ignore_eos=True)
     for index, length in enumerate((20, 30, 40)):  # no shared prefix: nothing comes from the prefix cache
         engine.add_request(f"r{index}", list(range(3 + 100 * index, 3 + 100 * index + length)), params)
@@ -39,6 +39,45 @@ def test_the_lines_add_up_to_the_requests_that_ran(tmp_path):
     assert sum(line["decodes"] for line in lines) == 3 * 4  # the first token comes from the prompt's last chunk
     assert [line["t_s"] for line in lines] == sorted(line["t_s"] for line in lines)
     assert lines[0]["waiting"] >= 1 and lines[-1]["waiting"] == 0
+
+
+def _traced_engine(path, scheduling_flag: str, seen: list):
+    """A tiny engine whose steps go to a StepTrace at `path` and, as observed, to `seen`; two prompts added."""
+    trace = StepTrace(path)
+
+    def observe(output):
+        seen.append(StepComposition.of(output))
+        trace.observe(output)
+
+    engine, _ = dummy_engine("--batch", "4", "--input-len", "48", "--output-len", "8", "--num-blocks", "64",
+                             "--max-num-batched-tokens", "32", scheduling_flag, step_observer=observe)
+    trace.attach(engine)
+    params = SamplingParams(temperature=0.0, max_tokens=4, min_tokens=4, ignore_eos=True)
+    for index in range(2):
+        engine.add_request(f"r{index}", list(range(3 + 100 * index, 43 + 100 * index)), params)
+    return engine, trace
+
+
+def test_each_line_is_written_by_the_call_that_completes_its_step(tmp_path):
+    """With async scheduling a step call launches one step and completes the one before: the line of a step
+    (and so the gap that times it) comes from the later call, and the last step's from the call that only
+    completes it. Without it, the same call."""
+    for flag, lines_after_first_call in (("--async-scheduling", 0), ("--no-async-scheduling", 1)):
+        engine, trace = _traced_engine(tmp_path / f"first{flag}.jsonl", flag, [])
+        engine.step()
+        trace.stamp()
+        trace.close()
+        assert len(read_step_trace(trace.path)) == lines_after_first_call, flag
+    seen: list[StepComposition] = []
+    engine, trace = _traced_engine(tmp_path / "all.jsonl", "--async-scheduling", seen)
+    while engine.has_unfinished_requests():
+        engine.step()
+        trace.stamp()
+    trace.close()
+    lines = read_step_trace(trace.path)
+    assert [StepComposition(line["decodes"], line["prompt_tokens"], line["new_sequences"], line["context_tokens"])
+            for line in lines] == seen  # every step once, in order, the last one included
+    assert sum(line["prompt_tokens"] for line in lines) == 80
 
 
 def test_sits_serve_writes_the_trace_from_its_engine_process(tmp_path):
