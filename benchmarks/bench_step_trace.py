@@ -38,15 +38,6 @@ class StepRecord:
     ms: float
 
 
-def _classify(record: StepRecord) -> str:
-    if record.prompt_tokens == 0:
-        return "decode only"
-    if record.decodes == 0:
-        return "prefill only"
-    bucket = 1 << max(record.prompt_tokens - 1, 0).bit_length()
-    return f"decodes + <= {bucket} prompt tokens"
-
-
 def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     if not ordered:
@@ -84,9 +75,11 @@ def run_closed_loop(engine, compositions: list, prompts, output_len: int, concur
 
 
 def report(steps: list[StepRecord], gaps: list[float], seconds: float, tokens: int) -> dict:
+    from sits.runtime.engine.step_trace import step_class
+
     by_class: dict[str, list[float]] = defaultdict(list)
     for record in steps:
-        by_class[_classify(record)].append(record.ms)
+        by_class[step_class(record.decodes, record.prompt_tokens)].append(record.ms)
     print(f"\n{len(steps)} steps, {tokens} output tokens in {seconds:.1f} s = {tokens / seconds:.0f} tok/s")
     print(f"ITL ms: p50 {_percentile(gaps, 50):.2f}  p90 {_percentile(gaps, 90):.2f}  p99 {_percentile(gaps, 99):.2f}"
           f"  max {max(gaps, default=0):.1f}  (p99/p50 {_percentile(gaps, 99) / _percentile(gaps, 50):.2f})")

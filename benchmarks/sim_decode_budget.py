@@ -29,6 +29,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from sits.runtime.commands.bench_serve_metrics import percentile
 from sits.runtime.engine.step_trace import StepComposition
 
 GAP_TAIL_MS = 50.0
@@ -94,17 +95,6 @@ def run_virtual(engine, compositions: list[StepComposition], prompts: list[list[
     gaps = [b - a for s in stamps.values() for a, b in zip(s, s[1:], strict=False)]
     ttfts = [s[0] - sent[request_id] for request_id, s in stamps.items() if s]
     return Run(1000.0 * tokens / max(clock, 1e-9), gaps, ttfts, len(compositions))
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear between closest ranks, as numpy's default; NaN when empty."""
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    rank = (len(ordered) - 1) * q / 100.0
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 def compare(offline: Run, served: Run) -> dict:

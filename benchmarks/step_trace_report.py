@@ -20,35 +20,24 @@ from pathlib import Path
 LONG_STEP_MS = 50.0
 
 
-def step_class(line: dict) -> str:
-    if line["prompt_tokens"] == 0:
-        return "decode only"
-    if line["decodes"] == 0:
-        return "prefill only"
-    bucket = 1 << max(line["prompt_tokens"] - 1, 0).bit_length()
-    return f"decodes + <= {bucket} prompt tokens"
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))] if ordered else float("nan")
-
-
 def summarise(lines: list[dict]) -> dict:
     """Per class: steps, total ms, p50 / p90 / max ms; overall: steps, mean decodes and prompt tokens a step,
     share of time in steps of LONG_STEP_MS or more. The first line has no step before it and is left out."""
+    from sits.runtime.commands.bench_serve_metrics import percentile
+    from sits.runtime.engine.step_trace import step_class
+
     steps = [(line, 1000.0 * (line["t_s"] - before["t_s"])) for before, line in zip(lines, lines[1:], strict=False)]
     by_class: dict[str, list[float]] = defaultdict(list)
     for line, ms in steps:
-        by_class[step_class(line)].append(ms)
+        by_class[step_class(line["decodes"], line["prompt_tokens"])].append(ms)
     total = sum(ms for _, ms in steps) or 1e-9
     return {
         "steps": len(steps),
         "mean_decodes": sum(line["decodes"] for line, _ in steps) / max(len(steps), 1),
         "mean_prompt_tokens": sum(line["prompt_tokens"] for line, _ in steps) / max(len(steps), 1),
         "long_step_time_share": sum(ms for _, ms in steps if ms >= LONG_STEP_MS) / total,
-        "classes": {name: {"steps": len(v), "time_share": sum(v) / total, "p50_ms": _percentile(v, 50),
-                           "p90_ms": _percentile(v, 90), "max_ms": max(v)}
+        "classes": {name: {"steps": len(v), "time_share": sum(v) / total, "p50_ms": percentile(v, 50),
+                           "p90_ms": percentile(v, 90), "max_ms": max(v)}
                     for name, v in sorted(by_class.items(), key=lambda kv: -sum(kv[1]))},
     }
 
