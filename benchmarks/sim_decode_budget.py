@@ -42,7 +42,7 @@ class StepCost:
     batch 1 at 2,048 tokens of context 4.4 ms; batch 32 at 2,048 6.7 ms; 256 decodes at ~1,280 17.3 ms;
     a step of 8,192 prompt tokens beside 256 decodes ~200 ms (22.6 us a prompt token). KV: 128 KiB a token
     read at ~4.0 TB/s (32.8 ms per million tokens). mixed_fixed_ms: what a step with prompt tokens beside
-    decodes took beyond that in the served 256-stream runs (fitted to their durations: 9.5-20 ms; 0 gives
+    decodes took beyond that in the served 256-stream runs (estimated from their durations: 10-21 ms; 0 gives
     the plain model)."""
 
     fixed_ms: float = 4.35

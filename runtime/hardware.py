@@ -161,7 +161,7 @@ def engine_defaults(profile: GpuProfile | None, quantization: str = "none", kv_c
     # step of 8,192 prompt tokens takes ~200 ms against 17 ms for a decode step. At 256 streams (1,024 /
     # 512, 2026-12-02 afternoon, served and offline with the same budget): 1,024 tokens gave served ITL
     # p99 / p50 of 4.89 and 4.19 and offline 6,661-6,712 tok/s; 768 gave 2.61 and 3.27 and offline
-    # 7,403-8,126; 512 held prefill to about the rate new streams bring (0.77x of offline served). Beside
+    # 7,403-8,126; 512 prefilled only about as fast as new streams arrived (served 0.77x of offline). Beside
     # fewer decodes (a burst of new prompts, batch 32) prompts still fill the step, so time to first token
     # and batch-32 throughput keep the full budget. Throughput mode (above) leaves it off: there a batch's
     # own prefill is the work. 0 turns it off.

@@ -1,11 +1,13 @@
 """Prometheus metrics of one server: per-request histograms and counters, engine state at scrape time.
 
 Each app owns its `CollectorRegistry` (no module-level state), so two servers in one process (tests)
-never share a counter. Every series carries `model`, `tenant` and `track` labels: the operator's
-canary analysis compares `track="canary"` against `track="stable"` latency quantiles.
+never share a counter. Every per-request series carries `model`, `tenant` and `track` labels: the operator's
+canary analysis compares `track="canary"` against `track="stable"` latency quantiles. Engine-wide series
+(engine steps, the engine process's CPU seconds, speculative decoding) carry `model` and `track`; the API
+process's own `process_*` series (prometheus_client's ProcessCollector) carry none.
 
-Engine state (running / waiting requests, KV-cache usage, prefix-cache and preemption counters) is
-not pushed by the engine: `EngineStatsCollector` asks for one `EngineStats` snapshot per scrape (the
+Engine state (running / waiting requests, KV-cache usage, prefix-cache and preemption counters, steps and
+CPU seconds) is not pushed by the engine: `EngineStatsCollector` asks for one `EngineStats` snapshot per scrape (the
 engine builds it then, between two steps: `sits.runtime.engine.stats`). The
 tenancy layer's own series (KV shards, evictions, rate limits, state store) come from its collector,
 registered next to these (`register`).
