@@ -39,11 +39,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import statistics
 import sys
 import time
-from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
@@ -51,7 +49,6 @@ import torch
 
 from sits.runtime.attention.torch_ref import TorchAttentionBackend
 from sits.runtime.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from sits.runtime.engine import runner as runner_module
 from sits.runtime.engine.engine import LLMEngine
 from sits.runtime.engine.request import SamplingParams
 from sits.runtime.gc_heap import frozen_startup_heap
@@ -66,66 +63,10 @@ if __package__ in (None, ""):  # run as a script, also with PYTHONSAFEPATH=1
     import benchmarks  # noqa: F401
     sys.path.remove(_root)
 
+from benchmarks.engine_phases import MODEL_PHASES, PHASES, PhaseClock, instrument  # noqa: E402
 from benchmarks.run_report import cpu_name, print_report  # noqa: E402
 
-PHASES = ("schedule", "inputs", "forward", "logits", "sample", "update", "outputs", "other")
-MODEL_PHASES = ("forward", "logits")
 BLOCK_SIZE = 16
-
-
-class PhaseClock:
-    """Accumulates seconds per phase within one engine step, on `clock` (perf_counter or thread_time)."""
-
-    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
-        self.clock = clock
-        self.current: dict[str, float] = defaultdict(float)
-        self.depth = 0
-
-    def wrap(self, phase: str, function: Callable) -> Callable:
-        @functools.wraps(function)
-        def timed(*args, **kwargs):
-            self.depth += 1
-            start = self.clock()
-            try:
-                return function(*args, **kwargs)
-            finally:
-                self.depth -= 1
-                if self.depth == 0 or phase in MODEL_PHASES:  # nested calls count once, model time always
-                    self.current[phase] += self.clock() - start
-
-        return timed
-
-    def take(self) -> dict[str, float]:
-        step, self.current = dict(self.current), defaultdict(float)
-        return step
-
-
-def instrument(engine: LLMEngine, clock: PhaseClock) -> None:
-    """Time the engine's calls by wrapping them on the instances (the engine runs unchanged)."""
-    runner = engine.runner
-    engine.scheduler.schedule = clock.wrap("schedule", engine.scheduler.schedule)
-    engine.scheduler.update_from_output = clock.wrap("update", engine.scheduler.update_from_output)
-    engine.output_processor.process = clock.wrap("outputs", engine.output_processor.process)
-    if hasattr(runner, "prepare_input"):  # the persistent batch builds the step's inputs
-        runner.prepare_input = clock.wrap("inputs", runner.prepare_input)
-    else:  # a module function the runner calls
-        original = runner_module.build_model_input
-        runner_module.build_model_input = clock.wrap("inputs", original)
-    runner._forward = clock.wrap("forward", runner._forward)
-    runner.model.compute_logits = clock.wrap("logits", runner.model.compute_logits)
-    sampler_class = runner.sampler.__class__
-    method = "sample" if hasattr(sampler_class, "sample") else "__call__"  # the engine before launch()
-    runner.sampler.__class__ = type("TimedSampler", (sampler_class,), {
-        method: clock.wrap("sample", getattr(sampler_class, method))})
-    if hasattr(runner, "launch"):  # the sampled ids reach the host when the engine asks for them
-        launch = runner.launch
-
-        def timed_launch(*args, **kwargs):
-            pending = launch(*args, **kwargs)
-            pending.result = clock.wrap("sample", pending.result)
-            return pending
-
-        runner.launch = timed_launch
 
 
 @dataclasses.dataclass

@@ -1,14 +1,18 @@
 """Where a decode step's time goes on the GPU: torch profiler over steady decode steps.
 
     python benchmarks/profile_decode.py --config llama-3-8b --batch 1 --input-len 2048 [--steps 30]
-        [--mixed-prompt-tokens N]
+        [--mixed-prompt-tokens N] [--chrome-trace PATH.json.gz]
 
 Prefills `--batch` random prompts of `--input-len` tokens, warms up, then profiles `--steps` decode-only
 steps of the engine as users run it (CUDA graphs, async scheduling unless flagged off). Prints:
 - wall ms per step (host clock, the loop as `sits bench` runs it) and GPU-busy ms per step (the union
   of kernel intervals): their difference is time the GPU sat idle waiting for the host;
 - the kernels by total GPU time, with calls per step and µs per call, and the launches per step;
-- the floor: the bytes a step must read (weights + live KV) at the GPU's HBM bandwidth.
+- the floor: the bytes a step must read (weights + live KV) at the GPU's HBM bandwidth;
+- the host's phases per step (median µs, `benchmarks/engine_phases.py`) over as many more steps: with
+  async scheduling "sample" is the wait for the previous step's device work, so a step whose other
+  phases add up to more than the GPU's time per step is paced by the host.
+`--chrome-trace` writes the profiled steps' CPU and CUDA timeline (open it in Perfetto).
 With `--mixed-prompt-tokens N` every measured step also computes one new N-token prompt (a fresh random
 prompt added before the step, answered with one token, so the decode batch stays the same): the mixed
 steps a served engine runs while streams arrive. Those run eagerly (CUDA graphs hold decode-only steps),
@@ -18,9 +22,19 @@ so wall against GPU busy says how much of a mixed step the GPU waits for the hos
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from collections import defaultdict
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script, also with PYTHONSAFEPATH=1: import `benchmarks` from the root
+    _root = str(Path(__file__).resolve().parents[1])
+    sys.path.insert(0, _root)
+    import benchmarks  # noqa: F401
+    sys.path.remove(_root)
+
+from benchmarks.engine_phases import PHASES, PhaseClock, instrument  # noqa: E402
 
 
 def _busy_ms(events) -> float:
@@ -47,17 +61,23 @@ def main(argv=None) -> int:
     from sits.runtime.commands.engine_args import configure_logging
     from sits.runtime.engine.engine import LLMEngine
     from sits.runtime.engine.request import SamplingParams
+    from sits.runtime.gc_heap import frozen_startup_heap
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     bench.add_bench_arguments(parser)
     parser.add_argument("--steps", type=int, default=30, help="decode steps profiled")
     parser.add_argument("--mixed-prompt-tokens", type=int, default=0, metavar="N",
                         help="each measured step also prefills one new N-token prompt (0: decode-only steps)")
+    parser.add_argument("--chrome-trace", default=None, metavar="PATH",
+                        help="write the profiled steps' timeline (Chrome trace JSON; gzipped if PATH ends in .gz)")
     args = parser.parse_args(argv)
     if args.mixed_prompt_tokens < 0:
         parser.error("--mixed-prompt-tokens must be 0 or a positive number of tokens")
     if args.mixed_prompt_tokens and args.max_num_seqs is None:
         args.max_num_seqs = args.batch + 1  # room for the new prompt beside the whole batch
+    if args.mixed_prompt_tokens and args.max_model_len is None:
+        args.max_model_len = max(args.input_len + max(args.output_len, args.steps + 64),
+                                 args.mixed_prompt_tokens + 1)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     args.output_len = max(args.output_len, args.steps + 64)
     configure_logging(args.log_level)
@@ -67,19 +87,61 @@ def main(argv=None) -> int:
     _start_decoding(engine, bench.random_prompts(args.batch, args.input_len, loaded.config.vocab_size, 7),
                     SamplingParams(temperature=0.0, max_tokens=args.output_len, min_tokens=args.output_len,
                                    ignore_eos=True))
-    step = _mixed_stepper(engine, args.mixed_prompt_tokens, 2 * args.steps, loaded.config.vocab_size)
-    sync()
-    begin = time.perf_counter()
-    for _ in range(args.steps):
-        step()
-    sync()
-    wall_ms = (time.perf_counter() - begin) * 1e3 / args.steps
-    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+    step = _mixed_stepper(engine, args.mixed_prompt_tokens, 3 * args.steps, loaded.config.vocab_size)
+    with frozen_startup_heap("profile_decode"):  # as the engine process and `sits bench` run (gc_heap.py)
+        sync()
+        walls = []
+        begin = time.perf_counter()
         for _ in range(args.steps):
             step()
+            walls.append(time.perf_counter())
         sync()
-    _report(args, prof, wall_ms, loaded, engine)
+        wall_ms = (time.perf_counter() - begin) * 1e3 / args.steps
+        gaps = [(b - a) * 1e3 for a, b in zip([begin, *walls[:-1]], walls, strict=True)]
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            for _ in range(args.steps):
+                step()
+            sync()
+        _report(args, prof, wall_ms, loaded, engine)
+        print(f"wall per step call: median {statistics.median(gaps):.3f} ms, max {max(gaps):.3f} ms")
+        _print_host_phases(engine, step, args.steps)
+    if args.chrome_trace:
+        _write_trace(prof, args.chrome_trace)
     return 0
+
+
+def _print_host_phases(engine, step, steps: int) -> None:
+    """`steps` more steps with the engine's calls timed (`engine_phases`): median µs per phase."""
+    clock = PhaseClock()
+    instrument(engine, clock)
+    timed: list[tuple[float, dict[str, float]]] = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        timed.append((time.perf_counter() - start, clock.take()))
+    medians = {phase: statistics.median(p.get(phase, 0.0) for _, p in timed) * 1e6 for phase in PHASES[:-1]}
+    medians["other"] = statistics.median(total - sum(p.values()) for total, p in timed) * 1e6
+    wait = statistics.median(total - p.get("sample", 0.0) for total, p in timed) * 1e6
+    print("\nhost phases (µs / step, median of " + str(steps) + " steps): "
+          + ", ".join(f"{phase} {medians[phase]:,.0f}" for phase in PHASES)
+          + f"; step {statistics.median(t for t, _ in timed) * 1e6:,.0f}, step less sample (the host's own) {wait:,.0f}")
+
+
+def _write_trace(prof, path: str) -> None:
+    """The profile's timeline as Chrome trace JSON, gzipped when `path` ends in .gz."""
+    import gzip
+    import os
+    import tempfile
+
+    if not path.endswith(".gz"):
+        prof.export_chrome_trace(path)
+        return
+    with tempfile.TemporaryDirectory() as scratch:
+        plain = os.path.join(scratch, "trace.json")
+        prof.export_chrome_trace(plain)
+        with open(plain, "rb") as source, gzip.open(path, "wb", compresslevel=6) as target:
+            target.write(source.read())
+    print(f"timeline: {path}")
 
 
 def _report(args, prof, wall_ms: float, loaded, engine) -> None:
