@@ -7,9 +7,13 @@
 #
 # Steps:
 #   prof1, prof32  benchmarks/profile_decode.py: Llama-3-8B shape, bf16, 2,048-token context, batch 1 / 32
+#                  (every profile_decode step also prints the host's phases per step; prof256, mixed256-N and
+#                  prof448fp8 write their CPU + CUDA timeline as LOG_DIR/STEP.trace.json.gz)
 #   prof256        the same at batch 256, 1,024-token context (the served 256-stream runs' decode batch)
 #   mixed256-N     prof256 with N prompt tokens in every step (mixed256-768: the decode budget's chunk beside
-#                  256 decodes): eager steps; wall against GPU busy is the time the GPU waits for the host
+#                  256 decodes), through the piecewise CUDA graphs; mixed256-N-eager: the same steps eager
+#                  (--piecewise-graph-max-tokens 0); wall against GPU busy is the time the GPU waits for the host
+#   pwtests        the piecewise graphs' tests, captured and replayed (tests/runtime/test_triton_backend.py)
 #   prof448fp8     the same at fp8 throughput: fp8 weights + fp8 KV cache, batch 448, 3,072-token context
 #                  (the middle of a 2,048 / 2,048 run), 10 steps
 #   prof32fp8      fp8 weights + fp8 KV cache at batch 32, 2,048-token context (the fp8-b32 bench's decode)
@@ -43,21 +47,29 @@ for step in $STEPS; do
   case $step in
     prof1) timeout 200 python3 benchmarks/profile_decode.py $COMMON --batch 1 --input-len 2048 ;;
     prof32) timeout 200 python3 benchmarks/profile_decode.py $COMMON --batch 32 --input-len 2048 ;;
-    prof256) timeout 240 python3 benchmarks/profile_decode.py $COMMON --batch 256 --input-len 1024 --steps 20 ;;
-    mixed256-*) timeout 240 python3 benchmarks/profile_decode.py $COMMON --batch 256 --input-len 1024 --steps 20 \
-      --mixed-prompt-tokens "${step#mixed256-}" ;;
+    prof256) timeout 240 python3 benchmarks/profile_decode.py $COMMON --batch 256 --input-len 1024 --steps 20 \
+      --chrome-trace "$LOG_DIR/$step.trace.json.gz" ;;
+    mixed256-*) tokens=${step#mixed256-}; eager=""
+      case $tokens in *-eager) tokens=${tokens%-eager}; eager="--piecewise-graph-max-tokens 0" ;; esac
+      timeout 240 python3 benchmarks/profile_decode.py $COMMON --batch 256 --input-len 1024 --steps 20 \
+      --mixed-prompt-tokens "$tokens" $eager --chrome-trace "$LOG_DIR/$step.trace.json.gz" ;;
+    pwtests) PYTHONSAFEPATH=1 timeout 240 python3 -m pytest tests/runtime/test_triton_backend.py -q -s \
+      -p no:cacheprovider --confcutdir=tests -k "piecewise or padded" ;;
     prof448fp8) timeout 400 python3 benchmarks/profile_decode.py $COMMON --batch 448 --input-len 3072 \
-      --quantization fp8 --kv-cache-dtype fp8 --steps 10 ;;
+      --quantization fp8 --kv-cache-dtype fp8 --steps 10 --chrome-trace "$LOG_DIR/$step.trace.json.gz" ;;
     prof32fp8) timeout 300 python3 benchmarks/profile_decode.py $COMMON --batch 32 --input-len 2048 \
       --quantization fp8 --kv-cache-dtype fp8 ;;
     trace256) timeout 300 python3 benchmarks/bench_step_trace.py $COMMON --batch 256 --input-len 1024 \
-      --output-len 512 --prompts 512 ;;
+      --output-len 512 --prompts 512 --host-phases --json "$LOG_DIR/$step.json" ;;
     attn-small) timeout 600 python3 benchmarks/bench_attention_decode.py --small-batch --json "$LOG_DIR/attn-small.json" ;;
     argmax) timeout 120 python3 benchmarks/bench_argmax.py --json "$LOG_DIR/argmax.json" ;;
     trace448fp8) timeout 400 python3 benchmarks/bench_step_trace.py $COMMON --batch 448 --input-len 2048 \
-      --output-len 2048 --prompts 448 --quantization fp8 --kv-cache-dtype fp8 --warmup-output-len 4 ;;
+      --output-len "${TRACE448_OUTPUT_LEN:-2048}" --prompts 448 --quantization fp8 --kv-cache-dtype fp8 \
+      --warmup-output-len 4 --host-phases --json "$LOG_DIR/$step.json" ;;
     trace448fp8-tableoff) SITS_FP8_GEMM_TABLE=off timeout 400 python3 benchmarks/bench_step_trace.py $COMMON \
-      --batch 448 --input-len 2048 --output-len 2048 --prompts 448 --quantization fp8 --kv-cache-dtype fp8 --warmup-output-len 4 ;;
+      --batch 448 --input-len 2048 --output-len "${TRACE448_OUTPUT_LEN:-2048}" --prompts 448 --quantization fp8 \
+      --kv-cache-dtype fp8 --warmup-output-len 4 \
+      --host-phases --json "$LOG_DIR/$step.json" ;;
     gemv) timeout 600 python3 benchmarks/bench_gemm_small_m.py --json "$LOG_DIR/gemv.json" \
       --table "$LOG_DIR/small_m_gemm_table.json" ${GEMV_ARGS:-} ;;
     prof1-*|prof32-*) batch=${step#prof}; batch=${batch%%-*}; table=""; fused=""

@@ -303,6 +303,10 @@ class EngineConfig:
         enforce_eager: never capture CUDA graphs (decode steps run eagerly too).
         cuda_graph_max_batch_size: the largest decode batch captured in a CUDA graph; None takes
             max_num_seqs (larger decode batches run eagerly).
+        piecewise_graph_max_tokens: steps with prompt tokens of up to this many tokens replay CUDA graphs
+            of the forward between its attention calls (`engine/piecewise_graphs.py`); None (auto):
+            max_num_seqs plus the decodes' prompt-token budget, at least 512, at most
+            max_num_batched_tokens (`piecewise_max_tokens`); 0: such steps run eagerly.
         compile: torch.compile the model's non-attention parts (norms, MLPs).
         async_scheduling: schedule and prepare the next step, and process the previous step's
             outputs, while the device computes the current one; None (auto) turns it on for one
@@ -319,6 +323,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     enforce_eager: bool = False
     cuda_graph_max_batch_size: int | None = None
+    piecewise_graph_max_tokens: int | None = None
     compile: bool = False
     async_scheduling: bool | None = None
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -342,10 +347,21 @@ class EngineConfig:
             raise ConfigError("--async-scheduling does not run with --tensor-parallel-size > 1 yet")
         if self.cuda_graph_max_batch_size is not None and self.cuda_graph_max_batch_size < 1:
             raise ConfigError(f"--cuda-graph-max-batch-size must be positive, got {self.cuda_graph_max_batch_size}")
+        if self.piecewise_graph_max_tokens is not None and self.piecewise_graph_max_tokens < 0:
+            raise ConfigError("--piecewise-graph-max-tokens must be >= 0 (0: off), got "
+                              f"{self.piecewise_graph_max_tokens}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(
                 f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
             )
+
+    @property
+    def piecewise_max_tokens(self) -> int:
+        """The largest step (tokens) the piecewise graphs hold; 0: none (see piecewise_graph_max_tokens)."""
+        if self.piecewise_graph_max_tokens is not None:
+            return self.piecewise_graph_max_tokens
+        sched = self.scheduler
+        return min(sched.max_num_batched_tokens, max(512, sched.max_num_seqs + (sched.prefill_cap_with_decodes or 0)))
 
     def _validate_speculative(self) -> None:
         if self.speculative is None:

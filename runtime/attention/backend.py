@@ -97,6 +97,10 @@ class AttentionBackend(ABC):
     # True when forward() reads only device tensors of fixed shape (never the host lists of the
     # metadata, never a host sync), so a decode step can be captured in a CUDA graph and replayed.
     supports_cuda_graphs: ClassVar[bool] = False
+    # True when forward() reads only q and the caches (never its k and v arguments, which may be None)
+    # and writes into an `out=` buffer when given one: steps with prompt tokens can then be captured
+    # piecewise, attention running eagerly between graphs (`engine/piecewise_graphs.py`).
+    supports_piecewise_graphs: ClassVar[bool] = False
     # True when the back end reads and writes a float8_e4m3fn cache: rope_and_cache_write and forward
     # then get `k_scale`, `v_scale` ([num_kv_heads] float32, value = stored * scale) as keywords.
     # Back ends without it are never called with those keywords.

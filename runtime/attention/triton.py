@@ -69,6 +69,7 @@ class TritonAttentionBackend(AttentionBackend):
     dtypes = (torch.float16, torch.bfloat16)
     head_dims = HEAD_DIMS
     supports_cuda_graphs = True
+    supports_piecewise_graphs = True
     fp8_kv_cache = True
 
     def __init__(self) -> None:
@@ -116,13 +117,17 @@ class TritonAttentionBackend(AttentionBackend):
                                     k_scale, v_scale)
 
     def forward(self, q, k, v, k_cache, v_cache, metadata: AttentionMetadata, scale: float,
-                k_scale=None, v_scale=None) -> torch.Tensor:
+                k_scale=None, v_scale=None, out: torch.Tensor | None = None) -> torch.Tensor:
         """See AttentionBackend.forward. Prefill rows and decode rows each go to their kernel.
 
-        Rows past metadata.num_tokens (padding) are left uninitialised.
+        k and v are not read: rope_and_cache_write put them in the cache, which both kernels read
+        (piecewise CUDA graphs pass None). out: an optional [num_tokens, heads, head_dim] buffer in q's
+        dtype, written in place (the static buffer a captured piece reads). Rows past
+        metadata.num_tokens (padding) are left as they were.
         """
         num_tokens, num_heads, head_dim = q.shape
-        out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+        if out is None:
+            out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
         prefills, prefill_tokens = metadata.num_prefills, metadata.num_prefill_tokens
         if prefills:
             paged_prefill_attention(

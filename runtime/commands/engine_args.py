@@ -100,6 +100,10 @@ def _add_engine_group(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--cuda-graph-max-batch-size", type=int, default=None,
                         help="largest decode batch captured in a CUDA graph (default: from the GPU, at most "
                              "--max-num-seqs)")
+    engine.add_argument("--piecewise-graph-max-tokens", type=int, default=None, metavar="N",
+                        help="steps with prompt tokens of up to N tokens replay CUDA graphs between their "
+                             "attention calls (default: --max-num-seqs plus the decodes' prompt-token budget, "
+                             "at least 512; 0: they run eagerly)")
     engine.add_argument("--compile", action="store_true",
                         help="torch.compile the norms and MLPs (attention stays on its back end)")
     engine.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
@@ -221,6 +225,7 @@ def engine_config_from_args(args: argparse.Namespace, chosen=None) -> EngineConf
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
         cuda_graph_max_batch_size=graph_max if graph_max is not None else chosen.cuda_graph_max_batch_size,
+        piecewise_graph_max_tokens=getattr(args, "piecewise_graph_max_tokens", None),
         compile=getattr(args, "compile", False),
         async_scheduling=getattr(args, "async_scheduling", None),
         lora=lora_config_from_args(args),

@@ -34,8 +34,8 @@ def quantize(loaded: LoadedModel, method: str, fp8_mode: str = "auto") -> None:
 def prepare_execution(runner: ModelRunner, loaded: LoadedModel, config: EngineConfig, max_model_len: int) -> None:
     """torch.compile (--compile), the small-M GEMM's measured table (on CUDA: small_m_linear.py), the
     pre-tune of every kernel key the steps can reach (on CUDA, with or without --enforce-eager: eager
-    steps launch the same kernels) and CUDA-graph capture of decode steps, with the reason when graphs
-    are off."""
+    steps launch the same kernels) and CUDA-graph capture of decode steps and, piecewise, of steps with
+    prompt tokens, with the reason when graphs are off."""
     from sits.runtime.engine.cuda_graphs import decode_batch_sizes
 
     if config.compile:
@@ -62,8 +62,43 @@ def prepare_execution(runner: ModelRunner, loaded: LoadedModel, config: EngineCo
     else:
         sizes = decode_batch_sizes(config.scheduler.max_num_seqs, config.cuda_graph_max_batch_size)
         runner.setup_cuda_graphs(sizes, max_model_len)
+        _setup_piecewise_graphs(runner, backend, config)
         return
     logger.info("CUDA graphs off (%s): every step runs eagerly", reason)
+
+
+def _setup_piecewise_graphs(runner: ModelRunner, backend, config: EngineConfig) -> None:
+    """Piecewise graphs for steps with prompt tokens (after the decode graphs), where the back end allows."""
+    from sits.runtime.engine.piecewise_graphs import piecewise_token_sizes
+
+    max_tokens = config.piecewise_max_tokens
+    if not max_tokens:
+        logger.info("piecewise CUDA graphs off (--piecewise-graph-max-tokens 0): steps with prompt tokens "
+                    "run eagerly")
+    elif not getattr(backend, "supports_piecewise_graphs", False):
+        logger.info("piecewise CUDA graphs off (the %s attention back end cannot run between graphs): steps "
+                    "with prompt tokens run eagerly", getattr(backend, "name", "?"))
+    else:
+        runner.setup_piecewise_graphs(piecewise_token_sizes(max_tokens))
+        _verify_piecewise_graphs(runner)
+
+
+PIECEWISE_TOLERANCE = 0.05  # max |replay - eager| / max |eager| of the final hidden states; a wrong buffer is O(1)
+
+
+def _verify_piecewise_graphs(runner: ModelRunner) -> None:
+    """Replay against the eager forward once; piecewise graphs off (a warning) if they disagree."""
+    graphs = runner.piecewise_graphs
+    assert graphs is not None
+    errors = graphs.verify(runner.model.config.vocab_size)
+    figures = ", ".join(f"{error:.1e} at {size} tokens" for size, error in errors.items())
+    if all(error <= PIECEWISE_TOLERANCE for error in errors.values()):  # a NaN fails too
+        logger.info("piecewise CUDA graphs: replay against the eager forward: %s (max |difference| / max "
+                    "|value| of the hidden states)", figures or "no bucket fits the cache")
+        return
+    runner.piecewise_graphs = None
+    logger.warning("piecewise CUDA graphs off: their replay differed from the eager forward (%s; tolerance %s); "
+                   "steps with prompt tokens run eagerly", figures, PIECEWISE_TOLERANCE)
 
 
 def checkpoint_head_dim(config: EngineConfig, progress: bool) -> int:

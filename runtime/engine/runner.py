@@ -1,7 +1,9 @@
 """The model runner: owns the KV-cache tensors, runs the model on a step's batch, samples.
 
-Prefill and mixed steps run eagerly. Decode-only steps replay a CUDA graph of their batch-size
-bucket once `setup_cuda_graphs` captured them (`cuda_graphs.py`); sampling always runs eagerly.
+Decode-only steps replay a CUDA graph of their batch-size bucket once `setup_cuda_graphs` captured
+them (`cuda_graphs.py`); steps with prompt tokens, up to a token count, replay the pieces of the
+forward between attention calls, attention running eagerly (`setup_piecewise_graphs`,
+`piecewise_graphs.py`); larger steps run eagerly. Sampling always runs eagerly.
 The step's batch is built on the host and sent in one copy (`input_batch.py`); nothing in the
 forward or the sampler syncs with the GPU: `launch` returns once the step is queued, and the
 sampled ids reach the host through `PendingOutput.result()`, the step's one wait. A step that runs
@@ -23,6 +25,7 @@ from sits.runtime.engine.kv_cache_fp8 import FP8_KV_DTYPE, KVCacheScales, LayerK
 from sits.runtime.engine.model_input import ModelInput, build_model_input
 from sits.runtime.engine.nvtx import nvtx_range
 from sits.runtime.engine.pending_output import PendingOutput
+from sits.runtime.engine.piecewise_graphs import PiecewiseGraphs
 from sits.runtime.engine.request import SamplingParams
 from sits.runtime.engine.sampler import Sampler
 from sits.runtime.engine.scheduler_output import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
@@ -67,6 +70,7 @@ class ModelRunner:
         self.kv_shape = KVShape(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, dtype)
         self.kv_caches: KVCaches = []
         self.decode_graphs: DecodeGraphs | None = None
+        self.piecewise_graphs: PiecewiseGraphs | None = None  # steps with prompt tokens, up to a size
         self.input_batch = InputBatch(block_size, self.device)
         self.lora: LoraStepState | None = None  # the adapters' per-step row index, with --enable-lora
         self.host_tier: HostKVTier | None = None  # --host-kv-cache-gb: its copies run before each forward
@@ -123,6 +127,16 @@ class ModelRunner:
         graphs.capture()
         self.decode_graphs = graphs
 
+    def setup_piecewise_graphs(self, token_sizes: list[int], capture: bool = True) -> None:
+        """Capture the forward's pieces between attention calls for steps of up to max(token_sizes) tokens
+        (after allocate_kv_cache; `piecewise_graphs.py`). capture=False runs the static buffers and the
+        attention holes eagerly (CPU tests)."""
+        if not self.kv_caches:
+            raise RuntimeError("allocate the KV cache before capturing CUDA graphs")
+        graphs = PiecewiseGraphs(self.model, self.model.backend, self.kv_caches, token_sizes, capture)
+        graphs.capture()
+        self.piecewise_graphs = graphs
+
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step to the end: build the batch, run the model, sample, bring the tokens back."""
         return self.launch(scheduler_output).result()
@@ -176,11 +190,14 @@ class ModelRunner:
         return self.input_batch.prepare(scheduler_output.scheduled)
 
     def _forward(self, model_input: ModelInput) -> torch.Tensor:
-        """[num_tokens, hidden] hidden states of the batch: a graph replay for decode-only batches."""
+        """[num_tokens, hidden] hidden states of the batch: a graph replay for decode-only batches, the
+        piecewise graphs for other steps up to their largest bucket, else the eager forward."""
         if self.lora is not None:  # no decode graphs with LoRA: every step runs eagerly
             self.lora.begin_step(model_input.lora_slots, model_input.metadata.query_lens_list)
         if self.decode_graphs is not None and self.decode_graphs.can_run(model_input):
             return self.decode_graphs.run(model_input)
+        if self.piecewise_graphs is not None and self.piecewise_graphs.can_run(model_input):
+            return self.piecewise_graphs.run(model_input)
         return self.model(model_input.input_ids, model_input.positions, self.kv_caches, model_input.metadata)
 
     @torch.inference_mode()

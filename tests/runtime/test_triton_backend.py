@@ -22,7 +22,7 @@ from sits.runtime.attention.registry import (
     unregister_backend,
 )
 from sits.runtime.attention.torch_ref import TorchAttentionBackend
-from sits.runtime.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from sits.runtime.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SchedulerConfig
 from sits.runtime.engine.engine import LLMEngine
 from sits.runtime.engine.request import SamplingParams
 from sits.runtime.models.config import LlamaConfig
@@ -116,6 +116,75 @@ def test_padded_decode_buffers_give_the_same_tokens(models):
     engine = engine_for(models["triton"])
     engine.runner.setup_cuda_graphs([1, 2, 4], max_model_len=128, capture=torch.cuda.is_available())
     assert run_schedule(engine, waves) == expected
+
+
+@pytest.mark.parametrize(("max_batched", "sizes"), [(16, [8, 16]), (512, [8, 16, 32])],
+                         ids=["chunked-every-step", "whole-prompts-some-eager"])
+def test_piecewise_graphs_give_the_same_tokens(models, max_batched, sizes):
+    """Steps with prompt tokens through the piecewise graphs (the pieces between attention calls, attention
+    run between them over the static buffers, rows padded to a bucket), against the eager forward. On a
+    CPU the pieces run eagerly over the same buffers and holes; on a GPU they are captured and replayed.
+    With 16-token steps every step fits a bucket; with whole prompts the larger steps run eagerly."""
+    expected = run_schedule(engine_for(models["triton"], max_batched=max_batched), WAVES)
+    engine = engine_for(models["triton"], max_batched=max_batched)
+    engine.runner.setup_piecewise_graphs(sizes, capture=torch.cuda.is_available())
+    graphs = engine.runner.piecewise_graphs
+    assert graphs is not None and graphs.largest == sizes[-1]
+    if torch.cuda.is_available():
+        assert len(graphs.holes) == TINY.num_hidden_layers
+        assert all(len(p.graphs) == TINY.num_hidden_layers + 1 for p in graphs.pieces.values())
+    replays: list[tuple[int, int]] = []
+    original_run = graphs.run
+    graphs.run = lambda mi: replays.append((mi.metadata.num_prefill_tokens, mi.num_tokens)) or original_run(mi)
+    assert run_schedule(engine, WAVES) == expected
+    mixed = [(p, t) for p, t in replays if p and t > p]
+    assert mixed, "no step with prompt tokens beside decodes went through the pieces"
+    assert any(t not in sizes for _, t in replays), "no step was padded to its bucket"
+    assert all(t <= sizes[-1] for _, t in replays)
+
+
+def test_piecewise_graphs_check_their_replay_against_the_eager_forward(models, caplog):
+    """Before serving, the replay of the smallest and the largest bucket is compared with the eager forward
+    over a prompt that fills it; pieces that attend wrongly (here: the attention between them skipped, so
+    the next piece reads stale rows) turn the graphs off with a warning instead of serving wrong tokens."""
+    from sits.runtime.engine.engine_setup import PIECEWISE_TOLERANCE, _verify_piecewise_graphs
+
+    engine = engine_for(models["triton"])
+    runner = engine.runner
+    runner.setup_piecewise_graphs([8, 16, 32], capture=torch.cuda.is_available())
+    errors = runner.piecewise_graphs.verify(TINY.vocab_size)
+    assert set(errors) == {8, 32} and all(e <= 1e-2 for e in errors.values()), errors
+    assert all(float(c[0][:2].abs().sum()) == 0.0 for c in runner.kv_caches)  # its K/V zeroed again
+    broken = runner.piecewise_graphs
+    broken.attend = lambda hole, metadata, num_tokens: None
+    assert min(broken.verify(TINY.vocab_size).values()) > PIECEWISE_TOLERANCE
+    with caplog.at_level("WARNING", logger="sits.runtime.engine.engine_setup"):
+        _verify_piecewise_graphs(runner)
+    assert runner.piecewise_graphs is None and "piecewise CUDA graphs off" in caplog.text
+    expected = run_schedule(engine_for(models["triton"]), WAVES)
+    assert run_schedule(engine, WAVES) == expected  # eagerly again
+
+
+def test_piecewise_buckets_and_their_default_size():
+    from sits.runtime.engine.piecewise_graphs import piecewise_token_sizes
+
+    assert piecewise_token_sizes(0) == []
+    assert piecewise_token_sizes(20) == [8, 16, 20]
+    sizes = piecewise_token_sizes(1024)
+    assert sizes[:4] == [8, 16, 32, 64] and sizes[-1] == 1024 and 512 in sizes and 640 in sizes
+    assert all(b > a for a, b in zip(sizes, sizes[1:], strict=False))
+    config = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192,
+                                                    max_prefill_tokens_with_decodes=768))
+    assert config.piecewise_max_tokens == 1024  # the largest step beside a full decode batch
+    config.scheduler.max_prefill_tokens_with_decodes = 0
+    assert config.piecewise_max_tokens == 512
+    config.scheduler.max_num_batched_tokens = 300
+    assert config.piecewise_max_tokens == 300
+    config.piecewise_graph_max_tokens = 0
+    assert config.piecewise_max_tokens == 0
+    config.piecewise_graph_max_tokens = -1
+    with pytest.raises(ConfigError, match="--piecewise-graph-max-tokens"):
+        config.validate()
 
 
 # -- the registry: declarations, auto selection, interface versions ---------------------------------
