@@ -17,7 +17,6 @@ import torch
 from sits.runtime.attention.torch_ref import TorchAttentionBackend
 from sits.runtime.config import ModelConfig
 from sits.runtime.models.embedded import embedded_gguf_path
-from sits.runtime.models.gguf_cache import cached_checkpoint_dir
 from sits.runtime.models.loading import LoadedModel, load_model
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -73,7 +72,10 @@ def smollm2_gguf_path() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_checkpoint_dir(smollm2_gguf_path: Path) -> Path:
-    """SmolLM2 converted to an HF-style directory (cached across sessions)."""
+    """SmolLM2 converted to an HF-style directory (cached across sessions). Imported here: the conversion
+    needs the gguf package, which the GPU image lacks, and this module loads in every test process."""
+    from sits.runtime.models.gguf_cache import cached_checkpoint_dir
+
     return cached_checkpoint_dir(smollm2_gguf_path, progress=False)
 
 
