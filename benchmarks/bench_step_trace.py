@@ -132,7 +132,6 @@ def _print_phases(steps: list[StepRecord]) -> None:
 def main(argv=None) -> int:
     from sits.runtime.commands import bench
     from sits.runtime.commands.engine_args import configure_logging
-    from sits.runtime.engine.engine import LLMEngine
     from sits.runtime.engine.step_trace import StepComposition
     from sits.runtime.gc_heap import frozen_startup_heap
 
@@ -148,8 +147,8 @@ def main(argv=None) -> int:
     config = bench.build_config(args)
     loaded = bench.load(args, config)
     compositions: list[StepComposition] = []
-    engine = LLMEngine.from_loaded(loaded, config,
-                                   step_observer=lambda output: compositions.append(StepComposition.of(output)))
+    engine = bench.new_engine(args, loaded, config,
+                              step_observer=lambda output: compositions.append(StepComposition.of(output)))
     vocab = loaded.config.vocab_size
     if args.warmup_output_len:
         warmup = bench.random_prompts(args.batch, args.input_len, vocab, config.model.seed + 2)

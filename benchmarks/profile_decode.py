@@ -59,7 +59,6 @@ def main(argv=None) -> int:
 
     from sits.runtime.commands import bench
     from sits.runtime.commands.engine_args import configure_logging
-    from sits.runtime.engine.engine import LLMEngine
     from sits.runtime.engine.request import SamplingParams
     from sits.runtime.gc_heap import frozen_startup_heap
 
@@ -83,7 +82,7 @@ def main(argv=None) -> int:
     configure_logging(args.log_level)
     config = bench.build_config(args)
     loaded = bench.load(args, config)
-    engine = LLMEngine.from_loaded(loaded, config)
+    engine = bench.new_engine(args, loaded, config)
     _start_decoding(engine, bench.random_prompts(args.batch, args.input_len, loaded.config.vocab_size, 7),
                     SamplingParams(temperature=0.0, max_tokens=args.output_len, min_tokens=args.output_len,
                                    ignore_eos=True))

@@ -50,7 +50,21 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     bench.add_argument("--peer-output-tok-s", type=float, default=None, metavar="TOK_S",
                        help="reuse this transformers output tok/s instead of measuring it (local iteration only)")
     bench.add_argument("--json", default=None, metavar="PATH", help="also write every figure as JSON here")
+    bench.add_argument("--detokenize", action=argparse.BooleanOptionalAction, default=False,
+                       help="decode each step's text in the engine too, as an offline LLMEngine does (default: "
+                            "token deltas only, as the engine process runs it under `sits serve`, where the API "
+                            "server decodes)")
     add_engine_arguments(parser)
+
+
+def new_engine(args: argparse.Namespace, loaded, config, **hooks):
+    """The LLMEngine a benchmark times: `--detokenize` or, by default, token deltas only, as the engine process
+    runs it (its snapshots then carry no cumulative token list or text, whose copies grow with every token)."""
+    from sits.runtime.engine.engine import LLMEngine
+
+    engine = LLMEngine.from_loaded(loaded, config, **hooks)
+    engine.output_processor.detokenize = getattr(args, "detokenize", False)
+    return engine
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -160,8 +174,9 @@ def _system_label(engine, config) -> str:
     graphs = "CUDA graphs" if getattr(engine.runner, "decode_graphs", None) is not None else "eager"
     quant = "" if config.model.quantization == "none" else f" {config.model.quantization} weights"
     cache = f", fp8 KV cache ({config.cache.kv_cache_scales} scales)" if config.cache.fp8 else ""
+    text = ", detokenized" if engine.output_processor.detokenize else ""
     return (f"SITS {str(model.dtype).removeprefix('torch.')}{quant}{cache}, {model.model.backend.name} attention, "
-            f"{graphs}")
+            f"{graphs}{text}")
 
 
 def _roofline(engine, args, config):
@@ -201,7 +216,6 @@ def run(args: argparse.Namespace) -> int:
 def benchmark(args: argparse.Namespace, config, loaded) -> int:
     """Peer first (it needs the GPU memory the engine's KV cache takes later), then SITS; print the table."""
     from sits.runtime.commands.bench_report import RunResult, format_table, to_json
-    from sits.runtime.engine.engine import LLMEngine
 
     vocab = loaded.config.vocab_size
     prompts = random_prompts(args.batch, args.input_len, vocab, config.model.seed + 1)
@@ -218,7 +232,7 @@ def benchmark(args: argparse.Namespace, config, loaded) -> int:
         peer = run_transformers(loaded.model, prompts, args.output_len, loaded.device, loaded.dtype)
         logger.info("transformers: %.2f s, %.0f output tok/s", peer.seconds, peer.output_tok_s)
     try:
-        engine = LLMEngine.from_loaded(loaded, config)
+        engine = new_engine(args, loaded, config)
     except ConfigError as error:
         return fail(PROG, str(error))
     if args.warmup_output_len:

@@ -6,6 +6,7 @@ benchmarks/gpu_engine_run.sh (recorded in benchmarks/RESULTS.md).
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -13,9 +14,11 @@ import torch
 
 from sits.runtime.attention.torch_ref import TorchAttentionBackend
 from sits.runtime.cli import main
+from sits.runtime.commands import bench
 from sits.runtime.commands.bench_peer import transformers_model
 from sits.runtime.commands.bench_report import percentile, roofline
 from sits.runtime.engine.cuda_graphs import decode_batch_sizes
+from sits.runtime.engine.request import SamplingParams
 from sits.runtime.hardware import CPU_DEFAULTS, GpuProfile, engine_defaults
 from sits.runtime.models.presets import preset_config
 from sits.runtime.models.random_model import TokenIdTokenizer, random_loaded_model
@@ -48,6 +51,32 @@ def test_bench_counts_the_preemptions_of_its_timed_run(capsys):
     assert main([*common, "--num-blocks", "12"]) == 0  # 48 tokens for 4 x 32: sequences take turns
     preempted = int(capsys.readouterr().out.split("; preemptions: ")[1].split()[0])
     assert preempted > 0
+
+
+def test_the_engine_leaves_the_text_to_the_server_unless_asked(capsys):
+    """By default the timed engine sends token deltas only, as the engine process under `sits serve` does (its
+    snapshots copy no cumulative token list or text, which grow with every token); --detokenize decodes too."""
+    common = ["bench", "--config", "tiny", "--batch", "2", "--input-len", "8", "--output-len", "6", "--device",
+              "cpu", "--log-level", "warning", "--peer", "none"]
+    assert main(common) == 0
+    assert "| SITS float32, torch attention, eager |" in capsys.readouterr().out
+    assert main([*common, "--detokenize"]) == 0
+    assert "| SITS float32, torch attention, eager, detokenized |" in capsys.readouterr().out
+    for flag, decodes in (("--no-detokenize", False), ("--detokenize", True)):
+        parser = argparse.ArgumentParser()
+        bench.add_bench_arguments(parser)
+        args = parser.parse_args(["--config", "tiny", "--device", "cpu", "--output-len", "6", flag])
+        config = bench.build_config(args)
+        engine = bench.new_engine(args, bench.load(args, config), config)
+        result = bench.run_engine(engine, [[5, 6, 7, 8]], 6, "t")
+        assert result.output_tokens == 6
+        engine.add_request("last", [5, 6, 7, 8], SamplingParams(max_tokens=3, min_tokens=3))
+        snapshots = []
+        while engine.has_unfinished_requests():
+            snapshots += engine.step()
+        final = [s for s in snapshots if s.finished][0].outputs[0]
+        assert bool(final.token_ids) is decodes and bool(final.text) is decodes  # cumulative fields only when decoding
+        assert sum(len(s.outputs[0].token_ids_delta) for s in snapshots if s.outputs) == 3
 
 
 def test_a_given_peer_figure_is_marked_as_not_measured(capsys):
