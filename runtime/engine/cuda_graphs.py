@@ -23,6 +23,7 @@ buffer handling that the graphs replay.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 
@@ -44,6 +45,35 @@ def decode_batch_sizes(max_num_seqs: int, largest: int | None = None) -> list[in
     cap = max(1, min(max_num_seqs, largest or max_num_seqs))
     sizes = [1, 2, 4] + list(range(8, 129, 8)) + list(range(144, cap + 1, 16))
     return sorted({size for size in sizes if size < cap} | {cap})
+
+
+def smallest_bucket(sizes: list[int], count: int) -> int:
+    """The smallest of the ascending `sizes` that holds `count` (rows, tokens); the caller checked it fits."""
+    return sizes[bisect.bisect_left(sizes, count)]
+
+
+class StaticInputs:
+    """What a captured forward reads of a step's tokens: ids, positions and KV slots, [largest] int64 each on
+    the device. `load` copies a step's first `count` rows in and pads the rest of its bucket (token 0,
+    position 0, slot -1: no cache write)."""
+
+    def __init__(self, largest: int, device: torch.device) -> None:
+        self.input_ids = torch.zeros(largest, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(largest, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((largest,), -1, dtype=torch.int64, device=device)
+
+    def load(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, count: int,
+             size: int) -> None:
+        self.input_ids[:count].copy_(input_ids)
+        self.positions[:count].copy_(positions)
+        self.slot_mapping[:count].copy_(slot_mapping)
+        if size > count:
+            self.pad(count, size)
+
+    def pad(self, start: int, end: int) -> None:
+        self.input_ids[start:end].zero_()
+        self.positions[start:end].zero_()
+        self.slot_mapping[start:end].fill_(-1)
 
 
 class DecodeGraphs:
@@ -68,9 +98,7 @@ class DecodeGraphs:
         self.capture_enabled = capture
         device = kv_caches[0][0].device
         largest = self.batch_sizes[-1]
-        self.input_ids = torch.zeros(largest, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(largest, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((largest,), -1, dtype=torch.int64, device=device)
+        self.inputs = StaticInputs(largest, device)
         self.seq_lens = torch.zeros(largest, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(largest, self.max_blocks, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
@@ -84,7 +112,7 @@ class DecodeGraphs:
 
     def bucket(self, num_seqs: int) -> int:
         """The smallest captured batch size that holds num_seqs decodes."""
-        return next(size for size in self.batch_sizes if size >= num_seqs)
+        return smallest_bucket(self.batch_sizes, num_seqs)
 
     def can_run(self, model_input: ModelInput) -> bool:
         """A decode-only batch that fits the largest bucket and the block-table width."""
@@ -97,14 +125,14 @@ class DecodeGraphs:
         max_seq_len = self.max_blocks * self.block_size
         return AttentionMetadata(
             num_prefills=0, num_prefill_tokens=0, num_decodes=size,
-            slot_mapping=self.slot_mapping[:size], query_start_loc=self.query_start_loc[: size + 1],
+            slot_mapping=self.inputs.slot_mapping[:size], query_start_loc=self.query_start_loc[: size + 1],
             seq_lens=self.seq_lens[:size], block_tables=self.block_tables[:size],
             max_query_len=1, max_seq_len=max_seq_len,
             seq_lens_list=seq_lens_list or [max_seq_len] * size, query_lens_list=[1] * size,
         )  # fmt: skip
 
     def _forward_static(self, size: int, seq_lens_list: list[int] | None = None) -> torch.Tensor:
-        return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches,
+        return self.model(self.inputs.input_ids[:size], self.inputs.positions[:size], self.kv_caches,
                           self._metadata(size, seq_lens_list))
 
     @torch.inference_mode()
@@ -117,7 +145,7 @@ class DecodeGraphs:
         table_row = torch.arange(self.max_blocks, dtype=torch.int32, device=self.block_tables.device) % num_blocks
         for size in reversed(self.batch_sizes):
             # Realistic work for the autotuners: every row a full-length context, no cache writes.
-            self.slot_mapping.fill_(-1)
+            self.inputs.slot_mapping.fill_(-1)
             self.block_tables.copy_(table_row.expand_as(self.block_tables))
             self.seq_lens.fill_(self.max_blocks * self.block_size)
             self._forward_static(size)
@@ -139,13 +167,10 @@ class DecodeGraphs:
         count = metadata.num_decodes
         size = self.bucket(count)
         width = metadata.block_tables.shape[1]
-        self.input_ids[:count].copy_(model_input.input_ids)
-        self.positions[:count].copy_(model_input.positions)
-        self.slot_mapping[:count].copy_(metadata.slot_mapping)
+        self.inputs.load(model_input.input_ids, model_input.positions, metadata.slot_mapping, count, size)
         self.seq_lens[:count].copy_(metadata.seq_lens)
         self.block_tables[:count, :width].copy_(metadata.block_tables)
         if size > count:
-            self.slot_mapping[count:size].fill_(-1)
             self.seq_lens[count:size].zero_()
         if size in self.graphs:
             self.graphs[size].replay()

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from sits.runtime.attention.backend import AttentionMetadata
+from sits.runtime.engine.cuda_graphs import StaticInputs, smallest_bucket
 from sits.runtime.engine.model_input import ModelInput
 
 logger = logging.getLogger(__name__)
@@ -137,11 +138,7 @@ class PiecewiseGraphs:
         self.kv_caches = kv_caches
         self.token_sizes = sorted(token_sizes)
         self.capture_enabled = capture
-        device = kv_caches[0][0].device
-        largest = self.token_sizes[-1]
-        self.input_ids = torch.zeros(largest, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(largest, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((largest,), -1, dtype=torch.int64, device=device)
+        self.inputs = StaticInputs(self.token_sizes[-1], kv_caches[0][0].device)
         self.q_static: torch.Tensor | None = None  # [largest, heads, head_dim], made at the first hole
         self.out_static: torch.Tensor | None = None
         self.pieces: dict[int, _Pieces] = {}
@@ -151,11 +148,8 @@ class PiecewiseGraphs:
 
     @property
     def largest(self) -> int:
+        """The largest bucket: the most tokens a step may have to replay the pieces."""
         return self.token_sizes[-1]
-
-    def bucket(self, num_tokens: int) -> int:
-        """The smallest bucket that holds num_tokens."""
-        return next(size for size in self.token_sizes if size >= num_tokens)
 
     def can_run(self, model_input: ModelInput) -> bool:
         return 0 < model_input.num_tokens <= self.largest
@@ -204,9 +198,9 @@ class PiecewiseGraphs:
     def _capture_metadata(self, size: int) -> AttentionMetadata:
         """What the pieces read of a step's metadata: only the slots of the KV write (the static
         buffer); the rest describes one prefill of `size` tokens and is never read there."""
-        device = self.slot_mapping.device
+        device = self.inputs.slot_mapping.device
         return AttentionMetadata(
-            num_prefills=1, num_prefill_tokens=size, num_decodes=0, slot_mapping=self.slot_mapping[:size],
+            num_prefills=1, num_prefill_tokens=size, num_decodes=0, slot_mapping=self.inputs.slot_mapping[:size],
             query_start_loc=torch.tensor([0, size], dtype=torch.int32, device=device),
             seq_lens=torch.tensor([size], dtype=torch.int32, device=device),
             block_tables=torch.zeros(1, 1, dtype=torch.int32, device=device),
@@ -217,7 +211,7 @@ class PiecewiseGraphs:
         """The model over the static buffers' first `size` rows, attention through `hole_backend`
         (`metadata`: _capture_metadata(size), made before a capture begins: it copies to the device)."""
         with self._holes_in(hole_backend):
-            return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, metadata)
+            return self.model(self.inputs.input_ids[:size], self.inputs.positions[:size], self.kv_caches, metadata)
 
     # -- capture and replay -----------------------------------------------------------------------
     @torch.inference_mode()
@@ -229,9 +223,7 @@ class PiecewiseGraphs:
         stream = torch.cuda.Stream()
         self.pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.token_sizes):
-            self.slot_mapping.fill_(-1)  # neither pass writes the cache
-            self.input_ids.zero_()
-            self.positions.zero_()
+            self.inputs.pad(0, size)  # neither pass writes the cache
             metadata = self._capture_metadata(size)
             self._forward_static(size, _HoleBackend(self, self.backend, "warmup"), metadata)
             torch.cuda.synchronize()
@@ -262,14 +254,8 @@ class PiecewiseGraphs:
 
     def _replay(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
                 count: int) -> torch.Tensor:
-        size = self.bucket(count)
-        self.input_ids[:count].copy_(input_ids)
-        self.positions[:count].copy_(positions)
-        self.slot_mapping[:count].copy_(metadata.slot_mapping)
-        if size > count:
-            self.input_ids[count:size].zero_()
-            self.positions[count:size].zero_()
-            self.slot_mapping[count:size].fill_(-1)
+        size = smallest_bucket(self.token_sizes, count)
+        self.inputs.load(input_ids, positions, metadata.slot_mapping, count, size)
         pieces = self.pieces.get(size)
         if pieces is None:  # capture=False: the same static forward, attention computed at each hole
             hole_backend = _HoleBackend(self, self.backend, "eager", metadata, count)
@@ -299,7 +285,7 @@ class PiecewiseGraphs:
             blocks = -(-size // block_size)
             if blocks > num_blocks:
                 continue
-            device = self.input_ids.device
+            device = self.inputs.input_ids.device
             ids = torch.randint(0, vocab_size, (size,), generator=generator).to(device)
             positions = torch.arange(size, dtype=torch.int64, device=device)
             metadata = AttentionMetadata(
