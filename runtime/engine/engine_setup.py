@@ -79,7 +79,13 @@ def _setup_piecewise_graphs(runner: ModelRunner, backend, config: EngineConfig) 
         logger.info("piecewise CUDA graphs off (the %s attention back end cannot run between graphs): steps "
                     "with prompt tokens run eagerly", getattr(backend, "name", "?"))
     else:
-        runner.setup_piecewise_graphs(piecewise_token_sizes(max_tokens))
+        try:
+            runner.setup_piecewise_graphs(piecewise_token_sizes(max_tokens))
+        except Exception as error:  # noqa: BLE001 - a model the pieces cannot capture still serves, eagerly
+            runner.piecewise_graphs = None
+            logger.warning("piecewise CUDA graphs off: capturing them failed (%s: %s); steps with prompt tokens "
+                           "run eagerly", type(error).__name__, error)
+            return
         _verify_piecewise_graphs(runner)
 
 

@@ -32,9 +32,9 @@ tests (Triton's interpreter) check the buffers, padding and holes the graphs rep
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -182,7 +182,7 @@ class PiecewiseGraphs:
         graph.capture_begin(pool=self.pool)
         pieces.graphs.append(graph)
 
-    @contextmanager
+    @contextlib.contextmanager
     def _holes_in(self, hole_backend: _HoleBackend):
         """The model's attention modules call hole_backend instead of the real back end, for a while."""
         modules = [m for m in self.model.modules() if getattr(m, "backend", None) is self.backend
@@ -236,6 +236,11 @@ class PiecewiseGraphs:
                     self._begin_graph(pieces)
                     pieces.output = self._forward_static(size, hole_backend, metadata)
                     pieces.graphs[-1].capture_end()
+                except BaseException:
+                    with contextlib.suppress(Exception):  # leave the stream out of capture mode, then report
+                        pieces.graphs[-1].capture_end()
+                    self.pieces.clear()
+                    raise
                 finally:
                     self._capturing = None
             torch.cuda.current_stream().wait_stream(stream)

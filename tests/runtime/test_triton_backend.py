@@ -165,6 +165,24 @@ def test_piecewise_graphs_check_their_replay_against_the_eager_forward(models, c
     assert run_schedule(engine, WAVES) == expected  # eagerly again
 
 
+def test_a_failed_piecewise_capture_leaves_the_steps_eager(models, caplog):
+    """Engine setup with piecewise graphs: on a GPU they capture and pass the replay check; where capturing
+    fails (on a CPU there is no CUDA to capture with) the engine logs why and runs those steps eagerly."""
+    from sits.runtime.engine.engine_setup import _setup_piecewise_graphs
+
+    engine = engine_for(models["triton"])
+    config = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64))
+    with caplog.at_level("INFO", logger="sits.runtime.engine.engine_setup"):
+        _setup_piecewise_graphs(engine.runner, engine.runner.model.backend, config)
+    if torch.cuda.is_available():
+        assert engine.runner.piecewise_graphs is not None and "replay against the eager forward" in caplog.text
+    else:
+        assert engine.runner.piecewise_graphs is None
+        assert "piecewise CUDA graphs off: capturing them failed" in caplog.text
+    expected = run_schedule(engine_for(models["triton"]), WAVES)
+    assert run_schedule(engine, WAVES) == expected
+
+
 def test_piecewise_buckets_and_their_default_size():
     from sits.runtime.engine.piecewise_graphs import piecewise_token_sizes
 
