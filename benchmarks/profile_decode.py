@@ -73,7 +73,10 @@ def main(argv=None) -> int:
     if args.mixed_prompt_tokens < 0:
         parser.error("--mixed-prompt-tokens must be 0 or a positive number of tokens")
     if args.mixed_prompt_tokens and args.max_num_seqs is None:
-        args.max_num_seqs = args.batch + 1  # room for the new prompt beside the whole batch
+        # Room for the new prompt beside the whole batch and the previous one: with async scheduling the
+        # previous prompt's sequence still holds its seat when the next step is scheduled (it finished on
+        # the token that step's call processes); with one seat only every other step would mix.
+        args.max_num_seqs = args.batch + 2
     if args.mixed_prompt_tokens and args.max_model_len is None:
         args.max_model_len = max(args.input_len + max(args.output_len, args.steps + 64),
                                  args.mixed_prompt_tokens + 1)
