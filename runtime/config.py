@@ -242,6 +242,11 @@ class SchedulerConfig:
 
 SPECULATIVE_METHODS = ("ngram",)
 
+# The default piecewise-graph coverage reaches at least this many tokens a step: launched eagerly, a step's
+# forward costs the host ~27 ms (Llama-3-8B on the H200's host), about the GPU work of 1,000-1,500 prompt
+# tokens, so steps up to ~2,000 tokens are the ones the host would pace.
+PIECEWISE_MIN_TOKENS = 2048
+
 
 @dataclass
 class SpeculativeConfig:
@@ -305,7 +310,7 @@ class EngineConfig:
             max_num_seqs (larger decode batches run eagerly).
         piecewise_graph_max_tokens: steps with prompt tokens of up to this many tokens replay CUDA graphs
             of the forward between its attention calls (`engine/piecewise_graphs.py`); None (auto):
-            max_num_seqs plus the decodes' prompt-token budget, at least 512, at most
+            max_num_seqs plus the decodes' prompt-token budget, at least PIECEWISE_MIN_TOKENS, at most
             max_num_batched_tokens (`piecewise_max_tokens`); 0: such steps run eagerly.
         compile: torch.compile the model's non-attention parts (norms, MLPs).
         async_scheduling: schedule and prepare the next step, and process the previous step's
@@ -361,7 +366,8 @@ class EngineConfig:
         if self.piecewise_graph_max_tokens is not None:
             return self.piecewise_graph_max_tokens
         sched = self.scheduler
-        return min(sched.max_num_batched_tokens, max(512, sched.max_num_seqs + (sched.prefill_cap_with_decodes or 0)))
+        beside_decodes = sched.max_num_seqs + (sched.prefill_cap_with_decodes or 0)
+        return min(sched.max_num_batched_tokens, max(PIECEWISE_MIN_TOKENS, beside_decodes))
 
     def _validate_speculative(self) -> None:
         if self.speculative is None:

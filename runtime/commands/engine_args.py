@@ -103,7 +103,7 @@ def _add_engine_group(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--piecewise-graph-max-tokens", type=int, default=None, metavar="N",
                         help="steps with prompt tokens of up to N tokens replay CUDA graphs between their "
                              "attention calls (default: --max-num-seqs plus the decodes' prompt-token budget, "
-                             "at least 512; 0: they run eagerly)")
+                             "at least 2048; 0: they run eagerly)")
     engine.add_argument("--compile", action="store_true",
                         help="torch.compile the norms and MLPs (attention stays on its back end)")
     engine.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,

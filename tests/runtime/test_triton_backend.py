@@ -193,9 +193,11 @@ def test_piecewise_buckets_and_their_default_size():
     assert all(b > a for a, b in zip(sizes, sizes[1:], strict=False))
     config = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192,
                                                     max_prefill_tokens_with_decodes=768))
-    assert config.piecewise_max_tokens == 1024  # the largest step beside a full decode batch
+    assert config.piecewise_max_tokens == 2048  # at least the steps whose launches the host would pace
+    config.scheduler.max_num_seqs, config.scheduler.max_prefill_tokens_with_decodes = 2048, 1024
+    assert config.piecewise_max_tokens == 3072  # the largest step beside a full decode batch
     config.scheduler.max_prefill_tokens_with_decodes = 0
-    assert config.piecewise_max_tokens == 512
+    assert config.piecewise_max_tokens == 2048
     config.scheduler.max_num_batched_tokens = 300
     assert config.piecewise_max_tokens == 300
     config.piecewise_graph_max_tokens = 0
