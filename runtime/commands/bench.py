@@ -50,20 +50,22 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     bench.add_argument("--peer-output-tok-s", type=float, default=None, metavar="TOK_S",
                        help="reuse this transformers output tok/s instead of measuring it (local iteration only)")
     bench.add_argument("--json", default=None, metavar="PATH", help="also write every figure as JSON here")
-    bench.add_argument("--detokenize", action=argparse.BooleanOptionalAction, default=False,
-                       help="decode each step's text in the engine too, as an offline LLMEngine does (default: "
-                            "token deltas only, as the engine process runs it under `sits serve`, where the API "
-                            "server decodes)")
+    bench.add_argument("--detokenize", action=argparse.BooleanOptionalAction, default=True,
+                       help="decode each step's text in the engine, as vLLM's offline benchmark does (default); "
+                            "--no-detokenize: token ids only, as the engine process runs under `sits serve` (the "
+                            "API server decodes) and as TensorRT-LLM's benchmark counts")
     add_engine_arguments(parser)
 
 
 def new_engine(args: argparse.Namespace, loaded, config, **hooks):
-    """The LLMEngine a benchmark times: `--detokenize` or, by default, token deltas only, as the engine process
-    runs it (its snapshots then carry no cumulative token list or text, whose copies grow with every token)."""
+    """The LLMEngine a benchmark times, decoding text unless `--no-detokenize`. Its snapshots carry each step's
+    deltas only (the benchmark reads nothing else): no copy of every completion's token ids and text, which
+    would grow with each token and make a long output's steps ever slower on the host."""
     from sits.runtime.engine.engine import LLMEngine
 
     engine = LLMEngine.from_loaded(loaded, config, **hooks)
-    engine.output_processor.detokenize = getattr(args, "detokenize", False)
+    engine.output_processor.detokenize = getattr(args, "detokenize", True)
+    engine.output_processor.cumulative = False
     return engine
 
 
@@ -174,7 +176,7 @@ def _system_label(engine, config) -> str:
     graphs = "CUDA graphs" if getattr(engine.runner, "decode_graphs", None) is not None else "eager"
     quant = "" if config.model.quantization == "none" else f" {config.model.quantization} weights"
     cache = f", fp8 KV cache ({config.cache.kv_cache_scales} scales)" if config.cache.fp8 else ""
-    text = ", detokenized" if engine.output_processor.detokenize else ""
+    text = "" if engine.output_processor.detokenize else ", token ids only"
     return (f"SITS {str(model.dtype).removeprefix('torch.')}{quant}{cache}, {model.model.backend.name} attention, "
             f"{graphs}{text}")
 

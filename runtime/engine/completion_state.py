@@ -56,19 +56,21 @@ class CompletionState:
     text: TextAccumulator | None  # None: tokens are passed on, not decoded
     output: CompletionOutput
 
-    def apply(self, step: TokenStep) -> Delta:
-        """Fold one step in; return its delta. A stop string found in the text finishes the completion."""
+    def apply(self, step: TokenStep, keep: bool = True) -> Delta:
+        """Fold one step in; return its delta. A stop string found in the text finishes the completion.
+        `keep` False: the cumulative token ids, text and logprobs are not kept (no snapshot reads them)."""
         output, text = self.output, self.text
         text_delta = ""
         if text is not None:
             text_tokens = step.new_token_ids[:-1] if step.finished_by_token else step.new_token_ids
             text_delta = text.add_tokens(text_tokens, check_stop=step.check_stop,
                                          final=step.finish_reason is not None)
-            output.token_ids += step.new_token_ids
-            if text_delta:
-                output.text += text_delta
-            if step.new_logprobs is not None and output.logprobs is not None:
-                output.logprobs += step.new_logprobs
+            if keep:
+                output.token_ids += step.new_token_ids
+                if text_delta:
+                    output.text += text_delta
+                if step.new_logprobs is not None and output.logprobs is not None:
+                    output.logprobs += step.new_logprobs
         if step.new_logprobs is not None:
             output.cumulative_logprob += sum(lp.logprob for lp in step.new_logprobs)
         if text is not None and text.stopped_by is not None:
@@ -85,7 +87,9 @@ class RequestState:
 
     `decodes` (a tokenizer was given): cumulative text, token ids and logprobs are kept and every
     snapshot carries all n completions; otherwise snapshots carry only the completions that changed,
-    with their deltas (`token_ids`, `text` and `logprobs` left empty).
+    with their deltas (`token_ids`, `text` and `logprobs` left empty). `cumulative=False` gives decoded
+    requests the second kind of snapshot too (text deltas, no copy of what grows with the completion: a
+    caller that reads deltas only then pays nothing per step for a long completion).
     """
 
     request_id: str
@@ -99,11 +103,14 @@ class RequestState:
     decodes: bool
     prompt_logprobs: list[TokenLogprob | None] | None = None  # [None] + one per scored prompt token
     held: dict[int, Delta] | None = None  # deltas waiting for the prompt logprobs to be complete
+    cumulative: bool = True  # False: decoded snapshots carry deltas only, like undecoded ones (no copies)
 
     @classmethod
     def new(cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams, tenant: str,
-            metrics: RequestMetrics, stream_text: bool, tokenizer: SupportsDecode | None) -> RequestState:
-        """A request with nothing generated; `tokenizer` None: pass tokens on without decoding."""
+            metrics: RequestMetrics, stream_text: bool, tokenizer: SupportsDecode | None,
+            cumulative: bool = True) -> RequestState:
+        """A request with nothing generated; `tokenizer` None: pass tokens on without decoding;
+        `cumulative` False: snapshots with deltas only."""
         completions = []
         for index in range(params.n):
             text = None
@@ -115,7 +122,7 @@ class RequestState:
             completions.append(CompletionState(text, CompletionOutput(index=index,
                                                                       logprobs=[] if keeps_logprobs else None)))
         return cls(request_id, prompt_token_ids, params, tenant, metrics, completions, stream_text, params.n,
-                   tokenizer is not None)
+                   tokenizer is not None, cumulative=cumulative)
 
     @property
     def prompt_logprobs_pending(self) -> bool:
@@ -130,7 +137,7 @@ class RequestState:
         completion = self.completions[index]
         if completion.output.finish_reason is not None:
             return None
-        delta = completion.apply(step)
+        delta = completion.apply(step, keep=self.cumulative or not self.stream_text)
         if completion.output.finish_reason is not None:
             self.num_unfinished -= 1
         return delta
@@ -153,25 +160,33 @@ class RequestState:
         finished = self.finished
         if finished:
             self.metrics.finished_time = now
-        outputs = [self._completion(c.output, deltas.get(c.output.index, NO_DELTA), finished)
-                   for c in self.completions if self.decodes or c.output.index in deltas]
+        whole = self.decodes and self.cumulative
+        outputs = [self._completion(c.output, deltas.get(c.output.index, NO_DELTA), finished, whole)
+                   for c in self.completions if whole or c.output.index in deltas]
         return RequestOutput(request_id=self.request_id, prompt_token_ids=self.prompt_token_ids, outputs=outputs,
                              finished=finished, metrics=self.metrics.copy(), tenant=self.tenant,
                              prompt_logprobs=None if self.prompt_logprobs_pending else self.prompt_logprobs)
 
-    def _completion(self, cumulative: CompletionOutput, delta: Delta, finished: bool) -> CompletionOutput:
+    def _completion(self, cumulative: CompletionOutput, delta: Delta, finished: bool,
+                    whole: bool) -> CompletionOutput:
+        """One completion's snapshot: its deltas, and (`whole`) copies of its cumulative token ids, text and
+        logprobs."""
         text_delta, token_ids_delta, logprobs_delta = delta
-        if not self.stream_text:  # the whole text arrives with the final snapshot
-            text_delta = cumulative.text if finished else ""
+        if not self.stream_text:  # the whole text arrives with the final snapshot (with deltas only: the
+            # completion's own last one, since a completion that ended is in no later snapshot)
+            done = finished if whole else cumulative.finish_reason is not None
+            text_delta = cumulative.text if done else ""
         logprobs = None
-        if cumulative.logprobs is not None:
+        if cumulative.logprobs is not None and whole:
             logprobs = list(cumulative.logprobs)
             logprobs_delta = logprobs_delta if logprobs_delta is not None else []
-        elif self.decodes:
+        elif self.decodes and cumulative.logprobs is None:
             logprobs_delta = None
+        text = cumulative.text if whole and (self.stream_text or finished) else ""
         return CompletionOutput(
-            index=cumulative.index, text=cumulative.text if self.stream_text or finished else "",
-            token_ids=list(cumulative.token_ids), text_delta=text_delta, token_ids_delta=token_ids_delta,
+            index=cumulative.index, text=text,
+            token_ids=list(cumulative.token_ids) if whole else [], text_delta=text_delta,
+            token_ids_delta=token_ids_delta,
             logprobs=logprobs, logprobs_delta=logprobs_delta, cumulative_logprob=cumulative.cumulative_logprob,
             finish_reason=cumulative.finish_reason, stop_reason=cumulative.stop_reason)
 

@@ -34,9 +34,13 @@ from sits.runtime.engine.scheduler_output import SequenceUpdate
 class OutputProcessor:
     """Builds one `RequestOutput` per request and step; with `detokenize`, also its text and stop strings."""
 
-    def __init__(self, tokenizer: SupportsDecode, detokenize: bool = True) -> None:
+    def __init__(self, tokenizer: SupportsDecode, detokenize: bool = True, cumulative: bool = True) -> None:
         self.tokenizer = tokenizer
         self.detokenize = detokenize  # False: token deltas only, a client decodes (set before the first request)
+        # False: decoded snapshots carry each step's deltas only, no copies of the completions' token ids and
+        # text, which grow with every token (a caller reading deltas, such as `sits bench`); set it before
+        # the first request.
+        self.cumulative = cumulative
         self._requests: dict[str, RequestState] = {}
 
     def __contains__(self, request_id: str) -> bool:
@@ -57,7 +61,7 @@ class OutputProcessor:
         the final one carry token ids but no text; the final one holds the whole text (also as its
         text_delta)."""
         state = RequestState.new(request_id, prompt_token_ids, params, tenant, metrics, stream_text,
-                                 self.tokenizer if self.detokenize else None)
+                                 self.tokenizer if self.detokenize else None, cumulative=self.cumulative)
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None]
         self._requests[request_id] = state

@@ -53,30 +53,31 @@ def test_bench_counts_the_preemptions_of_its_timed_run(capsys):
     assert preempted > 0
 
 
-def test_the_engine_leaves_the_text_to_the_server_unless_asked(capsys):
-    """By default the timed engine sends token deltas only, as the engine process under `sits serve` does (its
-    snapshots copy no cumulative token list or text, which grow with every token); --detokenize decodes too."""
+def test_the_timed_engine_sends_deltas_and_decodes_unless_told_not_to(capsys):
+    """The timed engine decodes text by default (vLLM's offline benchmark does) or not (--no-detokenize: the
+    engine process's mode, TensorRT-LLM's count); either way its snapshots carry each step's deltas only, so a
+    long output's steps copy nothing that grows with it."""
     common = ["bench", "--config", "tiny", "--batch", "2", "--input-len", "8", "--output-len", "6", "--device",
               "cpu", "--log-level", "warning", "--peer", "none"]
     assert main(common) == 0
     assert "| SITS float32, torch attention, eager |" in capsys.readouterr().out
-    assert main([*common, "--detokenize"]) == 0
-    assert "| SITS float32, torch attention, eager, detokenized |" in capsys.readouterr().out
+    assert main([*common, "--no-detokenize"]) == 0
+    assert "| SITS float32, torch attention, eager, token ids only |" in capsys.readouterr().out
     for flag, decodes in (("--no-detokenize", False), ("--detokenize", True)):
         parser = argparse.ArgumentParser()
         bench.add_bench_arguments(parser)
         args = parser.parse_args(["--config", "tiny", "--device", "cpu", "--output-len", "6", flag])
         config = bench.build_config(args)
         engine = bench.new_engine(args, bench.load(args, config), config)
-        result = bench.run_engine(engine, [[5, 6, 7, 8]], 6, "t")
-        assert result.output_tokens == 6
+        assert bench.run_engine(engine, [[5, 6, 7, 8]], 6, "t").output_tokens == 6
         engine.add_request("last", [5, 6, 7, 8], SamplingParams(max_tokens=3, min_tokens=3))
         snapshots = []
         while engine.has_unfinished_requests():
             snapshots += engine.step()
-        final = [s for s in snapshots if s.finished][0].outputs[0]
-        assert bool(final.token_ids) is decodes and bool(final.text) is decodes  # cumulative fields only when decoding
-        assert sum(len(s.outputs[0].token_ids_delta) for s in snapshots if s.outputs) == 3
+        completions = [s.outputs[0] for s in snapshots if s.outputs]
+        assert sum(len(c.token_ids_delta) for c in completions) == 3
+        assert all(not c.token_ids and not c.text for c in completions)  # no cumulative copies
+        assert bool("".join(c.text_delta for c in completions)) is decodes
 
 
 def test_a_given_peer_figure_is_marked_as_not_measured(capsys):

@@ -113,3 +113,34 @@ def test_requests_that_do_not_stream_text_get_the_same_outputs(tiny):
                 want.text, want.token_ids, want.finish_reason, want.stop_reason, want.logprobs)
             assert got.text_delta == want.text and got.text
     assert final_only["stop"][-1].outputs[0].finish_reason is FinishReason.STOP
+
+
+def test_delta_only_snapshots_add_up_to_the_cumulative_ones(tiny):
+    """`OutputProcessor.cumulative = False` (what `sits bench` sets): decoded snapshots carry each step's
+    deltas only, no copies of the growing token ids, text and logprobs; joined, the deltas are the cumulative
+    completion, stop strings, n > 1 and logprobs included, and a request that does not stream text still
+    gets its whole text in the last delta."""
+    prompt = tiny.tokenizer.encode("Once upon a time, in a small village at the edge of a great forest")
+    probe = run(engine(tiny), {"p": (prompt, SamplingParams(temperature=0.0, max_tokens=24))}, True)["p"][-1]
+    stop = probe.outputs[0].text[len(probe.outputs[0].text) // 2:][:3]
+    requests = {
+        "plain": (prompt, SamplingParams(temperature=0.0, max_tokens=24)),
+        "n2": (prompt, SamplingParams(n=2, temperature=1.0, max_tokens=20, seed=4)),
+        "stop": (prompt, SamplingParams(temperature=0.0, max_tokens=24, stop=[stop])),
+        "logprobs": (prompt, SamplingParams(temperature=0.0, max_tokens=5, logprobs=1, skip_special_tokens=False)),
+    }
+    for stream_text in (True, False):
+        whole = run(engine(tiny), requests, stream_text=stream_text)
+        deltas_engine = engine(tiny)
+        deltas_engine.output_processor.cumulative = False
+        deltas = run(deltas_engine, requests, stream_text=stream_text)
+        for request_id in requests:
+            for want in whole[request_id][-1].outputs:
+                got = [c for snapshot in deltas[request_id] for c in snapshot.outputs if c.index == want.index]
+                assert all(c.token_ids == [] and c.text == "" and c.logprobs is None for c in got)
+                assert [t for c in got for t in c.token_ids_delta] == want.token_ids
+                assert "".join(c.text_delta for c in got) == want.text
+                assert (got[-1].finish_reason, got[-1].stop_reason) == (want.finish_reason, want.stop_reason)
+                if want.logprobs is not None:
+                    assert [lp for c in got for lp in (c.logprobs_delta or [])] == want.logprobs
+    assert whole["stop"][-1].outputs[0].finish_reason is FinishReason.STOP
