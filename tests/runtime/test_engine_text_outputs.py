@@ -91,16 +91,21 @@ def run(engine: LLMEngine, requests: dict, stream_text: bool) -> dict[str, list]
     return snapshots
 
 
-def test_requests_that_do_not_stream_text_get_the_same_outputs(tiny):
+def mixed_requests(tiny) -> dict:
+    """Greedy, n = 2 sampled, a stop string met midway, logprobs: {id: (prompt, params)}."""
     prompt = tiny.tokenizer.encode("Once upon a time, in a small village at the edge of a great forest")
     probe = run(engine(tiny), {"p": (prompt, SamplingParams(temperature=0.0, max_tokens=24))}, True)["p"][-1]
     stop = probe.outputs[0].text[len(probe.outputs[0].text) // 2:][:3]
-    requests = {
+    return {
         "plain": (prompt, SamplingParams(temperature=0.0, max_tokens=24)),
         "n2": (prompt, SamplingParams(n=2, temperature=1.0, max_tokens=20, seed=4)),
         "stop": (prompt, SamplingParams(temperature=0.0, max_tokens=24, stop=[stop])),
         "logprobs": (prompt, SamplingParams(temperature=0.0, max_tokens=5, logprobs=1, skip_special_tokens=False)),
     }
+
+
+def test_requests_that_do_not_stream_text_get_the_same_outputs(tiny):
+    requests = mixed_requests(tiny)
     streamed = run(engine(tiny), requests, stream_text=True)
     final_only = run(engine(tiny), requests, stream_text=False)
     for request_id in requests:
@@ -120,15 +125,7 @@ def test_delta_only_snapshots_add_up_to_the_cumulative_ones(tiny):
     deltas only, no copies of the growing token ids, text and logprobs; joined, the deltas are the cumulative
     completion, stop strings, n > 1 and logprobs included, and a request that does not stream text still
     gets its whole text in the last delta."""
-    prompt = tiny.tokenizer.encode("Once upon a time, in a small village at the edge of a great forest")
-    probe = run(engine(tiny), {"p": (prompt, SamplingParams(temperature=0.0, max_tokens=24))}, True)["p"][-1]
-    stop = probe.outputs[0].text[len(probe.outputs[0].text) // 2:][:3]
-    requests = {
-        "plain": (prompt, SamplingParams(temperature=0.0, max_tokens=24)),
-        "n2": (prompt, SamplingParams(n=2, temperature=1.0, max_tokens=20, seed=4)),
-        "stop": (prompt, SamplingParams(temperature=0.0, max_tokens=24, stop=[stop])),
-        "logprobs": (prompt, SamplingParams(temperature=0.0, max_tokens=5, logprobs=1, skip_special_tokens=False)),
-    }
+    requests = mixed_requests(tiny)
     for stream_text in (True, False):
         whole = run(engine(tiny), requests, stream_text=stream_text)
         deltas_engine = engine(tiny)
