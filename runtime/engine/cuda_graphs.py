@@ -10,7 +10,8 @@ with one call, so the GPU never waits for Python. As nano-vllm does it:
   the attention metadata of each bucket is a set of fixed views of those buffers, with the block
   table as wide as max_model_len needs and max_seq_len fixed to that width, so every launch's
   grid is the same at capture and at replay;
-* captured largest first into one shared memory pool; prefill (and mixed) steps run eagerly;
+* captured largest first into one shared memory pool; steps with prompt tokens replay the piecewise
+  graphs instead (`piecewise_graphs.py`: attention eager between captured pieces) or run eagerly;
 * sampling stays outside the graph.
 
 Before capturing a bucket, one eager forward with full-length contexts runs at that batch size, so
