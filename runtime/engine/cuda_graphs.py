@@ -55,8 +55,9 @@ def smallest_bucket(sizes: list[int], count: int) -> int:
 
 class StaticInputs:
     """What a captured forward reads of a step's tokens: ids, positions and KV slots, [largest] int64 each on
-    the device. `load` copies a step's first `count` rows in and pads the rest of its bucket (token 0,
-    position 0, slot -1: no cache write)."""
+    the device. `load` copies a step's first `count` rows in and pads the rest of its bucket with slot -1 (no
+    cache write); the padding rows' ids and positions keep what an earlier step left, valid ids and positions
+    whose results nothing reads."""
 
     def __init__(self, largest: int, device: torch.device) -> None:
         self.input_ids = torch.zeros(largest, dtype=torch.int64, device=device)
@@ -72,8 +73,6 @@ class StaticInputs:
             self.pad(count, size)
 
     def pad(self, start: int, end: int) -> None:
-        self.input_ids[start:end].zero_()
-        self.positions[start:end].zero_()
         self.slot_mapping[start:end].fill_(-1)
 
 

@@ -14,8 +14,8 @@ host's speed and their time swung with it. vLLM's answer, which this follows, is
   queries from a static buffer the previous piece wrote (`q_static`, [max_tokens, heads, head_dim])
   and writing into the one the next piece reads (`out_static`); keys and values are already in the
   paged cache (the piece's RoPE + KV write put them there);
-* a step of T tokens replays the smallest bucket >= T; its rows T.. are padding (input id 0,
-  position 0, slot -1: no cache write), never read by attention (which sees only the first T rows)
+* a step of T tokens replays the smallest bucket >= T; its rows T.. are padding (slot -1: no cache
+  write; ids and positions left from earlier steps), never read by attention (which sees only the first T rows)
   and sliced off the output. Rows are independent in every piece (GEMMs, norms, per-token
   quantization), so padding cannot change a real row;
 * the inputs (token ids, positions, slots) live in static buffers, copied in before the replay;
@@ -56,6 +56,18 @@ def piecewise_token_sizes(max_tokens: int) -> list[int]:
         return []
     sizes = [8, 16, 32] + list(range(64, 513, 64)) + list(range(640, max_tokens + 1, 128))
     return sorted({size for size in sizes if size < max_tokens} | {max_tokens})
+
+
+def _one_prefill(size: int, slot_mapping: torch.Tensor, block_table: torch.Tensor) -> AttentionMetadata:
+    """The metadata of one prompt of `size` new tokens from position 0 (no cached prefix): slot_mapping [size]
+    int64, block_table [1, blocks] int32, on the device."""
+    device = slot_mapping.device
+    return AttentionMetadata(
+        num_prefills=1, num_prefill_tokens=size, num_decodes=0, slot_mapping=slot_mapping,
+        query_start_loc=torch.tensor([0, size], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([size], dtype=torch.int32, device=device), block_tables=block_table,
+        max_query_len=size, max_seq_len=size, seq_lens_list=[size], query_lens_list=[size],
+    )  # fmt: skip
 
 
 @dataclass
@@ -198,14 +210,8 @@ class PiecewiseGraphs:
     def _capture_metadata(self, size: int) -> AttentionMetadata:
         """What the pieces read of a step's metadata: only the slots of the KV write (the static
         buffer); the rest describes one prefill of `size` tokens and is never read there."""
-        device = self.inputs.slot_mapping.device
-        return AttentionMetadata(
-            num_prefills=1, num_prefill_tokens=size, num_decodes=0, slot_mapping=self.inputs.slot_mapping[:size],
-            query_start_loc=torch.tensor([0, size], dtype=torch.int32, device=device),
-            seq_lens=torch.tensor([size], dtype=torch.int32, device=device),
-            block_tables=torch.zeros(1, 1, dtype=torch.int32, device=device),
-            max_query_len=size, max_seq_len=size, seq_lens_list=[size], query_lens_list=[size],
-        )  # fmt: skip
+        block_table = torch.zeros(1, 1, dtype=torch.int32, device=self.inputs.slot_mapping.device)
+        return _one_prefill(size, self.inputs.slot_mapping[:size], block_table)
 
     def _forward_static(self, size: int, hole_backend: _HoleBackend, metadata: AttentionMetadata) -> torch.Tensor:
         """The model over the static buffers' first `size` rows, attention through `hole_backend`
@@ -293,13 +299,8 @@ class PiecewiseGraphs:
             device = self.inputs.input_ids.device
             ids = torch.randint(0, vocab_size, (size,), generator=generator).to(device)
             positions = torch.arange(size, dtype=torch.int64, device=device)
-            metadata = AttentionMetadata(
-                num_prefills=1, num_prefill_tokens=size, num_decodes=0, slot_mapping=positions.clone(),
-                query_start_loc=torch.tensor([0, size], dtype=torch.int32, device=device),
-                seq_lens=torch.tensor([size], dtype=torch.int32, device=device),
-                block_tables=torch.arange(blocks, dtype=torch.int32, device=device).unsqueeze(0),
-                max_query_len=size, max_seq_len=size, seq_lens_list=[size], query_lens_list=[size],
-            )  # fmt: skip
+            metadata = _one_prefill(size, positions.clone(),
+                                    torch.arange(blocks, dtype=torch.int32, device=device).unsqueeze(0))
             eager = self.model(ids, positions, self.kv_caches, metadata).float()
             replayed = self._replay(ids, positions, metadata, size).float()
             scale = eager.abs().max().clamp_min(1e-6)
