@@ -21,13 +21,13 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 
-def ptxas_report(ptx: str) -> dict:
-    """Registers and spill bytes of the PTX's kernel, from `ptxas -arch=sm_90a -v`."""
+def ptxas_report(ptx: str, arch: str = "sm_90a") -> dict:
+    """Registers and spill bytes of the PTX's kernel, from `ptxas -arch=ARCH -v`."""
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas-blackwell")
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
     try:
-        report = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"], capture_output=True,
+        report = subprocess.run([ptxas, f"-arch={arch}", "-v", f.name, "-o", "/dev/null"], capture_output=True,
                                 text=True, check=False).stderr
     finally:
         os.unlink(f.name)
@@ -38,8 +38,10 @@ def ptxas_report(ptx: str) -> dict:
             "spill_loads": int(spills.group(2)) if spills else None}
 
 
-def compile_sm90(fn, types: dict[str, str], constexprs: dict, aligned: Iterable[str], config: triton.Config) -> dict:
-    """`fn` (a JITFunction) compiled for sm_90a with `config`'s warps, stages (and maxnreg).
+def compile_sm90(fn, types: dict[str, str], constexprs: dict, aligned: Iterable[str], config: triton.Config,
+                 capability: int = 90) -> dict:
+    """`fn` (a JITFunction) compiled for sm_90a (or `capability`: 80 is the A100) with `config`'s warps,
+    stages (and maxnreg).
 
     Args:
         types: the non-constexpr arguments' Triton types ("*bf16", "i32", "fp32"); arguments not named
@@ -56,9 +58,10 @@ def compile_sm90(fn, types: dict[str, str], constexprs: dict, aligned: Iterable[
     if getattr(config, "maxnreg", None):
         options["maxnreg"] = config.maxnreg
     compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32), options=options)
+                              target=GPUTarget("cuda", capability, 32), options=options)
     ptx = compiled.asm["ptx"]
-    return {"shared_bytes": compiled.metadata.shared, "wgmma": "wgmma" in ptx, **ptxas_report(ptx)}
+    arch = "sm_90a" if capability == 90 else f"sm_{capability}"
+    return {"shared_bytes": compiled.metadata.shared, "wgmma": "wgmma" in ptx, **ptxas_report(ptx, arch)}
 
 
 def report_rows(launches: Sequence, describe: Callable[..., dict], compile_launch: Callable[..., dict],

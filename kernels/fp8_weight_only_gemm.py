@@ -67,22 +67,30 @@ def _prune_small_m(configs, named_args, **kwargs):
 
 @triton.jit
 def _load_k_tile(ptrs, k, K, EVEN_K: tl.constexpr, K_AXIS: tl.constexpr):
-    """One tile of x or w along K (masked past K unless every tile is whole)."""
+    """One tile of x or w along K (masked past K unless every tile is whole).
+
+    One return at the end: Triton's compiler does not stop at a `return` inside a constexpr `if` of a called
+    function (the interpreter does), so an early return would fall through to the code after it.
+    """
     if EVEN_K:
-        return tl.load(ptrs)
-    if K_AXIS == 0:
-        return tl.load(ptrs, mask=k[:, None] < K, other=0.0)
-    return tl.load(ptrs, mask=k[None, :] < K, other=0.0)
+        tile = tl.load(ptrs)
+    elif K_AXIS == 0:
+        tile = tl.load(ptrs, mask=k[:, None] < K, other=0.0)
+    else:
+        tile = tl.load(ptrs, mask=k[None, :] < K, other=0.0)
+    return tile
 
 
 @triton.jit
 def _weight_in(w, dtype: tl.constexpr, E4M3_BITS: tl.constexpr):
     """A weight tile in x's dtype: e4m3 converted, or (E4M3_BITS) uint8 e4m3 bits decoded as value / 256."""
-    if E4M3_BITS:
+    if E4M3_BITS:  # one return at the end, as in _load_k_tile
         u = w.to(tl.uint16)
         bits = (((u & 0x7F) << 7) | ((u & 0x80) << 8)).to(tl.uint16)
-        return bits.to(tl.float16, bitcast=True).to(dtype)
-    return w.to(dtype)
+        tile = bits.to(tl.float16, bitcast=True).to(dtype)
+    else:
+        tile = w.to(dtype)
+    return tile
 
 
 @triton.jit

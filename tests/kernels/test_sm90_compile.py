@@ -11,6 +11,7 @@ ptxas-blackwell.
   residual; the launches the prune keeps spill nothing and fit.
 * The fused add + RMSNorm + e4m3 quantization: every launch a served hidden size makes (and a three-pass
   row), each stream case.
+* The fp8 weight-only GEMM (quick list), both decodings: native e4m3 for sm_90a, integer decoding for sm_80.
 * The decode split kernel with its fused merge at the largest merge size (BLOCK_S 64) and without it, for
   the first bf16 config and the fp8 default schedule (the full list: the script without --quick).
 """
@@ -84,3 +85,16 @@ def test_rmsnorm_quant_launches_compile_without_spills(tmp_path):
     for row in rows:
         assert row["regs"] <= 128, row
         assert row["spill_stores"] == 0 and row["spill_loads"] == 0, row
+
+
+def test_fp8_weight_only_gemm_compiles_for_the_h200_and_the_a100(tmp_path):
+    """Both decodings, plain and swapped split-K tiles and the prefill tile, whole and ragged K. Before the fix,
+    every launch failed to compile: a `return` inside a constexpr `if` of the tile loader fell through."""
+    rows = compile_rows(tmp_path, "compile_fp8_weight_only_sm90.py", "--quick")
+    assert {(row["decode"], row["sm"]) for row in rows} == {("native", 90), ("bits", 80)}
+    assert {row["even_k"] for row in rows} == {True, False}
+    assert len(rows) == 12
+    for row in rows:
+        if row["even_k"]:  # every Llama-shaped launch: whole K tiles
+            assert row["spill_stores"] == 0 and row["spill_loads"] == 0, row
+    assert any(row["wgmma"] for row in rows if row["sm"] == 90)
