@@ -1,6 +1,7 @@
 """The fp8 GEMM's backend per shape: four backends' error and speed, and the table they give.
 
-    python benchmarks/bench_fp8_accum.py [--json rows.json] [--table fp8_accum_table.json] [--quick] [--check]
+    python benchmarks/bench_fp8_accum.py [--json rows.json] [--table fp8_accum_table.json] [--quick | --m 16,32,64]
+                                         [--update kernels/fp8_accum_table.json] [--check]
 
 For each Llama-3-8B projection (qkv, o, gate_up, down) at M = 16 and 32 (decode batches of 1 to 16
 and 17 to 32: the split-K kernel), 64, 128, 256, 512 (throughput-mode decode: 448 rounds up to
@@ -14,7 +15,10 @@ first 256 rows, see ERROR_ROWS). Time: bf16 output, each backend in CUDA
 graphs (kernel_bench_utils.time_ms), weights rotated through copies so no case is timed out of L2.
 The rule `choose_backend` picks each shape's backend; `--table` writes the table the engine loads
 (copy it to kernels/fp8_accum_table.json to use it; it applies on a GPU of the same name only),
-rewritten after every shape so an interrupted run still leaves the shapes it measured.
+rewritten after every shape so an interrupted run still leaves the shapes it measured. `--m` measures only
+those M values; `--update TABLE` starts from TABLE's entries (measured on this GPU) and replaces the shapes
+measured now, so a few buckets can be re-measured without the whole sweep (e.g. the decode buckets after a
+new small-M kernel: `--m 16,32,64 --update kernels/fp8_accum_table.json --table new.json`).
 `--check` then runs Fp8Linear layers with that table at M between buckets, eagerly and replayed from
 CUDA graphs, against the reference, and the torch._scaled_mm fallback on operands it cannot take.
 Prints one line per shape, a markdown table (chosen backend against precise Triton, the default
@@ -31,7 +35,7 @@ import sys
 import torch
 from kernel_bench_utils import Measurement, report, rotating, time_ms
 
-from sits.kernels.fp8_accum import BACKENDS, AccumEntry, AccumTable, m_bucket
+from sits.kernels.fp8_accum import BACKENDS, AccumEntry, AccumTable, m_bucket, parse_accum_table
 from sits.kernels.fp8_gemm import (
     SMALL_M,
     fp8_gemm,
@@ -178,17 +182,44 @@ def check(table: AccumTable) -> list[str]:
     return failures
 
 
+def _m_values(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--m takes comma-separated positive integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"--m takes comma-separated positive integers, got {text!r}")
+    return values
+
+
+def _starting_entries(path: str | None, device: str, parser: argparse.ArgumentParser) -> dict:
+    """The entries of the table at `path` (none without one); a parser error if it is unreadable or
+    was measured on another GPU (its speeds would mix two machines' figures)."""
+    if path is None:
+        return {}
+    try:
+        with open(path) as f:
+            table = parse_accum_table(f.read())
+    except (OSError, ValueError) as error:
+        parser.error(f"--update {path}: {error}")
+    if table.device != device:
+        parser.error(f"--update {path}: measured on {table.device or 'an unnamed device'!r}, this is {device!r}")
+    return dict(table.entries)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", help="also write the measurements to this JSON file")
     parser.add_argument("--table", help="write the backend table (sits.kernels.fp8_accum) here")
     parser.add_argument("--quick", action="store_true", help=f"M = {', '.join(map(str, QUICK_M_VALUES))} only")
+    parser.add_argument("--m", type=_m_values, help="comma-separated M values to measure (instead of all)")
+    parser.add_argument("--update", help="start from this table (measured on this GPU): its other shapes are kept")
     parser.add_argument("--check", action="store_true", help="then check the engine's dispatch with the table")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False  # the float32 reference sums in float32
-    rows, entries = [], {}
     device = torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE
-    for m in QUICK_M_VALUES if args.quick else M_VALUES:
+    rows, entries = [], _starting_entries(args.update, device, parser)
+    for m in args.m or (QUICK_M_VALUES if args.quick else M_VALUES):
         for name, (n, k) in LLAMA3_8B.items():
             row, entry = measure(m, n, k, name)
             rows.append(row)

@@ -50,6 +50,9 @@
 #   fp8-modes  benchmarks/bench_fp8_accum.py: four backends per shape (Triton and torch._scaled_mm, each with
 #          precise and fast sums: error against float32 sums, speed), Llama-3-8B projections at M = 16..16,384;
 #          writes LOG_DIR/fp8_accum_table.json (copy to kernels/fp8_accum_table.json to use it)
+#   fp8-modes-decode  the same at M = 16, 32, 64 only (the decode buckets, ~1 min), the committed table's other
+#          rows kept: LOG_DIR/fp8_accum_table.json
+#   fp8-b32-table  fp8-b32 with that table (SITS_FP8_GEMM_TABLE): run after fp8-modes or fp8-modes-decode
 #   host   benchmarks/bench_engine_host_overhead.py: the engine's host work per decode step on this
 #          machine's CPU (tiny model, batch 1 / 32 / 256, async off and on), phase by phase
 # The summary (every table, the tests' RESULT lines, each step's exit code) is printed last and
@@ -156,6 +159,14 @@ for step in $STEPS; do
         timeout "${FP8_ACT_TIMEOUT:-90}" python3 benchmarks/bench_rmsnorm_quant.py \
           --json "$LOG_DIR/fp8-act-norm.json" || rc=$?
         exit $rc ) >"$LOG_DIR/fp8-act.log" 2>&1 ;;
+    fp8-modes-decode)
+      timeout "${FP8_MODES_TIMEOUT:-240}" python3 benchmarks/bench_fp8_accum.py --m 16,32,64 \
+        --update kernels/fp8_accum_table.json --table "$LOG_DIR/fp8_accum_table.json" \
+        --json "$LOG_DIR/fp8-modes-decode.json" >"$LOG_DIR/fp8-modes-decode.log" 2>&1 ;;
+    fp8-b32-table)
+      SITS_FP8_GEMM_TABLE="$LOG_DIR/fp8_accum_table.json" timeout "${FP8_B32_TIMEOUT:-120}" $FP8_BENCH --batch 32 \
+        --input-len 2048 --output-len 512 --json "$LOG_DIR/fp8-b32-table.json" >"$LOG_DIR/fp8-b32-table.log" 2>&1 \
+        && result_line fp8-b32-table 4600 "issue 14's target" ;;
     fp8-modes)
       timeout "${FP8_MODES_TIMEOUT:-480}" python3 benchmarks/bench_fp8_accum.py --json "$LOG_DIR/fp8-modes.json" \
         --table "$LOG_DIR/fp8_accum_table.json" >"$LOG_DIR/fp8-modes.log" 2>&1 ;;

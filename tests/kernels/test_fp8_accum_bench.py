@@ -49,3 +49,36 @@ def test_the_bench_measures_every_backend_and_writes_a_table_the_engine_loads(be
     assert [r["extra"]["chosen"] for r in rows] == [table.entries[(b, n, k)].backend
                                                     for b in (8, 256) for n, k in ((32, 64), (16, 128))]
     assert all(torch.isfinite(torch.tensor(r["ratio"])) for r in rows)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the CPU run of the script; on the GPU it runs at full size")
+def test_the_bench_re_measures_some_buckets_into_an_existing_table(bench, tmp_path, monkeypatch, capsys):
+    old_path, new_path = tmp_path / "old.json", tmp_path / "new.json"
+    monkeypatch.setattr(sys, "argv", ["bench_fp8_accum.py", "--table", str(old_path)])
+    with pytest.raises(SystemExit):
+        bench.main()
+    old = load_accum_table(old_path, device_name="cpu")
+    monkeypatch.setattr(sys, "argv", ["bench_fp8_accum.py", "--m", "8", "--update", str(old_path),
+                                      "--table", str(new_path)])
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main()
+    assert exit_info.value.code == 0
+    new = load_accum_table(new_path, device_name="cpu")
+    assert sorted(new.entries) == sorted(old.entries)
+    for key, entry in new.entries.items():
+        if key[0] == 256:  # not measured this time: kept as it was
+            assert entry == old.entries[key]
+        else:  # measured again: new timings
+            assert entry.ms != old.entries[key].ms
+    assert "M8 " in capsys.readouterr().out
+
+    other = tmp_path / "other.json"
+    other.write_text(old_path.read_text().replace('"device": "cpu"', '"device": "NVIDIA H200"'))
+    for argv, message in ((["--update", str(other)], "measured on 'NVIDIA H200', this is 'cpu'"),
+                          (["--update", str(tmp_path / "missing.json")], "No such file"),
+                          (["--m", "8,x"], "--m takes comma-separated positive integers")):
+        monkeypatch.setattr(sys, "argv", ["bench_fp8_accum.py", *argv])
+        with pytest.raises(SystemExit) as exit_info:
+            bench.main()
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err
