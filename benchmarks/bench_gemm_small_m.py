@@ -311,6 +311,7 @@ def _summarize(rows: list[dict], projs: list[str], m: int) -> None:
 def main() -> None:
     args = _parse_args()
     setup = Setup(args.cpu_toy)
+    torch.manual_seed(0)  # the same operands every run: errors (and the table they gate) reproduce
     started = time.monotonic()
     ms, projs = [int(v) for v in args.m.split(",")], args.proj.split(",")
     gpu = "cpu" if args.cpu_toy else torch.cuda.get_device_name()
