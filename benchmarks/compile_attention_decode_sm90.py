@@ -29,8 +29,8 @@ _ALIGNED = ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "partial_out_ptr",
             "stride_v_head", "stride_o_seq", "stride_o_head")
 
 
-def compile_one(config: triton.Config, fp8: bool, merge_block: int) -> dict:
-    """The split kernel at one config: fused merge of BLOCK_S merge_block, or (0) the two-launch variant."""
+def split_kernel_launch(config: triton.Config, fp8: bool, merge_block: int) -> tuple[dict, dict]:
+    """(types, constexprs) of the split kernel's Llama-3-8B launch at one config (merge_block: see compile_one)."""
     cache = "*fp8e4nv" if fp8 else "*bf16"
     types = {"q_ptr": "*bf16", "k_cache_ptr": cache, "v_cache_ptr": cache, "block_tables_ptr": "*i32",
              "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32",
@@ -41,6 +41,12 @@ def compile_one(config: triton.Config, fp8: bool, merge_block: int) -> dict:
     constexprs = dict(config.kwargs, HEAD_DIM=HEAD_DIM, BLOCK_G=group_rows, PAGE_SIZE=PAGE_SIZE, SINGLE_SPLIT=False,
                       FP8_KV=fp8, FP8_F16=fp8, VARIANT=variant, FUSED_MERGE=merge_block > 0,
                       MERGE_BLOCK=merge_block or 1, MERGE_G=ad.next_power_of_2(GROUP) if merge_block else 1)
+    return types, constexprs
+
+
+def compile_one(config: triton.Config, fp8: bool, merge_block: int) -> dict:
+    """The split kernel at one config: fused merge of BLOCK_S merge_block, or (0) the two-launch variant."""
+    types, constexprs = split_kernel_launch(config, fp8, merge_block)
     figures = compile_sm90(ad._decode_split_kernel.fn, types, constexprs, _ALIGNED, config)
     figures.pop("wgmma")
     return figures

@@ -36,7 +36,9 @@
 #   prof1-gemv, prof32-gemv  prof1 / prof32 with that table installed (SITS_SMALL_M_GEMM): run after gemv in the
 #                  same call, or give the table's path as SMALL_M_TABLE (LOG_DIR is emptied between calls);
 #                  -fused (prof1-fused, prof1-gemv-fused, ...): with the decode attention's fused split merge
-#                  (SITS_DECODE_FUSED_MERGE=1)
+#                  (SITS_DECODE_FUSED_MERGE=1); -pdl (prof1-pdl, prof32-pdl, prof1-gemv-pdl, ...): the decode
+#                  kernels launched with programmatic dependent launch (SITS_PDL=1, sits.kernels.pdl)
+#   pdltests       tests/kernels/test_pdl.py: the decode chain with and without PDL in a CUDA graph, bit for bit
 set -u
 cd "$(dirname "$0")/.."
 . benchmarks/gpu_env.sh "${1:-}" gpu-profile-logs
@@ -53,6 +55,8 @@ for step in $STEPS; do
       case $tokens in *-eager) tokens=${tokens%-eager}; eager="--piecewise-graph-max-tokens 0" ;; esac
       timeout 240 python3 benchmarks/profile_decode.py $COMMON --batch 256 --input-len 1024 --steps 20 \
       --mixed-prompt-tokens "$tokens" $eager --chrome-trace "$LOG_DIR/$step.trace.json.gz" ;;
+    pdltests) PYTHONSAFEPATH=1 timeout 240 python3 -m pytest tests/kernels/test_pdl.py -q -s -p no:cacheprovider \
+      --confcutdir=tests/kernels ;;
     pwtests) PYTHONSAFEPATH=1 timeout 240 python3 -m pytest tests/runtime/test_triton_backend.py -q -s \
       -p no:cacheprovider --confcutdir=tests -k "piecewise or padded" ;;
     prof448fp8) timeout 400 python3 benchmarks/profile_decode.py $COMMON --batch 448 --input-len 3072 \
@@ -72,10 +76,11 @@ for step in $STEPS; do
       --host-phases --json "$LOG_DIR/$step.json" ;;
     gemv) timeout 600 python3 benchmarks/bench_gemm_small_m.py --json "$LOG_DIR/gemv.json" \
       --table "$LOG_DIR/small_m_gemm_table.json" ${GEMV_ARGS:-} ;;
-    prof1-*|prof32-*) batch=${step#prof}; batch=${batch%%-*}; table=""; fused=""
+    prof1-*|prof32-*) batch=${step#prof}; batch=${batch%%-*}; table=""; fused=""; pdl=""
       case $step in *-gemv*) table="${SMALL_M_TABLE:-$LOG_DIR/small_m_gemm_table.json}" ;; esac
       case $step in *-fused*) fused=1 ;; esac
-      SITS_SMALL_M_GEMM="$table" SITS_DECODE_FUSED_MERGE="$fused" timeout 200 \
+      case $step in *-pdl*) pdl=1 ;; esac
+      SITS_SMALL_M_GEMM="$table" SITS_DECODE_FUSED_MERGE="$fused" SITS_PDL="$pdl" timeout 200 \
       python3 benchmarks/profile_decode.py $COMMON --batch "$batch" --input-len 2048 ;;
     trace256-cap*) budget=${step#trace256-cap}; cap=${budget%%-min*}; least=0
       [ "$budget" != "$cap" ] && least=${budget##*-min}

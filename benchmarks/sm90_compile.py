@@ -46,11 +46,13 @@ def compile_sm90(fn, types: dict[str, str], constexprs: dict, aligned: Iterable[
     Args:
         types: the non-constexpr arguments' Triton types ("*bf16", "i32", "fp32"); arguments not named
             here and not in `constexprs` are "i32".
-        constexprs: the compile-time arguments' values.
+        constexprs: the compile-time arguments' values (a constexpr with a default, e.g. USE_PDL, takes it unless given).
         aligned: arguments specialized as multiples of 16.
     Returns:
-        shared_bytes, wgmma, regs, spill_stores, spill_loads.
+        shared_bytes, wgmma, griddepcontrol (how many grid-dependency instructions the PTX holds: programmatic
+        dependent launch, sits.kernels.pdl), regs, spill_stores, spill_loads.
     """
+    constexprs = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default} | dict(constexprs)
     signature = {name: types.get(name, "i32") for name in fn.arg_names if name not in constexprs}
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
@@ -61,7 +63,8 @@ def compile_sm90(fn, types: dict[str, str], constexprs: dict, aligned: Iterable[
                               target=GPUTarget("cuda", capability, 32), options=options)
     ptx = compiled.asm["ptx"]
     arch = "sm_90a" if capability == 90 else f"sm_{capability}"
-    return {"shared_bytes": compiled.metadata.shared, "wgmma": "wgmma" in ptx, **ptxas_report(ptx, arch)}
+    return {"shared_bytes": compiled.metadata.shared, "wgmma": "wgmma" in ptx,
+            "griddepcontrol": ptx.count("griddepcontrol."), **ptxas_report(ptx, arch)}
 
 
 def report_rows(launches: Sequence, describe: Callable[..., dict], compile_launch: Callable[..., dict],

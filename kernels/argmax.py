@@ -34,6 +34,7 @@ from sits.kernels.launch_utils import (
     num_sms,
     require,
 )
+from sits.kernels.pdl import pdl_launch_options, pdl_wait
 
 __all__ = ["KERNEL_MAX_ROWS", "argmax_chunks", "argmax_rows", "argmax_rows_reference", "kernel_is_faster", "warm_up"]
 
@@ -80,7 +81,8 @@ def _ordered_key(x):
 # traffic once a first call, e.g. `warm_up`, has compiled it).
 @triton.jit(do_not_specialize=["stride_row", "n_cols", "chunk_cols", "n_chunks"])
 def _argmax_chunk_kernel(logits_ptr, key_ptr, index_ptr, stride_row, n_cols, chunk_cols, n_chunks,
-                         BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
@@ -103,7 +105,8 @@ def _argmax_chunk_kernel(logits_ptr, key_ptr, index_ptr, stride_row, n_cols, chu
 
 
 @triton.jit(do_not_specialize=["n_chunks"])
-def _argmax_merge_kernel(key_ptr, index_ptr, out_ptr, n_chunks, BLOCK_C: tl.constexpr):
+def _argmax_merge_kernel(key_ptr, index_ptr, out_ptr, n_chunks, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_C)
     valid = offs < n_chunks
@@ -140,9 +143,10 @@ def argmax_rows(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.
     chunks, chunk_cols = argmax_chunks(rows, vocab, sms)
     keys = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
     indices = torch.empty_like(keys)
+    pdl = pdl_launch_options(logits.device)
     _argmax_chunk_kernel[(rows, chunks)](logits, keys, indices, logits.stride(0), vocab, chunk_cols, chunks,
-                                         BLOCK=BLOCK, num_warps=4)
-    _argmax_merge_kernel[(rows,)](keys, indices, out, chunks, BLOCK_C=MAX_CHUNKS, num_warps=1)
+                                         BLOCK=BLOCK, num_warps=4, **pdl)
+    _argmax_merge_kernel[(rows,)](keys, indices, out, chunks, BLOCK_C=MAX_CHUNKS, num_warps=1, **pdl)
     return out
 
 

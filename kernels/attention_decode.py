@@ -57,6 +57,7 @@ from sits.kernels.launch_utils import (
     require,
 )
 from sits.kernels.paged_kv import paged_tile_blocks
+from sits.kernels.pdl import pdl_launch_options, pdl_wait
 from sits.kernels.reference import paged_decode_attention_reference
 
 __all__ = [
@@ -407,10 +408,12 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr, FP8_KV: tl.constexpr, FP8_F16: tl.constexpr, VARIANT: tl.constexpr,
     FUSED_MERGE: tl.constexpr, MERGE_BLOCK: tl.constexpr, MERGE_G: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One (KV head, sequence, split) program; see the module docstring and, for FUSED_MERGE,
-    `_fused_merge` (MERGE_BLOCK: the merge's BLOCK_S; MERGE_G: the GQA group as a power of two)."""
+    `_fused_merge` (MERGE_BLOCK: the merge's BLOCK_S; MERGE_G: the GQA group as a power of two).
+    USE_PDL: launched with programmatic dependent launch (sits.kernels.pdl)."""
+    pdl_wait(USE_PDL)
     kv_head = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
@@ -504,10 +507,11 @@ def _decode_merge_kernel(
     stride_pl_seq, stride_pl_head,
     stride_o_seq, stride_o_head,
     tokens_per_split,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """out = sum_s w_s * o_s / sum_s w_s with w_s = 2^(lse_s - max lse), over non-empty splits
     (`_merge_partials` for one query head per program)."""
+    pdl_wait(USE_PDL)
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -730,7 +734,8 @@ def paged_decode_attention(
         group_rows = max(8, next_power_of_2(group))  # hi and lo fill the dot's 16 columns
     meta |= {"HEAD_DIM": head_dim, "BLOCK_G": group_rows, "PAGE_SIZE": page_size,
              "SINGLE_SPLIT": single, "FP8_KV": fp8, "FUSED_MERGE": fused,
-             "MERGE_BLOCK": plan.merge_block if fused else 1, "MERGE_G": next_power_of_2(group) if fused else 1}  # fmt: skip
+             "MERGE_BLOCK": plan.merge_block if fused else 1, "MERGE_G": next_power_of_2(group) if fused else 1,
+             **pdl_launch_options(q.device)}  # fmt: skip
     if compile_only:
         if not is_interpreter():  # the interpreter compiles nothing
             kernel.warmup(*args, grid=grid, **meta)
@@ -744,6 +749,6 @@ def paged_decode_attention(
             out.stride(0), out.stride(1),
             tokens_per_split,
             HEAD_DIM=head_dim, BLOCK_S=plan.merge_block,
-            num_warps=4,
+            num_warps=4, **pdl_launch_options(q.device),
         )  # fmt: skip
     return out

@@ -29,6 +29,7 @@ from sits.kernels.launch_utils import (
     next_power_of_2,
     require,
 )
+from sits.kernels.pdl import pdl_launch_options, pdl_wait
 from sits.kernels.reference import rms_norm_reference
 
 __all__ = ["rms_norm", "rms_norm_reference"]
@@ -55,7 +56,9 @@ def _rms_norm_kernel(
     BLOCK_N: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     WRITE_RESIDUAL: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < n_cols
@@ -138,5 +141,6 @@ def rms_norm(
             x2d.stride(0), out2d.stride(0), res2d.stride(0), res_out2d.stride(0),
             n_cols, float(eps),
             BLOCK_N=block_n, HAS_RESIDUAL=residual is not None, WRITE_RESIDUAL=residual_out is not None,
+            **pdl_launch_options(x.device),
         )  # fmt: skip
     return out if residual_out is None else (out, residual_out)

@@ -28,6 +28,7 @@ from sits.kernels.launch_utils import (
     next_power_of_2,
     require,
 )
+from sits.kernels.pdl import pdl_launch_options, pdl_wait
 from sits.kernels.reference import rope_and_cache_write_reference
 from sits.kernels.rope_tables import build_cos_sin_cache
 
@@ -75,7 +76,9 @@ def _rope_cache_write_kernel(
     num_q_heads, num_kv_heads,
     HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, FP8_CACHE: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_wait(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     half_dims = tl.arange(0, BLOCK_HALF)[None, :]
     position = tl.load(positions_ptr + token).to(tl.int64)
@@ -202,6 +205,6 @@ def rope_and_cache_write(
         BLOCK_HQ=next_power_of_2(num_q_heads), BLOCK_HKV=next_power_of_2(num_kv_heads),
         BLOCK_HALF=next_power_of_2(rotary_dim // 2), BLOCK_D=next_power_of_2(head_dim),
         PAGE_SIZE=k_cache.shape[1], FP8_CACHE=fp8_cache,
-        num_warps=4,
+        num_warps=4, **pdl_launch_options(q.device),
     )  # fmt: skip
     return q, k

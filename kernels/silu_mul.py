@@ -31,6 +31,7 @@ from sits.kernels.launch_utils import (
     next_power_of_2,
     require,
 )
+from sits.kernels.pdl import pdl_launch_options, pdl_wait
 from sits.kernels.reference import silu_mul_quant_fp8_reference, silu_mul_reference
 
 __all__ = ["silu_mul", "silu_mul_quant_fp8", "silu_mul_quant_fp8_reference", "silu_mul_reference"]
@@ -58,7 +59,9 @@ def _silu_mul_kernel(
     stride_out,
     n_cols,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -124,7 +127,8 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
     require(col_blocks <= MAX_GRID_Y, f"gate_up's last dimension is too large ({width})")
     if rows_in.shape[0] > 0:
         _silu_mul_kernel[(rows_in.shape[0], col_blocks)](
-            rows_in, rows_out, rows_in.stride(0), rows_out.stride(0), n_cols, BLOCK=BLOCK_F, num_warps=4
+            rows_in, rows_out, rows_in.stride(0), rows_out.stride(0), n_cols, BLOCK=BLOCK_F, num_warps=4,
+            **pdl_launch_options(gate_up.device),
         )
     return out
 

@@ -12,6 +12,7 @@ ptxas-blackwell.
 * The fused add + RMSNorm + e4m3 quantization: every launch a served hidden size makes (and a three-pass
   row), each stream case.
 * The fp8 weight-only GEMM (quick list), both decodings: native e4m3 for sm_90a, integer decoding for sm_80.
+* The kernels that take USE_PDL (programmatic dependent launch): the wait and the trigger only when asked.
 * The decode split kernel with its fused merge at the largest merge size (BLOCK_S 64) and without it, for
   the first bf16 config and the fp8 default schedule (the full list: the script without --quick).
 """
@@ -98,3 +99,16 @@ def test_fp8_weight_only_gemm_compiles_for_the_h200_and_the_a100(tmp_path):
         if row["even_k"]:  # every Llama-shaped launch: whole K tiles
             assert row["spill_stores"] == 0 and row["spill_loads"] == 0, row
     assert any(row["wgmma"] for row in rows if row["sm"] == 90)
+
+
+def test_pdl_kernels_hold_the_wait_and_the_trigger_only_when_asked(tmp_path):
+    """Every kernel that takes USE_PDL: no grid-dependency instruction without it, the wait and the trigger with
+    it, and the same registers both ways (sits.kernels.pdl)."""
+    rows = compile_rows(tmp_path, "compile_pdl_sm90.py")
+    kernels = {row["kernel"] for row in rows}
+    assert len(kernels) == 9 and len(rows) == 18
+    by_launch = {(row["kernel"], row["use_pdl"]): row for row in rows}
+    for kernel in kernels:
+        off, on = by_launch[(kernel, False)], by_launch[(kernel, True)]
+        assert off["griddepcontrol"] == 0 and on["griddepcontrol"] == 2, kernel
+        assert on["regs"] == off["regs"] and on["spill_stores"] == off["spill_stores"] == 0, kernel

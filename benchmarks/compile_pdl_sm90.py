@@ -1,0 +1,86 @@
+"""Compile the decode path's kernels for the H200 (sm_90a) with and without programmatic dependent launch.
+
+    python benchmarks/compile_pdl_sm90.py [--json out.json]
+
+Each kernel that takes USE_PDL (sits.kernels.pdl), at a Llama-3-8B bf16 decode launch: the fused add +
+RMSNorm, the small-M GEMM (plain and with SiLU·mul), RoPE + KV write, the decode split kernel and its merge,
+SiLU·mul, and greedy argmax's two kernels, each compiled with USE_PDL off and on. Rows give how many
+grid-dependency instructions (`griddepcontrol.*`) the PTX holds: none off, the wait and the trigger on,
+and registers and spills both ways (the wait must not cost registers). Run it without TRITON_INTERPRET.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import triton
+from compile_attention_decode_sm90 import split_kernel_launch
+from sm90_compile import compile_sm90, report_rows
+
+from sits.kernels import argmax, attention_decode, gemm_small_m, rmsnorm, rope_kv_write, silu_mul
+
+HIDDEN, HEAD_DIM, Q_HEADS, KV_HEADS, PAGE_SIZE = 4096, 128, 32, 8, 16
+
+
+def _launches() -> dict[str, tuple]:
+    """name -> (jit function, types, constexprs, aligned arguments, config) of each kernel's launch."""
+    small_m = gemm_small_m.GPU_CONFIGS[0]
+    split_config = attention_decode._BF16_CONFIGS[0]
+    split_types, split_constexprs = split_kernel_launch(split_config, False, 0)
+    half = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16"}
+    return {
+        "rms_norm (fused add)": (
+            rmsnorm._rms_norm_kernel.fn,
+            {"x_ptr": "*bf16", "weight_ptr": "*bf16", "out_ptr": "*bf16", "residual_ptr": "*fp32",
+             "residual_out_ptr": "*fp32", "eps": "fp32"},
+            {"BLOCK_N": HIDDEN, "HAS_RESIDUAL": True, "WRITE_RESIDUAL": True}, (), triton.Config({}, num_warps=8)),
+        "small-M GEMM": (
+            gemm_small_m._small_m_gemm_kernel, half,
+            dict(small_m.kwargs, BLOCK_M=16, SILU_MUL=False, EVEN_K=True, DOT_FP32=False), (), small_m),
+        "small-M GEMM + SiLU·mul": (
+            gemm_small_m._small_m_gemm_kernel, half,
+            dict(small_m.kwargs, BLOCK_M=16, SILU_MUL=True, EVEN_K=True, DOT_FP32=False), (), small_m),
+        "RoPE + KV write": (
+            rope_kv_write._rope_cache_write_kernel,
+            {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "positions_ptr": "*i64", "cos_sin_ptr": "*fp32",
+             "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "slot_ptr": "*i64", "k_scale_ptr": "*fp32",
+             "v_scale_ptr": "*fp32"},
+            {"HEAD_DIM": HEAD_DIM, "ROTARY_DIM": HEAD_DIM, "BLOCK_HQ": Q_HEADS, "BLOCK_HKV": KV_HEADS,
+             "BLOCK_HALF": HEAD_DIM // 2, "BLOCK_D": HEAD_DIM, "PAGE_SIZE": PAGE_SIZE, "FP8_CACHE": False},
+            (), triton.Config({}, num_warps=4)),
+        "decode split": (attention_decode._decode_split_kernel.fn, split_types, split_constexprs, (), split_config),
+        "decode merge": (
+            attention_decode._decode_merge_kernel,
+            {"partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32", "seq_lens_ptr": "*i32", "out_ptr": "*bf16"},
+            {"HEAD_DIM": HEAD_DIM, "BLOCK_S": 16}, (), triton.Config({}, num_warps=4)),
+        "SiLU·mul": (
+            silu_mul._silu_mul_kernel, {"gate_up_ptr": "*bf16", "out_ptr": "*bf16"}, {"BLOCK": silu_mul.BLOCK_F},
+            (), triton.Config({}, num_warps=4)),
+        "argmax chunk": (
+            argmax._argmax_chunk_kernel, {"logits_ptr": "*fp32", "key_ptr": "*i32", "index_ptr": "*i32"},
+            {"BLOCK": argmax.BLOCK}, (), triton.Config({}, num_warps=4)),
+        "argmax merge": (
+            argmax._argmax_merge_kernel, {"key_ptr": "*i32", "index_ptr": "*i32", "out_ptr": "*i64"},
+            {"BLOCK_C": argmax.MAX_CHUNKS}, (), triton.Config({}, num_warps=1)),
+    }
+
+
+def compile_one(name: str, use_pdl: bool) -> dict:
+    """One kernel's launch compiled for sm_90a with USE_PDL off or on."""
+    fn, types, constexprs, aligned, config = _launches()[name]
+    return compile_sm90(fn, types, dict(constexprs, USE_PDL=use_pdl), aligned, config)
+
+
+def _describe(name: str, use_pdl: bool) -> dict:
+    return {"kernel": name, "use_pdl": use_pdl}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", help="also write the rows to this JSON file")
+    args = parser.parse_args()
+    report_rows([(name, pdl) for name in _launches() for pdl in (False, True)], _describe, compile_one, args.json)
+
+
+if __name__ == "__main__":
+    main()

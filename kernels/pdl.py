@@ -1,0 +1,62 @@
+"""Programmatic dependent launch (PDL) for the decode path's kernels.
+
+On Hopper (SM 9.0) and later, a kernel launched with PDL may be scheduled while the kernel before it in the
+stream is still finishing, so its launch latency and start-up hide behind that kernel's tail. A decode step
+at batch 1 is ~10 kernels a layer of a few microseconds each, so the gaps between them are a visible share
+of the step.
+
+    pdl_launch_options(device) -> {} or {"USE_PDL": True, "launch_pdl": True}: a launch's extra keywords
+    pdl_wait(USE_PDL)          the first statement of each kernel that takes USE_PDL (no-op when false)
+
+Ordering: a kernel launched this way waits at its first statement for the previous grid to finish and
+flush its memory (`griddepcontrol.wait`), before it reads or writes anything, then lets the next kernel
+launch (`griddepcontrol.launch_dependents`). So every memory effect keeps the stream's order, and a chain
+of such kernels waits transitively: a kernel cannot finish before its own wait has returned. Kernels that
+are not SITS's (cuBLAS, PyTorch's) launch as before and wait for the whole grid before them; a PDL kernel
+after one of them starts when it completes. Inside CUDA graphs the launches become programmatic edges.
+
+Off unless SITS_PDL=1: what it saves is measured by the GPU profile steps `prof1-pdl` and `prof32-pdl`
+(benchmarks/gpu_profile_run.sh), against the same steps without it. Never under Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from sits.kernels.launch_utils import is_interpreter
+
+PDL_ENV = "SITS_PDL"
+PDL_MIN_CAPABILITY = (9, 0)
+
+
+def pdl_requested() -> bool:
+    """Whether SITS_PDL asks for programmatic dependent launch ("1", "true", "on"; default off)."""
+    return os.environ.get(PDL_ENV, "").strip().lower() in ("1", "true", "on", "yes")
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Whether `device` can launch with PDL: a CUDA GPU of SM 9.0 or later, not Triton's interpreter."""
+    if is_interpreter() or device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device) >= PDL_MIN_CAPABILITY
+
+
+def pdl_launch_options(device: torch.device) -> dict:
+    """The extra keywords of a launch on `device`: USE_PDL (the kernel's constexpr) and Triton's launch_pdl
+    when PDL is requested and supported, else none (the kernel's USE_PDL default, False)."""
+    if pdl_requested() and pdl_supported(device):
+        return {"USE_PDL": True, "launch_pdl": True}
+    return {}
+
+
+@triton.jit
+def pdl_wait(USE_PDL: tl.constexpr):
+    """Wait for the grid before this one to finish and flush, then let the next grid launch (no-op when
+    USE_PDL is false). The first statement of a kernel: nothing may be read or written before it."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
