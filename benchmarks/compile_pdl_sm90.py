@@ -2,9 +2,10 @@
 
     python benchmarks/compile_pdl_sm90.py [--json out.json]
 
-Each kernel that takes USE_PDL (sits.kernels.pdl), at a Llama-3-8B bf16 decode launch: the fused add +
-RMSNorm, the small-M GEMM (plain and with SiLU·mul), RoPE + KV write, the decode split kernel and its merge,
-SiLU·mul, and greedy argmax's two kernels, each compiled with USE_PDL off and on. Rows give how many
+Each kernel that takes USE_PDL (sits.kernels.pdl), at a Llama-3-8B decode launch: the fused add + RMSNorm,
+the small-M GEMM (plain and with SiLU·mul), RoPE + KV write, the decode split kernel and its merge, SiLU·mul,
+greedy argmax's two kernels, and the fp8 path's (the fused add + RMSNorm + e4m3 quantization, SiLU·mul + e4m3,
+per-token e4m3, the direct and the split-K fp8 GEMMs), each compiled with USE_PDL off and on. Rows give how many
 grid-dependency instructions (`griddepcontrol.*`) the PTX holds: none off, the wait and the trigger on,
 and registers and spills both ways (the wait must not cost registers). Run it without TRITON_INTERPRET.
 """
@@ -17,7 +18,17 @@ import triton
 from compile_attention_decode_sm90 import split_kernel_launch
 from sm90_compile import compile_sm90, report_rows
 
-from sits.kernels import argmax, attention_decode, gemm_small_m, rmsnorm, rope_kv_write, silu_mul
+from sits.kernels import (
+    argmax,
+    attention_decode,
+    fp8_gemm,
+    fp8_quantize,
+    gemm_small_m,
+    rmsnorm,
+    rmsnorm_quant,
+    rope_kv_write,
+    silu_mul,
+)
 
 HIDDEN, HEAD_DIM, Q_HEADS, KV_HEADS, PAGE_SIZE = 4096, 128, 32, 8, 16
 
@@ -28,6 +39,7 @@ def _launches() -> dict[str, tuple]:
     split_config = attention_decode._BF16_CONFIGS[0]
     split_types, split_constexprs = split_kernel_launch(split_config, False, 0)
     half = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16"}
+    fp8_types = {"a_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32"}
     return {
         "rms_norm (fused add)": (
             rmsnorm._rms_norm_kernel.fn,
@@ -59,6 +71,26 @@ def _launches() -> dict[str, tuple]:
         "argmax chunk": (
             argmax._argmax_chunk_kernel, {"logits_ptr": "*fp32", "key_ptr": "*i32", "index_ptr": "*i32"},
             {"BLOCK": argmax.BLOCK}, (), triton.Config({}, num_warps=4)),
+        "fp8 direct GEMM": (
+            fp8_gemm._fp8_gemm_direct_kernel, fp8_types | {"c_ptr": "*bf16"},
+            dict(fp8_gemm._DIRECT_CONFIGS[0].kwargs, BLOCK_M=16, FAST_ACCUM=False, EVEN_K=True), (),
+            fp8_gemm._DIRECT_CONFIGS[0]),
+        "fp8 split-K GEMM": (
+            fp8_gemm._fp8_gemm_kernel, fp8_types | {"c_ptr": "*fp32"},
+            dict(fp8_gemm._SMALL_M_CONFIGS[0].kwargs, ATOMIC=True, FAST_ACCUM=False, EVEN_K=True), (),
+            fp8_gemm._SMALL_M_CONFIGS[0]),
+        "rms_norm + e4m3": (
+            rmsnorm_quant._rms_norm_quant_kernel,
+            {"x_ptr": "*bf16", "weight_ptr": "*bf16", "residual_ptr": "*fp32", "residual_out_ptr": "*fp32",
+             "out_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "eps": "fp32"},
+            {"BLOCK": HIDDEN, "HAS_RESIDUAL": True, "WRITE_RESIDUAL": True, "SINGLE_PASS": True}, (),
+            triton.Config({}, num_warps=rmsnorm_quant.launch_config(HIDDEN)[1])),
+        "SiLU·mul + e4m3": (
+            silu_mul._silu_mul_quant_kernel, {"gate_up_ptr": "*bf16", "out_ptr": "*fp8e4nv", "scale_ptr": "*fp32"},
+            {"BLOCK": 16384, "SINGLE_PASS": True}, (), triton.Config({}, num_warps=16)),
+        "per-token e4m3": (
+            fp8_quantize._quantize_fp8_per_token_kernel, {"x_ptr": "*bf16", "out_ptr": "*fp8e4nv", "scale_ptr": "*fp32"},
+            {"BLOCK": HIDDEN, "SINGLE_PASS": True}, (), triton.Config({}, num_warps=16)),
         "argmax merge": (
             argmax._argmax_merge_kernel, {"key_ptr": "*i32", "index_ptr": "*i32", "out_ptr": "*i64"},
             {"BLOCK_C": argmax.MAX_CHUNKS}, (), triton.Config({}, num_warps=1)),

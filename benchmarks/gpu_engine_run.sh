@@ -53,6 +53,9 @@
 #   fp8-modes-decode  the same at M = 16, 32, 64 only (the decode buckets, ~1 min), the committed table's other
 #          rows kept: LOG_DIR/fp8_accum_table.json
 #   fp8-b32-table  fp8-b32 with that table (SITS_FP8_GEMM_TABLE): run after fp8-modes or fp8-modes-decode
+#   itl-pdl, bf16-pdl, fp8-b32-pdl  itl, bf16 and fp8-b32 with the decode kernels launched with programmatic
+#          dependent launch (SITS_PDL=1, sits.kernels.pdl); run after the step without the suffix, whose output
+#          tok/s the RESULT line compares with (transformers' figure is reused from it as the peer)
 #   host   benchmarks/bench_engine_host_overhead.py: the engine's host work per decode step on this
 #          machine's CPU (tiny model, batch 1 / 32 / 256, async off and on), phase by phase
 # The summary (every table, the tests' RESULT lines, each step's exit code) is printed last and
@@ -173,6 +176,24 @@ for step in $STEPS; do
     itl)
       timeout "${ITL_TIMEOUT:-90}" $BENCH --batch 1 --input-len 2048 --output-len 128 \
         --json "$LOG_DIR/itl.json" >"$LOG_DIR/itl.log" 2>&1 ;;
+    itl-pdl|bf16-pdl|fp8-b32-pdl)  # the step before the suffix, the decode kernels launched with PDL
+      base=${step%-pdl}
+      case $base in
+        itl) args="$BENCH --batch 1 --output-len 128 $(peer_flag itl)" ;;
+        bf16) args="$BENCH --batch 32 --output-len 512 $(peer_flag bf16)" ;;
+        fp8-b32) args="$FP8_BENCH --batch 32 --output-len 512" ;;
+      esac
+      SITS_PDL=1 timeout "${PDL_TIMEOUT:-150}" $args --input-len 2048 --json "$LOG_DIR/$step.json" \
+        >"$LOG_DIR/$step.log" 2>&1
+      rc=$?
+      figure=$(sits_tok_s "$base")
+      cache=$([ "$base" = fp8-b32 ] && echo "${KV_FP8:-model-dtype KV cache}" || echo "bf16 KV cache")
+      if [ $rc -eq 0 ] && [ -n "$figure" ]; then
+        result_line "$step" "$figure" "the $base step (this run, without PDL)" "$cache"
+      elif [ $rc -eq 0 ] && [ "$base" = fp8-b32 ]; then
+        result_line "$step" 4600 "issue 14's target" "$cache"
+      fi
+      (exit $rc) ;;
     itl-sync)
       timeout "${ITL_TIMEOUT:-90}" $BENCH --batch 1 --input-len 2048 --output-len 128 --no-async-scheduling \
         $(peer_flag itl) --json "$LOG_DIR/itl-sync.json" >"$LOG_DIR/itl-sync.log" 2>&1 ;;

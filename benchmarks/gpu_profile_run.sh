@@ -16,7 +16,8 @@
 #   pwtests        the piecewise graphs' tests, captured and replayed (tests/runtime/test_triton_backend.py)
 #   prof448fp8     the same at fp8 throughput: fp8 weights + fp8 KV cache, batch 448, 3,072-token context
 #                  (the middle of a 2,048 / 2,048 run), 10 steps
-#   prof32fp8      fp8 weights + fp8 KV cache at batch 32, 2,048-token context (the fp8-b32 bench's decode)
+#   prof32fp8      fp8 weights + fp8 KV cache at batch 32, 2,048-token context (the fp8-b32 bench's decode);
+#                  prof32fp8-pdl: the same with programmatic dependent launch (SITS_PDL=1)
 #   trace256       benchmarks/bench_step_trace.py: 256 in flight, 1,024 / 512, 512 prompts, default budget
 #   trace256-capN[-minM]  the same with --max-prefill-tokens-with-decodes N [--prefill-cap-min-decodes M]
 #                  (e.g. trace256-cap2048, trace256-cap1024-min64; cap0 turns the device's default off)
@@ -61,7 +62,8 @@ for step in $STEPS; do
       -p no:cacheprovider --confcutdir=tests -k "piecewise or padded" ;;
     prof448fp8) timeout 400 python3 benchmarks/profile_decode.py $COMMON --batch 448 --input-len 3072 \
       --quantization fp8 --kv-cache-dtype fp8 --steps 10 --chrome-trace "$LOG_DIR/$step.trace.json.gz" ;;
-    prof32fp8) timeout 300 python3 benchmarks/profile_decode.py $COMMON --batch 32 --input-len 2048 \
+    prof32fp8|prof32fp8-pdl) SITS_PDL=$([ "$step" = prof32fp8-pdl ] && echo 1) timeout 300 \
+      python3 benchmarks/profile_decode.py $COMMON --batch 32 --input-len 2048 \
       --quantization fp8 --kv-cache-dtype fp8 ;;
     trace256) timeout 300 python3 benchmarks/bench_step_trace.py $COMMON --batch 256 --input-len 1024 \
       --output-len 512 --prompts 512 --host-phases --json "$LOG_DIR/$step.json" ;;

@@ -47,6 +47,7 @@ from sits.kernels.launch_utils import (
     length_bucket,
     require,
 )
+from sits.kernels.pdl import pdl_launch_options, pdl_wait
 from sits.kernels.quantization import quantize_weight_fp8_per_channel
 from sits.kernels.reference import fp8_gemm_reference
 
@@ -106,7 +107,9 @@ def _fp8_gemm_kernel(
     M, N, K, stride_am, stride_wn, stride_cm, M_BUCKET,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     GROUP_M: tl.constexpr, ATOMIC: tl.constexpr, FAST_ACCUM: tl.constexpr, EVEN_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_wait(USE_PDL)
     offs_m, offs_n, rows_a, rows_w, first, last = split_k_tile(M, N, tl.cdiv(K, BLOCK_K), BLOCK_M, BLOCK_N, SPLIT_K,
                                                                GROUP_M)
     offs_k = tl.arange(0, BLOCK_K)
@@ -175,7 +178,7 @@ def _fp8_gemm_direct_kernel(
     a_ptr, w_ptr, c_ptr, a_scale_ptr, w_scale_ptr,
     M, N, K, stride_am, stride_wn, stride_cm, M_BUCKET,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
-    PROMOTE_K: tl.constexpr, FAST_ACCUM: tl.constexpr, EVEN_K: tl.constexpr,
+    PROMOTE_K: tl.constexpr, FAST_ACCUM: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """c [M, N] = (a @ w^T) * a_scale * w_scale^T in c's dtype; grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)).
 
@@ -184,8 +187,9 @@ def _fp8_gemm_direct_kernel(
     past N are wrapped for the loads and masked at the store. Activation rows past M are masked at
     the load as well (not wrapped): a batch of 1 to 15 rows in a 16-row tile reads only its rows
     from L2, once per program. Precise sums (FAST_ACCUM false) are promoted to float32 every
-    PROMOTE_K elements of K.
+    PROMOTE_K elements of K. USE_PDL: launched with programmatic dependent launch (sits.kernels.pdl).
     """
+    pdl_wait(USE_PDL)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_a = offs_m.to(tl.int64)
@@ -257,7 +261,8 @@ def _launch_direct(kernel, a_fp8, a_scale, w_fp8, w_scale, out, fast_accum: bool
     grid = lambda meta_: (triton.cdiv(m, block_m), triton.cdiv(n, meta_["BLOCK_N"]))  # noqa: E731
     kernel[grid](
         a_fp8, w_fp8, out, a_scale, w_scale, m, n, k, a_fp8.stride(0), w_fp8.stride(0), out.stride(0),
-        length_bucket(m, cap=1 << 16), BLOCK_M=block_m, FAST_ACCUM=bool(fast_accum), **meta,
+        length_bucket(m, cap=1 << 16), BLOCK_M=block_m, FAST_ACCUM=bool(fast_accum),
+        **{**pdl_launch_options(a_fp8.device), **meta},
     )  # fmt: skip
 
 
@@ -373,7 +378,7 @@ def fp8_gemm(
         acc = torch.empty(m, n, dtype=torch.float32, device=a_fp8.device)  # zeroed by the config pre-hook
         _fp8_gemm_small_m[split_k_grid(m, n)](
             a_fp8, w_fp8, acc, a_scale, w_scale, m, n, k, a_fp8.stride(0), w_fp8.stride(0), acc.stride(0), bucket,
-            ATOMIC=True, FAST_ACCUM=bool(fast_accum),
+            ATOMIC=True, FAST_ACCUM=bool(fast_accum), **pdl_launch_options(a_fp8.device),
         )  # fmt: skip
         return acc if out_dtype == torch.float32 else acc.to(out_dtype)
     out = torch.empty(m, n, dtype=out_dtype, device=a_fp8.device)

@@ -21,6 +21,7 @@ from sits.kernels.launch_utils import (
     next_power_of_2,
     require,
 )
+from sits.kernels.pdl import pdl_launch_options, pdl_wait
 from sits.kernels.reference import quantize_fp8_per_token_reference
 
 __all__ = ["quantize_fp8_per_token", "quantize_fp8_per_token_reference"]
@@ -38,8 +39,9 @@ def _quantize_row_chunk(x, scale, out_ptrs, mask):
 @triton.jit
 def _quantize_fp8_per_token_kernel(
     x_ptr, out_ptr, scale_ptr, stride_x, stride_out, n_cols,
-    BLOCK: tl.constexpr, SINGLE_PASS: tl.constexpr,
+    BLOCK: tl.constexpr, SINGLE_PASS: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     x_row = x_ptr + row * stride_x
@@ -85,6 +87,6 @@ def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     block = next_power_of_2(n_cols) if single else CHUNK
     _quantize_fp8_per_token_kernel[(rows,)](
         x, x_fp8, scale, x.stride(0), x_fp8.stride(0), n_cols,
-        BLOCK=block, SINGLE_PASS=single, num_warps=max(1, min(16, block // 256)),
+        BLOCK=block, SINGLE_PASS=single, num_warps=max(1, min(16, block // 256)), **pdl_launch_options(x.device),
     )  # fmt: skip
     return x_fp8, scale

@@ -39,6 +39,7 @@ from sits.kernels.launch_utils import (
     next_power_of_2,
     require,
 )
+from sits.kernels.pdl import pdl_launch_options, pdl_wait
 from sits.kernels.reference import rms_norm_quant_fp8_reference
 
 __all__ = ["rms_norm_quant_fp8", "rms_norm_quant_fp8_reference", "launch_config"]
@@ -80,7 +81,9 @@ def _rms_norm_quant_kernel(
     x_ptr, weight_ptr, residual_ptr, residual_out_ptr, out_ptr, scale_ptr,
     stride_x, stride_res, stride_res_out, stride_out, n_cols, eps,
     BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, WRITE_RESIDUAL: tl.constexpr, SINGLE_PASS: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     dtype = x_ptr.dtype.element_ty
@@ -173,6 +176,6 @@ def rms_norm_quant_fp8(
             x, weight, res, stream, out, scale,
             x.stride(0), res.stride(0), stream.stride(0), out.stride(0), n_cols, float(eps),
             BLOCK=block, HAS_RESIDUAL=residual is not None, WRITE_RESIDUAL=residual_out is not None,
-            SINGLE_PASS=single, num_warps=warps,
+            SINGLE_PASS=single, num_warps=warps, **pdl_launch_options(x.device),
         )  # fmt: skip
     return out, scale, stream

@@ -78,8 +78,9 @@ def _store_e4m3(values, scale, ptrs, mask):
 
 @triton.jit
 def _silu_mul_quant_kernel(gate_up_ptr, stride_in, n_cols, out_ptr, stride_out, scale_ptr,
-                           BLOCK: tl.constexpr, SINGLE_PASS: tl.constexpr):
+                           BLOCK: tl.constexpr, SINGLE_PASS: tl.constexpr, USE_PDL: tl.constexpr = False):
     """One row per program: the row's products, their absolute maximum, the scale, the e4m3 values."""
+    pdl_wait(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     src = gate_up_ptr + token * stride_in
@@ -155,5 +156,6 @@ def silu_mul_quant_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     if gate_up.shape[0]:
         _silu_mul_quant_kernel[(gate_up.shape[0],)](gate_up, gate_up.stride(0), n_cols, out, out.stride(0), scale,
                                                     BLOCK=block, SINGLE_PASS=in_registers,
-                                                    num_warps=max(1, min(16, block // 256)))
+                                                    num_warps=max(1, min(16, block // 256)),
+                                                    **pdl_launch_options(gate_up.device))
     return out, scale

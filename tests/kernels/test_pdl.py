@@ -3,8 +3,8 @@
 CPU: SITS_PDL's parsing, and that no launch asks for PDL off a Hopper GPU or under the interpreter (the
 kernels' USE_PDL stays at its default there). GPU (SM 9.0+): a decode-shaped chain of the kernels that take
 USE_PDL (fused add + RMSNorm, RoPE + KV write, decode attention and its merge, the small-M GEMM with and
-without SiLU·mul, SiLU·mul, greedy argmax), captured in a CUDA graph with PDL and without, gives the same
-bits; tests/kernels/test_sm90_compile.py checks that the PDL binaries hold the wait and the trigger.
+without SiLU·mul, SiLU·mul, greedy argmax), and the fp8 path's (fused add + RMSNorm + e4m3, the direct fp8
+GEMM, SiLU·mul + e4m3, per-token e4m3), captured in a CUDA graph with PDL and without, give the same bits; tests/kernels/test_sm90_compile.py checks that the PDL binaries hold the wait and the trigger.
 """
 
 from __future__ import annotations
@@ -15,11 +15,15 @@ import torch
 from sits.kernels import pdl
 from sits.kernels.argmax import argmax_rows
 from sits.kernels.attention_decode import paged_decode_attention
+from sits.kernels.fp8_gemm import fp8_gemm
+from sits.kernels.fp8_quantize import quantize_fp8_per_token
 from sits.kernels.gemm_small_m import small_m_gemm, small_m_gemm_silu_mul
+from sits.kernels.quantization import quantize_weight_fp8_per_channel
 from sits.kernels.rmsnorm import rms_norm
+from sits.kernels.rmsnorm_quant import rms_norm_quant_fp8
 from sits.kernels.rope_kv_write import rope_and_cache_write
 from sits.kernels.rope_tables import build_cos_sin_cache
-from sits.kernels.silu_mul import silu_mul
+from sits.kernels.silu_mul import silu_mul, silu_mul_quant_fp8
 from tests.kernels.helpers import DEVICE, ON_GPU
 
 
@@ -107,3 +111,53 @@ def test_the_decode_chain_with_pdl_in_a_cuda_graph_gives_the_same_bits(monkeypat
     assert torch.equal(plain, with_pdl)
     for name in ("k_cache", "v_cache", "residual"):  # every in-place write landed the same way
         assert torch.equal(plain_state[name], pdl_state[name]), name
+
+
+def _fp8_chain(state: dict) -> torch.Tensor:
+    """The fp8 path's kernels that take USE_PDL, in a decode layer's order (the direct GEMM only: the split-K
+    kernel adds its partial sums atomically, in no fixed order): the MLP's output [B, 4096] bf16."""
+    residual = state["residual"]
+    a, a_scale, _ = rms_norm_quant_fp8(state["x"], state["norm"], 1e-5, residual=residual, residual_out=residual)
+    gate_up = fp8_gemm(a, a_scale, *state["w_gate_up"])
+    h, h_scale = silu_mul_quant_fp8(gate_up)
+    out = fp8_gemm(h, h_scale, *state["w_down"])
+    again, again_scale = quantize_fp8_per_token(out)
+    return fp8_gemm(again, again_scale, *state["w_o"])
+
+
+def _fp8_state(batch: int = 4) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(4)
+
+    def weight(n, k):
+        return quantize_weight_fp8_per_channel(torch.randn(n, k, generator=g, device="cuda") * 0.05)
+
+    return {"x": torch.randn(batch, 4096, generator=g, device="cuda").to(torch.bfloat16),
+            "residual": torch.randn(batch, 4096, generator=g, device="cuda"),
+            "norm": (1 + 0.1 * torch.randn(4096, generator=g, device="cuda")).to(torch.bfloat16),
+            "w_gate_up": weight(2 * 2048, 4096), "w_down": weight(4096, 2048), "w_o": weight(4096, 4096)}
+
+
+def _graphed_fp8(state: dict) -> torch.Tensor:
+    pristine = state["residual"].clone()
+    _fp8_chain(state)
+    torch.cuda.synchronize()
+    state["residual"].copy_(pristine)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _fp8_chain(state)
+    graph.replay()
+    torch.cuda.synchronize()
+    return out.clone()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (ON_GPU and pdl.pdl_supported(DEVICE)), reason="PDL needs SM 9.0 or later")
+def test_the_fp8_chain_with_pdl_in_a_cuda_graph_gives_the_same_bits(monkeypatch):
+    monkeypatch.delenv(pdl.PDL_ENV, raising=False)
+    plain_state = _fp8_state()
+    plain = _graphed_fp8(plain_state)
+    monkeypatch.setenv(pdl.PDL_ENV, "1")
+    pdl_state = _fp8_state()
+    with_pdl = _graphed_fp8(pdl_state)
+    assert torch.equal(plain, with_pdl)
+    assert torch.equal(plain_state["residual"], pdl_state["residual"])

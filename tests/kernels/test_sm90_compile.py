@@ -106,7 +106,7 @@ def test_pdl_kernels_hold_the_wait_and_the_trigger_only_when_asked(tmp_path):
     it, and the same registers both ways (sits.kernels.pdl)."""
     rows = compile_rows(tmp_path, "compile_pdl_sm90.py")
     kernels = {row["kernel"] for row in rows}
-    assert len(kernels) == 9 and len(rows) == 18
+    assert len(kernels) == 14 and len(rows) == 28
     by_launch = {(row["kernel"], row["use_pdl"]): row for row in rows}
     for kernel in kernels:
         off, on = by_launch[(kernel, False)], by_launch[(kernel, True)]
