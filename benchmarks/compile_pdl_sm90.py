@@ -35,11 +35,15 @@ HIDDEN, HEAD_DIM, Q_HEADS, KV_HEADS, PAGE_SIZE = 4096, 128, 32, 8, 16
 
 def _launches() -> dict[str, tuple]:
     """name -> (jit function, types, constexprs, aligned arguments, config) of each kernel's launch."""
+    return _bf16_launches() | _fp8_launches()
+
+
+def _bf16_launches() -> dict[str, tuple]:
+    """The bf16 decode path's kernels (see _launches)."""
     small_m = gemm_small_m.GPU_CONFIGS[0]
     split_config = attention_decode._BF16_CONFIGS[0]
     split_types, split_constexprs = split_kernel_launch(split_config, False, 0)
     half = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16"}
-    fp8_types = {"a_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32"}
     return {
         "rms_norm (fused add)": (
             rmsnorm._rms_norm_kernel.fn,
@@ -71,6 +75,16 @@ def _launches() -> dict[str, tuple]:
         "argmax chunk": (
             argmax._argmax_chunk_kernel, {"logits_ptr": "*fp32", "key_ptr": "*i32", "index_ptr": "*i32"},
             {"BLOCK": argmax.BLOCK}, (), triton.Config({}, num_warps=4)),
+        "argmax merge": (
+            argmax._argmax_merge_kernel, {"key_ptr": "*i32", "index_ptr": "*i32", "out_ptr": "*i64"},
+            {"BLOCK_C": argmax.MAX_CHUNKS}, (), triton.Config({}, num_warps=1)),
+    }
+
+
+def _fp8_launches() -> dict[str, tuple]:
+    """The fp8 decode path's kernels (see _launches)."""
+    fp8_types = {"a_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32"}
+    return {
         "fp8 direct GEMM": (
             fp8_gemm._fp8_gemm_direct_kernel, fp8_types | {"c_ptr": "*bf16"},
             dict(fp8_gemm._DIRECT_CONFIGS[0].kwargs, BLOCK_M=16, FAST_ACCUM=False, EVEN_K=True), (),
@@ -91,9 +105,6 @@ def _launches() -> dict[str, tuple]:
         "per-token e4m3": (
             fp8_quantize._quantize_fp8_per_token_kernel, {"x_ptr": "*bf16", "out_ptr": "*fp8e4nv", "scale_ptr": "*fp32"},
             {"BLOCK": HIDDEN, "SINGLE_PASS": True}, (), triton.Config({}, num_warps=16)),
-        "argmax merge": (
-            argmax._argmax_merge_kernel, {"key_ptr": "*i32", "index_ptr": "*i32", "out_ptr": "*i64"},
-            {"BLOCK_C": argmax.MAX_CHUNKS}, (), triton.Config({}, num_warps=1)),
     }
 
 

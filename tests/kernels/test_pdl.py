@@ -83,34 +83,39 @@ def _state(batch: int = 4, context: int = 700, device: str = "cuda", dtype: torc
     }
 
 
-def _graphed(state: dict) -> torch.Tensor:
-    """The chain warmed up (compiles and autotunes outside the capture), captured, then replayed."""
-    pristine = {name: t.clone() if isinstance(t, torch.Tensor) else t for name, t in state.items()}
-    _decode_chain(state)
+def _graphed(chain, state: dict, written: tuple[str, ...]) -> torch.Tensor:
+    """`chain(state)` warmed up (compiles and autotunes outside the capture), captured, then replayed; the
+    tensors the chain writes in place (`written`) are put back after the warm-up."""
+    pristine = {name: state[name].clone() for name in written}
+    chain(state)
     torch.cuda.synchronize()
-    for name in ("k_cache", "v_cache", "residual"):  # undo the warm-up's in-place writes
+    for name in written:
         state[name].copy_(pristine[name])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        tokens = _decode_chain(state)
+        result = chain(state)
     graph.replay()
     torch.cuda.synchronize()
-    return tokens.clone()
+    return result.clone()
+
+
+def _same_bits_with_and_without_pdl(monkeypatch, make_state, chain, written: tuple[str, ...]) -> None:
+    monkeypatch.delenv(pdl.PDL_ENV, raising=False)
+    plain_state = make_state()
+    plain = _graphed(chain, plain_state, written)
+    monkeypatch.setenv(pdl.PDL_ENV, "1")
+    assert pdl.pdl_launch_options(DEVICE) == {"USE_PDL": True, "launch_pdl": True}
+    pdl_state = make_state()
+    with_pdl = _graphed(chain, pdl_state, written)
+    assert torch.equal(plain, with_pdl)
+    for name in written:  # every in-place write landed the same way
+        assert torch.equal(plain_state[name], pdl_state[name]), name
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (ON_GPU and pdl.pdl_supported(DEVICE)), reason="PDL needs SM 9.0 or later")
 def test_the_decode_chain_with_pdl_in_a_cuda_graph_gives_the_same_bits(monkeypatch):
-    monkeypatch.delenv(pdl.PDL_ENV, raising=False)
-    plain_state = _state()
-    plain = _graphed(plain_state)
-    monkeypatch.setenv(pdl.PDL_ENV, "1")
-    assert pdl.pdl_launch_options(DEVICE) == {"USE_PDL": True, "launch_pdl": True}
-    pdl_state = _state()
-    with_pdl = _graphed(pdl_state)
-    assert torch.equal(plain, with_pdl)
-    for name in ("k_cache", "v_cache", "residual"):  # every in-place write landed the same way
-        assert torch.equal(plain_state[name], pdl_state[name]), name
+    _same_bits_with_and_without_pdl(monkeypatch, _state, _decode_chain, ("k_cache", "v_cache", "residual"))
 
 
 def _fp8_chain(state: dict) -> torch.Tensor:
@@ -137,27 +142,7 @@ def _fp8_state(batch: int = 4) -> dict:
             "w_gate_up": weight(2 * 2048, 4096), "w_down": weight(4096, 2048), "w_o": weight(4096, 4096)}
 
 
-def _graphed_fp8(state: dict) -> torch.Tensor:
-    pristine = state["residual"].clone()
-    _fp8_chain(state)
-    torch.cuda.synchronize()
-    state["residual"].copy_(pristine)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = _fp8_chain(state)
-    graph.replay()
-    torch.cuda.synchronize()
-    return out.clone()
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not (ON_GPU and pdl.pdl_supported(DEVICE)), reason="PDL needs SM 9.0 or later")
 def test_the_fp8_chain_with_pdl_in_a_cuda_graph_gives_the_same_bits(monkeypatch):
-    monkeypatch.delenv(pdl.PDL_ENV, raising=False)
-    plain_state = _fp8_state()
-    plain = _graphed_fp8(plain_state)
-    monkeypatch.setenv(pdl.PDL_ENV, "1")
-    pdl_state = _fp8_state()
-    with_pdl = _graphed_fp8(pdl_state)
-    assert torch.equal(plain, with_pdl)
-    assert torch.equal(plain_state["residual"], pdl_state["residual"])
+    _same_bits_with_and_without_pdl(monkeypatch, _fp8_state, _fp8_chain, ("residual",))
