@@ -28,7 +28,7 @@ _CAPABILITY = {"native": 90, "bits": 80}
 
 def compile_one(config: triton.Config, decode: str, even_k: bool) -> dict:
     """One config with one decoding compiled for its GPU: registers, spills, shared memory, wgmma or not."""
-    small = config.kwargs.get("SPLIT_K", 1) > 1 or config.pre_hook is not None
+    small = config in wo._SMALL_M_CONFIGS
     types = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv" if decode == "native" else "*u8", "w_scale_ptr": "*fp32",
              "c_ptr": "*fp32" if small else "*bf16"}
     constexprs = dict(config.kwargs, ATOMIC=small, EVEN_K=even_k, E4M3_BITS=decode == "bits")
@@ -37,7 +37,7 @@ def compile_one(config: triton.Config, decode: str, even_k: bool) -> dict:
 
 
 def _describe(config: triton.Config, decode: str, even_k: bool) -> dict:
-    small = config.kwargs.get("SPLIT_K", 1) > 1 or config.pre_hook is not None
+    small = config in wo._SMALL_M_CONFIGS
     return {"config": short(config), "split_k": config.kwargs.get("SPLIT_K", 1), "small_m": small,
             "decode": decode, "sm": _CAPABILITY[decode], "even_k": even_k}
 

@@ -732,10 +732,11 @@ def paged_decode_attention(
         group_rows = next_power_of_2(group)
     elif meta["VARIANT"] & _PACKED:
         group_rows = max(8, next_power_of_2(group))  # hi and lo fill the dot's 16 columns
+    pdl = pdl_launch_options(q.device)
     meta |= {"HEAD_DIM": head_dim, "BLOCK_G": group_rows, "PAGE_SIZE": page_size,
              "SINGLE_SPLIT": single, "FP8_KV": fp8, "FUSED_MERGE": fused,
              "MERGE_BLOCK": plan.merge_block if fused else 1, "MERGE_G": next_power_of_2(group) if fused else 1,
-             **pdl_launch_options(q.device)}  # fmt: skip
+             **pdl}  # fmt: skip
     if compile_only:
         if not is_interpreter():  # the interpreter compiles nothing
             kernel.warmup(*args, grid=grid, **meta)
@@ -749,6 +750,6 @@ def paged_decode_attention(
             out.stride(0), out.stride(1),
             tokens_per_split,
             HEAD_DIM=head_dim, BLOCK_S=plan.merge_block,
-            num_warps=4, **pdl_launch_options(q.device),
+            num_warps=4, **pdl,
         )  # fmt: skip
     return out

@@ -34,7 +34,7 @@ PDL_MIN_CAPABILITY = (9, 0)
 
 
 def pdl_requested() -> bool:
-    """Whether SITS_PDL asks for programmatic dependent launch ("1", "true", "on"; default off)."""
+    """Whether SITS_PDL asks for programmatic dependent launch ("1", "true", "on" or "yes"; default off)."""
     return os.environ.get(PDL_ENV, "").strip().lower() in ("1", "true", "on", "yes")
 
 
