@@ -5,9 +5,10 @@
 Each kernel that takes USE_PDL (sits.kernels.pdl), at a Llama-3-8B decode launch: the fused add + RMSNorm,
 the small-M GEMM (plain and with SiLU·mul), RoPE + KV write, the decode split kernel and its merge, SiLU·mul,
 greedy argmax's two kernels, and the fp8 path's (the fused add + RMSNorm + e4m3 quantization, SiLU·mul + e4m3,
-per-token e4m3, the direct and the split-K fp8 GEMMs), each compiled with USE_PDL off and on. Rows give how many
-grid-dependency instructions (`griddepcontrol.*`) the PTX holds: none off, the wait and the trigger on,
-and registers and spills both ways (the wait must not cost registers). Run it without TRITON_INTERPRET.
+per-token e4m3, the direct and the split-K fp8 GEMMs), each compiled with USE_PDL in each of its three modes
+(PDL_OFF, PDL_AT_EXIT, PDL_EARLY). Rows give how many grid-dependency instructions (`griddepcontrol.*`) the PTX
+holds: none off, the wait at exit-trigger, the wait and the early trigger with PDL_EARLY, and registers and
+spills each way (the wait must not cost registers). Run it without TRITON_INTERPRET.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from sits.kernels import (
     fp8_gemm,
     fp8_quantize,
     gemm_small_m,
+    pdl,
     rmsnorm,
     rmsnorm_quant,
     rope_kv_write,
@@ -108,13 +110,16 @@ def _fp8_launches() -> dict[str, tuple]:
     }
 
 
-def compile_one(name: str, use_pdl: bool) -> dict:
-    """One kernel's launch compiled for sm_90a with USE_PDL off or on."""
+PDL_MODES = (pdl.PDL_OFF, pdl.PDL_AT_EXIT, pdl.PDL_EARLY)
+
+
+def compile_one(name: str, use_pdl: int) -> dict:
+    """One kernel's launch compiled for sm_90a with USE_PDL in one of PDL_MODES."""
     fn, types, constexprs, aligned, config = _launches()[name]
     return compile_sm90(fn, types, dict(constexprs, USE_PDL=use_pdl), aligned, config)
 
 
-def _describe(name: str, use_pdl: bool) -> dict:
+def _describe(name: str, use_pdl: int) -> dict:
     return {"kernel": name, "use_pdl": use_pdl}
 
 
@@ -122,7 +127,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="also write the rows to this JSON file")
     args = parser.parse_args()
-    report_rows([(name, pdl) for name in _launches() for pdl in (False, True)], _describe, compile_one, args.json)
+    report_rows([(name, pdl_mode) for name in _launches() for pdl_mode in PDL_MODES], _describe, compile_one, args.json)
 
 
 if __name__ == "__main__":

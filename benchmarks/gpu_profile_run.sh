@@ -17,7 +17,8 @@
 #   prof448fp8     the same at fp8 throughput: fp8 weights + fp8 KV cache, batch 448, 3,072-token context
 #                  (the middle of a 2,048 / 2,048 run), 10 steps
 #   prof32fp8      fp8 weights + fp8 KV cache at batch 32, 2,048-token context (the fp8-b32 bench's decode);
-#                  prof32fp8-pdl: the same with programmatic dependent launch (SITS_PDL=1)
+#                  prof32fp8-pdl: the same with programmatic dependent launch (SITS_PDL=1: the next kernel
+#                  launches when this one's programs exit); prof32fp8-pdlearly: SITS_PDL=early (right away)
 #   trace256       benchmarks/bench_step_trace.py: 256 in flight, 1,024 / 512, 512 prompts, default budget
 #   trace256-capN[-minM]  the same with --max-prefill-tokens-with-decodes N [--prefill-cap-min-decodes M]
 #                  (e.g. trace256-cap2048, trace256-cap1024-min64; cap0 turns the device's default off)
@@ -38,7 +39,8 @@
 #                  same call, or give the table's path as SMALL_M_TABLE (LOG_DIR is emptied between calls);
 #                  -fused (prof1-fused, prof1-gemv-fused, ...): with the decode attention's fused split merge
 #                  (SITS_DECODE_FUSED_MERGE=1); -pdl (prof1-pdl, prof32-pdl, prof1-gemv-pdl, ...): the decode
-#                  kernels launched with programmatic dependent launch (SITS_PDL=1, sits.kernels.pdl)
+#                  kernels launched with programmatic dependent launch (SITS_PDL=1, sits.kernels.pdl);
+#                  -pdlearly (prof1-pdlearly, ...): SITS_PDL=early, the next kernel launched right after the wait
 #   pdltests       tests/kernels/test_pdl.py: the decode chain with and without PDL in a CUDA graph, bit for bit
 set -u
 cd "$(dirname "$0")/.."
@@ -62,7 +64,9 @@ for step in $STEPS; do
       -p no:cacheprovider --confcutdir=tests -k "piecewise or padded" ;;
     prof448fp8) timeout 400 python3 benchmarks/profile_decode.py $COMMON --batch 448 --input-len 3072 \
       --quantization fp8 --kv-cache-dtype fp8 --steps 10 --chrome-trace "$LOG_DIR/$step.trace.json.gz" ;;
-    prof32fp8|prof32fp8-pdl) SITS_PDL=$([ "$step" = prof32fp8-pdl ] && echo 1) timeout 300 \
+    prof32fp8|prof32fp8-pdl|prof32fp8-pdlearly) pdl=""
+      case $step in *-pdlearly) pdl=early ;; *-pdl) pdl=1 ;; esac
+      SITS_PDL="$pdl" timeout 300 \
       python3 benchmarks/profile_decode.py $COMMON --batch 32 --input-len 2048 \
       --quantization fp8 --kv-cache-dtype fp8 ;;
     trace256) timeout 300 python3 benchmarks/bench_step_trace.py $COMMON --batch 256 --input-len 1024 \
@@ -81,7 +85,7 @@ for step in $STEPS; do
     prof1-*|prof32-*) batch=${step#prof}; batch=${batch%%-*}; table=""; fused=""; pdl=""
       case $step in *-gemv*) table="${SMALL_M_TABLE:-$LOG_DIR/small_m_gemm_table.json}" ;; esac
       case $step in *-fused*) fused=1 ;; esac
-      case $step in *-pdl*) pdl=1 ;; esac
+      case $step in *-pdlearly*) pdl=early ;; *-pdl*) pdl=1 ;; esac
       SITS_SMALL_M_GEMM="$table" SITS_DECODE_FUSED_MERGE="$fused" SITS_PDL="$pdl" timeout 200 \
       python3 benchmarks/profile_decode.py $COMMON --batch "$batch" --input-len 2048 ;;
     trace256-cap*) budget=${step#trace256-cap}; cap=${budget%%-min*}; least=0

@@ -5,17 +5,25 @@ stream is still finishing, so its launch latency and start-up hide behind that k
 at batch 1 is ~10 kernels a layer of a few microseconds each, so the gaps between them are a visible share
 of the step.
 
-    pdl_launch_options(device) -> {} or {"USE_PDL": True, "launch_pdl": True}: a launch's extra keywords
+    pdl_launch_options(device) -> {} or {"USE_PDL": mode, "launch_pdl": True}: a launch's extra keywords
     pdl_wait(USE_PDL)          the first statement of each kernel that takes USE_PDL (no-op when false)
 
 Ordering: a kernel launched this way waits at its first statement for the previous grid to finish and
-flush its memory (`griddepcontrol.wait`), before it reads or writes anything, then lets the next kernel
-launch (`griddepcontrol.launch_dependents`). So every memory effect keeps the stream's order, and a chain
-of such kernels waits transitively: a kernel cannot finish before its own wait has returned. Kernels that
-are not SITS's (cuBLAS, PyTorch's) launch as before and wait for the whole grid before them; a PDL kernel
-after one of them starts when it completes. Inside CUDA graphs the launches become programmatic edges.
+flush its memory (`griddepcontrol.wait`), before it reads or writes anything. So every memory effect keeps
+the stream's order, and a chain of such kernels waits transitively: a kernel cannot finish before its own
+wait has returned. Kernels that are not SITS's (cuBLAS, PyTorch's) launch as before and wait for the whole
+grid before them; a PDL kernel after one of them starts when it completes. Inside CUDA graphs the launches
+become programmatic edges.
 
-Off unless SITS_PDL=1: what it saves is measured by the GPU profile steps `prof1-pdl` and `prof32-pdl`
+When the next grid may launch (SITS_PDL's value):
+  * "1" / "true" / "on" / "yes" (PDL_AT_EXIT): when every program of this grid has exited (the implicit
+    trigger). The next grid's launch and start-up overlap this grid's memory flush, and its waiting
+    programs never hold a multiprocessor this grid could use.
+  * "early" (PDL_EARLY): right after the wait (`griddepcontrol.launch_dependents`), so the next grid's
+    programs are resident and waiting while this one runs. Measured on an H200 (2026-12-02, batch 1,
+    Llama-3-8B shape): the decode step went from 4.77 to 5.56 ms; kept for measurement only.
+
+Off unless SITS_PDL is set: what it saves is measured by the GPU profile steps `prof1-pdl` and `prof32-pdl`
 (benchmarks/gpu_profile_run.sh), against the same steps without it. Never under Triton's interpreter.
 """
 
@@ -31,11 +39,22 @@ from sits.kernels.launch_utils import is_interpreter
 
 PDL_ENV = "SITS_PDL"
 PDL_MIN_CAPABILITY = (9, 0)
+PDL_OFF, PDL_AT_EXIT, PDL_EARLY = 0, 1, 2  # the kernels' USE_PDL constexpr
+_ON_VALUES = ("1", "true", "on", "yes")
+
+
+def pdl_mode() -> int:
+    """The mode SITS_PDL asks for: PDL_AT_EXIT for "1", "true", "on" or "yes", PDL_EARLY for "early", else
+    PDL_OFF (the default)."""
+    value = os.environ.get(PDL_ENV, "").strip().lower()
+    if value == "early":
+        return PDL_EARLY
+    return PDL_AT_EXIT if value in _ON_VALUES else PDL_OFF
 
 
 def pdl_requested() -> bool:
-    """Whether SITS_PDL asks for programmatic dependent launch ("1", "true", "on" or "yes"; default off)."""
-    return os.environ.get(PDL_ENV, "").strip().lower() in ("1", "true", "on", "yes")
+    """Whether SITS_PDL asks for programmatic dependent launch in either mode."""
+    return pdl_mode() != PDL_OFF
 
 
 def pdl_supported(device: torch.device) -> bool:
@@ -46,17 +65,21 @@ def pdl_supported(device: torch.device) -> bool:
 
 
 def pdl_launch_options(device: torch.device) -> dict:
-    """The extra keywords of a launch on `device`: USE_PDL (the kernel's constexpr) and Triton's launch_pdl
-    when PDL is requested and supported, else none (the kernel's USE_PDL default, False)."""
-    if pdl_requested() and pdl_supported(device):
-        return {"USE_PDL": True, "launch_pdl": True}
+    """The extra keywords of a launch on `device`: USE_PDL (the kernel's constexpr: PDL_AT_EXIT or PDL_EARLY)
+    and Triton's launch_pdl when PDL is requested and supported, else none (the kernel's USE_PDL default,
+    False: PDL_OFF)."""
+    mode = pdl_mode()
+    if mode != PDL_OFF and pdl_supported(device):
+        return {"USE_PDL": mode, "launch_pdl": True}
     return {}
 
 
 @triton.jit
 def pdl_wait(USE_PDL: tl.constexpr):
-    """Wait for the grid before this one to finish and flush, then let the next grid launch (no-op when
-    USE_PDL is false). The first statement of a kernel: nothing may be read or written before it."""
+    """Wait for the grid before this one to finish and flush (no-op when USE_PDL is false: PDL_OFF); with
+    PDL_EARLY, then let the next grid launch at once. The first statement of a kernel: nothing may be read
+    or written before it."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if USE_PDL == 2:  # PDL_EARLY
+            tl.extra.cuda.gdc_launch_dependents()

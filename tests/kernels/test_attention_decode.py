@@ -8,11 +8,17 @@ import triton
 import triton.language as tl
 
 from sits.kernels.attention_decode import (
+    DEFAULT_FP8_VARIANT,
     FP8_DECODE_VARIANTS,
+    FP8_VARIANT_ENV,
+    SMALL_BATCH_FP8_VARIANT,
     _round_to_e4m3,
+    choose_fp8_variant,
     paged_decode_attention,
     paged_decode_attention_reference,
+    plan_decode_splits,
 )
+from sits.kernels.launch_utils import num_sms
 from tests.kernels.helpers import DEVICE, HALF_DTYPES, assert_close, poisoned, randn
 from tests.kernels.paged import random_paged_cache
 
@@ -115,6 +121,41 @@ def test_fp8_group_sized_rows_for_every_group(variant, num_q_heads, num_kv_heads
               "v_scale": torch.full((num_kv_heads,), 0.02, device=DEVICE)}
     q = randn(2, num_q_heads, 64, dtype=torch.float16)
     _check(cache, q, 0.125, torch.float16, num_splits=2, fp8_variant=variant, schedule=(32, 4, 2, 128), **scales)
+
+
+def test_the_fp8_loop_follows_the_launch_shape(monkeypatch):
+    """One split and at most two programs (sequences x KV heads) per multiprocessor: the small-batch loop;
+    more programs or several splits: the default; SITS_FP8_DECODE_VARIANT names another for every launch."""
+    monkeypatch.delenv(FP8_VARIANT_ENV, raising=False)
+    sms = 132
+    batch32 = plan_decode_splits(32, 8, 2048, sms)
+    assert batch32.single
+    assert choose_fp8_variant(batch32, 32, 8, sms) == SMALL_BATCH_FP8_VARIANT
+    batch64 = plan_decode_splits(64, 8, 2048, sms)
+    assert choose_fp8_variant(batch64, 64, 8, sms) == DEFAULT_FP8_VARIANT
+    batch1 = plan_decode_splits(1, 8, 2048, sms)
+    assert not batch1.single
+    assert choose_fp8_variant(batch1, 1, 8, sms) == DEFAULT_FP8_VARIANT
+    monkeypatch.setenv(FP8_VARIANT_ENV, "base")
+    assert choose_fp8_variant(batch32, 32, 8, sms) == "base"
+    monkeypatch.setenv(FP8_VARIANT_ENV, "fastest")
+    with pytest.raises(ValueError, match="SITS_FP8_DECODE_VARIANT must be one of"):
+        choose_fp8_variant(batch32, 32, 8, sms)
+
+
+def test_an_fp8_launch_without_a_variant_runs_the_chosen_one(monkeypatch):
+    """paged_decode_attention's default loop is choose_fp8_variant's: the same bits as naming it."""
+    monkeypatch.delenv(FP8_VARIANT_ENV, raising=False)
+    torch.manual_seed(8)
+    cache, scales = _fp8_cache([90, 33])
+    q = randn(2, 8, 64, dtype=torch.float16)
+    args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens, 0.125)
+    sms = num_sms(q.device)
+    plan = plan_decode_splits(2, cache.k_cache.shape[2], cache.block_tables.shape[1] * 16, sms, 1)
+    chosen = choose_fp8_variant(plan, 2, cache.k_cache.shape[2], sms)
+    assert chosen == SMALL_BATCH_FP8_VARIANT
+    assert torch.equal(paged_decode_attention(*args, num_splits=1, **scales),
+                       paged_decode_attention(*args, num_splits=1, fp8_variant=chosen, **scales))
 
 
 @pytest.mark.parametrize("variant", ["swap_q8x2", "swap_q8x2_p_f"])

@@ -4,7 +4,8 @@ CPU: SITS_PDL's parsing, and that no launch asks for PDL off a Hopper GPU or und
 kernels' USE_PDL stays at its default there). GPU (SM 9.0+): a decode-shaped chain of the kernels that take
 USE_PDL (fused add + RMSNorm, RoPE + KV write, decode attention and its merge, the small-M GEMM with and
 without SiLU·mul, SiLU·mul, greedy argmax), and the fp8 path's (fused add + RMSNorm + e4m3, the direct fp8
-GEMM, SiLU·mul + e4m3, per-token e4m3), captured in a CUDA graph with PDL and without, give the same bits; tests/kernels/test_sm90_compile.py checks that the PDL binaries hold the wait and the trigger.
+GEMM, SiLU·mul + e4m3, per-token e4m3), captured in a CUDA graph without PDL and in each PDL mode, give the
+same bits; tests/kernels/test_sm90_compile.py checks that the PDL binaries hold the wait (and the trigger).
 """
 
 from __future__ import annotations
@@ -27,11 +28,13 @@ from sits.kernels.silu_mul import silu_mul, silu_mul_quant_fp8
 from tests.kernels.helpers import DEVICE, ON_GPU
 
 
-@pytest.mark.parametrize(("value", "requested"), [("1", True), ("on", True), ("TRUE", True), ("0", False),
-                                                  ("", False), ("off", False)])
-def test_sits_pdl_asks_for_pdl(monkeypatch, value, requested):
+@pytest.mark.parametrize(("value", "mode"), [("1", pdl.PDL_AT_EXIT), ("on", pdl.PDL_AT_EXIT),
+                                             ("TRUE", pdl.PDL_AT_EXIT), ("early", pdl.PDL_EARLY), (" Early ", pdl.PDL_EARLY),
+                                             ("0", pdl.PDL_OFF), ("", pdl.PDL_OFF), ("off", pdl.PDL_OFF)])
+def test_sits_pdl_asks_for_a_mode(monkeypatch, value, mode):
     monkeypatch.setenv(pdl.PDL_ENV, value)
-    assert pdl.pdl_requested() is requested
+    assert pdl.pdl_mode() == mode
+    assert pdl.pdl_requested() is (mode != pdl.PDL_OFF)
 
 
 @pytest.mark.skipif(ON_GPU, reason="the CPU's answer")
@@ -100,16 +103,18 @@ def _graphed(chain, state: dict, written: tuple[str, ...]) -> torch.Tensor:
 
 
 def _same_bits_with_and_without_pdl(monkeypatch, make_state, chain, written: tuple[str, ...]) -> None:
+    """The chain in a CUDA graph without PDL, then in each PDL mode: the same result and in-place writes."""
     monkeypatch.delenv(pdl.PDL_ENV, raising=False)
     plain_state = make_state()
     plain = _graphed(chain, plain_state, written)
-    monkeypatch.setenv(pdl.PDL_ENV, "1")
-    assert pdl.pdl_launch_options(DEVICE) == {"USE_PDL": True, "launch_pdl": True}
-    pdl_state = make_state()
-    with_pdl = _graphed(chain, pdl_state, written)
-    assert torch.equal(plain, with_pdl)
-    for name in written:  # every in-place write landed the same way
-        assert torch.equal(plain_state[name], pdl_state[name]), name
+    for value, mode in (("1", pdl.PDL_AT_EXIT), ("early", pdl.PDL_EARLY)):
+        monkeypatch.setenv(pdl.PDL_ENV, value)
+        assert pdl.pdl_launch_options(DEVICE) == {"USE_PDL": mode, "launch_pdl": True}
+        pdl_state = make_state()
+        with_pdl = _graphed(chain, pdl_state, written)
+        assert torch.equal(plain, with_pdl), value
+        for name in written:  # every in-place write landed the same way
+            assert torch.equal(plain_state[name], pdl_state[name]), (value, name)
 
 
 @pytest.mark.gpu

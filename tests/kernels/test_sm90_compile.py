@@ -12,7 +12,7 @@ ptxas-blackwell.
 * The fused add + RMSNorm + e4m3 quantization: every launch a served hidden size makes (and a three-pass
   row), each stream case.
 * The fp8 weight-only GEMM (quick list), both decodings: native e4m3 for sm_90a, integer decoding for sm_80.
-* The kernels that take USE_PDL (programmatic dependent launch): the wait and the trigger only when asked.
+* The kernels that take USE_PDL (programmatic dependent launch): the wait (and the early trigger) only when asked.
 * The decode split kernel with its fused merge at the largest merge size (BLOCK_S 64) and without it, for
   the first bf16 config and the fp8 default schedule (the full list: the script without --quick).
 """
@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import triton
 
-from sits.kernels import gemm_small_m, gemm_small_m_norm
+from sits.kernels import gemm_small_m, gemm_small_m_norm, pdl
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas-blackwell"
@@ -102,13 +102,15 @@ def test_fp8_weight_only_gemm_compiles_for_the_h200_and_the_a100(tmp_path):
 
 
 def test_pdl_kernels_hold_the_wait_and_the_trigger_only_when_asked(tmp_path):
-    """Every kernel that takes USE_PDL: no grid-dependency instruction without it, the wait and the trigger with
-    it, and the same registers both ways (sits.kernels.pdl)."""
+    """Every kernel that takes USE_PDL: no grid-dependency instruction without it, the wait alone when the next
+    grid launches at exit, the wait and the trigger when it launches early, and the same registers every way
+    (sits.kernels.pdl)."""
     rows = compile_rows(tmp_path, "compile_pdl_sm90.py")
     kernels = {row["kernel"] for row in rows}
-    assert len(kernels) == 14 and len(rows) == 28
+    assert len(kernels) == 14 and len(rows) == 42
     by_launch = {(row["kernel"], row["use_pdl"]): row for row in rows}
     for kernel in kernels:
-        off, on = by_launch[(kernel, False)], by_launch[(kernel, True)]
-        assert off["griddepcontrol"] == 0 and on["griddepcontrol"] == 2, kernel
-        assert on["regs"] == off["regs"] and on["spill_stores"] == off["spill_stores"] == 0, kernel
+        off, at_exit, early = (by_launch[(kernel, mode)] for mode in (pdl.PDL_OFF, pdl.PDL_AT_EXIT, pdl.PDL_EARLY))
+        assert (off["griddepcontrol"], at_exit["griddepcontrol"], early["griddepcontrol"]) == (0, 1, 2), kernel
+        assert off["regs"] == at_exit["regs"] == early["regs"], kernel
+        assert off["spill_stores"] == at_exit["spill_stores"] == early["spill_stores"] == 0, kernel
