@@ -10,7 +10,8 @@
 #   benchmarks/gguf_parts.sh join         GPU, second call (carry .gl/gguf.part2 and .gl/gguf.sha256): joins the
 #                                          parts into $GGUF_DIR/smollm2.gguf, checks the SHA-256, prints the path
 #
-# Then, in the same second call:
+# Then, in the same second call (carrying .whl from benchmarks/gpu_wheels.sh as well: the GPU image has no
+# GGUF reader, which benchmarks/gpu_env.sh installs from it):
 #   SITS_SMOLLM2_GGUF=$(benchmarks/gguf_parts.sh join) STEPS="tests parity" benchmarks/gpu_engine_run.sh
 set -eu
 cd "$(dirname "$0")/.."

