@@ -25,9 +25,10 @@ instruction (cvt.rn.f16x2.e4m3x2), while Triton's e4m3 -> bf16 adds f16 -> f32 -
 converted once per program (clamped to float16's +-65504); accumulation stays float32. The other
 setting upcasts the tiles to q's dtype (the first implementation), kept for comparison.
 
-The fp8 inner loop has variants (FP8_DECODE_VARIANTS, fp8_variant=): the default, DEFAULT_FP8_VARIANT
-("swap_g_f"), puts the tokens on the dots' M side, gives the dots exactly the GQA group's query heads
-and runs the tiles inside the context without masks.
+The fp8 inner loop has variants (FP8_DECODE_VARIANTS, fp8_variant=): DEFAULT_FP8_VARIANT ("swap_g_f")
+puts the tokens on the dots' M side, gives the dots exactly the GQA group's query heads and runs the
+tiles inside the context without masks; launches of one split with at most two programs per
+multiprocessor run SMALL_BATCH_FP8_VARIANT instead (choose_fp8_variant; SITS_FP8_DECODE_VARIANT forces one).
 """
 
 from __future__ import annotations
