@@ -7,7 +7,9 @@ leaves a server behind.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
+import random
 import shutil
 import signal
 import socket
@@ -19,12 +21,54 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+LISTEN_PORTS_LOW = 10_000  # listening ports are handed out from here up to the kernel's ephemeral range
+WORKER_SLICES = 8  # pytest-xdist workers get disjoint slices of that span (gw8 shares gw0's, and so on)
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range: outgoing connections take their local ports from there up."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    return 32_768
+
+
+def _worker_ports() -> range:
+    """This test process's slice of the listening ports (by its pytest-xdist worker number, gwN)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    span = max(1, (_ephemeral_low() - LISTEN_PORTS_LOW) // WORKER_SLICES)
+    start = LISTEN_PORTS_LOW + (int(worker) if worker.isdigit() else 0) % WORKER_SLICES * span
+    return range(start, start + span)
+
+
+# Test-process bookkeeping, not project state: the next candidate in this process's slice, from a random
+# start (two test sessions on one machine rarely overlap), so no port is handed out twice while free_port
+# goes round its slice.
+_PORTS = _worker_ports()
+_NEXT_PORT = itertools.count(random.randrange(len(_PORTS)))
+
+
+def _can_listen(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A TCP port on 127.0.0.1 that nothing listens on or connects from right now, for a server to listen on.
+
+    It comes from below the kernel's ephemeral range, so no outgoing connection (this test's or another
+    process's) can hold it as its local port by the time the server binds it, and from this process's
+    slice, handed out in turn, so two servers of one test never get the same one. (A port the kernel picks
+    for bind(0) is ephemeral: a client connection elsewhere could take it before the server binds it.)
+    """
+    for _ in range(len(_PORTS)):
+        port = _PORTS[next(_NEXT_PORT) % len(_PORTS)]
+        if _can_listen(port):
+            return port
+    raise RuntimeError(f"no free port in {_PORTS.start}..{_PORTS.stop - 1} on 127.0.0.1")
 
 
 def wait_for_port(port: int, timeout_s: float = 30.0, process: subprocess.Popen | None = None,
