@@ -23,8 +23,10 @@ When the next grid may launch (SITS_PDL's value):
     programs are resident and waiting while this one runs. Measured on an H200 (2026-12-02, batch 1,
     Llama-3-8B shape): the decode step went from 4.77 to 5.56 ms; kept for measurement only.
 
-Off unless SITS_PDL is set: what it saves is measured by the GPU profile steps `prof1-pdl` and `prof32-pdl`
-(benchmarks/gpu_profile_run.sh), against the same steps without it. Never under Triton's interpreter.
+Off unless SITS_PDL is set. Measured on an H200 (2026-12-02), neither mode shortened a decode step: inside a
+replayed CUDA graph the kernels already follow each other within a microsecond (docs/cuda-graphs.md; the GPU
+profile steps `prof1-pdl`, `prof1-pdlearly`, `prof32-pdl` of benchmarks/gpu_profile_run.sh measure it again).
+Never under Triton's interpreter.
 """
 
 from __future__ import annotations
