@@ -212,7 +212,12 @@ def test_an_abort_mid_generation_frees_everything_and_leaves_the_others_unchange
     assert 0 < len(async_tokens) <= len(sync_tokens) and sync_tokens[: len(async_tokens)] == async_tokens
 
 
-async def test_the_async_engine_serves_streams_with_async_scheduling(tiny, prompts):
+def test_the_async_engine_serves_streams_with_async_scheduling(tiny, prompts):
+    """Run in its own event loop (asyncio.run), so the GPU machine's pytest needs no asyncio plugin."""
+    asyncio.run(_serve_streams(tiny, prompts))
+
+
+async def _serve_streams(tiny, prompts):
     params = [SamplingParams(temperature=0.0, max_tokens=6 + i) for i in range(len(prompts))]
     expected = run(make_engine(tiny, False), {f"c{i}": (p, params[i]) for i, p in enumerate(prompts)})
     engine = AsyncEngine.from_engine(make_engine(tiny, True))
