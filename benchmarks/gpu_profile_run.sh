@@ -24,7 +24,7 @@
 #                  (e.g. trace256-cap2048, trace256-cap1024-min64; cap0 turns the device's default off)
 #   attn-small     benchmarks/bench_attention_decode.py --small-batch: the decode attention's split count at batches
 #                  1-16 (bf16 and fp8 caches), every count against the chosen one, and the fused merge beside
-#                  the two launches at each count
+#                  the two launches at each count (ATTN_ARGS=--quick: batch 1 only)
 #   argmax         benchmarks/bench_argmax.py: greedy sampling's vocabulary argmax against torch.argmax
 #   trace448fp8    the fp8-2k2k bench's run step by step (fp8 weights + fp8 cache, 448 prompts of 2,048 / 2,048
 #                  at once): decode-only step times apart from mixed ones; trace448fp8-tableoff: the same with
@@ -40,7 +40,12 @@
 #                  -fused (prof1-fused, prof1-gemv-fused, ...): with the decode attention's fused split merge
 #                  (SITS_DECODE_FUSED_MERGE=1); -pdl (prof1-pdl, prof32-pdl, prof1-gemv-pdl, ...): the decode
 #                  kernels launched with programmatic dependent launch (SITS_PDL=1, sits.kernels.pdl);
-#                  -pdlearly (prof1-pdlearly, ...): SITS_PDL=early, the next kernel launched right after the wait
+#                  -pdlearly (prof1-pdlearly, ...): SITS_PDL=early, the next kernel launched right after the wait;
+#                  -splitN (prof1-split128, prof1-fused-split128, ...): decode attention splits keep at least N tokens
+#                  (SITS_DECODE_SPLIT_TOKENS, a multiple of 128; default 256)
+#   l2pf           benchmarks/bench_l2_prefetch.py: a projection's weight prefetched into L2 during the small
+#                  kernels before it (attention + o_proj, norm + qkv, norm + gate_up), against the same chain
+#                  without (2026-12-03: a loss, the prefetch launch holds the stream; benchmarks/RESULTS.md)
 #   pdltests       tests/kernels/test_pdl.py: the decode chain with and without PDL in a CUDA graph, bit for bit
 set -u
 cd "$(dirname "$0")/.."
@@ -71,7 +76,9 @@ for step in $STEPS; do
       --quantization fp8 --kv-cache-dtype fp8 ;;
     trace256) timeout 300 python3 benchmarks/bench_step_trace.py $COMMON --batch 256 --input-len 1024 \
       --output-len 512 --prompts 512 --host-phases --json "$LOG_DIR/$step.json" ;;
-    attn-small) timeout 600 python3 benchmarks/bench_attention_decode.py --small-batch --json "$LOG_DIR/attn-small.json" ;;
+    attn-small) timeout 600 python3 benchmarks/bench_attention_decode.py --small-batch --json "$LOG_DIR/attn-small.json" \
+      ${ATTN_ARGS:-} ;;
+    l2pf) timeout 300 python3 benchmarks/bench_l2_prefetch.py --json "$LOG_DIR/l2pf.json" ;;
     argmax) timeout 120 python3 benchmarks/bench_argmax.py --json "$LOG_DIR/argmax.json" ;;
     trace448fp8) timeout 400 python3 benchmarks/bench_step_trace.py $COMMON --batch 448 --input-len 2048 \
       --output-len "${TRACE448_OUTPUT_LEN:-2048}" --prompts 448 --quantization fp8 --kv-cache-dtype fp8 \
@@ -82,11 +89,13 @@ for step in $STEPS; do
       --host-phases --json "$LOG_DIR/$step.json" ;;
     gemv) timeout 600 python3 benchmarks/bench_gemm_small_m.py --json "$LOG_DIR/gemv.json" \
       --table "$LOG_DIR/small_m_gemm_table.json" ${GEMV_ARGS:-} ;;
-    prof1-*|prof32-*) batch=${step#prof}; batch=${batch%%-*}; table=""; fused=""; pdl=""
+    prof1-*|prof32-*) batch=${step#prof}; batch=${batch%%-*}; table=""; fused=""; pdl=""; split=""
       case $step in *-gemv*) table="${SMALL_M_TABLE:-$LOG_DIR/small_m_gemm_table.json}" ;; esac
+      case $step in *-split*) split=${step##*-split}; split=${split%%-*} ;; esac
       case $step in *-fused*) fused=1 ;; esac
       case $step in *-pdlearly*) pdl=early ;; *-pdl*) pdl=1 ;; esac
-      SITS_SMALL_M_GEMM="$table" SITS_DECODE_FUSED_MERGE="$fused" SITS_PDL="$pdl" timeout 200 \
+      SITS_SMALL_M_GEMM="$table" SITS_DECODE_FUSED_MERGE="$fused" SITS_PDL="$pdl" SITS_DECODE_SPLIT_TOKENS="$split" \
+      timeout 200 \
       python3 benchmarks/profile_decode.py $COMMON --batch "$batch" --input-len 2048 ;;
     trace256-cap*) budget=${step#trace256-cap}; cap=${budget%%-min*}; least=0
       [ "$budget" != "$cap" ] && least=${budget##*-min}

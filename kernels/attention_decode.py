@@ -79,6 +79,9 @@ __all__ = [
 LOG2_E = 1.4426950408889634
 SPLIT_GRANULE = 128  # tokens; every split length is a multiple of every BLOCK_N below
 MIN_TOKENS_PER_SPLIT = 256
+# The least tokens a split keeps, instead of MIN_TOKENS_PER_SPLIT (a multiple of SPLIT_GRANULE): for A/B runs
+# of the split count at small batches (benchmarks/gpu_profile_run.sh's -splitN steps).
+SPLIT_TOKENS_ENV = "SITS_DECODE_SPLIT_TOKENS"
 MAX_SPLITS = 64
 MAX_GRID_Y = 65535  # CUDA's limit on the grid's second dimension (sequences)
 # Whether callers that own split counters (the Triton attention back end) pass them, so split launches
@@ -538,18 +541,29 @@ def _decode_merge_kernel(
     tl.store(dst, merged.to(out_ptr.dtype.element_ty))
 
 
+def min_split_tokens() -> int:
+    """The least tokens a split keeps: SITS_DECODE_SPLIT_TOKENS when set (a positive multiple of
+    SPLIT_GRANULE), else MIN_TOKENS_PER_SPLIT."""
+    forced = os.environ.get(SPLIT_TOKENS_ENV, "").strip()
+    if not forced:
+        return MIN_TOKENS_PER_SPLIT
+    require(forced.isdigit() and int(forced) > 0 and int(forced) % SPLIT_GRANULE == 0,
+            f"{SPLIT_TOKENS_ENV} must be a positive multiple of {SPLIT_GRANULE}, got {forced!r}")
+    return int(forced)
+
+
 def split_count(num_seqs: int, num_kv_heads: int, max_context: int, sms: int) -> int:
     """Context splits: none when sequences x KV heads fill the GPU's `sms` multiprocessors, else
     about 4 programs per multiprocessor.
 
-    Each split keeps at least MIN_TOKENS_PER_SPLIT tokens, so short contexts are not split into
+    Each split keeps at least `min_split_tokens()` tokens, so short contexts are not split into
     pieces whose merge costs more than it saves. Non-decreasing in max_context.
     """
     programs = max(num_seqs * num_kv_heads, 1)
     if programs >= sms:
         return 1  # on an H200, splitting a batch that already fills the GPU only added the merge's cost
     wanted = 4 * sms // programs
-    most = max(1, max_context // MIN_TOKENS_PER_SPLIT)
+    most = max(1, max_context // min_split_tokens())
     return max(1, min(wanted, most, MAX_SPLITS))
 
 

@@ -12,6 +12,7 @@ from sits.kernels.attention_decode import (
     FP8_DECODE_VARIANTS,
     FP8_VARIANT_ENV,
     SMALL_BATCH_FP8_VARIANT,
+    SPLIT_TOKENS_ENV,
     _round_to_e4m3,
     choose_fp8_variant,
     paged_decode_attention,
@@ -141,6 +142,21 @@ def test_the_fp8_loop_follows_the_launch_shape(monkeypatch):
     monkeypatch.setenv(FP8_VARIANT_ENV, "fastest")
     with pytest.raises(ValueError, match="SITS_FP8_DECODE_VARIANT must be one of"):
         choose_fp8_variant(batch32, 32, 8, sms)
+
+
+def test_split_tokens_follow_the_environment(monkeypatch):
+    """Batch 1, 8 KV heads, 2,048 tokens on 132 multiprocessors: 256-token splits (8) by default; with
+    SITS_DECODE_SPLIT_TOKENS=128, 16 splits of 128; a value off the 128-token granule is refused."""
+    monkeypatch.delenv(SPLIT_TOKENS_ENV, raising=False)
+    plan = plan_decode_splits(1, 8, 2048, 132)
+    assert (plan.num_splits, plan.tokens_per_split) == (8, 256)
+    monkeypatch.setenv(SPLIT_TOKENS_ENV, "128")
+    plan = plan_decode_splits(1, 8, 2048, 132)
+    assert (plan.num_splits, plan.tokens_per_split) == (16, 128)
+    assert plan_decode_splits(32, 8, 2048, 132).single  # a batch that fills the GPU stays unsplit
+    monkeypatch.setenv(SPLIT_TOKENS_ENV, "100")
+    with pytest.raises(ValueError, match="SITS_DECODE_SPLIT_TOKENS must be a positive multiple of 128"):
+        plan_decode_splits(1, 8, 2048, 132)
 
 
 def test_an_fp8_launch_without_a_variant_runs_the_chosen_one(monkeypatch):
