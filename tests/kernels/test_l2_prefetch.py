@@ -1,0 +1,46 @@
+"""sits.kernels.l2_prefetch: a hint that never changes memory, refused on bad input, a no-op off sm_90."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sits.kernels.l2_prefetch import CHUNK_BYTES, l2_prefetch, l2_prefetch_supported
+from tests.kernels.helpers import DEVICE
+
+
+def test_bad_input_is_refused():
+    t = torch.zeros(64, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="contiguous"):
+        l2_prefetch(t.t())
+    with pytest.raises(ValueError, match="nbytes must be in"):
+        l2_prefetch(t, 64 * 64 * 4 + 16)
+    with pytest.raises(ValueError, match="nbytes must be in"):
+        l2_prefetch(t, -1)
+
+
+def test_off_a_gpu_it_is_a_no_op():
+    assert not l2_prefetch_supported(torch.device("cpu"))
+    t = torch.arange(1000, dtype=torch.float32)
+    l2_prefetch(t)
+    assert torch.equal(t, torch.arange(1000, dtype=torch.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("offset", [0, 1, 3], ids=["aligned", "offset-1", "offset-3"])
+def test_prefetches_leave_every_byte_as_it_was_eager_and_in_a_cuda_graph(offset):
+    """Several programs' worth of chunks, a tail that is not a whole chunk, a base address off the 16-byte
+    granule (a bf16 view starting 1 or 3 elements in) and a prefix: nothing changes, in a graph too."""
+    base = torch.randn(3 * 32 * CHUNK_BYTES // 2 + 1000, dtype=torch.bfloat16, device=DEVICE)
+    view = base[offset:]
+    before = base.clone()
+    l2_prefetch(view)
+    l2_prefetch(view, 4096 + 6)
+    l2_prefetch(view, 0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        l2_prefetch(view)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(base, before)
