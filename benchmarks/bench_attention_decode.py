@@ -359,6 +359,7 @@ def variants_main(args):
 
 SMALL_BATCHES = (1, 2, 4, 8, 16)
 SMALL_SPLITS = (1, 2, 4, 8, 16)
+SAME_SCHEDULE = (64, 4, 4)  # the split kernel's tiles when the fused and two-launch outputs are compared bit for bit
 
 
 def small_batch_case(batch: int, context: int, fp8: bool) -> tuple[list[Measurement], str]:
@@ -372,10 +373,11 @@ def small_batch_case(batch: int, context: int, fp8: bool) -> tuple[list[Measurem
     cache = dict(k_cache=k8, v_cache=v8, k_scale=ks, v_scale=vs) if fp8 else dict(k_cache=k16, v_cache=v16)
     counters = torch.zeros(batch * NUM_KV_HEADS, dtype=torch.int32, device=DEVICE)
 
-    def launch(splits: int, fused: bool) -> Callable[[int], torch.Tensor]:
+    def launch(splits: int, fused: bool, schedule: tuple[int, ...] | None = None) -> Callable[[int], torch.Tensor]:
         def call(i):
             return paged_decode_attention(q, block_tables=tables[i], seq_lens=seq_lens, scale=scale, out=out,
-                                          num_splits=splits, split_counters=counters if fused else None, **cache)
+                                          num_splits=splits, split_counters=counters if fused else None,
+                                          schedule=schedule, **cache)
         return call
 
     chosen = choose_num_splits(batch, NUM_KV_HEADS, context, q.device)
@@ -385,7 +387,9 @@ def small_batch_case(batch: int, context: int, fp8: bool) -> tuple[list[Measurem
         ms[splits] = time_ms(rotating(launch(splits, False), len(tables)))
         # One split has no merge: the same single launch either way.
         fused_ms[splits] = time_ms(rotating(launch(splits, True), len(tables))) if splits > 1 else ms[splits]
-    identical = all(torch.equal(launch(s, False)(0).clone(), launch(s, True)(0)) for s in counts if s > 1)
+    # At one schedule: autotuned, the two variants may pick other tiles, hence other sums inside a split.
+    identical = all(torch.equal(launch(s, False, SAME_SCHEDULE)(0).clone(), launch(s, True, SAME_SCHEDULE)(0))
+                    for s in counts if s > 1)
     assert counters.count_nonzero().item() == 0, "the fused merge left counters set"
     best, best_fused = min(ms, key=ms.get), min(fused_ms, key=fused_ms.get)
     kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * (1 if fp8 else 2)
