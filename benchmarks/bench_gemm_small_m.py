@@ -9,6 +9,8 @@ For each Llama-3-8B projection (nn.Linear weight [N, K] in bf16) and each M, in 
   * direct: sits.kernels.gemm_small_m.small_m_gemm, the autotuner's pick for (N, K, M bucket), and before
     it each GPU config alone (`configs`: the raw kernel, no autotuning; configs whose pipeline overflows
     shared memory at this row tile are listed as skipped);
+  * splitk: sits.kernels.gemm_small_m_splitk.small_m_gemm_splitk (K split over programs, reduced in the same
+    launch), its pick and each of its configs alone, the same way;
   * gate_up also as the MLP's activation step: cublas+silu (F.linear, then sits.kernels.silu_mul.silu_mul)
     against direct+silu (small_m_gemm_silu_mul: one launch, no [M, 2I] intermediate);
   * at M <= 8, qkv and gate_up+silu with the decoder norm before them (the residual add into a float32
@@ -46,7 +48,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from kernel_bench_utils import hbm_copy_gbps, rotating, time_ms  # noqa: E402
 
-from sits.kernels import gemm_small_m, gemm_small_m_norm  # noqa: E402
+from sits.kernels import gemm_small_m, gemm_small_m_norm, gemm_small_m_splitk  # noqa: E402
 from sits.kernels.reference import small_m_norm_gemm_reference, small_m_norm_gemm_silu_mul_reference  # noqa: E402
 from sits.kernels.rmsnorm import rms_norm  # noqa: E402
 from sits.kernels.silu_mul import silu_mul  # noqa: E402
@@ -88,7 +90,9 @@ def short(config) -> str:
     if config is None:
         return "none"
     kw = config.kwargs
-    return f"n{kw['BLOCK_N']}k{kw['BLOCK_K']}-{'swap' if kw['SWAP_AB'] else 'ab'}-w{config.num_warps}s{config.num_stages}"
+    split = f"-split{kw['SPLIT_K']}" if "SPLIT_K" in kw else ""
+    return (f"n{kw['BLOCK_N']}k{kw['BLOCK_K']}-{'swap' if kw['SWAP_AB'] else 'ab'}-w{config.num_warps}"
+            f"s{config.num_stages}{split}")
 
 
 def _raw_call(config, x, w, out, silu_mul: bool):
@@ -107,6 +111,25 @@ def _time(setup: Setup, row: dict, side: str, call, copies: int, ref: torch.Tens
         row[f"{side}_err"] = _max_rel_err(call(0), ref)
     except Exception as error:  # noqa: BLE001 - report the failure, keep measuring the others
         row[f"{side}_error"] = f"{type(error).__name__}: {str(error)[:300]}"
+
+
+def _time_splitk_configs(setup: Setup, row: dict, x, ws, ref, weight_bytes: int) -> None:
+    """Each split-K GPU config alone (the raw kernel): row["splitk_configs"] = {config: µs, or why not}."""
+    figures: dict[str, float | str] = {}
+    out = torch.empty(ref.shape, dtype=DTYPE, device=setup.device)
+    counters = torch.zeros(gemm_small_m_splitk.counters_needed(ref.shape[1]), dtype=torch.int32, device=setup.device)
+    block_m = gemm_small_m._block_m(x.shape[0])
+    for config in gemm_small_m_splitk.GPU_CONFIGS:
+        if gemm_small_m_splitk._smem(config, block_m) > gemm_small_m.SMEM_BYTES:
+            figures[short(config)] = "skipped (shared memory)"
+            continue
+        meta = dict(config.kwargs, EVEN_K=x.shape[1] % config.kwargs["BLOCK_K"] == 0, num_warps=config.num_warps,
+                    num_stages=config.num_stages)  # fmt: skip
+        cell: dict = {}
+        _time(setup, cell, "c", lambda i, m=meta: gemm_small_m_splitk.launch(
+            gemm_small_m_splitk._splitk_kernel, x, ws[i], out, counters, **m) or out, len(ws), ref, weight_bytes)
+        figures[short(config)] = round(cell["c_us"], 2) if "c_us" in cell else cell["c_error"]
+    row["splitk_configs"] = figures
 
 
 def _time_configs(setup: Setup, row: dict, prefix: str, x, ws, silu_mul: bool, ref, weight_bytes: int) -> None:
@@ -138,6 +161,12 @@ def bench_case(setup: Setup, name: str, m: int, n: int, k: int, configs: bool) -
     _time(setup, row, "cublas", lambda i: F.linear(x, ws[i]), copies, ref, weight_bytes)
     _time(setup, row, "direct", lambda i: gemm_small_m.small_m_gemm(x, ws[i]), copies, ref, weight_bytes)
     row["direct_config"] = short(getattr(gemm_small_m._small_m_gemm, "best_config", None))
+    counters = torch.zeros(gemm_small_m_splitk.counters_needed(n), dtype=torch.int32, device=setup.device)
+    if configs:
+        _time_splitk_configs(setup, row, x, ws, ref, weight_bytes)
+    _time(setup, row, "splitk", lambda i: gemm_small_m_splitk.small_m_gemm_splitk(x, ws[i], counters), copies, ref,
+          weight_bytes)  # fmt: skip
+    row["splitk_config"] = short(getattr(gemm_small_m_splitk._small_m_gemm_splitk, "best_config", None))
     if name == "gate_up":
         gate, up = ref.chunk(2, dim=-1)
         silu_ref = F.silu(gate) * up
@@ -147,7 +176,7 @@ def bench_case(setup: Setup, name: str, m: int, n: int, k: int, configs: bool) -
         _time(setup, row, "direct_silu", lambda i: gemm_small_m.small_m_gemm_silu_mul(x, ws[i]), copies, silu_ref,
               weight_bytes)  # fmt: skip
         row["direct_silu_config"] = short(getattr(gemm_small_m._small_m_gemm_silu, "best_config", None))
-    row["winner"] = choose_winner(row.get("direct_us"), row.get("cublas_us"))
+    row["winner"] = choose_winner(row.get("direct_us"), row.get("cublas_us"), row.get("splitk_us"))
     if name == "gate_up":
         row["silu_winner"] = choose_winner(row.get("direct_silu_us"), row.get("cublas_silu_us"))
     if name in NORM_PROJS and m <= NORM_MAX_M:
@@ -206,7 +235,9 @@ def format_row(row: dict) -> str:
 
     head = f"{row['proj']:7s} M{row['m']:<3d} N{row['n']:<5d} K{row['k']:<5d} | "
     lines = [head + f"{_side(row, 'cublas')} | {_side(row, 'direct')} | cublas/direct {ratio('cublas', 'direct')} "
-             f"| winner {row['winner']} | pick {row['direct_config']} | configs (us): {configs('')}"]
+             f"| winner {row['winner']} | pick {row['direct_config']} | configs (us): {configs('')}",
+             head + f"{_side(row, 'splitk')} | cublas/splitk {ratio('cublas', 'splitk')} direct/splitk "
+             f"{ratio('direct', 'splitk')} | pick {row['splitk_config']} | configs (us): {configs('splitk_')}"]
     if "silu_winner" in row:
         lines.append(head + f"{_side(row, 'cublas_silu')} | {_side(row, 'direct_silu')} | cublas+silu/direct+silu "
                      f"{ratio('cublas_silu', 'direct_silu')} | winner {row['silu_winner']} | pick "
@@ -228,12 +259,13 @@ def step_sums(rows: list[dict]) -> dict[str, float]:
 
     def best(row: dict, plain: bool) -> float:
         if plain or row["proj"] != "gate_up":
-            return us(row, "direct" if row["winner"] == "direct" else "cublas")
+            return us(row, row["winner"])
         return us(row, "direct_silu" if row["silu_winner"] == "direct" else "cublas_silu")
 
     sums = {
         "cublas": sum(us(r, "cublas") for r in rows),
         "direct": sum(us(r, "direct") for r in rows),
+        "splitk": sum(us(r, "splitk") for r in rows),
         "winners": sum(best(r, True) for r in rows),
         "cublas+silu": sum(us(r, "cublas_silu" if r["proj"] == "gate_up" else "cublas") for r in rows),
         "direct+silu": sum(us(r, "direct_silu" if r["proj"] == "gate_up" else "direct") for r in rows),
@@ -262,12 +294,11 @@ def winners_table(rows: list[dict], device: str) -> SmallMTable:
     """The measured winners as the engine's table: op "linear" for every row, "silu_mul" for gate_up's."""
     entries = {}
     for r in rows:
-        cases = [("linear", "direct", "cublas", r["winner"])]
+        cases = [("linear", {"direct": "direct", "splitk": "splitk", "cublas": "cublas"}, r["winner"])]
         if "silu_winner" in r:
-            cases.append(("silu_mul", "direct_silu", "cublas_silu", r["silu_winner"]))
-        for op, direct, cublas, winner in cases:
-            us = {side: round(r[f"{key}_us"], 3) for side, key in (("direct", direct), ("cublas", cublas))
-                  if f"{key}_us" in r}
+            cases.append(("silu_mul", {"direct": "direct_silu", "cublas": "cublas_silu"}, r["silu_winner"]))
+        for op, keys, winner in cases:
+            us = {side: round(r[f"{key}_us"], 3) for side, key in keys.items() if f"{key}_us" in r}
             entries[(op, r["n"], r["k"], r["m_bucket"])] = SmallMEntry(op, r["n"], r["k"], r["m_bucket"], winner, us)
         if "norm_winner" in r:  # "direct": the fused launch; "cublas": the unfused path
             op = NORM_PROJS[r["proj"]]

@@ -3,7 +3,8 @@
 Written by benchmarks/bench_gemm_small_m.py on the GPU, read by the engine (Triton-free: the engine
 reads it before any kernel is imported). One entry per (op, N, K, M bucket):
 
-* op "linear": small_m_gemm(x, w) against torch.nn.functional.linear, w [N, K];
+* op "linear": small_m_gemm(x, w) and small_m_gemm_splitk(x, w, counters) (sits.kernels.gemm_small_m_splitk:
+  K split over programs, reduced in the same launch) against torch.nn.functional.linear, w [N, K];
 * op "silu_mul": small_m_gemm_silu_mul(x, w) against F.linear then sits.kernels.silu_mul.silu_mul,
   w [N, K] = [2I, K] (the MLP's gate_up weight; N is its row count, 2I);
 * op "norm_linear": the decoder norm fused into the GEMM (sits.kernels.gemm_small_m_norm.small_m_norm_gemm,
@@ -13,9 +14,9 @@ reads it before any kernel is imported). One entry per (op, N, K, M bucket):
 * op "norm_silu_mul": the same with the gate_up GEMM and SiLU·mul (small_m_norm_gemm_silu_mul against
   rms_norm + F.linear + silu_mul, and rms_norm + small_m_gemm_silu_mul), w [2I, K].
 
-Each entry holds both sides' microseconds per call and the winner, "direct" where the direct kernel
+Each entry holds every side's microseconds per call and the winner, "direct" where the direct kernel
 took at most 1 / MIN_SPEEDUP of cuBLAS's time, else "cublas" (for the norm ops: of the faster unfused
-path's time). M buckets are powers of two up to 64
+path's time); for "linear", "splitk" where the split-K kernel was the faster Triton side and beat cuBLAS so. M buckets are powers of two up to 64
 (the bench measures each); a call takes its own bucket's entry, and a shape or bucket with no entry
 runs cuBLAS.
 
@@ -38,12 +39,13 @@ from typing import TypeGuard
 from sits.kernels.device_tables import load_device_table
 
 __all__ = ["DEFAULT_TABLE_PATH", "MAX_M", "MIN_SPEEDUP", "NORM_MAX_M", "NORM_OPS", "OPS", "TABLE_VERSION",
-           "TIMED_SIDES", "WINNERS", "SmallMEntry", "SmallMTable", "choose_winner", "load_small_m_table", "m_bucket",
+           "TIMED_SIDES", "TRITON_WINNERS", "WINNERS", "SmallMEntry", "SmallMTable", "choose_winner", "load_small_m_table", "m_bucket",
            "parse_small_m_table"]
 
 NORM_OPS = ("norm_linear", "norm_silu_mul")  # the decoder norm fused into the GEMM's prologue
 OPS = ("linear", "silu_mul", *NORM_OPS)
-WINNERS = ("direct", "cublas")
+WINNERS = ("direct", "splitk", "cublas")  # "splitk": op "linear" only
+TRITON_WINNERS = ("direct", "splitk")
 TIMED_SIDES = (*WINNERS, "norm_direct")  # the keys of an entry's "us" ("norm_direct": norm ops only)
 MAX_M = 64  # the direct kernel's largest batch (gemm_small_m.MAX_M)
 NORM_MAX_M = 8  # the fused norm's largest batch (gemm_small_m_norm.NORM_MAX_M)
@@ -57,13 +59,16 @@ def m_bucket(m: int) -> int:
     return 1 << max(int(m) - 1, 0).bit_length()
 
 
-def choose_winner(direct_us: float | None, cublas_us: float | None) -> str:
-    """"direct" where it was measured and took at most 1 / MIN_SPEEDUP of cuBLAS's time, else "cublas"."""
-    if direct_us is None or not direct_us > 0:
+def choose_winner(direct_us: float | None, cublas_us: float | None, splitk_us: float | None = None) -> str:
+    """The faster measured Triton side ("direct", or "splitk" where given and faster) where it took at most
+    1 / MIN_SPEEDUP of cuBLAS's time, else "cublas"."""
+    sides = {side: us for side, us in (("direct", direct_us), ("splitk", splitk_us)) if us is not None and us > 0}
+    if not sides:
         return "cublas"
+    side = min(sides, key=sides.__getitem__)
     if cublas_us is None or not cublas_us > 0:
-        return "direct"
-    return "direct" if direct_us * MIN_SPEEDUP <= cublas_us else "cublas"
+        return side
+    return side if sides[side] * MIN_SPEEDUP <= cublas_us else "cublas"
 
 
 @dataclass(frozen=True)
@@ -95,16 +100,24 @@ class SmallMTable:
     entries: dict[tuple[str, int, int, int], SmallMEntry] = field(default_factory=dict)
 
     def direct_buckets(self, op: str, n: int, k: int) -> frozenset[int]:
-        """The M buckets at which `op` on an [n, k] weight runs the direct kernel."""
+        """The M buckets at which `op` on an [n, k] weight runs a Triton kernel (the direct one, or for "linear"
+        the split-K one: `splitk_buckets`)."""
         return frozenset(b for (o, bn, bk, b), e in self.entries.items()
-                         if (o, bn, bk) == (op, n, k) and e.winner == "direct")
+                         if (o, bn, bk) == (op, n, k) and e.winner in TRITON_WINNERS)
+
+    def splitk_buckets(self, n: int, k: int) -> frozenset[int]:
+        """The M buckets at which "linear" on an [n, k] weight runs the split-K kernel."""
+        return frozenset(b for (o, bn, bk, b), e in self.entries.items()
+                         if (o, bn, bk) == ("linear", n, k) and e.winner == "splitk")
 
     def describe(self) -> str:
         """E.g. "measured table of NVIDIA H200: direct at 12 of 35 shapes"."""
         if not self.entries:
             return "cuBLAS everywhere (no measured entry)"
         direct = sum(e.winner == "direct" for e in self.entries.values())
-        return f"measured table of {self.device or 'an unnamed GPU'}: direct at {direct} of {len(self.entries)} shapes"
+        splitk = sum(e.winner == "splitk" for e in self.entries.values())
+        return (f"measured table of {self.device or 'an unnamed GPU'}: direct at {direct}"
+                f"{f', split-K at {splitk}' if splitk else ''} of {len(self.entries)} shapes")
 
     def to_json(self) -> str:
         """The table's file: version and device, then one entry per line, by (op, N, K, M bucket)."""
@@ -130,6 +143,8 @@ def _entry(row: object) -> SmallMEntry:
             or bucket > MAX_M:
         raise ValueError(f"bad small-M GEMM table entry {row!r}: n and k must be positive, m_bucket a power of "
                          f"two up to {MAX_M}")
+    if winner == "splitk" and op != "linear":
+        raise ValueError(f"bad small-M GEMM table entry {row!r}: only op linear has a split-K kernel")
     if op in NORM_OPS and bucket > NORM_MAX_M:
         raise ValueError(f"bad small-M GEMM table entry {row!r}: {op} takes M buckets up to {NORM_MAX_M}")
     if op in ("silu_mul", "norm_silu_mul") and n % 2:

@@ -221,7 +221,8 @@ def run_gemm_plan(model: torch.nn.Module, dtype: torch.dtype, rows: Iterable[int
 
 
 def _small_m_buckets(module: DecodeLinear) -> tuple[frozenset[int], ...]:
-    return module.direct_buckets, module.silu_mul_buckets, module.norm_buckets, module.norm_silu_mul_buckets
+    return (module.direct_buckets, module.splitk_buckets, module.silu_mul_buckets, module.norm_buckets,
+            module.norm_silu_mul_buckets)
 
 
 def small_m_layers(model: torch.nn.Module) -> list[DecodeLinear]:

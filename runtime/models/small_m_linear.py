@@ -3,7 +3,8 @@
 `DecodeLinear` is the nn.Linear of the Llama projections (qkv_proj, o_proj, gate_up_proj, down_proj).
 Until `install_small_m_gemm` gives it M buckets it is nn.Linear exactly (F.linear, cuBLAS on CUDA).
 Installed, a call whose row count M (1 to 64) falls in one of its buckets runs
-sits.kernels.gemm_small_m.small_m_gemm instead; a gate_up projection (`gated`: gate rows first, then up,
+sits.kernels.gemm_small_m.small_m_gemm instead (or, at its `splitk_buckets`, the split-K kernel
+sits.kernels.gemm_small_m_splitk.small_m_gemm_splitk, with the layer's own zeroed counters); a gate_up projection (`gated`: gate rows first, then up,
 no bias) whose SiLU·mul bucket holds M computes silu(gate) * up in the same launch
 (`small_m_gemm_silu_mul`, called by LlamaMLP). At the smallest batches the decoder norm that feeds a
 projection may run in the same launch too (`norm_buckets`: qkv_proj after input_layernorm;
@@ -50,6 +51,7 @@ SMALL_M_ENV = "SITS_SMALL_M_GEMM"
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 Gemm = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+SplitKGemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (x, w, counters) -> out
 # (x, residual or None, norm weight, eps, w, stream dtype) -> (out, new stream): gemm_small_m_norm's functions
 NormGemm = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
@@ -62,7 +64,10 @@ class DecodeLinear(nn.Linear):
         gated: the rows are [gate; up] halves of a SwiGLU MLP (LlamaMLP's gate_up_proj), so the
             SiLU·mul can be fused into the GEMM.
     Attributes:
-        direct_buckets: M buckets (powers of two <= 64) that run the direct kernel; empty: F.linear always.
+        direct_buckets: M buckets (powers of two <= 64) that run a Triton kernel; empty: F.linear always.
+        splitk_buckets: those of direct_buckets that run the split-K kernel instead of the direct one.
+        splitk_counters: the split-K kernel's int32 counters on the weight's device (zero between launches;
+            set by `install_small_m_gemm` where splitk_buckets is not empty, else None).
         silu_mul_buckets: M buckets whose gate_up + SiLU·mul run as one launch (gated layers only).
         norm_buckets: M buckets (<= 8) whose preceding decoder norm and this GEMM run as one launch
             (`norm_linear`; no bias).
@@ -74,10 +79,13 @@ class DecodeLinear(nn.Linear):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.gated = gated
         self.direct_buckets: frozenset[int] = frozenset()
+        self.splitk_buckets: frozenset[int] = frozenset()
+        self.splitk_counters: torch.Tensor | None = None
         self.silu_mul_buckets: frozenset[int] = frozenset()
         self.norm_buckets: frozenset[int] = frozenset()
         self.norm_silu_mul_buckets: frozenset[int] = frozenset()
         self._gemm: Gemm = small_m_gemm_reference
+        self._gemm_splitk: SplitKGemm = _splitk_reference
         self._gemm_silu_mul: Gemm = small_m_gemm_silu_mul_reference
         self._norm_gemm: NormGemm = small_m_norm_gemm_reference
         self._norm_gemm_silu_mul: NormGemm = small_m_norm_gemm_silu_mul_reference
@@ -94,7 +102,11 @@ class DecodeLinear(nn.Linear):
         rows = self._direct_rows(x, self.direct_buckets) if self.direct_buckets else 0
         if not rows:  # uninstalled (the usual case): one attribute test on top of nn.Linear
             return F.linear(x, self.weight, self.bias)
-        out = self._gemm(x.reshape(rows, self.in_features), self.weight)
+        flat = x.reshape(rows, self.in_features)
+        if self.splitk_counters is not None and m_bucket(rows) in self.splitk_buckets:
+            out = self._gemm_splitk(flat, self.weight, self.splitk_counters)
+        else:
+            out = self._gemm(flat, self.weight)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
@@ -134,11 +146,41 @@ class DecodeLinear(nn.Linear):
 
     def extra_repr(self) -> str:
         extra = f", direct GEMM at M buckets {sorted(self.direct_buckets)}" if self.direct_buckets else ""
+        if self.splitk_buckets:
+            extra += f" (split-K at {sorted(self.splitk_buckets)})"
         if self.silu_mul_buckets:
             extra += f", SiLU·mul fused at M buckets {sorted(self.silu_mul_buckets)}"
         if self.norm_buckets or self.norm_silu_mul_buckets:
             extra += f", norm fused at M buckets {sorted(self.norm_buckets | self.norm_silu_mul_buckets)}"
         return super().extra_repr() + extra
+
+
+def _splitk_reference(x: torch.Tensor, w: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """The split-K GEMM's reference (the counters are the kernel's only)."""
+    return small_m_gemm_reference(x, w)
+
+
+def _splitk_kernel(device: torch.device) -> SplitKGemm:
+    """small_m_gemm_splitk on CUDA or under Triton's interpreter, else its reference."""
+    from sits.kernels.launch_utils import is_interpreter
+
+    if device.type == "cuda" or is_interpreter():
+        from sits.kernels.gemm_small_m_splitk import small_m_gemm_splitk
+
+        return small_m_gemm_splitk
+    return _splitk_reference
+
+
+def _install_splitk(module: DecodeLinear, table: SmallMTable) -> None:
+    """The module's split-K buckets and, where it has some, its zeroed counters and the kernel."""
+    module.splitk_buckets = table.splitk_buckets(module.out_features, module.in_features) & module.direct_buckets
+    module.splitk_counters = None
+    if module.splitk_buckets:
+        from sits.kernels.gemm_small_m_splitk import counters_needed
+
+        module.splitk_counters = torch.zeros(counters_needed(module.out_features), dtype=torch.int32,
+                                             device=module.weight.device)
+        module._gemm_splitk = _splitk_kernel(module.weight.device)
 
 
 def _kernels(device: torch.device) -> tuple[Gemm, Gemm, NormGemm, NormGemm]:
@@ -172,6 +214,7 @@ def install_small_m_gemm(model: nn.Module, table: SmallMTable) -> int:
             continue
         n, k = module.out_features, module.in_features
         module.direct_buckets = table.direct_buckets("linear", n, k)
+        _install_splitk(module, table)
         fusable = module.gated and module.bias is None and n % 2 == 0
         module.silu_mul_buckets = table.direct_buckets("silu_mul", n, k) if fusable else frozenset()
         module.norm_buckets = _norm_buckets(table, "norm_linear", module) if not module.gated else frozenset()

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from sits.kernels import gemm_small_m
+from sits.kernels import gemm_small_m, gemm_small_m_splitk
 from sits.kernels.small_m_table import load_small_m_table
 from tests.kernels.bench_scripts import bench_script
 from tests.kernels.helpers import ON_GPU
@@ -32,13 +32,15 @@ def test_cpu_toy_run_measures_every_side_and_writes_the_table(bench, tmp_path, m
     rows = json.loads(rows_path.read_text())
     assert [(r["m"], r["proj"]) for r in rows] == [(1, "o"), (1, "gate_up"), (5, "o"), (5, "gate_up")]
     for row in rows:
-        sides = ("cublas", "direct") + (("cublas_silu", "direct_silu") if row["proj"] == "gate_up" else ())
+        sides = ("cublas", "direct", "splitk") + (("cublas_silu", "direct_silu") if row["proj"] == "gate_up" else ())
         for side in sides:
             assert row[f"{side}_us"] > 0 and row[f"{side}_tbps"] > 0, row
             assert row[f"{side}_err"] < 3e-2, row  # bf16 outputs against float32 sums: rounding only
         assert set(row["configs"]) == {bench.short(c) for c in gemm_small_m.GPU_CONFIGS}
         assert all(isinstance(t, float) for t in row["configs"].values()), row["configs"]
-        assert row["winner"] in ("direct", "cublas")
+        assert set(row["splitk_configs"]) == {bench.short(c) for c in gemm_small_m_splitk.GPU_CONFIGS}
+        assert all(isinstance(t, float) for t in row["splitk_configs"].values()), row["splitk_configs"]
+        assert row["winner"] in ("direct", "splitk", "cublas")
     table = load_small_m_table(table_path, device_name="cpu")
     # 2 buckets x (o, gate_up) + 2 buckets x gate_up's silu_mul + 2 buckets (M <= 8) x gate_up's norm_silu_mul
     assert len(table.entries) == 8

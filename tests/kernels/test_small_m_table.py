@@ -32,6 +32,19 @@ def test_winner_rule():
     assert choose_winner(10.0, 10.1) == "cublas"  # within the margin: cuBLAS stays
     assert choose_winner(None, 10.0) == "cublas" and choose_winner(float("nan"), 10.0) == "cublas"
     assert choose_winner(10.0, None) == "direct"
+    # with the split-K side: the faster Triton side, if it beats cuBLAS by the margin
+    assert choose_winner(10.0, 12.0, 9.0) == "splitk" and choose_winner(9.0, 12.0, 10.0) == "direct"
+    assert choose_winner(12.0, 10.1, 10.0) == "cublas" and choose_winner(None, 12.0, 10.0) == "splitk"
+
+
+def test_split_k_entries_read_back_as_triton_buckets():
+    rows = [{"op": "linear", "n": 64, "k": 64, "m_bucket": 32, "winner": "splitk", "us": {"splitk": 9.0, "direct": 10.0,
+                                                                                          "cublas": 11.0}},
+            {"op": "linear", "n": 64, "k": 64, "m_bucket": 1, "winner": "direct"}]
+    table = parse_small_m_table(json.dumps({"version": 1, "device": "", "entries": rows}))
+    assert table.direct_buckets("linear", 64, 64) == {1, 32} and table.splitk_buckets(64, 64) == {32}
+    assert "split-K at 1" in table.describe()
+    assert parse_small_m_table(table.to_json()).entries == table.entries
 
 
 def test_buckets():
@@ -68,7 +81,7 @@ def test_the_shipped_table_is_the_h200_measurement_and_each_winner_follows_its_f
     assert {bucket for (_, _, _, bucket) in table.entries} == {1, 32}
     for entry in table.entries.values():  # a norm op's "cublas" is the faster unfused path
         unfused = min(entry.us["cublas"], entry.us.get("norm_direct", float("inf")))
-        assert entry.winner == choose_winner(entry.us["direct"], unfused), entry
+        assert entry.winner == choose_winner(entry.us["direct"], unfused, entry.us.get("splitk")), entry
     assert table.direct_buckets("linear", 4096, 4096) == {1}  # o_proj at batch 1
     assert load_small_m_table(DEFAULT_TABLE_PATH, device_name="NVIDIA A100-SXM4-80GB").entries == {}
 
@@ -85,6 +98,7 @@ def test_the_shipped_table_is_the_h200_measurement_and_each_winner_follows_its_f
         ({"op": "linear", "n": 8, "k": 8, "m_bucket": 1, "winner": "direct", "us": {"x": 1}}, "'us' must map"),
         ({"op": "norm_linear", "n": 8, "k": 8, "m_bucket": 16, "winner": "direct"}, "buckets up to 8"),
         ({"op": "norm_silu_mul", "n": 7, "k": 8, "m_bucket": 1, "winner": "direct"}, "even row count"),
+        ({"op": "silu_mul", "n": 8, "k": 8, "m_bucket": 1, "winner": "splitk"}, "only op linear"),
     ],
 )
 def test_bad_entries_are_named(row, message):

@@ -42,11 +42,13 @@ def _model(dtype: torch.dtype):
     return random_loaded_model(TINY, TorchAttentionBackend(), "cpu", dtype, seed=5).model
 
 
-def _table_file(tmp_path, model: nn.Module, ops=OPS, buckets=BUCKETS, device: str = "") -> str:
-    """A table naming the direct kernel the winner at every projection shape of `model` and bucket."""
+def _table_file(tmp_path, model: nn.Module, ops=OPS, buckets=BUCKETS, device: str = "",
+                splitk: frozenset[int] = frozenset()) -> str:
+    """A table naming the direct kernel the winner at every projection shape of `model` and bucket (the split-K
+    one at the `splitk` buckets of op linear)."""
     shapes = {(m.out_features, m.in_features) for m in model.modules() if isinstance(m, DecodeLinear)}
     gate_up = model.model.layers[0].mlp.gate_up_proj
-    entries = [{"op": "linear", "n": n, "k": k, "m_bucket": b, "winner": "direct"}
+    entries = [{"op": "linear", "n": n, "k": k, "m_bucket": b, "winner": "splitk" if b in splitk else "direct"}
                for n, k in sorted(shapes) for b in buckets if "linear" in ops]
     entries += [{"op": "silu_mul", "n": gate_up.out_features, "k": gate_up.in_features, "m_bucket": b,
                  "winner": "direct"} for b in buckets if "silu_mul" in ops]
@@ -118,6 +120,37 @@ def test_model_with_a_table_matches_the_cublas_path(tmp_path, monkeypatch, launc
     tol = {torch.float16: 1e-2, torch.bfloat16: 5e-2}[dtype]
     scale = expected.float().abs().max().item()
     torch.testing.assert_close(out.float(), expected.float(), atol=tol * scale, rtol=tol)
+
+
+def test_split_k_buckets_run_the_split_k_kernel_with_the_layers_counters(tmp_path, monkeypatch, launches):
+    """A table whose bucket 16 names the split-K kernel: calls of 9 to 16 rows run it (with each layer's own
+    counters, zero again after every launch), the others the direct kernel; outputs match F.linear's."""
+    from sits.kernels import gemm_small_m_splitk
+
+    model = _model(torch.float16)
+    expected = {rows: _forward(model, 1, rows) for rows in (3, 12)}
+    splitk_calls = []
+    real = gemm_small_m_splitk.launch
+
+    def counting(kernel, x, w, out, counters, **meta):
+        splitk_calls.append(counters)
+        return real(kernel, x, w, out, counters, **meta)
+
+    monkeypatch.setattr(gemm_small_m_splitk, "launch", counting)
+    monkeypatch.setenv(SMALL_M_ENV, _table_file(tmp_path, model, ops=("linear",), splitk=frozenset({16})))
+    install_small_m_gemm(model, installed_table("cpu"))
+    o_proj = model.model.layers[0].self_attn.o_proj
+    assert o_proj.splitk_buckets == {16} and o_proj.splitk_counters is not None
+    assert "split-K at [16]" in repr(o_proj)
+    for rows, reference in expected.items():
+        out = _forward(model, 1, rows)
+        scale = reference.float().abs().max().item()
+        torch.testing.assert_close(out.float(), reference.float(), atol=1e-2 * scale, rtol=1e-2)
+    layers = TINY.num_hidden_layers
+    assert launches == [PROJECTIONS * layers, 0]  # the 3-row forward: all four on the direct kernel
+    assert len(splitk_calls) == PROJECTIONS * layers  # the 12-row forward: all four split-K
+    assert len({id(c) for c in splitk_calls}) == PROJECTIONS * layers  # each layer its own counters
+    assert all(c.count_nonzero().item() == 0 for c in splitk_calls)
 
 
 def test_only_the_tables_buckets_and_ops_run_direct(tmp_path, monkeypatch, launches):

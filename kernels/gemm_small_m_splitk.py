@@ -1,0 +1,163 @@
+"""The small-M GEMM with K split over programs and the splits reduced in the same launch (decode batches).
+
+    small_m_gemm_splitk(x [M, K], w [N, K], counters [>= cdiv(N, 16)] int32, zero) -> out [M, N] = x @ w^T
+
+The direct kernel (sits.kernels.gemm_small_m) gives each program a whole-K column tile. Every program also
+reads all M activation rows over the whole K, from L2: M / BLOCK_N bytes of activation per weight byte. At
+M = 32 and the narrow tiles that keep N = 4,096 (o_proj, down_proj) spread over 132 multiprocessors that is as
+much L2 traffic as weight traffic. Here a program takes a wider column tile (64 or 128 weight rows: a
+wgmma's M side, swapped) over one of SPLIT_K slices of K, so the grid stays as wide and the activation
+re-reads shrink by BLOCK_N / 32. cuBLAS splits K too, and adds a reduction kernel; this kernel reduces in
+the same launch:
+
+1. each program stores its float32 partial [M, BLOCK_N] into a workspace slot of its own
+   (ws[split, m, n], allocated per call: no launch);
+2. it counts itself on its column tile's int32 counter (`counters`, zero before the launch: the
+   release / acquire protocol of the decode attention's fused merge, sits.kernels.attention_decode);
+3. the last of the tile's SPLIT_K programs to arrive adds the partials in split order 0, 1, ... (the same
+   sums whatever order the programs ran in), writes out in x's dtype and sets the counter back to 0.
+
+So the counters belong to the caller and must outlive the launch (and any CUDA graph that captures it):
+`DecodeLinear` keeps one buffer per layer. Configs (BLOCK_N, BLOCK_K, warps, stages, SPLIT_K) are autotuned
+per (N, K, bucket of M) and dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sits.kernels.attention_decode import _last_arrival
+from sits.kernels.gemm_small_m import (
+    SMEM_BYTES,
+    _block_m,
+    _row_sums,
+    _weight_rows,
+    check_gemm_operands,
+    pipeline_tiles,
+    small_m_rows_bucket,
+    store_out,
+)
+from sits.kernels.launch_utils import autotune, check_tensor, is_interpreter, require
+from sits.kernels.pdl import pdl_launch_options, pdl_wait
+from sits.kernels.reference import small_m_gemm_reference
+
+__all__ = ["MAX_SPLIT_K", "MIN_BLOCK_N", "counters_needed", "small_m_gemm_splitk", "small_m_gemm_reference"]
+
+MAX_SPLIT_K = 8  # the workspace is sized for the widest split of any config
+MIN_BLOCK_N = 32  # the narrowest column tile of any config: one counter per tile of it
+
+
+def _config(block_n: int, block_k: int, warps: int, stages: int, split_k: int) -> triton.Config:
+    return triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k, "SWAP_AB": True, "SPLIT_K": split_k},
+                         num_warps=warps, num_stages=stages)
+
+
+# (BLOCK_N, BLOCK_K, warps, stages, SPLIT_K): at N = 4,096, 64 x 2 = 128 up to 32 x 8 = 1,024 programs.
+# Not measured yet: benchmarks/bench_gemm_small_m.py times them beside the direct kernel and cuBLAS.
+GPU_CONFIGS = [
+    _config(*c)
+    for c in (
+        (64, 256, 4, 4, 2), (64, 256, 4, 4, 4), (64, 128, 4, 6, 4), (64, 128, 4, 6, 8), (128, 128, 8, 4, 4),
+        (128, 128, 8, 4, 8), (128, 64, 8, 6, 8), (32, 256, 4, 4, 4),
+    )
+]
+INTERPRETER_CONFIG = _config(32, 32, 4, 1, 3)
+
+
+def _prune(configs, named_args, **kwargs):
+    """Drop configs whose pipeline overflows shared memory at this row tile or whose K slice is mostly empty."""
+    k = named_args["K"]
+    block_m = kwargs.get("BLOCK_M", named_args.get("BLOCK_M", 64))
+    kept = [c for c in configs
+            if c.kwargs["BLOCK_K"] * c.kwargs["SPLIT_K"] <= max(k, 128)
+            and _smem(c, block_m) <= SMEM_BYTES]
+    return kept or configs[:1]
+
+
+def _smem(config: triton.Config, block_m: int) -> int:
+    buffers, w_rows = pipeline_tiles(config, block_m)
+    return buffers * (w_rows + block_m) * config.kwargs["BLOCK_K"] * 2
+
+
+@triton.jit(do_not_specialize=["M", "M_BUCKET"])  # one binary per row tile, not per batch size
+def _splitk_kernel(
+    x_ptr, w_ptr, out_ptr, ws_ptr, counters_ptr, M, N, K, stride_xm, stride_wn, stride_om, M_BUCKET,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
+    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr, USE_PDL: tl.constexpr = False,
+):  # fmt: skip
+    """out [M, N] = x @ w^T; grid (cdiv(N, BLOCK_N), SPLIT_K). Program (j, s) sums K slice s (a whole number of
+    BLOCK_K tiles) of column tile j into ws[s] ([SPLIT_K, BLOCK_M, N] float32), and the tile's last arrival on
+    counters[j] adds ws[0..SPLIT_K) in that order and writes out."""
+    pdl_wait(USE_PDL)
+    pid_n, split = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    in_m = offs_m < M
+    k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_start = split * k_per_split
+    k_len = tl.maximum(tl.minimum(k_per_split, K - k_start), 0)
+    sums = _row_sums(x_ptr + k_start, w_ptr + k_start, offs_m.to(tl.int64), in_m, _weight_rows(N, BLOCK_N, False),
+                     k_len, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, EVEN_K, DOT_FP32)  # fmt: skip
+    tile = offs_m[:, None] * N + offs_n[None, :]
+    mask = in_m[:, None] & (offs_n[None, :] < N)
+    tl.store(ws_ptr + split * BLOCK_M * N + tile, sums, mask=mask)
+    if _last_arrival(counters_ptr + pid_n, SPLIT_K):
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):
+            acc += tl.load(ws_ptr + s * BLOCK_M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
+        store_out(out_ptr, acc, offs_m, offs_n, in_m, N, stride_om, BLOCK_M, BLOCK_N, False)
+
+
+_splitk_kernel_even_k = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(_splitk_kernel)
+_small_m_gemm_splitk = autotune(GPU_CONFIGS, INTERPRETER_CONFIG, ("N", "K", "M_BUCKET"), _prune)(_splitk_kernel_even_k)
+
+
+def counters_needed(n: int) -> int:
+    """The counters a launch over N output columns may use: one per column tile of the narrowest config."""
+    return triton.cdiv(n, MIN_BLOCK_N)
+
+
+def launch(kernel, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, counters: torch.Tensor, **meta) -> None:
+    """Launch `kernel` (the autotuner, or the raw jit kernel with every constexpr in `meta`) from checked operands."""
+    m, k = x.shape
+    n = out.shape[1]
+    block_m = _block_m(m)
+    ws = torch.empty(MAX_SPLIT_K * block_m * n, dtype=torch.float32, device=x.device)
+    grid = lambda meta_: (triton.cdiv(n, meta_["BLOCK_N"]), meta_["SPLIT_K"])  # noqa: E731
+    kernel[grid](
+        x, w, out, ws, counters, m, n, k, x.stride(0), w.stride(0), out.stride(0), small_m_rows_bucket(m),
+        BLOCK_M=block_m, DOT_FP32=is_interpreter(), **{**pdl_launch_options(x.device), **meta},
+    )  # fmt: skip
+
+
+def check_counters(counters: torch.Tensor, n: int, device: torch.device) -> None:
+    """A contiguous 1-D int32 buffer on x's device with at least `counters_needed(n)` counters."""
+    check_tensor(counters, "counters", ndim=1, dtypes=(torch.int32,), device=device)
+    require(counters.is_contiguous(), "counters must be contiguous")
+    require(counters.numel() >= counters_needed(n),
+            f"counters holds {counters.numel()} counters; N = {n} needs at least {counters_needed(n)}")
+
+
+def small_m_gemm_splitk(x: torch.Tensor, w: torch.Tensor, counters: torch.Tensor,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+    """out = x @ w^T with float32 sums, K split over programs and reduced in the same launch.
+
+    Args:
+        x: [M, K] bfloat16 / float16, 0 <= M <= 64, last dimension contiguous (any row stride).
+        w: [N, K] in x's dtype (nn.Linear layout), last dimension contiguous.
+        counters: [>= counters_needed(N)] int32 on x's device, all zero; zero again after the launch. Launches
+            sharing a buffer must run one after another (one stream).
+        out: optional [M, N] buffer in x's dtype, last dimension contiguous.
+    Returns:
+        [M, N] in x's dtype.
+    Raises:
+        ValueError: wrong dtype, rank, shape, layout or device, M > 64, or too few counters.
+    """
+    m, n = check_gemm_operands(x, w, out, None, "w")
+    check_counters(counters, n, x.device)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
+    if m and n:
+        launch(_small_m_gemm_splitk, x, w, out, counters)
+    return out
