@@ -67,13 +67,13 @@ INTERPRETER_CONFIG = _config(32, 32, 4, 1, 3)
 
 
 def _prune(configs, named_args, **kwargs):
-    """Drop configs whose pipeline overflows shared memory at this row tile or whose K slice is mostly empty."""
+    """The configs whose pipeline fits shared memory at this row tile, less those whose K slices would be mostly
+    empty (BLOCK_K x SPLIT_K past K); where that leaves none, the fitting one with the fewest K elements a step."""
     k = named_args["K"]
     block_m = kwargs.get("BLOCK_M", named_args.get("BLOCK_M", 64))
-    kept = [c for c in configs
-            if c.kwargs["BLOCK_K"] * c.kwargs["SPLIT_K"] <= max(k, 128)
-            and _smem(c, block_m) <= SMEM_BYTES]
-    return kept or configs[:1]
+    fitting = [c for c in configs if _smem(c, block_m) <= SMEM_BYTES] or configs[:1]
+    kept = [c for c in fitting if c.kwargs["BLOCK_K"] * c.kwargs["SPLIT_K"] <= max(k, 128)]
+    return kept or [min(fitting, key=lambda c: c.kwargs["BLOCK_K"] * c.kwargs["SPLIT_K"])]
 
 
 def _smem(config: triton.Config, block_m: int) -> int:

@@ -91,8 +91,10 @@ def test_configs_keep_the_grid_wide_and_the_workspace_large_enough():
         assert config.kwargs["SPLIT_K"] <= gemm_small_m_splitk.MAX_SPLIT_K
         assert config.kwargs["BLOCK_N"] >= gemm_small_m_splitk.MIN_BLOCK_N
         assert 4096 // config.kwargs["BLOCK_N"] * config.kwargs["SPLIT_K"] >= 128  # ~ one program per SM at N = 4096
-    kept = gemm_small_m_splitk._prune(gemm_small_m_splitk.GPU_CONFIGS, {"K": 4096}, BLOCK_M=64)
-    assert kept and all(gemm_small_m_splitk._smem(c, 64) <= gemm_small_m.SMEM_BYTES for c in kept)
+    for k in (80, 4096):  # at K = 80 no config's BLOCK_K x SPLIT_K fits K: the fallback must still fit sm_90
+        for block_m in (16, 32, 64):
+            kept = gemm_small_m_splitk._prune(gemm_small_m_splitk.GPU_CONFIGS, {"K": k}, BLOCK_M=block_m)
+            assert kept and all(gemm_small_m_splitk._smem(c, block_m) <= gemm_small_m.SMEM_BYTES for c in kept)
 
 
 def test_bad_inputs_raise_value_error():
