@@ -176,12 +176,44 @@ def bench_case(setup: Setup, name: str, m: int, n: int, k: int, configs: bool) -
         _time(setup, row, "direct_silu", lambda i: gemm_small_m.small_m_gemm_silu_mul(x, ws[i]), copies, silu_ref,
               weight_bytes)  # fmt: skip
         row["direct_silu_config"] = short(getattr(gemm_small_m._small_m_gemm_silu, "best_config", None))
+    if configs:  # each side at the fastest of its configs and the autotuner's pick, that config pinned
+        _pin(row, "direct", row.get("configs", {}), gemm_small_m.GPU_CONFIGS, gemm_small_m._small_m_gemm)
+        _pin(row, "splitk", row.get("splitk_configs", {}), gemm_small_m_splitk.GPU_CONFIGS,
+             gemm_small_m_splitk._small_m_gemm_splitk)
+        if name == "gate_up":
+            _pin(row, "direct_silu", row.get("silu_configs", {}), gemm_small_m.GPU_CONFIGS,
+                 gemm_small_m._small_m_gemm_silu)
     row["winner"] = choose_winner(row.get("direct_us"), row.get("cublas_us"), row.get("splitk_us"))
     if name == "gate_up":
         row["silu_winner"] = choose_winner(row.get("direct_silu_us"), row.get("cublas_silu_us"))
     if name in NORM_PROJS and m <= NORM_MAX_M:
         bench_norm(setup, row, ws, name == "gate_up", weight_bytes)
     return row
+
+
+def config_dict(config) -> dict[str, int]:
+    """A triton.Config as a table's pinned config (sits.kernels.small_m_table.CONFIG_KEYS, SPLIT_K if it has one)."""
+    pinned = {key: int(config.kwargs[key]) for key in ("BLOCK_N", "BLOCK_K", "SWAP_AB")}
+    pinned |= {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    return pinned | ({"SPLIT_K": int(config.kwargs["SPLIT_K"])} if "SPLIT_K" in config.kwargs else {})
+
+
+def _pin(row: dict, side: str, figures: dict, configs: list, tuner) -> None:
+    """row[side + "_pinned"]: the config of the side's fastest launch, each config alone (`figures`, µs by
+    `short` name) or the autotuner's pick (row[side + "_us"]); the side's time becomes that launch's (the pick's
+    own kept as side + "_pick_us")."""
+    pick_us, pick = row.get(f"{side}_us"), getattr(tuner, "best_config", None)
+    timed = [(figures[short(c)], c) for c in configs if isinstance(figures.get(short(c)), float)]
+    if pick_us is not None and pick is not None:
+        timed.append((pick_us, pick))
+    if not timed:
+        return
+    us, config = min(timed, key=lambda t: t[0])
+    if pick_us is not None:
+        row[f"{side}_pick_us"] = pick_us
+    row[f"{side}_us"] = us
+    row[f"{side}_tbps"] = row["n"] * row["k"] * DTYPE.itemsize / (us * 1e-6) / 1e12
+    row[f"{side}_pinned"] = config_dict(config)
 
 
 def bench_norm(setup: Setup, row: dict, ws: list[torch.Tensor], silu: bool, weight_bytes: int) -> None:
@@ -299,7 +331,9 @@ def winners_table(rows: list[dict], device: str) -> SmallMTable:
             cases.append(("silu_mul", {"direct": "direct_silu", "cublas": "cublas_silu"}, r["silu_winner"]))
         for op, keys, winner in cases:
             us = {side: round(r[f"{key}_us"], 3) for side, key in keys.items() if f"{key}_us" in r}
-            entries[(op, r["n"], r["k"], r["m_bucket"])] = SmallMEntry(op, r["n"], r["k"], r["m_bucket"], winner, us)
+            pinned = r.get(f"{keys[winner]}_pinned") if winner in keys and winner != "cublas" else None
+            entries[(op, r["n"], r["k"], r["m_bucket"])] = SmallMEntry(op, r["n"], r["k"], r["m_bucket"], winner, us,
+                                                                       pinned)
         if "norm_winner" in r:  # "direct": the fused launch; "cublas": the unfused path
             op = NORM_PROJS[r["proj"]]
             us = {side: round(r[f"norm_{key}_us"], 3) for side, key in

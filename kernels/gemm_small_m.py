@@ -41,6 +41,7 @@ from sits.kernels.launch_utils import (
 )
 from sits.kernels.pdl import pdl_launch_options, pdl_wait
 from sits.kernels.reference import small_m_gemm_reference, small_m_gemm_silu_mul_reference
+from sits.kernels.small_m_table import CONFIG_KEYS
 
 __all__ = [
     "MAX_M",
@@ -271,6 +272,17 @@ def launch(kernel, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, silu_mul
     )  # fmt: skip
 
 
+def pinned_meta(config: dict[str, int], k: int, keys: tuple[str, ...]) -> dict:
+    """A pinned config (a measured table's, sits.kernels.small_m_table) as the raw kernel's launch keywords:
+    exactly `keys`, SWAP_AB as a bool, EVEN_K from K. Raises ValueError on other keys."""
+    require(isinstance(config, dict) and set(config) == set(keys),
+            f"a pinned config has exactly {', '.join(keys)}, got {config!r}")
+    meta = {key: int(value) for key, value in config.items()}
+    meta["SWAP_AB"] = bool(meta["SWAP_AB"])
+    meta["EVEN_K"] = k % meta["BLOCK_K"] == 0
+    return meta
+
+
 def check_gemm_operands(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, out_cols: int | None,
                         name: str) -> tuple[int, int]:
     """The operand checks of every small-M entry point (x [M, K] half, `name` [rows, K] of x's dtype, out
@@ -291,7 +303,8 @@ def check_gemm_operands(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | No
     return m, cols
 
 
-def small_m_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def small_m_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
+                 config: dict[str, int] | None = None) -> torch.Tensor:
     """out = x @ w^T with float32 sums, for decode batches.
 
     Args:
@@ -299,26 +312,36 @@ def small_m_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = No
             (any row stride).
         w: [N, K] weight in x's dtype (nn.Linear layout), last dimension contiguous.
         out: optional [M, N] buffer in x's dtype, last dimension contiguous.
+        config: a pinned launch config (CONFIG_KEYS: BLOCK_N, BLOCK_K, SWAP_AB, num_warps, num_stages) instead
+            of autotuning, e.g. a measured table's.
     Returns:
         [M, N] in x's dtype.
     Raises:
-        ValueError: wrong dtype, rank, shape, layout or device, or M > MAX_M.
+        ValueError: wrong dtype, rank, shape, layout or device, M > MAX_M, or a config with other keys.
     """
     m, n = check_gemm_operands(x, w, out, None, "w")
     out = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     if m and n:
-        launch(_small_m_gemm, x, w, out, False)
+        _launch_tuned_or_pinned(_small_m_gemm, x, w, out, False, config)
     return out
 
 
-def small_m_gemm_silu_mul(x: torch.Tensor, w_gate_up: torch.Tensor, out: torch.Tensor | None = None
-                          ) -> torch.Tensor:
+def _launch_tuned_or_pinned(tuner, x, w, out, silu_mul: bool, config: dict[str, int] | None) -> None:
+    if config is None:
+        launch(tuner, x, w, out, silu_mul)
+    else:
+        launch(_small_m_gemm_kernel, x, w, out, silu_mul, **pinned_meta(config, x.shape[1], CONFIG_KEYS))
+
+
+def small_m_gemm_silu_mul(x: torch.Tensor, w_gate_up: torch.Tensor, out: torch.Tensor | None = None,
+                          config: dict[str, int] | None = None) -> torch.Tensor:
     """silu(x @ gate^T) * (x @ up^T), the gate_up GEMM and SiLU·mul in one launch.
 
     Args:
         x: [M, K] bfloat16 / float16, 0 <= M <= MAX_M (64), last dimension contiguous.
         w_gate_up: [2I, K] in x's dtype: gate rows [0, I), up rows [I, 2I) (LlamaMLP's gate_up_proj).
         out: optional [M, I] buffer in x's dtype, last dimension contiguous.
+        config: a pinned launch config, as small_m_gemm's.
     Returns:
         [M, I] in x's dtype: the unfused silu_mul(x @ w_gate_up^T), each step rounded as it rounds.
     Raises:
@@ -329,5 +352,5 @@ def small_m_gemm_silu_mul(x: torch.Tensor, w_gate_up: torch.Tensor, out: torch.T
     m, cols = check_gemm_operands(x, w_gate_up, out, rows // 2, "w_gate_up")
     out = torch.empty(m, cols, dtype=x.dtype, device=x.device) if out is None else out
     if m and cols:
-        launch(_small_m_gemm_silu, x, w_gate_up, out, True)
+        _launch_tuned_or_pinned(_small_m_gemm_silu, x, w_gate_up, out, True, config)
     return out

@@ -35,6 +35,7 @@ from sits.kernels.gemm_small_m import (
     _row_sums,
     _weight_rows,
     check_gemm_operands,
+    pinned_meta,
     pipeline_tiles,
     small_m_rows_bucket,
     store_out,
@@ -42,6 +43,7 @@ from sits.kernels.gemm_small_m import (
 from sits.kernels.launch_utils import autotune, check_tensor, is_interpreter, require
 from sits.kernels.pdl import pdl_launch_options, pdl_wait
 from sits.kernels.reference import small_m_gemm_reference
+from sits.kernels.small_m_table import SPLITK_CONFIG_KEYS
 
 __all__ = ["MAX_SPLIT_K", "MIN_BLOCK_N", "counters_needed", "small_m_gemm_splitk", "small_m_gemm_reference"]
 
@@ -141,7 +143,7 @@ def check_counters(counters: torch.Tensor, n: int, device: torch.device) -> None
 
 
 def small_m_gemm_splitk(x: torch.Tensor, w: torch.Tensor, counters: torch.Tensor,
-                        out: torch.Tensor | None = None) -> torch.Tensor:
+                        out: torch.Tensor | None = None, config: dict[str, int] | None = None) -> torch.Tensor:
     """out = x @ w^T with float32 sums, K split over programs and reduced in the same launch.
 
     Args:
@@ -150,14 +152,24 @@ def small_m_gemm_splitk(x: torch.Tensor, w: torch.Tensor, counters: torch.Tensor
         counters: [>= counters_needed(N)] int32 on x's device, all zero; zero again after the launch. Launches
             sharing a buffer must run one after another (one stream).
         out: optional [M, N] buffer in x's dtype, last dimension contiguous.
+        config: a pinned launch config (SPLITK_CONFIG_KEYS: BLOCK_N, BLOCK_K, SWAP_AB, num_warps, num_stages,
+            SPLIT_K) instead of autotuning, e.g. a measured table's; SPLIT_K at most MAX_SPLIT_K, BLOCK_N at
+            least MIN_BLOCK_N (the counters' tile).
     Returns:
         [M, N] in x's dtype.
     Raises:
-        ValueError: wrong dtype, rank, shape, layout or device, M > 64, or too few counters.
+        ValueError: wrong dtype, rank, shape, layout or device, M > 64, too few counters, or a bad config.
     """
     m, n = check_gemm_operands(x, w, out, None, "w")
     check_counters(counters, n, x.device)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
-    if m and n:
+    if not (m and n):
+        return out
+    if config is None:
         launch(_small_m_gemm_splitk, x, w, out, counters)
+    else:
+        meta = pinned_meta(config, x.shape[1], SPLITK_CONFIG_KEYS)
+        require(meta["SPLIT_K"] <= MAX_SPLIT_K and meta["BLOCK_N"] >= MIN_BLOCK_N,
+                f"a pinned split-K config takes SPLIT_K <= {MAX_SPLIT_K} and BLOCK_N >= {MIN_BLOCK_N}, got {config!r}")
+        launch(_splitk_kernel, x, w, out, counters, **meta)
     return out

@@ -16,7 +16,10 @@ reads it before any kernel is imported). One entry per (op, N, K, M bucket):
 
 Each entry holds every side's microseconds per call and the winner, "direct" where the direct kernel
 took at most 1 / MIN_SPEEDUP of cuBLAS's time, else "cublas" (for the norm ops: of the faster unfused
-path's time); for "linear", "splitk" where the split-K kernel was the faster Triton side and beat cuBLAS so. M buckets are powers of two up to 64
+path's time); for "linear", "splitk" where the split-K kernel was the faster Triton side and beat cuBLAS so.
+Where the bench timed every config in CUDA graphs, a Triton winner also pins the fastest one ("config": its
+launch parameters), which the engine launches instead of autotuning at start-up (the autotuner's pick, timed
+without graphs, was up to 1.18x slower than the best config on the H200). M buckets are powers of two up to 64
 (the bench measures each); a call takes its own bucket's entry, and a shape or bucket with no entry
 runs cuBLAS.
 
@@ -38,7 +41,7 @@ from typing import TypeGuard
 
 from sits.kernels.device_tables import load_device_table
 
-__all__ = ["DEFAULT_TABLE_PATH", "MAX_M", "MIN_SPEEDUP", "NORM_MAX_M", "NORM_OPS", "OPS", "TABLE_VERSION",
+__all__ = ["CONFIG_KEYS", "DEFAULT_TABLE_PATH", "SPLITK_CONFIG_KEYS", "MAX_M", "MIN_SPEEDUP", "NORM_MAX_M", "NORM_OPS", "OPS", "TABLE_VERSION",
            "TIMED_SIDES", "TRITON_WINNERS", "WINNERS", "SmallMEntry", "SmallMTable", "choose_winner", "load_small_m_table", "m_bucket",
            "parse_small_m_table"]
 
@@ -71,9 +74,17 @@ def choose_winner(direct_us: float | None, cublas_us: float | None, splitk_us: f
     return side if sides[side] * MIN_SPEEDUP <= cublas_us else "cublas"
 
 
+CONFIG_KEYS = ("BLOCK_N", "BLOCK_K", "SWAP_AB", "num_warps", "num_stages")  # a pinned config's keys
+SPLITK_CONFIG_KEYS = (*CONFIG_KEYS, "SPLIT_K")  # the split-K kernel's
+
+
 @dataclass(frozen=True)
 class SmallMEntry:
-    """One measured shape: op, weight [n, k], the batch's M bucket, the winner and each side's µs."""
+    """One measured shape: op, weight [n, k], the batch's M bucket, the winner and each side's µs.
+
+    config: the winning Triton kernel's launch config, where the bench timed each config in CUDA graphs and
+    pinned the fastest (keys CONFIG_KEYS, plus SPLIT_K for "splitk"); None: the kernel autotunes at start-up.
+    """
 
     op: str
     n: int
@@ -81,10 +92,12 @@ class SmallMEntry:
     m_bucket: int
     winner: str
     us: dict[str, float] = field(default_factory=dict)
+    config: dict[str, int] | None = None
 
     def to_dict(self) -> dict:
-        return {"op": self.op, "n": self.n, "k": self.k, "m_bucket": self.m_bucket, "winner": self.winner,
-                "us": self.us}
+        row = {"op": self.op, "n": self.n, "k": self.k, "m_bucket": self.m_bucket, "winner": self.winner,
+               "us": self.us}
+        return row | ({"config": self.config} if self.config is not None else {})
 
 
 @dataclass(frozen=True)
@@ -104,6 +117,11 @@ class SmallMTable:
         the split-K one: `splitk_buckets`)."""
         return frozenset(b for (o, bn, bk, b), e in self.entries.items()
                          if (o, bn, bk) == (op, n, k) and e.winner in TRITON_WINNERS)
+
+    def pinned_configs(self, op: str, n: int, k: int) -> dict[int, dict[str, int]]:
+        """M bucket -> the pinned launch config of `op` on an [n, k] weight, where its Triton winner has one."""
+        return {b: dict(e.config) for (o, bn, bk, b), e in self.entries.items()
+                if (o, bn, bk) == (op, n, k) and e.winner in TRITON_WINNERS and e.config is not None}
 
     def splitk_buckets(self, n: int, k: int) -> frozenset[int]:
         """The M buckets at which "linear" on an [n, k] weight runs the split-K kernel."""
@@ -151,7 +169,20 @@ def _entry(row: object) -> SmallMEntry:
         raise ValueError(f"bad small-M GEMM table entry {row!r}: a silu_mul weight has an even row count")
     if not isinstance(us, dict) or any(s not in TIMED_SIDES or not isinstance(v, (int, float)) for s, v in us.items()):
         raise ValueError(f"bad small-M GEMM table entry {row!r}: 'us' must map {TIMED_SIDES} to numbers")
-    return SmallMEntry(op, n, k, bucket, winner, {s: float(v) for s, v in us.items()})
+    return SmallMEntry(op, n, k, bucket, winner, {s: float(v) for s, v in us.items()}, _config(row, winner))
+
+
+def _config(row: dict, winner: str) -> dict[str, int] | None:
+    """An entry's pinned config, checked: the winner's keys (SPLIT_K for "splitk"), positive ints (SWAP_AB 0 / 1)."""
+    config = row.get("config")
+    if config is None:
+        return None
+    keys = SPLITK_CONFIG_KEYS if winner == "splitk" else CONFIG_KEYS
+    if winner not in TRITON_WINNERS or not isinstance(config, dict) or set(config) != set(keys) or not all(
+            isinstance(v, int) and (v in (0, 1) if key == "SWAP_AB" else v > 0) for key, v in config.items()):
+        raise ValueError(f"bad small-M GEMM table entry {row!r}: 'config' pins a Triton winner's launch with "
+                         f"exactly {', '.join(keys)} (positive ints; SWAP_AB 0 or 1)")
+    return {key: int(config[key]) for key in keys}
 
 
 def parse_small_m_table(text: str) -> SmallMTable:

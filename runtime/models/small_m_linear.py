@@ -50,8 +50,8 @@ logger = logging.getLogger(__name__)
 SMALL_M_ENV = "SITS_SMALL_M_GEMM"
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
-Gemm = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-SplitKGemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (x, w, counters) -> out
+Gemm = Callable[..., torch.Tensor]  # (x, w, config=None) -> out; config: a pinned launch config
+SplitKGemm = Callable[..., torch.Tensor]  # (x, w, counters, config=None) -> out
 # (x, residual or None, norm weight, eps, w, stream dtype) -> (out, new stream): gemm_small_m_norm's functions
 NormGemm = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
@@ -68,6 +68,9 @@ class DecodeLinear(nn.Linear):
         splitk_buckets: those of direct_buckets that run the split-K kernel instead of the direct one.
         splitk_counters: the split-K kernel's int32 counters on the weight's device (zero between launches;
             set by `install_small_m_gemm` where splitk_buckets is not empty, else None).
+        pinned: M bucket -> the launch config the table pinned for this layer's plain GEMM there (direct or
+            split-K, whichever won); a bucket without one autotunes.
+        silu_pinned: the same for the fused gate_up + SiLU·mul.
         silu_mul_buckets: M buckets whose gate_up + SiLU·mul run as one launch (gated layers only).
         norm_buckets: M buckets (<= 8) whose preceding decoder norm and this GEMM run as one launch
             (`norm_linear`; no bias).
@@ -81,12 +84,14 @@ class DecodeLinear(nn.Linear):
         self.direct_buckets: frozenset[int] = frozenset()
         self.splitk_buckets: frozenset[int] = frozenset()
         self.splitk_counters: torch.Tensor | None = None
+        self.pinned: dict[int, dict[str, int]] = {}
+        self.silu_pinned: dict[int, dict[str, int]] = {}
         self.silu_mul_buckets: frozenset[int] = frozenset()
         self.norm_buckets: frozenset[int] = frozenset()
         self.norm_silu_mul_buckets: frozenset[int] = frozenset()
-        self._gemm: Gemm = small_m_gemm_reference
+        self._gemm: Gemm = _gemm_reference
         self._gemm_splitk: SplitKGemm = _splitk_reference
-        self._gemm_silu_mul: Gemm = small_m_gemm_silu_mul_reference
+        self._gemm_silu_mul: Gemm = _silu_mul_reference
         self._norm_gemm: NormGemm = small_m_norm_gemm_reference
         self._norm_gemm_silu_mul: NormGemm = small_m_norm_gemm_silu_mul_reference
 
@@ -103,10 +108,11 @@ class DecodeLinear(nn.Linear):
         if not rows:  # uninstalled (the usual case): one attribute test on top of nn.Linear
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, self.in_features)
-        if self.splitk_counters is not None and m_bucket(rows) in self.splitk_buckets:
-            out = self._gemm_splitk(flat, self.weight, self.splitk_counters)
+        bucket = m_bucket(rows)
+        if self.splitk_counters is not None and bucket in self.splitk_buckets:
+            out = self._gemm_splitk(flat, self.weight, self.splitk_counters, config=self.pinned.get(bucket))
         else:
-            out = self._gemm(flat, self.weight)
+            out = self._gemm(flat, self.weight, config=self.pinned.get(bucket))
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
@@ -121,7 +127,8 @@ class DecodeLinear(nn.Linear):
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of x [..., in_features] -> [..., out_features / 2], one launch (see fuses_silu_mul)."""
         rows = x.numel() // self.in_features
-        out = self._gemm_silu_mul(x.reshape(rows, self.in_features), self.weight)
+        out = self._gemm_silu_mul(x.reshape(rows, self.in_features), self.weight,
+                                  config=self.silu_pinned.get(m_bucket(rows)))
         return out.reshape(*x.shape[:-1], self.out_features // 2)
 
     def fuses_norm(self, x: torch.Tensor, norm_weight: torch.Tensor, silu_mul: bool = False) -> bool:
@@ -148,6 +155,8 @@ class DecodeLinear(nn.Linear):
         extra = f", direct GEMM at M buckets {sorted(self.direct_buckets)}" if self.direct_buckets else ""
         if self.splitk_buckets:
             extra += f" (split-K at {sorted(self.splitk_buckets)})"
+        if self.pinned or self.silu_pinned:
+            extra += f", pinned configs at M buckets {sorted(set(self.pinned) | set(self.silu_pinned))}"
         if self.silu_mul_buckets:
             extra += f", SiLU·mul fused at M buckets {sorted(self.silu_mul_buckets)}"
         if self.norm_buckets or self.norm_silu_mul_buckets:
@@ -155,8 +164,18 @@ class DecodeLinear(nn.Linear):
         return super().extra_repr() + extra
 
 
-def _splitk_reference(x: torch.Tensor, w: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
-    """The split-K GEMM's reference (the counters are the kernel's only)."""
+def _gemm_reference(x: torch.Tensor, w: torch.Tensor, config: dict[str, int] | None = None) -> torch.Tensor:
+    """The direct GEMM's reference (a pinned config is the kernel's only)."""
+    return small_m_gemm_reference(x, w)
+
+
+def _silu_mul_reference(x: torch.Tensor, w: torch.Tensor, config: dict[str, int] | None = None) -> torch.Tensor:
+    return small_m_gemm_silu_mul_reference(x, w)
+
+
+def _splitk_reference(x: torch.Tensor, w: torch.Tensor, counters: torch.Tensor,
+                      config: dict[str, int] | None = None) -> torch.Tensor:
+    """The split-K GEMM's reference (the counters and a pinned config are the kernel's only)."""
     return small_m_gemm_reference(x, w)
 
 
@@ -193,8 +212,7 @@ def _kernels(device: torch.device) -> tuple[Gemm, Gemm, NormGemm, NormGemm]:
         from sits.kernels.gemm_small_m_norm import small_m_norm_gemm, small_m_norm_gemm_silu_mul
 
         return small_m_gemm, small_m_gemm_silu_mul, small_m_norm_gemm, small_m_norm_gemm_silu_mul
-    return (small_m_gemm_reference, small_m_gemm_silu_mul_reference, small_m_norm_gemm_reference,
-            small_m_norm_gemm_silu_mul_reference)
+    return _gemm_reference, _silu_mul_reference, small_m_norm_gemm_reference, small_m_norm_gemm_silu_mul_reference
 
 
 def _norm_buckets(table: SmallMTable, op: str, module: DecodeLinear) -> frozenset[int]:
@@ -217,6 +235,8 @@ def install_small_m_gemm(model: nn.Module, table: SmallMTable) -> int:
         _install_splitk(module, table)
         fusable = module.gated and module.bias is None and n % 2 == 0
         module.silu_mul_buckets = table.direct_buckets("silu_mul", n, k) if fusable else frozenset()
+        module.pinned = table.pinned_configs("linear", n, k)
+        module.silu_pinned = table.pinned_configs("silu_mul", n, k) if fusable else {}
         module.norm_buckets = _norm_buckets(table, "norm_linear", module) if not module.gated else frozenset()
         module.norm_silu_mul_buckets = _norm_buckets(table, "norm_silu_mul", module) if fusable else frozenset()
         module._gemm, module._gemm_silu_mul, module._norm_gemm, module._norm_gemm_silu_mul = _kernels(

@@ -41,7 +41,15 @@ def test_cpu_toy_run_measures_every_side_and_writes_the_table(bench, tmp_path, m
         assert set(row["splitk_configs"]) == {bench.short(c) for c in gemm_small_m_splitk.GPU_CONFIGS}
         assert all(isinstance(t, float) for t in row["splitk_configs"].values()), row["splitk_configs"]
         assert row["winner"] in ("direct", "splitk", "cublas")
+        # each Triton side at its fastest launch, whose config the table pins for the winner
+        for side in ("direct", "splitk") + (("direct_silu",) if row["proj"] == "gate_up" else ()):
+            pinned = row[f"{side}_pinned"]
+            assert set(pinned) >= {"BLOCK_N", "BLOCK_K", "SWAP_AB", "num_warps", "num_stages"}, pinned
+            figures = row["splitk_configs" if side == "splitk" else "silu_configs" if side == "direct_silu" else "configs"]
+            assert row[f"{side}_us"] <= min([row[f"{side}_pick_us"], *figures.values()])
     table = load_small_m_table(table_path, device_name="cpu")
+    for entry in table.entries.values():
+        assert (entry.config is not None) == (entry.winner in ("direct", "splitk") and entry.op in ("linear", "silu_mul"))
     # 2 buckets x (o, gate_up) + 2 buckets x gate_up's silu_mul + 2 buckets (M <= 8) x gate_up's norm_silu_mul
     assert len(table.entries) == 8
     for row in (r for r in rows if r["proj"] == "gate_up"):

@@ -46,6 +46,23 @@ def test_matches_reference_and_leaves_the_counters_zero(m, n, k):
         assert counters.count_nonzero().item() == 0
 
 
+def test_a_pinned_config_launches_the_raw_kernel():
+    """A table's pinned config, for the split-K kernel and the direct one: the same results as autotuned."""
+    from sits.kernels.gemm_small_m import small_m_gemm
+
+    x, w = _operands(7, 100, 80, seed=11)
+    expected = small_m_gemm_reference(x, w)
+    config = {"BLOCK_N": 32, "BLOCK_K": 32, "SWAP_AB": 1, "num_warps": 4, "num_stages": 1}
+    counters = _counters(100)
+    _check(small_m_gemm_splitk(x, w, counters, config=config | {"SPLIT_K": 2}), expected)
+    assert counters.count_nonzero().item() == 0
+    _check(small_m_gemm(x, w, config=config | {"SWAP_AB": 0}), expected)
+    with pytest.raises(ValueError, match="a pinned config has exactly"):
+        small_m_gemm_splitk(x, w, counters, config=config)  # no SPLIT_K
+    with pytest.raises(ValueError, match="SPLIT_K <= 8 and BLOCK_N >= 32"):
+        small_m_gemm_splitk(x, w, counters, config=config | {"BLOCK_N": 16, "SPLIT_K": 2})
+
+
 def test_out_buffer_strided_rows_and_empty_batch():
     x, w = _operands(8, 64, 96, seed=3)
     wide = torch.zeros(8, 200, dtype=torch.float16, device=DEVICE)

@@ -37,6 +37,23 @@ def test_winner_rule():
     assert choose_winner(12.0, 10.1, 10.0) == "cublas" and choose_winner(None, 12.0, 10.0) == "splitk"
 
 
+def test_pinned_configs_read_back_and_are_checked():
+    direct = {"BLOCK_N": 32, "BLOCK_K": 256, "SWAP_AB": 1, "num_warps": 4, "num_stages": 4}
+    rows = [{"op": "linear", "n": 64, "k": 64, "m_bucket": 1, "winner": "direct", "config": direct},
+            {"op": "linear", "n": 64, "k": 64, "m_bucket": 32, "winner": "splitk", "config": direct | {"SPLIT_K": 2}},
+            {"op": "silu_mul", "n": 64, "k": 64, "m_bucket": 1, "winner": "direct", "config": direct},
+            {"op": "linear", "n": 64, "k": 64, "m_bucket": 2, "winner": "direct"}]
+    table = parse_small_m_table(json.dumps({"version": 1, "device": "", "entries": rows}))
+    assert table.pinned_configs("linear", 64, 64) == {1: direct, 32: direct | {"SPLIT_K": 2}}
+    assert table.pinned_configs("silu_mul", 64, 64) == {1: direct}
+    assert parse_small_m_table(table.to_json()).entries == table.entries
+    for config, winner in ((direct | {"SPLIT_K": 2}, "direct"), (direct, "splitk"), (direct | {"BLOCK_N": 0}, "direct"),
+                           (direct | {"SWAP_AB": 2}, "direct"), (direct, "cublas"), ([32], "direct")):
+        row = {"op": "linear", "n": 64, "k": 64, "m_bucket": 1, "winner": winner, "config": config}
+        with pytest.raises(ValueError, match="'config' pins a Triton winner's launch"):
+            parse_small_m_table(json.dumps({"version": 1, "device": "", "entries": [row]}))
+
+
 def test_split_k_entries_read_back_as_triton_buckets():
     rows = [{"op": "linear", "n": 64, "k": 64, "m_bucket": 32, "winner": "splitk", "us": {"splitk": 9.0, "direct": 10.0,
                                                                                           "cublas": 11.0}},

@@ -153,6 +153,42 @@ def test_split_k_buckets_run_the_split_k_kernel_with_the_layers_counters(tmp_pat
     assert all(c.count_nonzero().item() == 0 for c in splitk_calls)
 
 
+def test_pinned_configs_are_launched_as_the_table_says(tmp_path, monkeypatch):
+    """Entries with a pinned config launch the raw kernel with it (no autotuning): the plain GEMM, the split-K one
+    and the fused SiLU·mul, each at its bucket; the outputs still match F.linear's."""
+    from sits.kernels import gemm_small_m_splitk
+
+    model = _model(torch.float16)
+    expected = _forward(model, 1, 3)
+    config = {"BLOCK_N": 32, "BLOCK_K": 32, "SWAP_AB": 0, "num_warps": 4, "num_stages": 1}
+    with open(_table_file(tmp_path, model, buckets=(4,))) as f:
+        table = json.load(f)
+    for entry in table["entries"]:
+        o_proj = (entry["n"], entry["k"]) == (TINY.hidden_size, TINY.hidden_size)
+        entry["winner"] = "splitk" if o_proj and entry["op"] == "linear" else "direct"
+        entry["config"] = config | ({"SPLIT_K": 2, "SWAP_AB": 1} if entry["winner"] == "splitk" else {})
+    path = tmp_path / "pinned.json"
+    path.write_text(json.dumps(table))
+    seen = []
+    for module, name in ((gemm_small_m, "launch"), (gemm_small_m_splitk, "launch")):
+        real = getattr(module, name)
+
+        def recording(kernel, *args, _real=real, **meta):
+            seen.append((getattr(kernel, "fn", kernel).__name__, meta.get("SPLIT_K"), meta.get("BLOCK_N")))
+            return _real(kernel, *args, **meta)
+
+        monkeypatch.setattr(module, name, recording)
+    monkeypatch.setenv(SMALL_M_ENV, str(path))
+    install_small_m_gemm(model, installed_table("cpu"))
+    assert model.model.layers[0].self_attn.o_proj.pinned == {4: config | {"SPLIT_K": 2, "SWAP_AB": 1}}
+    out = _forward(model, 1, 3)
+    layers = TINY.num_hidden_layers
+    assert sorted(set(seen)) == [("_small_m_gemm_kernel", None, 32), ("_splitk_kernel", 2, 32)]
+    assert len(seen) == PROJECTIONS * layers
+    scale = expected.float().abs().max().item()
+    torch.testing.assert_close(out.float(), expected.float(), atol=1e-2 * scale, rtol=1e-2)
+
+
 def test_only_the_tables_buckets_and_ops_run_direct(tmp_path, monkeypatch, launches):
     model = _model(torch.float16)
     monkeypatch.setenv(SMALL_M_ENV, _table_file(tmp_path, model, ops=("linear",), buckets=(4,)))
