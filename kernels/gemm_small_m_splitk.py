@@ -56,7 +56,7 @@ def _config(block_n: int, block_k: int, warps: int, stages: int, split_k: int) -
                          num_warps=warps, num_stages=stages)
 
 
-# (BLOCK_N, BLOCK_K, warps, stages, SPLIT_K): at N = 4,096, 32 x 4 = 128 up to 128 x 8 = 256 programs.
+# (BLOCK_N, BLOCK_K, warps, stages, SPLIT_K): at N = 4,096, 128 programs (64 columns x 2 splits) to 512.
 # Measured on the H200 (2026-12-03, benchmarks/bench_gemm_small_m.py, CUDA graphs): 64 x 256 in 2 splits was the
 # fastest or within 2 % at o_proj and down_proj at batches 1 and 32 (o: 11.65 µs at 1, 13.03 at 32, against
 # cuBLAS's 13.32 and 14.26); more splits lost (4: +2-4 µs, 8: +5-7 µs). At qkv_proj and gate_up the wider
