@@ -114,7 +114,7 @@ def _time(setup: Setup, row: dict, side: str, call, copies: int, ref: torch.Tens
 
 
 def _time_splitk_configs(setup: Setup, row: dict, x, ws, ref, weight_bytes: int) -> None:
-    """Each split-K GPU config alone (the raw kernel): row["splitk_configs"] = {config: µs, or why not}."""
+    """Each split-K GPU config alone (pinned: the raw kernel): row["splitk_configs"] = {config: µs, or why not}."""
     figures: dict[str, float | str] = {}
     out = torch.empty(ref.shape, dtype=DTYPE, device=setup.device)
     counters = torch.zeros(gemm_small_m_splitk.counters_needed(ref.shape[1]), dtype=torch.int32, device=setup.device)
@@ -123,11 +123,9 @@ def _time_splitk_configs(setup: Setup, row: dict, x, ws, ref, weight_bytes: int)
         if gemm_small_m_splitk._smem(config, block_m) > gemm_small_m.SMEM_BYTES:
             figures[short(config)] = "skipped (shared memory)"
             continue
-        meta = dict(config.kwargs, EVEN_K=x.shape[1] % config.kwargs["BLOCK_K"] == 0, num_warps=config.num_warps,
-                    num_stages=config.num_stages)  # fmt: skip
         cell: dict = {}
-        _time(setup, cell, "c", lambda i, m=meta: gemm_small_m_splitk.launch(
-            gemm_small_m_splitk._splitk_kernel, x, ws[i], out, counters, **m) or out, len(ws), ref, weight_bytes)
+        _time(setup, cell, "c", lambda i, c=config_dict(config): gemm_small_m_splitk.small_m_gemm_splitk(
+            x, ws[i], counters, out=out, config=c), len(ws), ref, weight_bytes)
         figures[short(config)] = round(cell["c_us"], 2) if "c_us" in cell else cell["c_error"]
     row["splitk_configs"] = figures
 

@@ -1,12 +1,12 @@
 """The small-M GEMM with K split over programs and the splits reduced in the same launch (decode batches).
 
-    small_m_gemm_splitk(x [M, K], w [N, K], counters [>= cdiv(N, 16)] int32, zero) -> out [M, N] = x @ w^T
+    small_m_gemm_splitk(x [M, K], w [N, K], counters [>= counters_needed(N)] int32, zero) -> out [M, N] = x @ w^T
 
 The direct kernel (sits.kernels.gemm_small_m) gives each program a whole-K column tile. Every program also
 reads all M activation rows over the whole K, from L2: M / BLOCK_N bytes of activation per weight byte. At
 M = 32 and the narrow tiles that keep N = 4,096 (o_proj, down_proj) spread over 132 multiprocessors that is as
-much L2 traffic as weight traffic. Here a program takes a wider column tile (64 or 128 weight rows: a
-wgmma's M side, swapped) over one of SPLIT_K slices of K, so the grid stays as wide and the activation
+much L2 traffic as weight traffic. Here a program takes a wider column tile (32 to 128 weight rows; from
+64 a wgmma's M side, swapped) over one of SPLIT_K slices of K, so the grid stays as wide and the activation
 re-reads shrink by BLOCK_N / 32. cuBLAS splits K too, and adds a reduction kernel; this kernel reduces in
 the same launch:
 

@@ -7,10 +7,10 @@ HBM mostly idle for ~15 µs a layer: attention reads 8 MiB of K/V at ~1 TB/s, th
 projection's weight does not depend on anything a step computes, so its bytes can start moving into L2
 while those kernels run; the projection then reads them from L2 instead of HBM.
 
-Each program issues bulk prefetches (`cp.async.bulk.prefetch.L2.global`, sm_90: a hint, fire and forget:
-no completion is tracked and the kernel does not wait for the bytes) of CHUNK_BYTES each, one per thread of
-its single warp. So the launch costs what a launch costs, and the copies go on after it exits, beside the
-kernels that follow. Correctness never depends on it: a prefetched line that was evicted again is read from
+Each program issues bulk prefetches (`cp.async.bulk.prefetch.L2.global`, sm_90: a hint; no completion is
+tracked) of CHUNK_BYTES each, one per thread of its single warp. The hope was a launch that costs what a launch
+costs, the copies going on beside the kernels that follow; the H200 says otherwise (below). Correctness never
+depends on it: a prefetched line that was evicted again is read from
 HBM as before. On a device without bulk prefetches (before sm_90, Triton's interpreter) it does nothing.
 
 Measured on an H200 (2026-12-03, benchmarks/bench_l2_prefetch.py): the engine does not call it. Queued on the

@@ -41,9 +41,9 @@ from typing import TypeGuard
 
 from sits.kernels.device_tables import load_device_table
 
-__all__ = ["CONFIG_KEYS", "DEFAULT_TABLE_PATH", "SPLITK_CONFIG_KEYS", "MAX_M", "MIN_SPEEDUP", "NORM_MAX_M", "NORM_OPS", "OPS", "TABLE_VERSION",
-           "TIMED_SIDES", "TRITON_WINNERS", "WINNERS", "SmallMEntry", "SmallMTable", "choose_winner", "load_small_m_table", "m_bucket",
-           "parse_small_m_table"]
+__all__ = ["CONFIG_KEYS", "DEFAULT_TABLE_PATH", "MAX_M", "MIN_SPEEDUP", "NORM_MAX_M", "NORM_OPS", "OPS",
+           "SPLITK_CONFIG_KEYS", "TABLE_VERSION", "TIMED_SIDES", "TRITON_WINNERS", "WINNERS", "SmallMEntry",
+           "SmallMTable", "choose_winner", "load_small_m_table", "m_bucket", "parse_small_m_table"]
 
 NORM_OPS = ("norm_linear", "norm_silu_mul")  # the decoder norm fused into the GEMM's prologue
 OPS = ("linear", "silu_mul", *NORM_OPS)

@@ -4,8 +4,9 @@
 Until `install_small_m_gemm` gives it M buckets it is nn.Linear exactly (F.linear, cuBLAS on CUDA).
 Installed, a call whose row count M (1 to 64) falls in one of its buckets runs
 sits.kernels.gemm_small_m.small_m_gemm instead (or, at its `splitk_buckets`, the split-K kernel
-sits.kernels.gemm_small_m_splitk.small_m_gemm_splitk, with the layer's own zeroed counters); a gate_up projection (`gated`: gate rows first, then up,
-no bias) whose SiLU·mul bucket holds M computes silu(gate) * up in the same launch
+sits.kernels.gemm_small_m_splitk.small_m_gemm_splitk, with the layer's own zeroed counters; at buckets where
+the table pinned a config, that config without autotuning); a gate_up projection (`gated`: gate rows first,
+then up, no bias) whose SiLU·mul bucket holds M computes silu(gate) * up in the same launch
 (`small_m_gemm_silu_mul`, called by LlamaMLP). At the smallest batches the decoder norm that feeds a
 projection may run in the same launch too (`norm_buckets`: qkv_proj after input_layernorm;
 `norm_silu_mul_buckets`: gate_up_proj + SiLU·mul after post_attention_layernorm; sits.kernels.gemm_small_m_norm,
