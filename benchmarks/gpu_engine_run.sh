@@ -6,10 +6,12 @@
 #   STEPS="bf16 tests" benchmarks/gpu_engine_run.sh
 #
 # Steps (in this order by default, most important first):
-#   bf16   Llama-3-8B shape, random bf16 weights, batch 32, 2,048 in / 512 out: SITS and transformers
-#          generate measured in the same process (bench_e2e.py), table + JSON; async scheduling on
+#   bf16   Llama-3-8B shape, random bf16 weights, batch 32, 2,048 in / 512 out: SITS, transformers generate and the
+#          compiled static-cache PyTorch decoder (PEERS, default "transformers,compiled": sits bench --peer) measured
+#          in the same process (bench_e2e.py), table + JSON; async scheduling on
 #          (the CUDA default: the next step is scheduled and prepared while the GPU computes)
-#   itl    batch 1, 2,048 in / 128 out: decode inter-token latency, beside transformers
+#   itl    batch 1, 2,048 in / 128 out: decode inter-token latency, beside transformers and the compiled
+#          static-cache decoder (PEERS)
 #   sync   the bf16 step with --no-async-scheduling (each step's host work between GPU steps), so
 #          the overlap's gain is measured in the same session; transformers' figure is the bf16 step's
 #   itl-sync  the itl step with --no-async-scheduling
@@ -66,6 +68,7 @@ cd "$(dirname "$0")/.."
 . benchmarks/gpu_env.sh "${1:-}" gpu-engine-logs
 python3 -c "import sits.runtime.engine.engine, torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
 STEPS=${STEPS:-"bf16 itl sync itl-sync tests parity fp8 host"}
+PEERS=${PEERS:-transformers,compiled}  # the itl and bf16 steps' peers (sits bench --peer)
 BENCH="python3 benchmarks/bench_e2e.py --config ${BENCH_CONFIG:-llama-3-8b} --log-level info"
 SUMMARY="$LOG_DIR/summary.md"
 # --kv-cache-dtype fp8 when this build has the flag (the fp8 KV cache), else nothing.
@@ -107,7 +110,7 @@ for step in $STEPS; do
   start=$(date +%s)
   case $step in
     bf16)
-      timeout "${BF16_TIMEOUT:-260}" $BENCH --batch 32 --input-len 2048 --output-len 512 \
+      timeout "${BF16_TIMEOUT:-420}" $BENCH --batch 32 --input-len 2048 --output-len 512 --peer "$PEERS" \
         --json "$LOG_DIR/bf16.json" >"$LOG_DIR/bf16.log" 2>&1 ;;
     sync)
       timeout "${SYNC_TIMEOUT:-150}" $BENCH --batch 32 --input-len 2048 --output-len 512 --no-async-scheduling \
@@ -175,7 +178,7 @@ for step in $STEPS; do
       timeout "${FP8_MODES_TIMEOUT:-480}" python3 benchmarks/bench_fp8_accum.py --json "$LOG_DIR/fp8-modes.json" \
         --table "$LOG_DIR/fp8_accum_table.json" >"$LOG_DIR/fp8-modes.log" 2>&1 ;;
     itl)
-      timeout "${ITL_TIMEOUT:-90}" $BENCH --batch 1 --input-len 2048 --output-len 128 \
+      timeout "${ITL_TIMEOUT:-300}" $BENCH --batch 1 --input-len 2048 --output-len 128 --peer "$PEERS" \
         --json "$LOG_DIR/itl.json" >"$LOG_DIR/itl.log" 2>&1 ;;
     itl-pdl|bf16-pdl|fp8-b32-pdl)  # the step before the suffix, the decode kernels launched with PDL
       base=${step%-pdl}

@@ -45,8 +45,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     bench.add_argument("--output-len", type=int, default=512, help="tokens generated per prompt")
     bench.add_argument("--warmup-output-len", type=int, default=8,
                        help="output tokens of the warm-up batch (0: no warm-up)")
-    bench.add_argument("--peer", default="transformers", choices=("transformers", "none"),
-                       help="the system measured beside SITS in the same run")
+    bench.add_argument("--peer", default="transformers", type=_peer_list,
+                       help="the systems measured beside SITS in the same run, comma-separated: transformers "
+                            "(HF generate), compiled (a static KV cache and a torch.compile'd decode step, "
+                            "static_peer.py), or none")
     bench.add_argument("--peer-output-tok-s", type=float, default=None, metavar="TOK_S",
                        help="reuse this transformers output tok/s instead of measuring it (local iteration only)")
     bench.add_argument("--json", default=None, metavar="PATH", help="also write every figure as JSON here")
@@ -82,6 +84,21 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                                        "offline, as above)")
     bench_serve.register(modes)
     return parser
+
+
+PEERS = ("transformers", "compiled")
+
+
+def _peer_list(value: str) -> tuple[str, ...]:
+    """--peer's value: "none", or peers from PEERS, comma-separated, each once."""
+    names = tuple(name.strip() for name in value.split(",") if name.strip())
+    if names == ("none",):
+        return ()
+    unknown = [name for name in names if name not in PEERS]
+    if not names or unknown or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"expected none or some of {', '.join(PEERS)} (comma-separated, each once), "
+                                         f"got {value!r}")
+    return names
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -216,24 +233,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def benchmark(args: argparse.Namespace, config, loaded) -> int:
-    """Peer first (it needs the GPU memory the engine's KV cache takes later), then SITS; print the table."""
-    from sits.runtime.commands.bench_report import RunResult, format_table, to_json
+    """Peers first (they need the GPU memory the engine's KV cache takes later), then SITS; print the table."""
+    from sits.runtime.commands.bench_report import format_table, to_json
 
     vocab = loaded.config.vocab_size
     prompts = random_prompts(args.batch, args.input_len, vocab, config.model.seed + 1)
-    peer = None
-    if args.peer_output_tok_s is not None:
-        seconds = args.batch * args.output_len / args.peer_output_tok_s
-        peer = RunResult("transformers generate", seconds, args.batch * args.output_len, args.batch * args.input_len,
-                         measured=False)
-    elif args.peer == "transformers":
-        from sits.runtime.commands.bench_peer import run_transformers
-
-        logger.info("transformers: %d prompts x %d tokens -> %d tokens each", args.batch, args.input_len,
-                    args.output_len)
-        peer = run_transformers(loaded.model, prompts, args.output_len, loaded.device, loaded.dtype)
-        logger.info("transformers: %.2f s, %.0f output tok/s", peer.seconds, peer.output_tok_s)
     try:
+        peers = _run_peers(args, loaded, prompts)
         engine = new_engine(args, loaded, config)
     except ConfigError as error:
         return fail(PROG, str(error))
@@ -260,10 +266,43 @@ def benchmark(args: argparse.Namespace, config, loaded) -> int:
              "quantization": config.model.quantization, "versions": _versions()}
     print(f"\n{PROG}: {setup['model']} on {setup['device']}: batch {args.batch}, {args.input_len} in / "
           f"{args.output_len} out; {result.notes}")
-    print(format_table([result], peer, floor))
+    print(format_table([result], peers, floor))
     if args.json:
-        Path(args.json).write_text(to_json([result], peer, floor, setup))
+        Path(args.json).write_text(to_json([result], peers, floor, setup))
     return 0
+
+
+def _run_peers(args: argparse.Namespace, loaded, prompts: list[list[int]]) -> list:
+    """The peers `--peer` names, each run on the batch before the engine exists (its KV cache would take their
+    memory): transformers (or the figure `--peer-output-tok-s` gives), then the compiled static-cache decoder."""
+    from sits.runtime.commands.bench_report import RunResult
+
+    peers = []
+    if args.peer_output_tok_s is not None:
+        seconds = args.batch * args.output_len / args.peer_output_tok_s
+        peers.append(RunResult("transformers generate", seconds, args.batch * args.output_len,
+                               args.batch * args.input_len, measured=False))
+    elif "transformers" in args.peer:
+        from sits.runtime.commands.bench_peer import run_transformers
+
+        logger.info("transformers: %d prompts x %d tokens -> %d tokens each", args.batch, args.input_len,
+                    args.output_len)
+        peers.append(run_transformers(loaded.model, prompts, args.output_len, loaded.device, loaded.dtype))
+    if "compiled" in args.peer:
+        from sits.runtime.commands.static_peer import run_static_compiled
+
+        logger.info("static-cache peer: compiling its decode step, then %d prompts x %d tokens", args.batch,
+                    args.input_len)
+        try:
+            peers.append(run_static_compiled(loaded.model, prompts, args.output_len, loaded.device))
+        except ValueError as error:  # a quantized model: the peer runs unquantized weights only
+            raise ConfigError(f"--peer compiled: {error}") from None
+        except Exception as error:  # noqa: BLE001 - e.g. torch.compile failing: SITS is still measured
+            logger.error("the static-cache peer failed, measured without it: %s: %s", type(error).__name__,
+                         str(error).splitlines()[0] if str(error) else "")
+    for peer in peers:
+        logger.info("%s: %.2f s, %.0f output tok/s", peer.system, peer.seconds, peer.output_tok_s)
+    return peers
 
 
 def _versions() -> dict[str, str]:

@@ -97,30 +97,56 @@ def roofline(config: LlamaConfig, weight_bytes: int, batch: int, input_len: int,
     return Roofline(prefill_s, decode_s)
 
 
-def format_table(results: list[RunResult], peer: RunResult | None, floor: Roofline | None) -> str:
-    """The side-by-side table: one row per system, ratio against the peer, fraction of the roofline."""
-    header = ("| system | time s | output tok/s | total tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms "
-              "| vs transformers | of roofline |")
-    lines = [header, "|" + "---|" * 8]
-    rows = ([peer] if peer else []) + results
-    for r in rows:
-        ratio = f"{r.output_tok_s / peer.output_tok_s:.2f}x" if peer and r is not peer else ("1.00x" if peer else "—")
+def _peer_name(peer: RunResult) -> str:
+    """A peer's short name for a column header: "transformers", "static cache", or its label's first word."""
+    if peer.system.startswith("transformers"):
+        return "transformers"
+    if "static cache" in peer.system:
+        return "static cache"
+    return peer.system.split()[0]
+
+
+def _ratios(r: RunResult, peer: RunResult) -> str:
+    """r against a peer: output tok/s ratio and, where both measured ITL, the peer's ITL p50 over r's (> 1: r is
+    faster per token)."""
+    if r is peer:
+        return "1.00x"
+    cell = f"{r.output_tok_s / peer.output_tok_s:.2f}x"
+    if r.itl_s and peer.itl_s:
+        cell += f", ITL {percentile(peer.itl_s, 50) / percentile(r.itl_s, 50):.2f}x"
+    return cell
+
+
+def format_table(results: list[RunResult], peers: list[RunResult], floor: Roofline | None) -> str:
+    """The side-by-side table: one row per system; per peer a column of output tok/s ratios against it (and ITL
+    p50 ratios, the peer's over the row's); the fraction of the roofline."""
+    header = "| system | time s | output tok/s | total tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms "
+    header += "".join(f"| vs {_peer_name(p)} " for p in peers) + ("" if peers else "| vs transformers ") + "| of roofline |"
+    columns = 7 + max(len(peers), 1)
+    lines = [header, "|" + "---|" * columns]
+    for r in peers + results:
+        ratios = " | ".join(_ratios(r, p) for p in peers) if peers else "—"
         fraction = f"{floor.seconds / r.seconds:.0%}" if floor and r.seconds > 0 else "—"
         ttft = f"{1e3 * percentile(r.ttft_s, 50):.1f} / {1e3 * percentile(r.ttft_s, 99):.1f}" if r.ttft_s else "—"
         mark = " (mean)" if r.itl_is_mean else ""
         itl = f"{1e3 * percentile(r.itl_s, 50):.2f} / {1e3 * percentile(r.itl_s, 99):.2f}{mark}" if r.itl_s else "—"
         label = r.system + ("" if r.measured else " (figure from an earlier run)")
         lines.append(f"| {label} | {r.seconds:.2f} | {r.output_tok_s:,.0f} | {r.total_tok_s:,.0f} | {ttft} | {itl} "
-                     f"| {ratio} | {fraction} |")
+                     f"| {ratios} | {fraction} |")
     if floor:
         out = results[0].output_tokens if results else 0
         lines.append(f"| roofline (prefill {floor.prefill_s:.2f} s + decode {floor.decode_s:.2f} s) | "
-                     f"{floor.seconds:.2f} | {out / floor.seconds:,.0f} | — | — | — | — | 100% |")
+                     f"{floor.seconds:.2f} | {out / floor.seconds:,.0f} | — | — | — |" + " — |" * max(len(peers), 1)
+                     + " 100% |")
     return "\n".join(lines)
 
 
-def to_json(results: list[RunResult], peer: RunResult | None, floor: Roofline | None, setup: dict) -> str:
-    """Everything measured, for the record (figures in seconds and tokens per second)."""
+def to_json(results: list[RunResult], peers: list[RunResult], floor: Roofline | None, setup: dict) -> str:
+    """Everything measured, for the record (figures in seconds and tokens per second). "peer" is the first peer
+    (transformers where it ran) with each result's "ratio_vs_peer"; "peers" holds every peer, and each result's
+    "ratios" its output tok/s ratio and ITL ratio (the peer's ITL p50 over the result's) per peer label."""
+    first = peers[0] if peers else None
+
     def entry(r: RunResult) -> dict:
         data = asdict(r)
         data.update(output_tok_s=r.output_tok_s, total_tok_s=r.total_tok_s,
@@ -128,12 +154,16 @@ def to_json(results: list[RunResult], peer: RunResult | None, floor: Roofline | 
                     itl_p50_s=percentile(r.itl_s, 50), itl_p99_s=percentile(r.itl_s, 99))
         data.pop("ttft_s")
         data.pop("itl_s")
-        if peer and r is not peer:
-            data["ratio_vs_peer"] = r.output_tok_s / peer.output_tok_s
+        if first and r is not first:
+            data["ratio_vs_peer"] = r.output_tok_s / first.output_tok_s
+        if all(r is not p for p in peers):
+            data["ratios"] = {p.system: {"output_tok_s": r.output_tok_s / p.output_tok_s,
+                                         "itl": percentile(p.itl_s, 50) / percentile(r.itl_s, 50)
+                                         if p.itl_s and r.itl_s else None} for p in peers}
         if floor:
             data["fraction_of_roofline"] = floor.seconds / r.seconds
         return data
 
-    return json.dumps({"setup": setup, "peer": entry(peer) if peer else None,
+    return json.dumps({"setup": setup, "peer": entry(first) if first else None, "peers": [entry(p) for p in peers],
                        "results": [entry(r) for r in results],
                        "roofline": asdict(floor) | {"seconds": floor.seconds} if floor else None}, indent=2)

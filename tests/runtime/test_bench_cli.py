@@ -17,6 +17,7 @@ from sits.runtime.cli import main
 from sits.runtime.commands import bench
 from sits.runtime.commands.bench_peer import transformers_model
 from sits.runtime.commands.bench_report import percentile, roofline
+from sits.runtime.commands.static_peer import StaticCacheDecoder, greedy_step
 from sits.runtime.engine.cuda_graphs import decode_batch_sizes
 from sits.runtime.engine.request import SamplingParams
 from sits.runtime.hardware import CPU_DEFAULTS, GpuProfile, engine_defaults
@@ -78,6 +79,70 @@ def test_the_timed_engine_sends_deltas_and_decodes_unless_told_not_to(capsys):
         assert sum(len(c.token_ids_delta) for c in completions) == 3
         assert all(not c.token_ids and not c.text for c in completions)  # no cumulative copies
         assert bool("".join(c.text_delta for c in completions)) is decodes
+
+
+def test_bench_measures_both_peers_in_the_same_run(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--config", "tiny", "--batch", "2", "--input-len", "10", "--output-len", "6", "--device",
+                 "cpu", "--log-level", "warning", "--peer", "transformers,compiled", "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "| vs transformers | vs static cache |" in table
+    assert "| PyTorch static cache (eager: no CUDA graphs on the CPU) |" in table
+    assert ", ITL " in table  # the ITL ratio beside each output tok/s ratio
+    record = json.loads(out.read_text())
+    transformers, static = record["peers"]
+    assert record["peer"]["system"] == transformers["system"] and transformers["system"].startswith("transformers")
+    assert static["output_tokens"] == record["results"][0]["output_tokens"] == 12 and static["itl_p50_s"] > 0
+    ratios = record["results"][0]["ratios"]
+    assert set(ratios) == {transformers["system"], static["system"]}
+    sits = record["results"][0]
+    assert ratios[static["system"]]["itl"] == pytest.approx(static["itl_p50_s"] / sits["itl_p50_s"])
+
+
+@pytest.mark.parametrize("value", ["tensorrt", "compiled,compiled", ",", "none,compiled"])
+def test_an_unknown_peer_is_a_one_line_error(value, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--config", "tiny", "--device", "cpu", "--peer", value])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "expected none or some of transformers, compiled" in err and len(err.splitlines()) == 1
+
+
+@torch.inference_mode()
+def test_the_static_cache_peer_computes_sits_logits():
+    """The compiled peer's decoder on SITS's own weights: prefill and each decode step give the logits SITS gives
+    over the same tokens (float32, CPU), so the two systems are timed on the same function."""
+    loaded = random_loaded_model(preset_config("tiny"), TorchAttentionBackend(), "cpu", torch.float32, seed=4)
+    tokens = list(range(3, 40))
+    cache = PagedKVCache(loaded.model, 4, 16)
+    positions, metadata, _ = build_metadata(cache, [(PagedSequence(tokens), len(tokens))], torch.device("cpu"))
+    ours = loaded.model.compute_logits(loaded.model(torch.tensor(tokens), positions, cache.caches, metadata))
+    decoder = StaticCacheDecoder(loaded.model, 2, 48)
+    prompt = torch.tensor([tokens[:30]] * 2)
+    torch.testing.assert_close(decoder.prefill(prompt), ours[29].expand(2, -1), rtol=1e-5, atol=1e-5)
+    for i in range(30, len(tokens)):
+        logits = decoder.decode(torch.tensor([tokens[i]] * 2), torch.tensor([i]))
+        torch.testing.assert_close(logits, ours[i].expand(2, -1), rtol=1e-5, atol=1e-5)
+
+
+def test_the_static_cache_decode_step_traces_as_one_graph():
+    """torch.compile traces the decode step whole (fullgraph: no graph break, which on the GPU would split the CUDA
+    graph), and the traced step picks the eager step's tokens."""
+    loaded = random_loaded_model(preset_config("tiny"), TorchAttentionBackend(), "cpu", torch.float32, seed=5)
+    prompt = torch.tensor([[5, 9, 11, 2, 7, 3]] * 3)
+    picks = []
+    for traced in (False, True):
+        decoder = StaticCacheDecoder(loaded.model, 3, 12)
+        step = greedy_step(decoder, False)
+        if traced:
+            step = torch.compile(step, backend="eager", fullgraph=True)
+        with torch.inference_mode():
+            tokens, out = decoder.prefill(prompt).argmax(-1), []
+            for position in range(6, 11):
+                tokens = step(tokens, torch.tensor([position]))
+                out.append(tokens)
+        picks.append(torch.stack(out, 1))
+    assert torch.equal(picks[0], picks[1])
 
 
 def test_a_given_peer_figure_is_marked_as_not_measured(capsys):
