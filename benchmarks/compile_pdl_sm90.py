@@ -5,13 +5,10 @@
 Each kernel that takes USE_PDL (sits.kernels.pdl), at a Llama-3-8B decode launch: the fused add + RMSNorm,
 the small-M GEMM (plain and with SiLU·mul), RoPE + KV write, the decode split kernel and its merge, SiLU·mul,
 greedy argmax's two kernels, and the fp8 path's (the fused add + RMSNorm + e4m3 quantization, SiLU·mul + e4m3,
-per-token e4m3, the direct and the split-K fp8 GEMMs), and the bf16 split-K small-M GEMM, each compiled with
-USE_PDL in each of its five modes (PDL_OFF, PDL_AT_EXIT, PDL_EARLY, PDL_PREFETCH, PDL_PREFETCH_EAGER; the bf16
-small-M GEMMs with a 24 MB PF_TOTAL in the last two). Rows give how many grid-dependency instructions
-(`griddepcontrol.*`) and bulk L2 prefetches the PTX holds (none off; the wait at exit-trigger; the wait and a
-trigger with PDL_EARLY; in the prefetch modes the bf16 GEMMs' prefetch, wait and trigger after the K loop, and
-the other kernels' wait, with the trigger before it in PDL_PREFETCH_EAGER), and registers and spills each way
-(the wait must not cost registers). Run it without TRITON_INTERPRET.
+per-token e4m3, the direct and the split-K fp8 GEMMs), each compiled with USE_PDL in each of its three modes
+(PDL_OFF, PDL_AT_EXIT, PDL_EARLY). Rows give how many grid-dependency instructions (`griddepcontrol.*`) the PTX
+holds: none off, the wait at exit-trigger, the wait and the early trigger with PDL_EARLY, and registers and
+spills each way (the wait must not cost registers). Run it without TRITON_INTERPRET.
 """
 
 from __future__ import annotations
@@ -28,7 +25,6 @@ from sits.kernels import (
     fp8_gemm,
     fp8_quantize,
     gemm_small_m,
-    gemm_small_m_splitk,
     pdl,
     rmsnorm,
     rmsnorm_quant,
@@ -47,7 +43,6 @@ def _launches() -> dict[str, tuple]:
 def _bf16_launches() -> dict[str, tuple]:
     """The bf16 decode path's kernels (see _launches)."""
     small_m = gemm_small_m.GPU_CONFIGS[0]
-    splitk = gemm_small_m_splitk.GPU_CONFIGS[0]
     split_config = attention_decode._BF16_CONFIGS[0]
     split_types, split_constexprs = split_kernel_launch(split_config, False, 0)
     half = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16"}
@@ -63,11 +58,6 @@ def _bf16_launches() -> dict[str, tuple]:
         "small-M GEMM + SiLU·mul": (
             gemm_small_m._small_m_gemm_kernel, half,
             dict(small_m.kwargs, BLOCK_M=16, SILU_MUL=True, EVEN_K=True, DOT_FP32=False), (), small_m),
-        "small-M split-K GEMM": (
-            gemm_small_m_splitk._splitk_kernel, half | {"ws_ptr": "*fp32", "counters_ptr": "*i32"},
-            dict(splitk.kwargs, BLOCK_M=16, EVEN_K=True, DOT_FP32=False),
-            ("x_ptr", "w_ptr", "out_ptr", "ws_ptr", "counters_ptr", "N", "K", "stride_xm", "stride_wn", "stride_om"),
-            splitk),
         "RoPE + KV write": (
             rope_kv_write._rope_cache_write_kernel,
             {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "positions_ptr": "*i64", "cos_sin_ptr": "*fp32",
@@ -120,16 +110,12 @@ def _fp8_launches() -> dict[str, tuple]:
     }
 
 
-PDL_MODES = (pdl.PDL_OFF, pdl.PDL_AT_EXIT, pdl.PDL_EARLY, pdl.PDL_PREFETCH, pdl.PDL_PREFETCH_EAGER)
-PREFETCHING = ("small-M GEMM", "small-M GEMM + SiLU·mul", "small-M split-K GEMM")  # the kernels taking PF_TOTAL
+PDL_MODES = (pdl.PDL_OFF, pdl.PDL_AT_EXIT, pdl.PDL_EARLY)
 
 
 def compile_one(name: str, use_pdl: int) -> dict:
-    """One kernel's launch compiled for sm_90a with USE_PDL in one of PDL_MODES (and a 24 MB PF_TOTAL where the
-    kernel prefetches)."""
+    """One kernel's launch compiled for sm_90a with USE_PDL in one of PDL_MODES."""
     fn, types, constexprs, aligned, config = _launches()[name]
-    if name in PREFETCHING:
-        constexprs = dict(constexprs, PF_TOTAL=24_000_000)
     return compile_sm90(fn, types, dict(constexprs, USE_PDL=use_pdl), aligned, config)
 
 

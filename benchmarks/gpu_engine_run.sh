@@ -57,7 +57,7 @@
 #          rows kept: LOG_DIR/fp8_accum_table.json
 #   fp8-b32-table  fp8-b32 with that table (SITS_FP8_GEMM_TABLE): run after fp8-modes or fp8-modes-decode
 #   itl-pdl, bf16-pdl, fp8-b32-pdl  itl, bf16 and fp8-b32 with the decode kernels launched with programmatic
-#          dependent launch (SITS_PDL=$PDL_MODE, default 1: sits.kernels.pdl); run after the step without the suffix, whose output
+#          dependent launch (SITS_PDL=1, sits.kernels.pdl); run after the step without the suffix, whose output
 #          tok/s the RESULT line compares with (transformers' figure is reused from it as the peer)
 #   host   benchmarks/bench_engine_host_overhead.py: the engine's host work per decode step on this
 #          machine's CPU (tiny model, batch 1 / 32 / 256, async off and on), phase by phase
@@ -187,7 +187,7 @@ for step in $STEPS; do
         bf16) args="$BENCH --batch 32 --output-len 512 $(peer_flag bf16)" ;;
         fp8-b32) args="$FP8_BENCH --batch 32 --output-len 512" ;;
       esac
-      SITS_PDL="${PDL_MODE:-1}" timeout "${PDL_TIMEOUT:-150}" $args --input-len 2048 --json "$LOG_DIR/$step.json" \
+      SITS_PDL=1 timeout "${PDL_TIMEOUT:-150}" $args --input-len 2048 --json "$LOG_DIR/$step.json" \
         >"$LOG_DIR/$step.log" 2>&1
       rc=$?
       figure=$(sits_tok_s "$base")

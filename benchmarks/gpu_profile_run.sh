@@ -36,14 +36,12 @@
 #                  the norm ops included) LOG_DIR/small_m_gemm_table.json (copy it to kernels/small_m_gemm_table.json);
 #                  GEMV_ARGS adds flags (e.g. "--m 1,32 --no-configs --budget-s 200")
 #   prof1-gemv, prof32-gemv  prof1 / prof32 with that table installed (SITS_SMALL_M_GEMM): run after gemv in the
-#                  same call, or give the table's path as SMALL_M_TABLE (LOG_DIR is emptied between calls);
+#                  same call, or give the table's path as SMALL_M_TABLE (LOG_DIR is emptied between calls); any
+#                  batch takes these suffixes (prof8-gemv; prof8-base: batch 8 with the committed table);
 #                  -fused (prof1-fused, prof1-gemv-fused, ...): with the decode attention's fused split merge
 #                  (SITS_DECODE_FUSED_MERGE=1); -pdl (prof1-pdl, prof32-pdl, prof1-gemv-pdl, ...): the decode
 #                  kernels launched with programmatic dependent launch (SITS_PDL=1, sits.kernels.pdl);
 #                  -pdlearly (prof1-pdlearly, ...): SITS_PDL=early, the next kernel launched right after the wait;
-#                  -pdlpf, -pdlpfeager (prof1-pdlpf, prof32-pdlpfeager, ...): SITS_PDL=prefetch / prefetch-eager, the
-#                  decode GEMMs queueing their weight for L2 before their wait; -pfN: SITS_PDL_PREFETCH_MB=N (a
-#                  grid's prefetch in MB, default 24; e.g. prof1-pdlpfeager-pf48);
 #                  -splitN (prof1-split128, prof1-fused-split128, ...): decode attention splits keep at least N tokens
 #                  (SITS_DECODE_SPLIT_TOKENS, a multiple of 128; default 256)
 #   l2pf           benchmarks/bench_l2_prefetch.py: a projection's weight prefetched into L2 during the small
@@ -92,15 +90,13 @@ for step in $STEPS; do
       --host-phases --json "$LOG_DIR/$step.json" ;;
     gemv) timeout 600 python3 benchmarks/bench_gemm_small_m.py --json "$LOG_DIR/gemv.json" \
       --table "$LOG_DIR/small_m_gemm_table.json" ${GEMV_ARGS:-} ;;
-    prof1-*|prof32-*) batch=${step#prof}; batch=${batch%%-*}; table=""; fused=""; pdl=""; split=""
+    prof[0-9]*-*) batch=${step#prof}; batch=${batch%%-*}; table=""; fused=""; pdl=""; split=""
       case $step in *-gemv*) table="${SMALL_M_TABLE:-$LOG_DIR/small_m_gemm_table.json}" ;; esac
       case $step in *-split*) split=${step##*-split}; split=${split%%-*} ;; esac
       case $step in *-fused*) fused=1 ;; esac
-      case $step in *-pdlpfeager*) pdl=prefetch-eager ;; *-pdlpf*) pdl=prefetch ;; *-pdlearly*) pdl=early ;;
-        *-pdl*) pdl=1 ;; esac
-      pfmb=""; case $step in *-pf[0-9]*) pfmb=${step##*-pf}; pfmb=${pfmb%%-*} ;; esac
+      case $step in *-pdlearly*) pdl=early ;; *-pdl*) pdl=1 ;; esac
       SITS_SMALL_M_GEMM="$table" SITS_DECODE_FUSED_MERGE="$fused" SITS_PDL="$pdl" SITS_DECODE_SPLIT_TOKENS="$split" \
-      SITS_PDL_PREFETCH_MB="$pfmb" timeout 200 \
+      timeout 200 \
       python3 benchmarks/profile_decode.py $COMMON --batch "$batch" --input-len 2048 ;;
     trace256-cap*) budget=${step#trace256-cap}; cap=${budget%%-min*}; least=0
       [ "$budget" != "$cap" ] && least=${budget##*-min}

@@ -47,7 +47,7 @@ from sits.kernels.launch_utils import (
     length_bucket,
     require,
 )
-from sits.kernels.pdl import pdl_gemm_wait, pdl_launch_options
+from sits.kernels.pdl import pdl_launch_options, pdl_wait
 from sits.kernels.quantization import quantize_weight_fp8_per_channel
 from sits.kernels.reference import fp8_gemm_reference
 
@@ -109,7 +109,7 @@ def _fp8_gemm_kernel(
     GROUP_M: tl.constexpr, ATOMIC: tl.constexpr, FAST_ACCUM: tl.constexpr, EVEN_K: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
-    pdl_gemm_wait(USE_PDL)
+    pdl_wait(USE_PDL)
     offs_m, offs_n, rows_a, rows_w, first, last = split_k_tile(M, N, tl.cdiv(K, BLOCK_K), BLOCK_M, BLOCK_N, SPLIT_K,
                                                                GROUP_M)
     offs_k = tl.arange(0, BLOCK_K)
@@ -189,7 +189,7 @@ def _fp8_gemm_direct_kernel(
     from L2, once per program. Precise sums (FAST_ACCUM false) are promoted to float32 every
     PROMOTE_K elements of K. USE_PDL: launched with programmatic dependent launch (sits.kernels.pdl).
     """
-    pdl_gemm_wait(USE_PDL)
+    pdl_wait(USE_PDL)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_a = offs_m.to(tl.int64)

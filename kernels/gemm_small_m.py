@@ -39,7 +39,7 @@ from sits.kernels.launch_utils import (
     length_bucket,
     require,
 )
-from sits.kernels.pdl import gemm_pdl_launch_options, pdl_gemm_loop_done, pdl_gemm_wait, pdl_prefetch_rows
+from sits.kernels.pdl import pdl_launch_options, pdl_wait
 from sits.kernels.reference import small_m_gemm_reference, small_m_gemm_silu_mul_reference
 from sits.kernels.small_m_table import CONFIG_KEYS
 
@@ -223,7 +223,6 @@ def _small_m_gemm_kernel(
     x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, M_BUCKET,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
     SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr, USE_PDL: tl.constexpr = False,
-    PF_TOTAL: tl.constexpr = 0,
 ):  # fmt: skip
     """out [M, N] in out's dtype; grid (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M)).
 
@@ -233,23 +232,20 @@ def _small_m_gemm_kernel(
     the gate rows and then the up rows of its columns (2 BLOCK_N rows, one load pipeline, one dot per
     K tile), split apart in the epilogue. Columns past N are wrapped for the loads and masked at the
     store; activation rows past M are masked at the load (a batch of 1 to 15 rows in a 16-row tile
-    reads only its rows). USE_PDL: launched with programmatic dependent launch (sits.kernels.pdl); in its
-    prefetch modes each program first queues up to PF_TOTAL / programs bytes of its weight rows for L2.
+    reads only its rows). USE_PDL: launched with programmatic dependent launch (sits.kernels.pdl).
     """
-    rows_w = _weight_rows(N, BLOCK_N, SILU_MUL)
-    pdl_prefetch_rows(w_ptr + rows_w * stride_wn, K, USE_PDL, PF_TOTAL)
-    pdl_gemm_wait(USE_PDL)
+    pdl_wait(USE_PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     rows_x = offs_m.to(tl.int64)
     in_m = offs_m < M
+    rows_w = _weight_rows(N, BLOCK_N, SILU_MUL)
     if SILU_MUL:
         sums = _row_sums(x_ptr, w_ptr, rows_x, in_m, rows_w, K, stride_xm, stride_wn,
                          BLOCK_M, 2 * BLOCK_N, BLOCK_K, SWAP_AB, EVEN_K, DOT_FP32)  # fmt: skip
     else:
         sums = _row_sums(x_ptr, w_ptr, rows_x, in_m, rows_w, K, stride_xm, stride_wn,
                          BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, EVEN_K, DOT_FP32)  # fmt: skip
-    pdl_gemm_loop_done(USE_PDL)
     store_out(out_ptr, sums, offs_m, offs_n, in_m, N, stride_om, BLOCK_M, BLOCK_N, SILU_MUL)
 
 
@@ -272,7 +268,7 @@ def launch(kernel, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, silu_mul
     grid = lambda meta_: (triton.cdiv(n, meta_["BLOCK_N"]), triton.cdiv(m, block_m))  # noqa: E731
     kernel[grid](
         x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0), small_m_rows_bucket(m),
-        BLOCK_M=block_m, SILU_MUL=silu_mul, DOT_FP32=is_interpreter(), **{**gemm_pdl_launch_options(w), **meta},
+        BLOCK_M=block_m, SILU_MUL=silu_mul, DOT_FP32=is_interpreter(), **{**pdl_launch_options(x.device), **meta},
     )  # fmt: skip
 
 

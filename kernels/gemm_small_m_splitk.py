@@ -41,7 +41,7 @@ from sits.kernels.gemm_small_m import (
     store_out,
 )
 from sits.kernels.launch_utils import autotune, check_tensor, is_interpreter, require
-from sits.kernels.pdl import gemm_pdl_launch_options, pdl_gemm_loop_done, pdl_gemm_wait, pdl_prefetch_rows
+from sits.kernels.pdl import pdl_launch_options, pdl_wait
 from sits.kernels.reference import small_m_gemm_reference
 from sits.kernels.small_m_table import SPLITK_CONFIG_KEYS
 
@@ -91,25 +91,20 @@ def _splitk_kernel(
     x_ptr, w_ptr, out_ptr, ws_ptr, counters_ptr, M, N, K, stride_xm, stride_wn, stride_om, M_BUCKET,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr, USE_PDL: tl.constexpr = False,
-    PF_TOTAL: tl.constexpr = 0,
 ):  # fmt: skip
     """out [M, N] = x @ w^T; grid (cdiv(N, BLOCK_N), SPLIT_K). Program (j, s) sums K slice s (a whole number of
     BLOCK_K tiles) of column tile j into ws[s] ([SPLIT_K, BLOCK_M, N] float32), and the tile's last arrival on
-    counters[j] adds ws[0..SPLIT_K) in that order and writes out. USE_PDL, PF_TOTAL: as the direct kernel's (its
-    prefetch covers the program's K slice)."""
+    counters[j] adds ws[0..SPLIT_K) in that order and writes out."""
+    pdl_wait(USE_PDL)
     pid_n, split = tl.program_id(0), tl.program_id(1)
-    k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
-    k_start = split * k_per_split
-    k_len = tl.maximum(tl.minimum(k_per_split, K - k_start), 0)
-    rows_w = _weight_rows(N, BLOCK_N, False)
-    pdl_prefetch_rows(w_ptr + k_start + rows_w * stride_wn, k_len, USE_PDL, PF_TOTAL)
-    pdl_gemm_wait(USE_PDL)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     in_m = offs_m < M
-    sums = _row_sums(x_ptr + k_start, w_ptr + k_start, offs_m.to(tl.int64), in_m, rows_w,
+    k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_start = split * k_per_split
+    k_len = tl.maximum(tl.minimum(k_per_split, K - k_start), 0)
+    sums = _row_sums(x_ptr + k_start, w_ptr + k_start, offs_m.to(tl.int64), in_m, _weight_rows(N, BLOCK_N, False),
                      k_len, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, EVEN_K, DOT_FP32)  # fmt: skip
-    pdl_gemm_loop_done(USE_PDL)
     tile = offs_m[:, None] * N + offs_n[None, :]
     mask = in_m[:, None] & (offs_n[None, :] < N)
     tl.store(ws_ptr + split * BLOCK_M * N + tile, sums, mask=mask)
@@ -138,7 +133,7 @@ def launch(kernel, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, counters
     grid = lambda meta_: (triton.cdiv(n, meta_["BLOCK_N"]), meta_["SPLIT_K"])  # noqa: E731
     kernel[grid](
         x, w, out, ws, counters, m, n, k, x.stride(0), w.stride(0), out.stride(0), small_m_rows_bucket(m),
-        BLOCK_M=block_m, DOT_FP32=is_interpreter(), **{**gemm_pdl_launch_options(w), **meta},
+        BLOCK_M=block_m, DOT_FP32=is_interpreter(), **{**pdl_launch_options(x.device), **meta},
     )  # fmt: skip
 
 

@@ -1,10 +1,10 @@
 """Programmatic dependent launch (sits.kernels.pdl): when it is on, and that it changes no bit.
 
-CPU: SITS_PDL's and SITS_PDL_PREFETCH_MB's parsing, and that no launch asks for PDL off a Hopper GPU or under the
-interpreter (the kernels' USE_PDL stays at its default there). GPU (SM 9.0+): a decode-shaped chain of the kernels
-that take USE_PDL (fused add + RMSNorm, RoPE + KV write, decode attention and its merge, the small-M GEMM with and
-without SiLU·mul and its split-K form, SiLU·mul, greedy argmax), and the fp8 path's (fused add + RMSNorm + e4m3, the direct fp8
-GEMM, SiLU·mul + e4m3, per-token e4m3), captured in a CUDA graph without PDL and in each of the four PDL modes, give the
+CPU: SITS_PDL's parsing, and that no launch asks for PDL off a Hopper GPU or under the interpreter (the
+kernels' USE_PDL stays at its default there). GPU (SM 9.0+): a decode-shaped chain of the kernels that take
+USE_PDL (fused add + RMSNorm, RoPE + KV write, decode attention and its merge, the small-M GEMM with and
+without SiLU·mul, SiLU·mul, greedy argmax), and the fp8 path's (fused add + RMSNorm + e4m3, the direct fp8
+GEMM, SiLU·mul + e4m3, per-token e4m3), captured in a CUDA graph without PDL and in each PDL mode, give the
 same bits; tests/kernels/test_sm90_compile.py checks that the PDL binaries hold the wait (and the trigger).
 """
 
@@ -19,7 +19,6 @@ from sits.kernels.attention_decode import paged_decode_attention
 from sits.kernels.fp8_gemm import fp8_gemm
 from sits.kernels.fp8_quantize import quantize_fp8_per_token
 from sits.kernels.gemm_small_m import small_m_gemm, small_m_gemm_silu_mul
-from sits.kernels.gemm_small_m_splitk import counters_needed, small_m_gemm_splitk
 from sits.kernels.quantization import quantize_weight_fp8_per_channel
 from sits.kernels.rmsnorm import rms_norm
 from sits.kernels.rmsnorm_quant import rms_norm_quant_fp8
@@ -31,7 +30,6 @@ from tests.kernels.helpers import DEVICE, ON_GPU
 
 @pytest.mark.parametrize(("value", "mode"), [("1", pdl.PDL_AT_EXIT), ("on", pdl.PDL_AT_EXIT),
                                              ("TRUE", pdl.PDL_AT_EXIT), ("early", pdl.PDL_EARLY), (" Early ", pdl.PDL_EARLY),
-                                             ("prefetch", pdl.PDL_PREFETCH), ("Prefetch-Eager", pdl.PDL_PREFETCH_EAGER),
                                              ("0", pdl.PDL_OFF), ("", pdl.PDL_OFF), ("off", pdl.PDL_OFF)])
 def test_sits_pdl_asks_for_a_mode(monkeypatch, value, mode):
     monkeypatch.setenv(pdl.PDL_ENV, value)
@@ -39,26 +37,11 @@ def test_sits_pdl_asks_for_a_mode(monkeypatch, value, mode):
     assert pdl.pdl_requested() is (mode != pdl.PDL_OFF)
 
 
-@pytest.mark.parametrize(("value", "total"), [("", 24_000_000), ("8", 8_000_000), ("0", 0), (" 0.5 ", 500_000)])
-def test_sits_pdl_prefetch_mb_sets_a_grids_prefetch(monkeypatch, value, total):
-    monkeypatch.setenv(pdl.PREFETCH_ENV, value)
-    assert pdl.prefetch_total_bytes() == total
-
-
-@pytest.mark.parametrize("value", ["-1", "lots", "nan"])
-def test_a_bad_sits_pdl_prefetch_mb_is_refused_by_name(monkeypatch, value):
-    monkeypatch.setenv(pdl.PREFETCH_ENV, value)
-    with pytest.raises(ValueError, match=pdl.PREFETCH_ENV):
-        pdl.prefetch_total_bytes()
-
-
 @pytest.mark.skipif(ON_GPU, reason="the CPU's answer")
-@pytest.mark.parametrize("value", ["1", "early", "prefetch", "prefetch-eager"])
-def test_no_launch_asks_for_pdl_on_the_cpu_or_under_the_interpreter(monkeypatch, value):
-    monkeypatch.setenv(pdl.PDL_ENV, value)
+def test_no_launch_asks_for_pdl_on_the_cpu_or_under_the_interpreter(monkeypatch):
+    monkeypatch.setenv(pdl.PDL_ENV, "1")
     assert not pdl.pdl_supported(torch.device("cpu"))
     assert pdl.pdl_launch_options(torch.device("cpu")) == {}
-    assert pdl.gemm_pdl_launch_options(torch.zeros(8, 16)) == {}
     monkeypatch.delenv(pdl.PDL_ENV)
     assert pdl.pdl_launch_options(torch.device("cpu")) == {}
 
@@ -73,7 +56,7 @@ def _decode_chain(state: dict) -> torch.Tensor:
                                 state["slots"])
     attn = paged_decode_attention(q, state["k_cache"], state["v_cache"], state["block_tables"], state["seq_lens"],
                                   128**-0.5, max_seq_len=state["max_len"])
-    hidden = small_m_gemm_splitk(attn.reshape(attn.shape[0], -1), state["w_o"], state["counters"])
+    hidden = small_m_gemm(attn.reshape(attn.shape[0], -1), state["w_o"])
     normed, _ = rms_norm(hidden, state["norm"], 1e-5, residual=residual, residual_out=residual)
     up = small_m_gemm_silu_mul(normed, state["w_gate_up"])
     down = small_m_gemm(silu_mul(torch.cat([up, up], dim=-1)), state["w_down"])
@@ -93,7 +76,6 @@ def _state(batch: int = 4, context: int = 700, device: str = "cuda", dtype: torc
     return {
         "x": rand(batch, 4096, scale=1.0), "residual": rand(batch, 4096, scale=1.0).float(), "norm": rand(4096) + 1,
         "w_qkv": rand(6144, 4096), "w_o": rand(4096, 4096), "w_gate_up": rand(2 * 1024, 4096),
-        "counters": torch.zeros(counters_needed(4096), dtype=torch.int32, device=device),
         "w_down": rand(4096, 1024), "lm_head": torch.randn(8192, 4096, generator=g, device=device),
         "k_cache": k_cache, "v_cache": rand(*k_cache.shape, scale=1.0),
         "positions": torch.full((batch,), context, device=device, dtype=torch.int64),
@@ -125,9 +107,7 @@ def _same_bits_with_and_without_pdl(monkeypatch, make_state, chain, written: tup
     monkeypatch.delenv(pdl.PDL_ENV, raising=False)
     plain_state = make_state()
     plain = _graphed(chain, plain_state, written)
-    modes = (("1", pdl.PDL_AT_EXIT), ("early", pdl.PDL_EARLY), ("prefetch", pdl.PDL_PREFETCH),
-             ("prefetch-eager", pdl.PDL_PREFETCH_EAGER))
-    for value, mode in modes:
+    for value, mode in (("1", pdl.PDL_AT_EXIT), ("early", pdl.PDL_EARLY)):
         monkeypatch.setenv(pdl.PDL_ENV, value)
         assert pdl.pdl_launch_options(DEVICE) == {"USE_PDL": mode, "launch_pdl": True}
         pdl_state = make_state()
@@ -140,23 +120,7 @@ def _same_bits_with_and_without_pdl(monkeypatch, make_state, chain, written: tup
 @pytest.mark.gpu
 @pytest.mark.skipif(not (ON_GPU and pdl.pdl_supported(DEVICE)), reason="PDL needs SM 9.0 or later")
 def test_the_decode_chain_with_pdl_in_a_cuda_graph_gives_the_same_bits(monkeypatch):
-    _same_bits_with_and_without_pdl(monkeypatch, _state, _decode_chain, ("k_cache", "v_cache", "residual", "counters"))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not (ON_GPU and pdl.pdl_supported(DEVICE)), reason="PDL needs SM 9.0 or later")
-def test_a_decode_gemm_prefetches_only_aligned_weights(monkeypatch):
-    """The prefetch modes give a GEMM its grid's prefetch budget where the weight's rows start on 16 bytes, and
-    none where they do not (a bulk prefetch needs the granule): the launch still runs, without it."""
-    monkeypatch.setenv(pdl.PDL_ENV, "prefetch")
-    monkeypatch.setenv(pdl.PREFETCH_ENV, "4")
-    w = torch.randn(256, 1032, device=DEVICE).to(torch.bfloat16)
-    assert pdl.gemm_pdl_launch_options(w[:, :1024])["PF_TOTAL"] == 4_000_000
-    odd = w[:, 1:1025]  # rows start 2 bytes past the granule
-    assert pdl.gemm_pdl_launch_options(odd)["PF_TOTAL"] == 0
-    x = torch.randn(3, 1024, device=DEVICE).to(torch.bfloat16)
-    torch.testing.assert_close(small_m_gemm(x, odd), (x.float() @ odd.float().t()).to(torch.bfloat16), rtol=2e-2,
-                               atol=2e-2)
+    _same_bits_with_and_without_pdl(monkeypatch, _state, _decode_chain, ("k_cache", "v_cache", "residual"))
 
 
 def _fp8_chain(state: dict) -> torch.Tensor:
