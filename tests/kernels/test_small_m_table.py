@@ -91,16 +91,17 @@ def test_another_gpu_or_no_file_gives_cublas_everywhere(tmp_path):
 
 
 def test_the_shipped_table_is_the_h200_measurement_and_each_winner_follows_its_figures():
-    """Measured on the H200 (batch buckets 1 and 32): each entry's winner is what choose_winner makes of its
+    """Measured on the H200 (every batch bucket, 1 to 64): each entry's winner is what choose_winner makes of its
     own timings, so a hand edit that contradicts them fails here."""
     table = load_small_m_table(DEFAULT_TABLE_PATH, device_name="NVIDIA H200")
     assert table.device == "NVIDIA H200" and table.entries
-    assert {bucket for (_, _, _, bucket) in table.entries} == {1, 32}
+    assert {bucket for (_, _, _, bucket) in table.entries} == {1, 2, 4, 8, 16, 32, 64}
     for entry in table.entries.values():  # a norm op's "cublas" is the faster unfused path
         unfused = min(entry.us["cublas"], entry.us.get("norm_direct", float("inf")))
         assert entry.winner == choose_winner(entry.us["direct"], unfused, entry.us.get("splitk")), entry
-    assert table.direct_buckets("linear", 4096, 4096) == {1, 32}  # o_proj at batch 1 and 32: split-K
-    assert table.splitk_buckets(4096, 4096) == {1, 32} and table.splitk_buckets(4096, 14336) == {1, 32}
+    assert table.direct_buckets("linear", 4096, 4096) == {1, 2, 4, 8, 16, 32}  # o_proj: cuBLAS at 64 only
+    assert table.splitk_buckets(4096, 4096) == {1, 2, 32}  # the direct kernel at 4 to 16
+    assert table.splitk_buckets(4096, 14336) == {1, 2, 4, 8, 16, 32}  # down_proj
     # every Triton winner launches the config timed fastest in CUDA graphs, not the autotuner's pick
     assert all(e.config is not None for e in table.entries.values() if e.winner in ("direct", "splitk"))
     assert load_small_m_table(DEFAULT_TABLE_PATH, device_name="NVIDIA A100-SXM4-80GB").entries == {}
