@@ -3,6 +3,7 @@ SmolLM2-135M-Instruct, the GPU parity prompts of tests/gpu/test_real_model_parit
 
     PYTHONSAFEPATH=1 python benchmarks/bench_bf16_drift_cpu.py              # peers (minutes)
     PYTHONSAFEPATH=1 python benchmarks/bench_bf16_drift_cpu.py --roundings  # our bf16 engine's roundings
+    PYTHONSAFEPATH=1 python benchmarks/bench_bf16_drift_cpu.py --operands   # which bf16 operands cost it
 
 Greedy is the argmax of each system's own logits with EOS masked for 48 tokens, as in the GPU parity test
 (transformers' `generate` is not used: its processors may pick another token). Everything is compared with
@@ -23,6 +24,14 @@ from float32, mean and max |Δ logprob| of the answer tokens. The roundings:
   gemm_out_all  every projection writes float32 (bf16 operands, float32 accumulation and output, as cuBLAS
             can): RoPE from float32 q / k, SiLU·mul from float32 gate / up; only GEMM and attention operands
             (norm outputs, q / k / v, P, attention and SiLU·mul outputs) and the KV cache are rounded to bf16
+
+--operands: the other way round. The float32 engine with its weights rounded to bf16 (8/8 identical: the peers
+above), then one group of bf16 operand roundings at a time (forward hooks, the rest float32): what a precision mode
+would have to keep in float32 to reach 7/8. The groups:
+  gemm_in   every projection's input (qkv, o, gate_up, down, lm_head) rounded to bf16: the norms', attention's
+            and SiLU·mul's outputs as bf16 tensor-core GEMMs read them
+  kv        the K and V the attention reads (the new ones and the cache) rounded to bf16: a bf16 KV cache
+  q         the attention's queries rounded to bf16
 """
 
 from __future__ import annotations
@@ -130,15 +139,85 @@ def apply_variant(model, knobs: frozenset[str]) -> None:
                     linear.forward = float32_linear(linear)
 
 
+# name: the operands rounded to bf16 in the float32 engine with bf16-rounded weights (--operands)
+OPERAND_VARIANTS: dict[str, frozenset[str]] = {
+    "nothing (float32 compute, bf16 weights)": frozenset(),
+    "GEMM inputs": frozenset({"gemm_in"}),
+    "K / V (a bf16 KV cache)": frozenset({"kv"}),
+    "K / V and q": frozenset({"kv", "q"}),
+    "GEMM inputs, K / V and q": frozenset({"gemm_in", "kv", "q"}),
+}
+
+
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).float()
+
+
+def apply_operands(model, knobs: frozenset[str], handles: list) -> None:
+    """Set the float32 `model` (torch back end) to round `knobs`' operands to bf16, undoing the previous variant
+    (its hook handles, given and emptied)."""
+    for handle in handles:
+        handle.remove()
+    handles.clear()
+    backend = model.backend
+    backend.__dict__.pop("forward", None)
+    if knobs & {"kv", "q"}:
+        base = backend.forward
+
+        def forward(q, k, v, k_cache, v_cache, metadata, scale):
+            if "q" in knobs:
+                q = _bf16(q)
+            if "kv" in knobs:
+                k, v, k_cache, v_cache = (_bf16(t) for t in (k, v, k_cache, v_cache))
+            return base(q, k, v, k_cache, v_cache, metadata, scale)
+
+        backend.forward = forward
+    if "gemm_in" in knobs:
+        linears = [model.lm_head]
+        for layer in model.model.layers:
+            linears += [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+        handles += [linear.register_forward_pre_hook(lambda _m, args: (_bf16(args[0]), *args[1:]))
+                    for linear in linears]
+
+
+def operands(free_running: bool) -> None:
+    """The float32 engine with bf16-rounded weights, one group of bf16 operands at a time (OPERAND_VARIANTS)."""
+    reference_engine = parity.engine("cpu", "float32", "torch", "none", True)
+    prompts = parity.prompts(reference_engine.tokenizer)
+    answers = [tokens for tokens, _ in parity.generate(reference_engine, prompts, one_at_a_time=False)]
+    float32 = answer_logprobs(reference_engine.loaded_model.model, prompts, answers)
+    reference_engine.shutdown()
+    engine = cpu_engine("float32")
+    model = engine.loaded_model.model
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(param.to(torch.bfloat16).float())
+    print("| float32 engine, bf16 weights: operands in bf16 | identical / 8 | mean common prefix | teacher-forced "
+          "argmax | mean KL | answer \\|Δ logprob\\| mean / max |")
+    print("|---|---|---|---|---|---|")
+    handles: list = []
+    for name, knobs in OPERAND_VARIANTS.items():
+        apply_operands(model, knobs, handles)
+        identical, mean_prefix = "-", "-"
+        if free_running:
+            same, prefixes = against([t for t, _ in parity.generate(engine, prompts, one_at_a_time=False)], answers)
+            identical, mean_prefix = str(same), f"{sum(prefixes) / len(prefixes):.1f} {prefixes}"
+        print(f"| {name} | {identical} | {mean_prefix} | {teacher_forced(model, prompts, answers, float32)} |",
+              flush=True)
+    engine.shutdown()
+
+
 def against(outputs: list[list[int]], reference: list[list[int]]) -> tuple[int, list[int]]:
     """(how many answers equal the reference's, each answer's common prefix with it)."""
     pairs = list(zip(outputs, reference, strict=True))
     return sum(o == r for o, r in pairs), [parity.common_prefix(o, r) for o, r in pairs]
 
 
-def bf16_engine() -> LLMEngine:
+def cpu_engine(dtype: str = "bfloat16") -> LLMEngine:
+    """The parity engine on the CPU in `dtype`, torch back end, with prefix caching off (variants change the model
+    in place: no cached block may outlive the variant that computed it)."""
     config = EngineConfig(
-        model=ModelConfig(model=str(parity.gguf_path()), device="cpu", dtype="bfloat16", max_model_len=512),
+        model=ModelConfig(model=str(parity.gguf_path()), device="cpu", dtype=dtype, max_model_len=512),
         cache=CacheConfig(block_size=16, num_blocks=512, enable_prefix_caching=False),
         scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=1024),
         attention_backend="torch", enforce_eager=True,
@@ -169,7 +248,7 @@ def roundings(free_running: bool, only: list[int] | None) -> None:
     answers = [tokens for tokens, _ in parity.generate(reference_engine, prompts, one_at_a_time=False)]
     float32 = answer_logprobs(reference_engine.loaded_model.model, prompts, answers)
     reference_engine.shutdown()
-    engine = bf16_engine()
+    engine = cpu_engine()
     model = engine.loaded_model.model
     print("| bf16 engine, torch back end: kept in float32 | identical / 8 | mean common prefix | teacher-forced "
           "argmax | mean KL | answer \\|Δ logprob\\| mean / max |")
@@ -211,12 +290,17 @@ def main() -> int:
     start = time.perf_counter()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--roundings", action="store_true", help="our bf16 engine, one rounding changed at a time")
-    parser.add_argument("--teacher-forced-only", action="store_true", help="with --roundings: skip generation")
+    parser.add_argument("--operands", action="store_true",
+                        help="the float32 engine with bf16 weights, one group of bf16 operands at a time")
+    parser.add_argument("--teacher-forced-only", action="store_true",
+                        help="with --roundings or --operands: skip generation")
     parser.add_argument("--only", type=lambda text: [int(i) for i in text.split(",")],
                         help="with --roundings: these variants (indices into VARIANTS, comma-separated)")
     args = parser.parse_args()
     if args.roundings:
         roundings(free_running=not args.teacher_forced_only, only=args.only)
+    elif args.operands:
+        operands(free_running=not args.teacher_forced_only)
     else:
         peers()
     print(f"({time.perf_counter() - start:.0f} s)")
