@@ -198,13 +198,18 @@ def operands(free_running: bool) -> None:
     handles: list = []
     for name, knobs in OPERAND_VARIANTS.items():
         apply_operands(model, knobs, handles)
-        identical, mean_prefix = "-", "-"
-        if free_running:
-            same, prefixes = against([t for t, _ in parity.generate(engine, prompts, one_at_a_time=False)], answers)
-            identical, mean_prefix = str(same), f"{sum(prefixes) / len(prefixes):.1f} {prefixes}"
-        print(f"| {name} | {identical} | {mean_prefix} | {teacher_forced(model, prompts, answers, float32)} |",
-              flush=True)
+        print_row(name, engine, prompts, answers, float32, free_running)
     engine.shutdown()
+
+
+def print_row(name: str, engine, prompts, answers, float32: torch.Tensor, free_running: bool) -> None:
+    """One variant's table row: identical answers and common prefixes (when free-running), then teacher-forced."""
+    identical, mean_prefix = "-", "-"
+    if free_running:
+        same, prefixes = against([t for t, _ in parity.generate(engine, prompts, one_at_a_time=False)], answers)
+        identical, mean_prefix = str(same), f"{sum(prefixes) / len(prefixes):.1f} {prefixes}"
+    model = engine.loaded_model.model
+    print(f"| {name} | {identical} | {mean_prefix} | {teacher_forced(model, prompts, answers, float32)} |", flush=True)
 
 
 def against(outputs: list[list[int]], reference: list[list[int]]) -> tuple[int, list[int]]:
@@ -257,12 +262,7 @@ def roundings(free_running: bool, only: list[int] | None) -> None:
         if only is not None and index not in only:
             continue
         apply_variant(model, knobs)
-        identical, mean_prefix = "-", "-"
-        if free_running:
-            same, prefixes = against([t for t, _ in parity.generate(engine, prompts, one_at_a_time=False)], answers)
-            identical, mean_prefix = str(same), f"{sum(prefixes) / len(prefixes):.1f} {prefixes}"
-        print(f"| {name} | {identical} | {mean_prefix} | {teacher_forced(model, prompts, answers, float32)} |",
-              flush=True)
+        print_row(name, engine, prompts, answers, float32, free_running)
     engine.shutdown()
 
 
