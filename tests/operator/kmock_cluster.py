@@ -53,23 +53,24 @@ class KMockCluster:
             self.emulator.resources[key] = info
         self.kubeconfig = workdir / "kubeconfig"
         self.port = 0
-        self._loop = asyncio.new_event_loop()
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="kmock", daemon=True)
         self._started = threading.Event()
         self._stop: asyncio.Event | None = None
         self._error: BaseException | None = None
 
     def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
+        # asyncio.run: when the server stops, the watches still streaming are cancelled and their generators
+        # closed inside this loop. Left pending, they were finalized later by the garbage collector, from
+        # another test and loop ("is bound to a different event loop").
         try:
-            self._loop.run_until_complete(self._serve())
+            asyncio.run(self._serve())
         except BaseException as error:  # noqa: BLE001 - reported to the starting thread
             self._error = error
             self._started.set()
-        finally:
-            self._loop.close()
 
     async def _serve(self) -> None:
+        self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         async with self.emulator:
             server = aiohttp.test_utils.RawTestServer(self.emulator, host="127.0.0.1", port=0)
@@ -95,7 +96,7 @@ class KMockCluster:
         return self
 
     def stop(self) -> None:
-        if self._stop is not None and self._thread.is_alive():
+        if self._stop is not None and self._loop is not None and self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(10)
 
