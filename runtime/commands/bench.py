@@ -281,7 +281,7 @@ def _run_peers(args: argparse.Namespace, loaded, prompts: list[list[int]]) -> li
     if args.peer_output_tok_s is not None:
         seconds = args.batch * args.output_len / args.peer_output_tok_s
         peers.append(RunResult("transformers generate", seconds, args.batch * args.output_len,
-                               args.batch * args.input_len, measured=False))
+                               args.batch * args.input_len, measured=False, short="transformers"))
     elif "transformers" in args.peer:
         from sits.runtime.commands.bench_peer import run_transformers
 

@@ -105,7 +105,7 @@ def run_transformers(model: torch.nn.Module, prompts: list[list[int]], output_le
         raise RuntimeError(f"transformers generated {generated} tokens per sequence, expected {output_len}")
     itl = (seconds - ttft) / max(output_len - 1, 1)
     return RunResult(
-        system=f"transformers {transformers.__version__} generate (SDPA, dynamic cache)",
+        system=f"transformers {transformers.__version__} generate (SDPA, dynamic cache)", short="transformers",
         seconds=seconds, output_tokens=len(prompts) * output_len, prompt_tokens=sum(map(len, prompts)),
         ttft_s=[ttft] * len(prompts), itl_s=[itl], itl_is_mean=True,
     )

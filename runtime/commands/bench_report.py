@@ -28,6 +28,7 @@ class RunResult:
         itl_is_mean: the ITL figures are a mean per step (no per-token timestamps were taken).
         measured: False when the figure was given on the command line instead of measured now.
         notes: anything worth printing beside the figure.
+        short: the name a peer's column goes by ("transformers", "static cache"); empty: the label's first word.
         cpu_s: CPU seconds this process spent (all its threads, user + system) from submitting the batch to its
             last token; None where not measured. Compared with `seconds` it tells a busy machine from a slow engine.
     """
@@ -41,6 +42,7 @@ class RunResult:
     itl_is_mean: bool = False
     measured: bool = True
     notes: str = ""
+    short: str = ""
     cpu_s: float | None = None
 
     @property
@@ -98,12 +100,8 @@ def roofline(config: LlamaConfig, weight_bytes: int, batch: int, input_len: int,
 
 
 def _peer_name(peer: RunResult) -> str:
-    """A peer's short name for a column header: "transformers", "static cache", or its label's first word."""
-    if peer.system.startswith("transformers"):
-        return "transformers"
-    if "static cache" in peer.system:
-        return "static cache"
-    return peer.system.split()[0]
+    """A peer's column header name: its `short` name, else its label's first word."""
+    return peer.short or peer.system.split()[0]
 
 
 def _ratios(r: RunResult, peer: RunResult) -> str:

@@ -22,16 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sits.kernels.reference import rms_norm_reference as _rms_norm
 from sits.runtime.commands.bench_report import RunResult
 
 _LAYER_KEYS = ("in_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up", "gate_up_bias", "down",
                "down_bias")
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF Llama's RMSNorm: x [..., H] in float32, normalized, rounded to x's dtype, times the weight."""
-    xf = x.float()
-    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -79,7 +74,6 @@ class StaticCacheDecoder(nn.Module):
         c = model.config
         self.eps, self.heads, self.kv_heads, self.head_dim = c.rms_norm_eps, c.num_attention_heads, \
             c.num_key_value_heads, c.head_dim
-        self.max_len = max_len
         decoder = model.model
         self._share("embed", decoder.embed_tokens.weight)
         self._share("final_norm", decoder.norm.weight)
@@ -195,17 +189,16 @@ def greedy_step(decoder: StaticCacheDecoder, compiled: bool):
 
 
 @torch.inference_mode()
-def _decode(step, first: torch.Tensor, start: int, steps: int, compiled: bool) -> torch.Tensor:
-    """`steps` greedy steps from tokens `first` [B] at positions start, start + 1, ...: the tokens [B, steps]."""
-    out, tokens = [], first
+def _decode(step, first: torch.Tensor, start: int, steps: int, compiled: bool) -> None:
+    """`steps` greedy steps from tokens `first` [B] at positions start, start + 1, ... (each step's tokens feed the
+    next; nothing is kept: only the time is wanted)."""
+    tokens = first
     position = torch.tensor([start], dtype=torch.long, device=first.device)
     for _ in range(steps):
         if compiled:
             torch.compiler.cudagraph_mark_step_begin()
         tokens = step(tokens, position).clone()  # the graph's output buffer is reused by its next replay
-        out.append(tokens)
         position += 1
-    return torch.stack(out, dim=1) if out else first.new_empty(first.shape[0], 0)
 
 
 def run_static_compiled(model: nn.Module, prompts: list[list[int]], output_len: int,
@@ -238,7 +231,7 @@ def run_static_compiled(model: nn.Module, prompts: list[list[int]], output_len: 
             torch.cuda.empty_cache()
     how = "torch.compile reduce-overhead" if compiled else "eager: no CUDA graphs on the CPU"
     return RunResult(
-        system=f"PyTorch static cache ({how})", seconds=seconds, output_tokens=len(prompts) * output_len,
+        system=f"PyTorch static cache ({how})", short="static cache", seconds=seconds, output_tokens=len(prompts) * output_len,
         prompt_tokens=sum(map(len, prompts)), ttft_s=[ttft] * len(prompts),
         itl_s=[(seconds - ttft) / max(output_len - 1, 1)], itl_is_mean=True,
     )
