@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from sits.kernels.launch_utils import (
+    FLOAT_DTYPES,
     HALF_DTYPES,
     check_inner_contiguous,
     check_shape,
@@ -121,8 +122,15 @@ def _rope_cache_write_kernel(
         _store_cache(v_dst, v.to(tl.float32), v_scale, v_mask, FP8_CACHE)
 
 
+def cache_dtypes(q_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+    """The caches q's dtype may write: its own or fp8, and with float32 q (float32 activations beside a
+    half-precision model) a half-precision cache too."""
+    halves = HALF_DTYPES if q_dtype == torch.float32 else ()
+    return (q_dtype, *halves, torch.float8_e4m3fn)
+
+
 def _check_cache(cache: torch.Tensor, name: str, like: torch.Tensor, num_kv_heads: int, head_dim: int) -> None:
-    check_tensor(cache, name, ndim=4, dtypes=(like.dtype, torch.float8_e4m3fn), device=like.device)
+    check_tensor(cache, name, ndim=4, dtypes=cache_dtypes(like.dtype), device=like.device)
     require(
         cache.shape[2] == num_kv_heads and cache.shape[3] == head_dim,
         f"{name} must be [num_blocks, block_size, {num_kv_heads}, {head_dim}], got {tuple(cache.shape)}",
@@ -155,17 +163,18 @@ def rope_and_cache_write(
     """Rotates q and k in place and writes rotated k and v into the paged cache.
 
     Args:
-        q: [T, Hq, D] float16 / bfloat16, last dimension contiguous.
+        q: [T, Hq, D] float16 / bfloat16 / float32, last dimension contiguous.
         k, v: [T, Hkv, D] in q's dtype.
         positions: [T] int32 / int64 absolute positions (< cos_sin_cache.shape[0]).
         cos_sin_cache: [max_positions, R] float32 from `build_cos_sin_cache`, R even and <= D.
-        k_cache, v_cache: [num_blocks, block_size, Hkv, D] in q's dtype, or float8_e4m3fn.
+        k_cache, v_cache: [num_blocks, block_size, Hkv, D] in q's dtype, or float8_e4m3fn; with float32 q also
+            float16 / bfloat16 (k and v rounded to it as they are stored).
         slot_mapping: [T] int32 / int64 cache slots; -1 skips the token's write.
         k_scale, v_scale: [Hkv] float32 dequantization scales, required for an fp8 cache.
     Returns:
         (q, k), the same tensors, rotated.
     """
-    check_tensor(q, "q", ndim=3, dtypes=HALF_DTYPES)
+    check_tensor(q, "q", ndim=3, dtypes=FLOAT_DTYPES)
     num_tokens, num_q_heads, head_dim = q.shape
     check_tensor(k, "k", ndim=3, dtypes=(q.dtype,), device=q.device)
     num_kv_heads = k.shape[1]

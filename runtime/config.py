@@ -18,6 +18,9 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 QUANTIZATIONS = ("none", "fp8", "int8")
+# --activation-dtype: auto keeps the activations in --dtype; float32 keeps them in float32 beside half-precision
+# weights (runtime/models/mixed_linear.py)
+ACTIVATION_DTYPES = ("auto", "float32")
 FP8_MODES = ("auto", "w8a8", "weight-only")  # --fp8-mode (sits.runtime.models.quantize)
 LOAD_FORMATS = ("auto", "dummy")
 # --kv-cache-dtype: "auto" is the model's dtype; "fp8" (vLLM also spells it "fp8_e4m3") is e4m3 with
@@ -52,6 +55,9 @@ class ModelConfig:
             random weights of the named shape `config_name` with the token-id tokenizer, no checkpoint.
         config_name: `--config`: a shape of `sits.runtime.models.presets` (e.g. "llama-3-8b"); only
             with load_format "dummy".
+        activation_dtype: "auto" runs the activations in `dtype`; "float32" keeps them in float32 between the
+            kernels of a bfloat16 / float16 model (weights and KV cache stay in `dtype`; each projection
+            multiplies the two half-precision parts of its float32 input, see mixed_linear.py).
     """
 
     model: str | None = None
@@ -65,6 +71,7 @@ class ModelConfig:
     chat_template: str | None = None
     load_format: str = "auto"
     config_name: str | None = None
+    activation_dtype: str = "auto"
 
     def validate(self) -> None:
         if self.chat_template is not None:
@@ -80,6 +87,15 @@ class ModelConfig:
             raise ConfigError(f"--fp8-mode must be one of {', '.join(FP8_MODES)}, got {self.fp8_mode!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"--max-model-len must be positive, got {self.max_model_len}")
+        self._validate_activation_dtype()
+
+    def _validate_activation_dtype(self) -> None:
+        if self.activation_dtype not in ACTIVATION_DTYPES:
+            raise ConfigError(f"--activation-dtype must be one of {', '.join(ACTIVATION_DTYPES)}, "
+                              f"got {self.activation_dtype!r}")
+        if self.activation_dtype != "auto" and self.quantization != "none":
+            raise ConfigError(f"--activation-dtype {self.activation_dtype} needs unquantized weights: "
+                              f"--quantization {self.quantization} multiplies its own activation format")
 
     def _validate_load_format(self) -> None:
         if self.load_format not in LOAD_FORMATS:
@@ -338,6 +354,7 @@ class EngineConfig:
         self.model.validate()
         self._validate_speculative()
         self._validate_lora()
+        self._validate_activation_dtype()
         self.cache.validate()
         self.scheduler.validate()
         self.parallel.validate()
@@ -395,6 +412,19 @@ class EngineConfig:
                               "(adapters need the unquantized weights' layers)")
         if self.compile:
             raise ConfigError("--enable-lora does not run with --compile (the adapters' layers run eagerly)")
+
+
+    def _validate_activation_dtype(self) -> None:
+        """What float32 activations beside half-precision weights do not run with yet."""
+        if self.model.activation_dtype == "auto":
+            return
+        flag = f"--activation-dtype {self.model.activation_dtype}"
+        if self.parallel.tensor_parallel_size > 1:
+            raise ConfigError(f"{flag} does not run with --tensor-parallel-size > 1 yet")
+        if self.lora.enable_lora:
+            raise ConfigError(f"{flag} does not run with --enable-lora yet (the adapters' deltas are half precision)")
+        if self.compile:
+            raise ConfigError(f"{flag} does not run with --compile yet")
 
 
 TOOL_CALL_PARSERS = ("hermes",)  # `<tool_call>{"name", "arguments"}</tool_call>` (Hermes, Qwen2.5)

@@ -16,7 +16,9 @@ are its context) or masked after a cached prefix (its context is read from the c
 An fp8 (e4m3) cache is written as clamp(value / scale, ±448) per KV head and read back as
 stored * scale in float32 (CPU torch has no fp8 index ops: the cache is gathered and scattered as
 bytes). A causal long prefill that attends its own new k and v rounds them through fp8 the same
-way, so it sees what a later step reads from the cache (as the Triton kernels, which read it).
+way, so it sees what a later step reads from the cache (as the Triton kernels, which read it); so too
+float32 k and v (--activation-dtype float32) beside a half-precision cache, rounded to its dtype. With
+float32 queries attention runs in float32 over the cache's values, its output unrounded.
 """
 
 from __future__ import annotations
@@ -118,6 +120,8 @@ def _attend_long_prefill(q, k, v, k_cache, v_cache, plan: StepPlan, seq: LongPre
     if seq.cache_rows is None:
         if scales is not None:  # what the cache holds for them
             k, v = fp8_round_trip(k, scales[0]), fp8_round_trip(v, scales[1])
+        elif k.dtype != k_cache.dtype:  # float32 activations beside a half-precision cache: what it holds too
+            k, v = k.to(k_cache.dtype), v.to(k_cache.dtype)
         keys, values = k.transpose(0, 1).float(), v.transpose(0, 1).float()  # [kv, context, head_dim]
     else:
         keys, values = _gather_float32(plan, k_cache, v_cache, seq.cache_rows,

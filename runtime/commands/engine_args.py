@@ -13,6 +13,7 @@ import os
 import sys
 
 from sits.runtime.config import (
+    ACTIVATION_DTYPES,
     ATTENTION_BACKENDS,
     DTYPES,
     FP8_MODES,
@@ -57,6 +58,12 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
                             "smollm2-135m, tiny)")
     model.add_argument("--served-model-name", default=None, help="the OpenAI model id (default: the model's name)")
     model.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: float32 on CPU, bfloat16 on CUDA")
+    model.add_argument("--activation-dtype", default="auto", choices=ACTIVATION_DTYPES,
+                       help="auto: the activations in --dtype; float32: activations stay float32 between the "
+                            "kernels of a bfloat16 / float16 model (weights and KV cache stay in --dtype, each "
+                            "projection multiplies two half-precision parts of its input): greedy outputs close "
+                            "to a float32 model's at the half-precision weights' memory and decode speed, prefill "
+                            "GEMMs doing twice the work")
     model.add_argument("--device", default="auto", help="auto, cpu or cuda (auto: cuda when available)")
     model.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens per sequence")
     model.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
@@ -207,7 +214,8 @@ def engine_config_from_args(args: argparse.Namespace, chosen=None) -> EngineConf
                           device=args.device, max_model_len=args.max_model_len, quantization=args.quantization,
                           fp8_mode=getattr(args, "fp8_mode", "auto"),
                           seed=args.seed, load_format=getattr(args, "load_format", None) or "auto",
-                          config_name=getattr(args, "config", None)),
+                          config_name=getattr(args, "config", None),
+                          activation_dtype=getattr(args, "activation_dtype", None) or "auto"),
         cache=CacheConfig(block_size=args.block_size, kv_cache_gb=args.kv_cache_gb,
                           gpu_memory_utilization=args.gpu_memory_utilization, num_blocks=args.num_blocks,
                           enable_prefix_caching=args.enable_prefix_caching,

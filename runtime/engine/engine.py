@@ -27,7 +27,12 @@ from typing import TYPE_CHECKING, Any
 from sits.runtime.config import ConfigError, EngineConfig
 from sits.runtime.engine.bad_words import resolve_bad_words
 from sits.runtime.engine.cache_sizing import check_fits_one_sequence, num_blocks_for_budget
-from sits.runtime.engine.engine_setup import checkpoint_head_dim, prepare_execution, quantize
+from sits.runtime.engine.engine_setup import (
+    checkpoint_head_dim,
+    prepare_execution,
+    quantize,
+    use_activation_dtype,
+)
 from sits.runtime.engine.errors import DuplicateRequestError, InvalidRequestError, PromptTooLongError
 from sits.runtime.engine.eviction import EvictionPolicy
 from sits.runtime.engine.host_tier import build_host_tier
@@ -105,6 +110,7 @@ class LLMEngine:
             getattr(self.tokenizer, "eos_token_ids", ())
         )
         quantize(loaded, config.model.quantization, config.model.fp8_mode)
+        use_activation_dtype(loaded, config.model.activation_dtype)
         sampler = Sampler(self.eos_token_ids, loaded.device, seed=config.model.seed)
         self.runner = runner_factory(loaded.model, loaded.device, loaded.dtype, config.cache.block_size, sampler)
         self.lora = setup_lora(self.runner, loaded.model, loaded.config, config.lora, self.model_name)

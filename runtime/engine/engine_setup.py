@@ -1,6 +1,7 @@
-"""Putting a loaded model to work before the engine's first step: quantization, torch.compile, the
-small-M GEMM's table, the kernels' pre-tune (`kernel_warmup.py`) and CUDA-graph capture (with the reason
-in the log when graphs are off), and the checkpoint's head size that picks the attention back end.
+"""Putting a loaded model to work before the engine's first step: quantization, the activations' dtype,
+torch.compile, the small-M GEMM's table, the kernels' pre-tune (`kernel_warmup.py`) and CUDA-graph capture
+(with the reason in the log when graphs are off), and the checkpoint's head size that picks the attention
+back end.
 """
 
 from __future__ import annotations
@@ -31,6 +32,21 @@ def quantize(loaded: LoadedModel, method: str, fp8_mode: str = "auto") -> None:
     quantize_model(loaded.model, method, fp8_mode=fp8_mode)
 
 
+def use_activation_dtype(loaded: LoadedModel, name: str) -> None:
+    """--activation-dtype: "auto" leaves the model as loaded; "float32" keeps a half-precision model's activations
+    in float32 (`LlamaForCausalLM.use_activation_dtype`; a float32 model already runs so)."""
+    if name == "auto":
+        return
+    import torch
+
+    use = getattr(loaded.model, "use_activation_dtype", None)
+    if use is None:
+        raise ConfigError(f"--activation-dtype {name}: {type(loaded.model).__name__} does not support it")
+    use(getattr(torch, name))
+    if loaded.dtype != torch.float32:
+        logger.info("activations in %s beside %s weights and KV cache", name, str(loaded.dtype).removeprefix("torch."))
+
+
 def prepare_execution(runner: ModelRunner, loaded: LoadedModel, config: EngineConfig, max_model_len: int) -> None:
     """torch.compile (--compile), the small-M GEMM's measured table (on CUDA: small_m_linear.py), the
     pre-tune of every kernel key the steps can reach (on CUDA, with or without --enforce-eager: eager
@@ -47,7 +63,8 @@ def prepare_execution(runner: ModelRunner, loaded: LoadedModel, config: EngineCo
         from sits.runtime.models.small_m_linear import enable_small_m_gemm
 
         enable_small_m_gemm(loaded.model, loaded.device, compiled=config.compile)  # before its pre-tune
-        pretune_kernels(runner, loaded.dtype, config.scheduler, max_model_len)
+        activations = getattr(loaded.model, "activation_dtype", None) or loaded.dtype  # queries, GEMM inputs
+        pretune_kernels(runner, activations, config.scheduler, max_model_len)
     backend = getattr(loaded.model, "backend", None)
     if loaded.device.type != "cuda":
         reason = "not on CUDA"

@@ -18,40 +18,49 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from sits.runtime.models.mixed_linear import mixed_linear
+
 
 class KernelOps:
     """Plain PyTorch (any device, any float dtype): HF Llama's arithmetic."""
 
     name = "torch"
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """x: [num_tokens, hidden] (the residual stream: float32, or the model dtype) → same shape in weight's
-        dtype (the model's); mean of squares in float32, the normalized row rounded to weight's dtype before
-        the scale, as HF Llama does for an input in the model dtype."""
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x: [num_tokens, hidden] (the residual stream: float32, or the model dtype) → same shape in out_dtype
+        (None: weight's, the model's); mean of squares in float32, the normalized row rounded to out_dtype
+        before the scale, as HF Llama does for an input in the model dtype (float32 out_dtype: no rounding,
+        the weight upcast; --activation-dtype float32)."""
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        return weight * xf.to(weight.dtype)
+        out_dtype = out_dtype or weight.dtype
+        return weight.to(out_dtype) * xf.to(out_dtype)
 
     def add_rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+        out_dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(rms_norm(x + residual), x + residual): the sum in residual's dtype (x: a sublayer's output in the
-        model dtype; residual: the stream, float32 or the model dtype), normalized as that rounded sum.
+        model dtype or float32; residual: the stream, float32 or the model dtype), normalized as that rounded
+        sum, in out_dtype (None: weight's).
 
         The caller hands `residual` over: an implementation may write the sum into it (the Triton one does)
         and return it, so the tensor passed must not be read again."""
         summed = residual + x.to(residual.dtype)
-        return self.rms_norm(summed, weight, eps), summed
+        return self.rms_norm(summed, weight, eps, out_dtype), summed
 
     def stream_rms_norm(
-        self, x: torch.Tensor, weight: torch.Tensor, eps: float, stream_dtype: torch.dtype
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, stream_dtype: torch.dtype,
+        out_dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Start a residual stream: (rms_norm(stream), stream) with stream = x.to(stream_dtype).
+        """Start a residual stream: (rms_norm(stream) in out_dtype (None: weight's), stream) with
+        stream = x.to(stream_dtype).
 
         x: [num_tokens, hidden] in the model dtype (the embedding rows); the stream is x itself when
         stream_dtype is x's dtype, else a new tensor (exact: float32 holds every half-precision value)."""
         stream = x.to(stream_dtype)
-        return self.rms_norm(stream, weight, eps), stream
+        return self.rms_norm(stream, weight, eps, out_dtype), stream
 
     def rms_norm_quant_fp8(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
@@ -100,18 +109,19 @@ class TritonKernelOps(KernelOps):
         self._rms_norm_quant_fp8 = rms_norm_quant_fp8
         self._silu_mul = silu_mul
 
-    def rms_norm(self, x, weight, eps):
-        return self._rms_norm(x, weight, eps, out=torch.empty(x.shape, dtype=weight.dtype, device=x.device))
+    def rms_norm(self, x, weight, eps, out_dtype=None):
+        out = torch.empty(x.shape, dtype=out_dtype or weight.dtype, device=x.device)
+        return self._rms_norm(x, weight, eps, out=out)
 
-    def add_rms_norm(self, x, residual, weight, eps):
-        out = torch.empty(x.shape, dtype=weight.dtype, device=x.device)
+    def add_rms_norm(self, x, residual, weight, eps, out_dtype=None):
+        out = torch.empty(x.shape, dtype=out_dtype or weight.dtype, device=x.device)
         residual_out = residual if residual.is_contiguous() else None
         return self._rms_norm(x, weight, eps, residual=residual, out=out, residual_out=residual_out)
 
-    def stream_rms_norm(self, x, weight, eps, stream_dtype):
+    def stream_rms_norm(self, x, weight, eps, stream_dtype, out_dtype=None):
         if stream_dtype == x.dtype:
-            return self.rms_norm(x, weight, eps), x
-        out = torch.empty(x.shape, dtype=weight.dtype, device=x.device)
+            return self.rms_norm(x, weight, eps, out_dtype), x
+        out = torch.empty(x.shape, dtype=out_dtype or weight.dtype, device=x.device)
         stream = torch.empty(x.shape, dtype=stream_dtype, device=x.device)
         return self._rms_norm(x, weight, eps, out=out, residual_out=stream)
 
@@ -139,16 +149,20 @@ TORCH_OPS = KernelOps()
 def logits_float32(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The output head's product, accumulated and returned in float32.
 
-    hidden: [N, hidden_size]; weight: [vocab, hidden_size], both in the model dtype → [N, vocab] float32.
+    hidden: [N, hidden_size] in the model dtype or float32; weight: [vocab, hidden_size] in the model dtype →
+    [N, vocab] float32.
 
     Logits are never rounded to a half-precision type on the way: bfloat16 keeps 8 bits of mantissa, so
     logits near 25 land on a grid 0.125 apart, a top-2 gap of 0.08 (SmolLM2's first answer token to
     "What is the capital of France?") becomes an exact tie, and argmax then picks the lower token id.
     On CUDA a half-precision GEMM writes float32 directly (`torch.mm(..., out_dtype=torch.float32)`,
-    the same cuBLAS call and cost); elsewhere both operands are upcast (CPU runs float32 by default).
+    the same cuBLAS call and cost); elsewhere both operands are upcast (CPU runs float32 by default). A
+    float32 hidden beside a half-precision weight (--activation-dtype float32) goes through `mixed_linear`.
     """
     if hidden.dtype == torch.float32 and weight.dtype == torch.float32:
         return F.linear(hidden, weight)
     if hidden.is_cuda and hidden.dtype == weight.dtype and hidden.dtype in (torch.bfloat16, torch.float16):
         return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+    if hidden.dtype == torch.float32:  # --activation-dtype float32: two half-precision parts of hidden
+        return mixed_linear(hidden, weight)
     return F.linear(hidden.float(), weight.float())

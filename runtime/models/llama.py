@@ -37,18 +37,24 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blo
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in float32 and cast back (as HF Llama does)."""
+    """Root-mean-square norm, computed in float32 and cast back (as HF Llama does).
+
+    Attributes:
+        out_dtype: the normalized row's dtype; None: the weight's (the model's). float32 with
+            --activation-dtype float32 (`LlamaForCausalLM.use_activation_dtype`): the row is not rounded.
+    """
 
     def __init__(self, hidden_size: int, eps: float, ops: KernelOps = TORCH_OPS) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
         self.ops = ops
+        self.out_dtype: torch.dtype | None = None
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None, stream_dtype: torch.dtype | None = None
     ):
-        """x: [num_tokens, hidden_size] → same shape in the weight's dtype (the model's).
+        """x: [num_tokens, hidden_size] → same shape in `out_dtype` (None: the weight's, the model's).
 
         With `residual` (the stream, handed over: it may be updated in place), returns
         (norm(x + residual), x + residual): the add fused into the norm, the sum in residual's dtype
@@ -56,17 +62,18 @@ class RMSNorm(nn.Module):
         (norm(stream), stream) with stream = x.to(stream_dtype), the cast fused into the norm.
         """
         if residual is not None:
-            return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+            return self.ops.add_rms_norm(x, residual, self.weight, self.eps, self.out_dtype)
         if stream_dtype is not None:
-            return self.ops.stream_rms_norm(x, self.weight, self.eps, stream_dtype)
-        return self.ops.rms_norm(x, self.weight, self.eps)
+            return self.ops.stream_rms_norm(x, self.weight, self.eps, stream_dtype, self.out_dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps, self.out_dtype)
 
     def fuses_into(self, linear: nn.Module, x: torch.Tensor, silu_mul: bool = False) -> bool:
         """Whether this norm of x and `linear` (the projection it feeds; silu_mul: gate_up + SiLU·mul) run as
         one launch: the norm is the Triton kernel and `linear` a DecodeLinear whose measured table says the
-        fused form wins at x's rows (host-side, from shapes only). The torch back end never fuses."""
-        return self.ops.name == "triton" and isinstance(linear, DecodeLinear) and linear.fuses_norm(
-            x, self.weight, silu_mul)
+        fused form wins at x's rows (host-side, from shapes only). The torch back end never fuses, nor does
+        a norm whose row stays float32 (out_dtype)."""
+        return (self.ops.name == "triton" and self.out_dtype is None and isinstance(linear, DecodeLinear)
+                and linear.fuses_norm(x, self.weight, silu_mul))
 
     def quantizes_for(self, consumer: nn.Module, x: torch.Tensor) -> bool:
         """Whether this norm of x writes its row already quantized for `consumer` (`quantized`, then the
@@ -268,9 +275,12 @@ class LlamaForCausalLM(nn.Module):
             the stream (at prefill: 128 MiB instead of 64 for 8,192 tokens of Llama-3-8B, and the fused
             add + norm moves 12 bytes an element instead of 8; at decode nothing beside the weights).
             GEMMs, the KV cache, attention and collectives keep the model dtype. No-op in float32.
+        activation_dtype: the dtype of every activation between the kernels (None: the model dtype). float32
+            in a half-precision model with --activation-dtype float32 (`use_activation_dtype`).
     """
 
     residual_dtype: torch.dtype | None = torch.float32
+    activation_dtype: torch.dtype | None = None
 
     def __init__(self, config: LlamaConfig, backend: AttentionBackend, max_positions: int | None = None) -> None:
         super().__init__()
@@ -299,6 +309,19 @@ class LlamaForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:  # conversions that swap parameters (to_empty) untie them
             self.lm_head.weight = self.model.embed_tokens.weight
         return result
+
+    def use_activation_dtype(self, dtype: torch.dtype | None) -> None:
+        """Run the activations in `dtype` (None: the model dtype) beside the weights' dtype.
+
+        float32 in a bfloat16 / float16 model (--activation-dtype float32): every norm writes its row in
+        float32 unrounded, so the projections get float32 inputs and multiply them in two half-precision
+        parts (`mixed_linear`) with float32 outputs; q, k and v, attention's output and SiLU·mul's stay
+        float32, and only the KV cache (and the weights) keep the model dtype. The residual stream is float32
+        already (`residual_dtype`). Greedy choices then follow a float32 model's closely (RESULTS.md)."""
+        self.activation_dtype = None if dtype == self.model.embed_tokens.weight.dtype else dtype
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.out_dtype = self.activation_dtype
 
     def _rope_table(self, device: torch.device | str | None = None) -> torch.Tensor:
         c = self.config

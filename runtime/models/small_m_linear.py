@@ -1,7 +1,8 @@
 """Decode-batch projections on the small-M direct GEMM where a measured table says it beats cuBLAS.
 
 `DecodeLinear` is the nn.Linear of the Llama projections (qkv_proj, o_proj, gate_up_proj, down_proj).
-Until `install_small_m_gemm` gives it M buckets it is nn.Linear exactly (F.linear, cuBLAS on CUDA).
+Until `install_small_m_gemm` gives it M buckets it is nn.Linear exactly (F.linear, cuBLAS on CUDA); a float32
+input beside a half-precision weight (--activation-dtype float32) runs `mixed_linear` at every batch.
 Installed, a call whose row count M (1 to 64) falls in one of its buckets runs
 sits.kernels.gemm_small_m.small_m_gemm instead (or, at its `splitk_buckets`, the split-K kernel
 sits.kernels.gemm_small_m_splitk.small_m_gemm_splitk, with the layer's own zeroed counters; at buckets where
@@ -44,6 +45,7 @@ from sits.kernels.small_m_table import (
     load_small_m_table,
     m_bucket,
 )
+from sits.runtime.models.mixed_linear import mixed_linear
 from sits.runtime.models.table_env import table_from_env
 
 logger = logging.getLogger(__name__)
@@ -97,16 +99,19 @@ class DecodeLinear(nn.Linear):
         self._norm_gemm_silu_mul: NormGemm = small_m_norm_gemm_silu_mul_reference
 
     def _direct_rows(self, x: torch.Tensor, buckets: frozenset[int]) -> int:
-        """x's row count when it runs the direct kernel at `buckets`, else 0 (host-side: shapes only)."""
-        if x.shape[-1] != self.in_features or x.stride(-1) != 1:
+        """x's row count when it runs the direct kernel at `buckets`, else 0 (host-side: shapes and dtypes)."""
+        if x.shape[-1] != self.in_features or x.stride(-1) != 1 or x.dtype != self.weight.dtype:
             return 0
         rows = x.numel() // self.in_features if self.in_features else 0
         return rows if 0 < rows <= MAX_M and m_bucket(rows) in buckets else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [..., in_features] -> [..., out_features] in x's dtype."""
+        """x: [..., in_features] -> [..., out_features] in x's dtype (float32 x beside a half-precision weight:
+        `mixed_linear`, the projections of --activation-dtype float32)."""
         rows = self._direct_rows(x, self.direct_buckets) if self.direct_buckets else 0
         if not rows:  # uninstalled (the usual case): one attribute test on top of nn.Linear
+            if x.dtype != self.weight.dtype:
+                return mixed_linear(x, self.weight, self.bias)
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, self.in_features)
         bucket = m_bucket(rows)
@@ -269,9 +274,10 @@ def enable_small_m_gemm(model: nn.Module, device: torch.device, compiled: bool =
     (before the kernels' pre-tune and graph capture); returns how many layers use the direct kernel.
 
     Nothing is installed off CUDA, on a tensor-parallel shard or with `compiled` (torch.compile): their
-    layers keep F.linear.
+    layers keep F.linear; nor with float32 activations beside half-precision weights (the model's
+    `activation_dtype`), whose projections all run `mixed_linear`.
     """
-    if device.type != "cuda" or compiled or _sharded(model):
+    if device.type != "cuda" or compiled or _sharded(model) or getattr(model, "activation_dtype", None) is not None:
         return 0
     table = installed_table(torch.cuda.get_device_name(device))
     installed = install_small_m_gemm(model, table) if table.entries else 0

@@ -116,3 +116,24 @@ def test_bad_input_raises_value_error():
         rope_and_cache_write(q, k, v, positions, build_cos_sin_cache(128, 16, device=DEVICE), k_cache, v_cache, slots)
     with pytest.raises(ValueError, match="rope_type"):
         build_cos_sin_cache(64, 16, rope_scaling={"rope_type": "yarn", "factor": 2.0})
+
+
+@pytest.mark.parametrize("cache_dtype", HALF_DTYPES)
+def test_float32_q_k_v_write_a_half_precision_cache(cache_dtype):
+    """--activation-dtype float32: q and k rotate in float32 (unrounded) and k, v are rounded to the half-precision
+    cache as they are stored, as the reference stores them."""
+    torch.manual_seed(11)
+    q, k, v, k_cache, v_cache, slots = _case(7, 8, 2, 64, 16, torch.float32, cache_dtype=cache_dtype)
+    table = build_cos_sin_cache(64, 4096, 10000.0, None, device=DEVICE)
+    positions = torch.randint(0, 4096, (7,)).to(DEVICE)
+    got, want = _run_both(q, k, v, positions, table, k_cache, v_cache, slots)
+    assert got[0].dtype == torch.float32 and got[2].dtype == cache_dtype
+    for actual, expected in zip(got, want, strict=True):
+        assert_close(actual, expected)
+
+
+def test_a_half_precision_q_cannot_write_a_cache_of_another_dtype():
+    q, k, v, k_cache, v_cache, slots = _case(2, 4, 2, 64, 16, torch.bfloat16, cache_dtype=torch.float16)
+    table = build_cos_sin_cache(64, 64, 10000.0, None, device=DEVICE)
+    with pytest.raises(ValueError, match="k_cache"):
+        rope_and_cache_write(q, k, v, torch.zeros(2, dtype=torch.int64, device=DEVICE), table, k_cache, v_cache, slots)
