@@ -7,11 +7,12 @@ weights' nor the KV cache's, is what moves greedy near-ties away from a float32 
 "Which bf16 operands cost agreement with float32"). Here the input stays float32 and the tensor cores still
 multiply half-precision operands: x = hi + lo with hi = x rounded to the weight's dtype and lo = (x - hi)
 rounded again, so hi + lo carries 16 bits of x's mantissa (bf16) and each product hi·w, lo·w is exact in the
-float32 sums. On CUDA both halves go through one GEMM of 2M rows ([hi; lo] against the weight, float32 output,
-`torch.mm(..., out_dtype=torch.float32)`), then the two row blocks are added: twice the tensor-core work of
-the half-precision GEMM and the same weight read, so a decode step (bound by the weight read) costs about the
-same and a prefill step's GEMMs about twice as much. Elsewhere (CPU) the weight is upcast and the product is
-plain float32.
+float32 sums. On CUDA one launch writes both halves stacked (sits.kernels.split_halves), one GEMM of 2M rows
+multiplies them ([hi; lo] against the weight, float32 output, `torch.mm(..., out_dtype=torch.float32)`), and a
+third launch adds the two row blocks: twice the tensor-core work of the half-precision GEMM and the same weight
+read, so a prefill step's GEMMs cost about twice as much and a decode step's (bound by the weight read) about
+the same, plus two short launches a projection. Elsewhere (CPU) the weight is upcast and the product is plain
+float32.
 """
 
 from __future__ import annotations
@@ -19,13 +20,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from sits.kernels.split_halves import split_halves
+
 HALF_DTYPES = (torch.bfloat16, torch.float16)
-
-
-def split_halves(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] float32 -> (hi, lo), each [M, K] in `dtype`: hi = x rounded, lo = (x - hi) rounded."""
-    hi = x.to(dtype)
-    return hi, (x - hi.float()).to(dtype)
 
 
 def mixed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -41,7 +38,7 @@ def mixed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     rows = x.reshape(-1, x.shape[-1])
     if rows.is_cuda and weight.dtype in HALF_DTYPES:
         m = rows.shape[0]
-        both = torch.mm(torch.cat(split_halves(rows, weight.dtype)), weight.t(), out_dtype=torch.float32)
+        both = torch.mm(split_halves(rows, weight.dtype), weight.t(), out_dtype=torch.float32)
         out = both[:m] + both[m:]
     else:
         out = F.linear(rows, weight.to(torch.float32))

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from sits.kernels.split_halves import split_halves, split_halves_reference
 from sits.runtime.attention.torch_ref import TorchAttentionBackend
 from sits.runtime.commands.engine_args import add_engine_arguments, engine_config_from_args
 from sits.runtime.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SchedulerConfig
@@ -22,7 +23,7 @@ from sits.runtime.engine.engine import LLMEngine
 from sits.runtime.hardware import CPU_DEFAULTS
 from sits.runtime.lora.config import LoraConfig
 from sits.runtime.models.loading import load_model
-from sits.runtime.models.mixed_linear import mixed_linear, split_halves
+from sits.runtime.models.mixed_linear import mixed_linear
 from sits.runtime.parallel.config import ParallelConfig
 from tests.gpu.test_real_model_parity import EOS_IDS, QUESTIONS, generate
 from tests.runtime.test_bf16_residual_stream import FLOAT32_ANSWERS, _answer_logprobs
@@ -47,12 +48,23 @@ def reference(smollm2):
     return prompts, answers, _answer_logprobs(smollm2.model, prompts, answers)
 
 
-def test_split_halves_carry_sixteen_bits_of_the_input():
+def test_two_bf16_halves_carry_sixteen_bits_of_the_input():
     x = torch.randn(64, 512, generator=torch.Generator().manual_seed(0)) * 3.0
-    hi, lo = split_halves(x, torch.bfloat16)
-    assert hi.dtype == lo.dtype == torch.bfloat16
-    assert (x - hi.float()).abs().max() > 0  # bf16 alone loses bits
-    assert ((hi.float() + lo.float()) - x).abs().le(x.abs() * 2.0**-16).all()
+    both = split_halves_reference(x, torch.bfloat16)
+    hi, lo = both[:64].float(), both[64:].float()
+    assert both.dtype == torch.bfloat16 and both.shape == (128, 512)
+    assert (x - hi).abs().max() > 0  # bf16 alone loses bits
+    assert ((hi + lo) - x).abs().le(x.abs() * 2.0**-16).all()
+
+
+def test_the_split_kernel_matches_its_reference():
+    """One launch writes hi then lo (float16 here: Triton's CPU interpreter mis-rounds bfloat16; the GPU test
+    tests/gpu/test_mixed_linear.py covers bf16 through mixed_linear)."""
+    x = torch.randn(40, 1500, generator=torch.Generator().manual_seed(2))[:, :1100]  # a row stride past K
+    torch.testing.assert_close(split_halves(x, torch.float16), split_halves_reference(x, torch.float16),
+                               rtol=0, atol=0)
+    with pytest.raises(ValueError, match="float32"):
+        split_halves(x.half(), torch.float16)
 
 
 def test_mixed_linear_on_the_cpu_is_the_float32_product():
