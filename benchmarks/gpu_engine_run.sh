@@ -60,6 +60,8 @@
 #   itl-pdl, bf16-pdl, fp8-b32-pdl  itl, bf16 and fp8-b32 with the decode kernels launched with programmatic
 #          dependent launch (SITS_PDL=1, sits.kernels.pdl); run after the step without the suffix, whose output
 #          tok/s the RESULT line compares with (transformers' figure is reused from it as the peer)
+#   itl-f32act, bf16-f32act  itl and bf16 with --activation-dtype float32 (bf16 weights and KV cache, float32
+#          activations); run after the step without the suffix, whose output tok/s the RESULT line compares with
 #   host   benchmarks/bench_engine_host_overhead.py: the engine's host work per decode step on this
 #          machine's CPU (tiny model, batch 1 / 32 / 256, async off and on), phase by phase
 # The summary (every table, the tests' RESULT lines, each step's exit code) is printed last and
@@ -181,6 +183,18 @@ for step in $STEPS; do
     itl)
       timeout "${ITL_TIMEOUT:-300}" $BENCH --batch 1 --input-len 2048 --output-len 128 --peer "$PEERS" \
         --json "$LOG_DIR/itl.json" >"$LOG_DIR/itl.log" 2>&1 ;;
+    itl-f32act|bf16-f32act)  # the step before the suffix with --activation-dtype float32, beside it
+      base=${step%-f32act}
+      case $base in
+        itl) args="$BENCH --batch 1 --output-len 128" ;;
+        bf16) args="$BENCH --batch 32 --output-len 512" ;;
+      esac
+      timeout "${F32ACT_TIMEOUT:-240}" $args $(peer_flag "$base") --activation-dtype float32 --input-len 2048 \
+        --json "$LOG_DIR/$step.json" >"$LOG_DIR/$step.log" 2>&1
+      rc=$?
+      figure=$(sits_tok_s "$base")
+      [ $rc -eq 0 ] && [ -n "$figure" ] && result_line "$step" "$figure" "the $base step (this run, bf16 activations)" \
+        "bf16 KV cache" ;;
     itl-pdl|bf16-pdl|fp8-b32-pdl)  # the step before the suffix, the decode kernels launched with PDL
       base=${step%-pdl}
       case $base in

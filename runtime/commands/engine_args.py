@@ -62,8 +62,8 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
                        help="auto: the activations in --dtype; float32: activations stay float32 between the "
                             "kernels of a bfloat16 / float16 model (weights and KV cache stay in --dtype, each "
                             "projection multiplies two half-precision parts of its input): greedy outputs close "
-                            "to a float32 model's at the half-precision weights' memory and decode speed, prefill "
-                            "GEMMs doing twice the work")
+                            "to a float32 model's at the half-precision model's memory; prefill GEMMs do twice "
+                            "the work (docs/precision.md)")
     model.add_argument("--device", default="auto", help="auto, cpu or cuda (auto: cuda when available)")
     model.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens per sequence")
     model.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
