@@ -33,17 +33,18 @@ def quantize(loaded: LoadedModel, method: str, fp8_mode: str = "auto") -> None:
 
 
 def use_activation_dtype(loaded: LoadedModel, name: str) -> None:
-    """--activation-dtype: "auto" leaves the model as loaded; "float32" keeps a half-precision model's activations
-    in float32 (`LlamaForCausalLM.use_activation_dtype`; a float32 model already runs so)."""
-    if name == "auto":
-        return
+    """--activation-dtype: "auto" runs the activations in the model's dtype; "float32" keeps a half-precision
+    model's activations in float32 (`LlamaForCausalLM.use_activation_dtype`; a float32 model already runs so).
+    Set at every engine's start, so engines sharing one loaded model (tests) each get their own choice."""
     import torch
 
     use = getattr(loaded.model, "use_activation_dtype", None)
     if use is None:
-        raise ConfigError(f"--activation-dtype {name}: {type(loaded.model).__name__} does not support it")
-    use(getattr(torch, name))
-    if loaded.dtype != torch.float32:
+        if name != "auto":
+            raise ConfigError(f"--activation-dtype {name}: {type(loaded.model).__name__} does not support it")
+        return
+    use(None if name == "auto" else getattr(torch, name))
+    if name != "auto" and loaded.dtype != torch.float32:
         logger.info("activations in %s beside %s weights and KV cache", name, str(loaded.dtype).removeprefix("torch."))
 
 
