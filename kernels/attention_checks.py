@@ -10,9 +10,10 @@ SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 FP8_CACHE_DTYPE = torch.float8_e4m3fn
 
 
-def check_query(q: torch.Tensor) -> tuple[int, int, int]:
-    """q [tokens or sequences, Hq, D] in fp16/bf16 with a supported head_dim; returns its shape."""
-    check_tensor(q, "q", ndim=3, dtypes=HALF_DTYPES)
+def check_query(q: torch.Tensor, dtypes: tuple[torch.dtype, ...] = HALF_DTYPES) -> tuple[int, int, int]:
+    """q [tokens or sequences, Hq, D] in one of `dtypes` (fp16/bf16 by default) with a supported head_dim;
+    returns its shape."""
+    check_tensor(q, "q", ndim=3, dtypes=dtypes)
     check_inner_contiguous(q, "q")
     head_dim = q.shape[2]
     require(head_dim in SUPPORTED_HEAD_DIMS, f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
@@ -26,10 +27,13 @@ def check_kv_heads(num_q_heads: int, num_kv_heads: int) -> None:
     )
 
 
-def check_paged_caches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    """k_cache/v_cache [num_blocks, block_size, Hkv, D] in q's dtype or fp8, matching q's D and heads."""
+def check_paged_caches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       dtypes: tuple[torch.dtype, ...] | None = None) -> None:
+    """k_cache/v_cache [num_blocks, block_size, Hkv, D] in one of `dtypes` (None: q's dtype or fp8), matching
+    q's D and heads."""
+    allowed = (q.dtype, FP8_CACHE_DTYPE) if dtypes is None else dtypes
     for cache, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
-        check_tensor(cache, name, ndim=4, dtypes=(q.dtype, FP8_CACHE_DTYPE), device=q.device)
+        check_tensor(cache, name, ndim=4, dtypes=allowed, device=q.device)
         check_inner_contiguous(cache, name)
     require(k_cache.shape == v_cache.shape, "k_cache and v_cache must have the same shape")
     require(k_cache.dtype == v_cache.dtype, "k_cache and v_cache must have the same dtype")
@@ -65,11 +69,12 @@ def check_fp8_scales(cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale:
     return fp8
 
 
-def prepare_out(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
-    """The caller's output buffer after checks, or a new one shaped like q."""
+def prepare_out(out: torch.Tensor | None, q: torch.Tensor,
+                dtypes: tuple[torch.dtype, ...] | None = None) -> torch.Tensor:
+    """The caller's output buffer after checks (in one of `dtypes`; None: q's dtype), or a new one like q."""
     if out is None:
         return torch.empty_like(q)
-    check_tensor(out, "out", dtypes=(q.dtype,), device=q.device)
+    check_tensor(out, "out", dtypes=(q.dtype,) if dtypes is None else dtypes, device=q.device)
     check_shape(out, "out", q.shape)
     check_inner_contiguous(out, "out")
     return out

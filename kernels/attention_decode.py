@@ -13,6 +13,17 @@ last split of each sequence and KV head to finish merges instead, inside the spl
 launch, the same bits; see `_last_arrival` for the memory ordering); FUSED_MERGE_DEFAULT says whether
 callers that own counters (the Triton attention back end) pass them.
 
+Given rope (`DecodeRope`), the kernel also does what rope_and_cache_write would have done for these
+tokens just before it: each program rotates its query heads as it loads them, and the program holding
+position seq_len - 1 of each (sequence, KV head) rotates the new k, stores k and v into their cache slot
+and reads them back in its own tiles after a barrier; the output and the cache are those of the two
+launches, bit for bit, at the same schedule (a fused launch runs the one tuned for the unfused launch).
+
+q may be float32 (float32 activations) over a half-precision or fp8 cache: q and the softmax weights P
+enter the dots as two terms of the dots' dtype each (hi = the value rounded, lo = what hi leaves, rounded),
+with float32 sums, so the result keeps about twice the dots' mantissa; out may be float32 (unrounded).
+(The fp8 q8x2 variants keep their two e4m3 terms of q; a float32 q defaults to DEFAULT_FP8_VARIANT.)
+
 Rows with seq_len 0 (CUDA-graph padding) read nothing and return zeros. The grid depends only on
 shapes (the block-table width bounds the context), so a launch never syncs with the device and can
 be captured in a CUDA graph (after the first call, which autotunes).
@@ -41,6 +52,7 @@ import triton
 import triton.language as tl
 
 from sits.kernels.attention_checks import (
+    FP8_CACHE_DTYPE,
     check_block_tables,
     check_fp8_scales,
     check_index,
@@ -49,8 +61,11 @@ from sits.kernels.attention_checks import (
     prepare_out,
 )
 from sits.kernels.launch_utils import (
+    HALF_DTYPES,
     autotune,
     cdiv,
+    check_inner_contiguous,
+    check_shape,
     check_tensor,
     is_interpreter,
     length_bucket,
@@ -61,12 +76,15 @@ from sits.kernels.launch_utils import (
 from sits.kernels.paged_kv import paged_tile_blocks
 from sits.kernels.pdl import pdl_launch_options, pdl_wait
 from sits.kernels.reference import paged_decode_attention_reference
+from sits.kernels.rope_kv_write import _store_cache
 
 __all__ = [
     "DEFAULT_FP8_VARIANT",
     "FP8_DECODE_VARIANTS",
     "FUSED_MERGE_DEFAULT",
+    "FUSED_ROPE_DEFAULT",
     "SMALL_BATCH_FP8_VARIANT",
+    "DecodeRope",
     "DecodeSplitPlan",
     "choose_fp8_variant",
     "choose_num_splits",
@@ -88,6 +106,9 @@ MAX_GRID_Y = 65535  # CUDA's limit on the grid's second dimension (sequences)
 # merge inside the split kernel (one launch) instead of in _decode_merge_kernel (two). Off until timed
 # on an H200 (`bench_attention_decode.py --small-batch` prints both); switching it on is this line.
 FUSED_MERGE_DEFAULT = False
+# Whether the Triton attention back end runs the decode rows' RoPE + KV-cache write inside this kernel
+# (`DecodeRope`) instead of as rope_and_cache_write's launch before it (SITS_DECODE_FUSED_ROPE=0 / 1 overrides).
+FUSED_ROPE_DEFAULT = True
 
 
 def _config(block_n, warps, stages, maxnreg=None):
@@ -142,10 +163,12 @@ def _prune_configs(configs, named_args, **kwargs):
 # Arguments that change from step to step without changing the code are not specialized, so a
 # step never recompiles what the start-up pre-tune built: the block-table row stride (the widest
 # table of the batch), the partial buffers' strides (they follow the split count) and the
-# addresses of per-sequence rows (a mixed step's decodes start after its prefills).
+# addresses of per-sequence rows (a mixed step's decodes start after its prefills, also in the fused RoPE's
+# positions and slots).
 _VARYING_INTS = ["stride_block_table", "stride_po_seq", "stride_po_head", "stride_po_split", "stride_pl_seq",
                  "stride_pl_head", "tokens_per_split", "split_bucket"]
-_VARYING_POINTERS = ["block_tables_ptr", "seq_lens_ptr", "k_scale_ptr", "v_scale_ptr", "split_counters_ptr"]
+_VARYING_POINTERS = ["block_tables_ptr", "seq_lens_ptr", "k_scale_ptr", "v_scale_ptr", "split_counters_ptr",
+                     "positions_ptr", "slot_ptr"]
 
 
 # Variants of the fp8-cache inner loop: the VARIANT constexpr (bit flags, used with FP8_F16). Each reads
@@ -220,6 +243,69 @@ def _quantize_rows_e4m3(q):
 
 
 @triton.jit
+def _rope_pair(x1, x2, cos, sin):
+    """The rotate-half pair (x1 cos - x2 sin, x2 cos + x1 sin), float32: kernels/rope_kv_write.py's
+    expression, operand for operand, so both kernels round (and contract to FMAs) alike."""
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit
+def _rope_rows(row_ptrs, row_valid, cos_sin_row, HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr):
+    """Rows [R, HEAD_DIM] at row_ptrs [R] (contiguous elements) rotated by RoPE, float32; invalid rows 0.
+
+    cos_sin_row points at the position's row of the cos / sin table (cos in its first ROTARY_DIM / 2
+    columns, sin in the next). Dimension d < ROTARY_DIM / 2 pairs with d + ROTARY_DIM / 2; each half
+    gets its own products (its own cos / sin loads), one use each, as in `_rope_cache_write_kernel`;
+    dimensions from ROTARY_DIM on pass through unrotated."""
+    HALF: tl.constexpr = ROTARY_DIM // 2
+    dims = tl.arange(0, HEAD_DIM)[None, :]
+    first = dims < HALF
+    second = (dims >= HALF) & (dims < ROTARY_DIM)
+    x = tl.load(row_ptrs[:, None] + dims, mask=row_valid[:, None], other=0.0).to(tl.float32)
+    partner = tl.load(row_ptrs[:, None] + tl.where(first, dims + HALF, dims - HALF),
+                      mask=row_valid[:, None] & (dims < ROTARY_DIM), other=0.0).to(tl.float32)
+    cos_first = tl.load(cos_sin_row + dims, mask=first, other=1.0)
+    sin_first = tl.load(cos_sin_row + HALF + dims, mask=first, other=0.0)
+    cos_second = tl.load(cos_sin_row + dims - HALF, mask=second, other=1.0)
+    sin_second = tl.load(cos_sin_row + dims, mask=second, other=0.0)
+    rotated_first, _ = _rope_pair(x, partner, cos_first, sin_first)
+    _, rotated_second = _rope_pair(partner, x, cos_second, sin_second)
+    return tl.where(first, rotated_first, tl.where(second, rotated_second, x))
+
+
+@triton.jit
+def _write_new_kv(k_new_ptr, v_new_ptr, slot_ptr, seq, kv_head, cos_sin_row, k_cache_ptr, v_cache_ptr,
+                  k_scale_ptr, v_scale_ptr, stride_kn_seq, stride_kn_head, stride_vn_seq, stride_vn_head,
+                  stride_k_block, stride_k_slot, stride_k_head, stride_v_block, stride_v_slot, stride_v_head,
+                  HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                  FP8_KV: tl.constexpr):  # fmt: skip
+    """The sequence's new token, one KV head: k rotated, k and v stored into cache slot slot_ptr[seq]
+    (nothing for slot -1) as `_rope_cache_write_kernel` stores them (`_store_cache`: from float32, an fp8
+    cache divided by the head's scale and saturated), then a barrier, so this program's own tile loads
+    after it read them back (global stores before bar.sync are visible to the whole CTA after it)."""
+    slot = tl.load(slot_ptr + seq).to(tl.int64)
+    if slot >= 0:
+        row = tl.arange(0, 1)
+        row_valid = row < 1
+        dims = tl.arange(0, HEAD_DIM)[None, :]
+        k = _rope_rows(k_new_ptr + seq * stride_kn_seq + kv_head * stride_kn_head + row, row_valid, cos_sin_row,
+                       HEAD_DIM, ROTARY_DIM)
+        v = tl.load(v_new_ptr + seq * stride_vn_seq + kv_head * stride_vn_head + row[:, None] + dims).to(tl.float32)
+        k_scale = 1.0
+        v_scale = 1.0
+        if FP8_KV:
+            k_scale = tl.load(k_scale_ptr + kv_head)
+            v_scale = tl.load(v_scale_ptr + kv_head)
+        block = slot // PAGE_SIZE
+        offset = slot % PAGE_SIZE
+        k_dst = k_cache_ptr + block * stride_k_block + offset * stride_k_slot + kv_head * stride_k_head
+        v_dst = v_cache_ptr + block * stride_v_block + offset * stride_v_slot + kv_head * stride_v_head
+        _store_cache(k_dst + row[:, None] + dims, k, k_scale, row_valid[:, None], FP8_KV)
+        _store_cache(v_dst + row[:, None] + dims, v, v_scale, row_valid[:, None], FP8_KV)
+        tl.debug_barrier()
+
+
+@triton.jit
 def _tile_rows(block_table_row, tile_start, end, stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
                PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
     """Row offsets of tokens tile_start .. + BLOCK_N in the paged K and V caches, and which lie before `end`."""
@@ -245,20 +331,26 @@ def _tile_load(base, rows, offs_d, valid, TRANSPOSED: tl.constexpr, MASKED: tl.c
 
 
 @triton.jit
-def _rows_tile(acc, m_i, l_i, q, scale, tile_start, end, block_table_row, k_base, v_base,
+def _rows_tile(acc, m_i, l_i, q, q_low, scale, tile_start, end, block_table_row, k_base, v_base,
                stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
                HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, K_T: tl.constexpr,
-               MASKED: tl.constexpr):  # fmt: skip
+               MASKED: tl.constexpr, F32_TERMS: tl.constexpr):  # fmt: skip
     """One online-softmax step over tokens tile_start .. + BLOCK_N with the query heads as the dots'
     rows: acc [G, D], m_i / l_i [G] (log2 domain) in, updated out. MASKED: tokens past `end` excluded
-    (else the whole tile must lie before `end`). K_T: K loaded as [D, BLOCK_N]."""
+    (else the whole tile must lie before `end`). K_T: K loaded as [D, BLOCK_N]. F32_TERMS (a float32
+    query): q and P enter the dots as two terms of the dots' dtype each, S = q K^T + q_low K^T and
+    P V = P_hi V + P_lo V (P_lo what P_hi leaves), all summed in float32."""
     offs_d = tl.arange(0, HEAD_DIM)
     k_rows, v_rows, valid = _tile_rows(block_table_row, tile_start, end, stride_k_block, stride_k_slot,
                                        stride_v_block, stride_v_slot, PAGE_SIZE, BLOCK_N, MASKED)
     if K_T:
-        qk = tl.dot(q, _tile_load(k_base, k_rows, offs_d, valid, True, MASKED).to(q.dtype)) * scale
+        k_t = _tile_load(k_base, k_rows, offs_d, valid, True, MASKED).to(q.dtype)
     else:
-        qk = tl.dot(q, tl.trans(_tile_load(k_base, k_rows, offs_d, valid, False, MASKED).to(q.dtype))) * scale
+        k_t = tl.trans(_tile_load(k_base, k_rows, offs_d, valid, False, MASKED).to(q.dtype))
+    if F32_TERMS:
+        qk = tl.dot(q_low, k_t, tl.dot(q, k_t)) * scale
+    else:
+        qk = tl.dot(q, k_t) * scale
     if MASKED:
         qk = tl.where(valid[None, :], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -266,7 +358,12 @@ def _rows_tile(acc, m_i, l_i, q, scale, tile_start, end, block_table_row, k_base
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     v = _tile_load(v_base, v_rows, offs_d, valid, False, MASKED)
-    acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None])
+    if F32_TERMS:
+        p_hi = p.to(q.dtype)
+        v_dot = v.to(q.dtype)
+        acc = tl.dot((p - p_hi.to(tl.float32)).to(q.dtype), v_dot, tl.dot(p_hi, v_dot, acc * alpha[:, None]))
+    else:
+        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None])
     return acc, m_new, l_i
 
 
@@ -274,10 +371,11 @@ def _rows_tile(acc, m_i, l_i, q, scale, tile_start, end, block_table_row, k_base
 def _swap_tile(acc_t, m_i, l_i, q_t, q_hi_t, q_lo_t, scale, tile_start, end, block_table_row, k_base, v_base,
                stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
                HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
-               Q8X2: tl.constexpr, PACKED: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+               Q8X2: tl.constexpr, PACKED: tl.constexpr, MASKED: tl.constexpr, F32_TERMS: tl.constexpr):  # fmt: skip
     """_rows_tile with the tokens as the dots' rows: S^T = K q^T [BLOCK_N, G], acc_t = out^T [D, G].
     Q8X2: S^T = K (q_hi + q_lo)^T as two fp8 dots, scale [G] per query head (else a scalar).
-    PACKED (with Q8X2): one fp8 dot against q_hi_t = [D, 2G] (hi's columns, then lo's), halves summed."""
+    PACKED (with Q8X2): one fp8 dot against q_hi_t = [D, 2G] (hi's columns, then lo's), halves summed.
+    F32_TERMS (a float32 query): S^T = K q_t + K q_lo_t unless Q8X2, and P as two terms, as in _rows_tile."""
     offs_d = tl.arange(0, HEAD_DIM)
     k_rows, v_rows, valid = _tile_rows(block_table_row, tile_start, end, stride_k_block, stride_k_slot,
                                        stride_v_block, stride_v_slot, PAGE_SIZE, BLOCK_N, MASKED)
@@ -287,6 +385,9 @@ def _swap_tile(acc_t, m_i, l_i, q_t, q_hi_t, q_lo_t, scale, tile_start, end, blo
         s_t = (s_hi + s_lo) * scale[None, :]
     elif Q8X2:  # K as stored: fp8 x fp8
         s_t = tl.dot(k, q_lo_t, tl.dot(k, q_hi_t)) * scale[None, :]
+    elif F32_TERMS:
+        k_dot = k.to(q_t.dtype)
+        s_t = tl.dot(k_dot, q_lo_t, tl.dot(k_dot, q_t)) * scale
     else:
         s_t = tl.dot(k.to(q_t.dtype), q_t) * scale
     if MASKED:
@@ -296,7 +397,12 @@ def _swap_tile(acc_t, m_i, l_i, q_t, q_hi_t, q_lo_t, scale, tile_start, end, blo
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p_t, 0)
     v_t = _tile_load(v_base, v_rows, offs_d, valid, True, MASKED)
-    acc_t = tl.dot(v_t.to(q_t.dtype), p_t.to(q_t.dtype), acc_t * alpha[None, :])
+    if F32_TERMS:
+        p_hi_t = p_t.to(q_t.dtype)
+        v_dot = v_t.to(q_t.dtype)
+        acc_t = tl.dot(v_dot, (p_t - p_hi_t.to(tl.float32)).to(q_t.dtype), tl.dot(v_dot, p_hi_t, acc_t * alpha[None, :]))
+    else:
+        acc_t = tl.dot(v_t.to(q_t.dtype), p_t.to(q_t.dtype), acc_t * alpha[None, :])
     return acc_t, m_new, l_i
 
 
@@ -419,20 +525,34 @@ def _decode_split_kernel(
     stride_po_seq, stride_po_head, stride_po_split,
     stride_pl_seq, stride_pl_head,
     tokens_per_split, group_size, split_bucket,
+    k_new_ptr, v_new_ptr, positions_ptr, cos_sin_ptr, slot_ptr,
+    stride_kn_seq, stride_kn_head, stride_vn_seq, stride_vn_head, stride_cos_sin,
     HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, PAGE_SIZE: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr, FP8_KV: tl.constexpr, FP8_F16: tl.constexpr, VARIANT: tl.constexpr,
     FUSED_MERGE: tl.constexpr, MERGE_BLOCK: tl.constexpr, MERGE_G: tl.constexpr,
-    BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr = False,
+    BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr = False, ROTARY_DIM: tl.constexpr = 0, F32_TERMS: tl.constexpr = False,
 ):  # fmt: skip
     """One (KV head, sequence, split) program; see the module docstring and, for FUSED_MERGE,
     `_fused_merge` (MERGE_BLOCK: the merge's BLOCK_S; MERGE_G: the GQA group as a power of two).
-    USE_PDL: launched with programmatic dependent launch (sits.kernels.pdl)."""
+    USE_PDL: launched with programmatic dependent launch (sits.kernels.pdl). ROTARY_DIM > 0: the fused
+    RoPE + KV write (`DecodeRope`; k_new / v_new / positions / cos_sin / slot and their strides are read
+    only then). F32_TERMS: q is float32; q and P enter the dots as two terms (hi + lo) of their dtype."""
     pdl_wait(USE_PDL)
     kv_head = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     start = split * tokens_per_split
+    if ROTARY_DIM > 0:
+        cos_sin_row = cos_sin_ptr + tl.load(positions_ptr + seq).to(tl.int64) * stride_cos_sin
+        # Exactly one program per (sequence, KV head) writes the new token, before any early return: the
+        # split holding position seq_len - 1 (split 0 for a padding row; the last launched one past them).
+        writer = tl.minimum(tl.maximum(seq_len - 1, 0) // tokens_per_split, tl.num_programs(2) - 1)
+        if split == writer:
+            _write_new_kv(k_new_ptr, v_new_ptr, slot_ptr, seq, kv_head, cos_sin_row, k_cache_ptr, v_cache_ptr,
+                          k_scale_ptr, v_scale_ptr, stride_kn_seq, stride_kn_head, stride_vn_seq, stride_vn_head,
+                          stride_k_block, stride_k_slot, stride_k_head, stride_v_block, stride_v_slot, stride_v_head,
+                          HEAD_DIM, ROTARY_DIM, PAGE_SIZE, FP8_KV)  # fmt: skip
     if not SINGLE_SPLIT and start >= seq_len:
         if FUSED_MERGE and split == 0:  # nothing arrives for a padding row (seq_len 0): split 0 writes zeros
             _store_group_rows(out_ptr, seq, kv_head, group_size, stride_o_seq, stride_o_head,
@@ -444,18 +564,33 @@ def _decode_split_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     q_heads = kv_head * group_size + offs_g
     head_valid = offs_g < group_size
-    q = tl.load(
-        q_ptr + seq * stride_q_seq + q_heads[:, None] * stride_q_head + offs_d[None, :],
-        mask=head_valid[:, None],
-        other=0.0,
-    )
+    if ROTARY_DIM > 0:  # rounded to q's dtype, as rope_and_cache_write stores it
+        q = _rope_rows(q_ptr + seq * stride_q_seq + q_heads * stride_q_head, head_valid, cos_sin_row,
+                       HEAD_DIM, ROTARY_DIM).to(q_ptr.dtype.element_ty)
+    else:
+        q = tl.load(
+            q_ptr + seq * stride_q_seq + q_heads[:, None] * stride_q_head + offs_d[None, :],
+            mask=head_valid[:, None],
+            other=0.0,
+        )
     scale = qk_scale
+    q_low = q  # F32_TERMS: what the dots' dtype leaves of a float32 q (rounded to that dtype)
     if FP8_KV:
         scale = scale * tl.load(k_scale_ptr + kv_head)
         if FP8_F16:  # every `.to(q.dtype)` below is then the native e4m3 -> f16 conversion
-            q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+            q_wide = tl.clamp(q.to(tl.float32), -65504.0, 65504.0)
+            q = q_wide.to(tl.float16)
+            if F32_TERMS:
+                q_low = (q_wide - q.to(tl.float32)).to(tl.float16)
+    elif F32_TERMS:
+        q_wide = q
+        q = q_wide.to(k_cache_ptr.dtype.element_ty)
+        q_low = (q_wide - q.to(tl.float32)).to(k_cache_ptr.dtype.element_ty)
     if VARIANT & 4:  # fp8 QK dots: q's per-row scale joins the softmax scale
-        q_hi, q_lo, q_row_scale = _quantize_rows_e4m3(q.to(tl.float32))
+        if F32_TERMS:
+            q_hi, q_lo, q_row_scale = _quantize_rows_e4m3(q_wide)
+        else:
+            q_hi, q_lo, q_row_scale = _quantize_rows_e4m3(q.to(tl.float32))
         row_scale = q_row_scale * scale  # [BLOCK_G]
     block_table_row = block_tables_ptr + seq * stride_block_table
     k_base = k_cache_ptr + kv_head * stride_k_head
@@ -469,6 +604,8 @@ def _decode_split_kernel(
         acc_t = tl.zeros([HEAD_DIM, BLOCK_G], dtype=tl.float32)  # out^T
         q_t = tl.trans(q)
         q_hi_t, q_lo_t, row_scale_q = q_t, q_t, scale
+        if F32_TERMS:
+            q_lo_t = tl.trans(q_low)
         if VARIANT & 4:
             q_hi_t, q_lo_t, row_scale_q = tl.trans(q_hi), tl.trans(q_lo), row_scale
         if VARIANT & 32:  # [D, 2G]: hi's G columns, then lo's
@@ -478,7 +615,7 @@ def _decode_split_kernel(
                 acc_t, m_i, l_i = _swap_tile(
                     acc_t, m_i, l_i, q_t, q_hi_t, q_lo_t, row_scale_q, tile_start, end, block_table_row, k_base,
                     v_base, stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
-                    HEAD_DIM, PAGE_SIZE, BLOCK_N, BLOCK_G, VARIANT & 4, VARIANT & 32, masked == 1,
+                    HEAD_DIM, PAGE_SIZE, BLOCK_N, BLOCK_G, VARIANT & 4, VARIANT & 32, masked == 1, F32_TERMS,
                 )  # fmt: skip
         acc = tl.trans(acc_t)
     else:
@@ -486,9 +623,9 @@ def _decode_split_kernel(
         for masked in tl.static_range(2):  # the full tiles unmasked, then the rest masked
             for tile_start in range(full_end if masked else start, end if masked else full_end, BLOCK_N):
                 acc, m_i, l_i = _rows_tile(
-                    acc, m_i, l_i, q, scale, tile_start, end, block_table_row, k_base, v_base,
+                    acc, m_i, l_i, q, q_low, scale, tile_start, end, block_table_row, k_base, v_base,
                     stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
-                    HEAD_DIM, PAGE_SIZE, BLOCK_N, VARIANT & 1, masked == 1,
+                    HEAD_DIM, PAGE_SIZE, BLOCK_N, VARIANT & 1, masked == 1, F32_TERMS,
                 )  # fmt: skip
 
     if FP8_KV:
@@ -637,13 +774,67 @@ def choose_fp8_variant(plan: DecodeSplitPlan, num_seqs: int, num_kv_heads: int, 
     return DEFAULT_FP8_VARIANT
 
 
+@dataclass(frozen=True)
+class DecodeRope:
+    """The decode tokens' RoPE and K/V-cache write, done inside the split kernel (`paged_decode_attention(
+    rope=...)`) instead of by `rope_and_cache_write` in a launch of its own before it.
+
+    q is then passed unrotated. Each program rotates its query heads as it loads them (rounded to q's
+    dtype, as rope_and_cache_write stores them); the program holding position seq_len - 1 of each
+    (sequence, KV head) rotates k, stores k and v into slot_mapping's slot exactly as
+    rope_and_cache_write does, and reads them back from the cache after a barrier, so the output and
+    the cache come out bit for bit those of the two launches at the same schedule. Neither q nor k is
+    written back rotated.
+
+    Attributes:
+        k, v: [B, Hkv, D] the new tokens' key (not rotated) and value, in q's dtype, last dimension contiguous
+            (views into the fused qkv output are fine).
+        positions: [B] int32 / int64 positions (< cos_sin_cache.shape[0]); seq_lens - 1 for a decode.
+        cos_sin_cache: [max_positions, R] float32, cos in the first R / 2 columns, sin in the next; R even, <= D.
+        slot_mapping: [B] int32 / int64 cache slot of each new token: that of position seq_lens - 1 in the
+            sequence's block table; -1 (padding) writes nothing.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    positions: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+
+    def check(self, q: torch.Tensor, num_kv_heads: int) -> None:
+        """Shapes, dtypes and strides against q [B, Hq, D] and the cache's KV heads."""
+        num_seqs, _, head_dim = q.shape
+        for tensor, name in ((self.k, "k"), (self.v, "v")):
+            check_tensor(tensor, name, ndim=3, dtypes=(q.dtype,), device=q.device)
+            check_shape(tensor, name, (num_seqs, num_kv_heads, head_dim))
+            check_inner_contiguous(tensor, name)
+        for tensor, name in ((self.positions, "positions"), (self.slot_mapping, "slot_mapping")):
+            check_tensor(tensor, name, ndim=1, dtypes=(torch.int32, torch.int64), device=q.device)
+            check_shape(tensor, name, (num_seqs,))
+        check_tensor(self.cos_sin_cache, "cos_sin_cache", ndim=2, dtypes=(torch.float32,), device=q.device)
+        check_inner_contiguous(self.cos_sin_cache, "cos_sin_cache")
+        rotary_dim = self.cos_sin_cache.shape[1]
+        require(rotary_dim % 2 == 0 and 0 < rotary_dim <= head_dim,
+                f"cos_sin_cache's rotary_dim must be even and at most head_dim {head_dim}, got {rotary_dim}")
+
+    def args(self) -> tuple:
+        """The split kernel's k_new .. slot pointers and their strides."""
+        return (self.k, self.v, self.positions, self.cos_sin_cache, self.slot_mapping, self.k.stride(0),
+                self.k.stride(1), self.v.stride(0), self.v.stride(1), self.cos_sin_cache.stride(0))
+
+
+# The decode query's dtypes: float32 (float32 activations) beside a half-precision or fp8 cache too.
+QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
 def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out, k_scale, v_scale):
-    num_seqs = check_query(q)[0]
-    check_paged_caches(q, k_cache, v_cache)
+    num_seqs = check_query(q, QUERY_DTYPES)[0]
+    float32_q = q.dtype == torch.float32
+    check_paged_caches(q, k_cache, v_cache, (*HALF_DTYPES, FP8_CACHE_DTYPE) if float32_q else None)
     check_block_tables(block_tables, num_seqs, q.device)
     check_index(seq_lens, "seq_lens", num_seqs, q.device)
     if out is not None:
-        prepare_out(out, q)
+        prepare_out(out, q, (q.dtype, torch.float32))
     check_fp8_scales(k_cache, k_scale, v_scale)
 
 
@@ -657,17 +848,20 @@ def _check_split_counters(split_counters: torch.Tensor, num_seqs: int, num_kv_he
             f"split_counters needs num_seqs x num_kv_heads = {need} entries, got {split_counters.numel()}")
 
 
-def _split_kernel_meta(fp8: bool, fp8_via_float16: bool, fp8_variant: str,
-                       schedule: tuple[int, ...] | None) -> dict:
-    """The split kernel's FP8_F16 / VARIANT constexprs, plus BLOCK_N / num_warps / num_stages of a
-    fixed schedule (no autotuning), after checking the caller's choices."""
+def _split_kernel_meta(fp8: bool, fp8_via_float16: bool, fp8_variant: str) -> dict:
+    """The split kernel's FP8_F16 / VARIANT constexprs, after checking the caller's choices."""
     require(fp8_variant in FP8_DECODE_VARIANTS,
             f"fp8_variant must be one of {sorted(FP8_DECODE_VARIANTS)}, got {fp8_variant!r}")
     variant = FP8_DECODE_VARIANTS[fp8_variant] if fp8 else 0
     if not fp8_via_float16:  # the first implementation has one loop: the tiles upcast to q's dtype
         require(fp8_variant in ("base", DEFAULT_FP8_VARIANT), f"fp8_variant {fp8_variant!r} needs fp8_via_float16=True")
         variant = 0
-    meta = {"FP8_F16": fp8 and bool(fp8_via_float16), "VARIANT": variant}
+    return {"FP8_F16": fp8 and bool(fp8_via_float16), "VARIANT": variant}
+
+
+def _schedule_meta(schedule: tuple[int, ...] | None) -> dict:
+    """BLOCK_N / num_warps / num_stages (/ maxnreg) of a fixed schedule (no autotuning); {} for None."""
+    meta: dict = {}
     if schedule is not None:
         require(len(schedule) in (3, 4) and all(isinstance(x, int) and x > 0 for x in schedule),
                 f"schedule must be (BLOCK_N, num_warps, num_stages[, maxnreg]) positive ints, got {schedule!r}")
@@ -678,6 +872,26 @@ def _split_kernel_meta(fp8: bool, fp8_via_float16: bool, fp8_variant: str,
         if len(schedule) == 4:
             meta["maxnreg"] = schedule[3]  # registers per thread at most: more programs per multiprocessor
     return meta
+
+
+# The schedule a fused-RoPE launch runs, per autotune key of the same launch without it: the config the
+# autotuner picked there (the two compute alike, so one tuning serves both, and a step computes the same
+# bits with the fusion on or off). Filled by `_followed_schedule`.
+_FOLLOWED_SCHEDULES: dict[tuple, tuple[int, ...]] = {}
+
+
+def _followed_schedule(key: tuple, tune) -> tuple[int, ...]:
+    """The autotuned split kernel's schedule for `key` (the autotune key's values and the tensors'
+    dtypes); `tune()` launches the kernel without RoPE once to tune it, the first time a key comes."""
+    schedule = _FOLLOWED_SCHEDULES.get(key)
+    if schedule is None:
+        if len(_decode_split_kernel.configs) == 1:  # the interpreter's single config: nothing to time
+            schedule = _schedule(_decode_split_kernel.configs[0])
+        else:
+            tune()
+            schedule = _schedule(_decode_split_kernel.best_config)
+        _FOLLOWED_SCHEDULES[key] = schedule
+    return schedule
 
 
 def paged_decode_attention(
@@ -697,16 +911,19 @@ def paged_decode_attention(
     schedule: tuple[int, ...] | None = None,
     compile_only: bool = False,
     split_counters: torch.Tensor | None = None,
+    rope: DecodeRope | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its paged context.
 
     Args:
-        q: [B, Hq, D] float16 / bfloat16.
-        k_cache, v_cache: [num_blocks, block_size, Hkv, D] in q's dtype, or float8_e4m3fn.
+        q: [B, Hq, D] float16 / bfloat16, or float32 (q and the softmax weights then enter the dots as
+            two terms of their dtype each, hi + lo, with float32 sums).
+        k_cache, v_cache: [num_blocks, block_size, Hkv, D] in q's dtype, or float8_e4m3fn; with float32 q
+            float16 / bfloat16 / float8_e4m3fn.
         block_tables: [B', max_blocks] int32 (B' >= B) physical block ids per sequence.
         seq_lens: [B] int32 context lengths (the new token included); 0 marks a padding row.
         scale: softmax scale.
-        out: optional [B, Hq, D] output buffer in q's dtype.
+        out: optional [B, Hq, D] output buffer in q's dtype or float32 (stored unrounded).
         num_splits: context splits per sequence; chosen from the shapes when None.
         max_seq_len: an upper bound on seq_lens (host int) that tightens the split size; the
             block-table width times the block size when None.
@@ -725,6 +942,9 @@ def paged_decode_attention(
             them inside the split kernel (the last split of each sequence and KV head to finish
             merges; no second launch), and leaves the counters at zero again. A persistent buffer
             (a CUDA graph keeps its address), used by one stream at a time. None: the merge kernel.
+        rope: the new tokens' RoPE and cache write, fused (`DecodeRope`; q is then unrotated and the
+            caches do not yet hold the new tokens). The split kernel runs the schedule the autotuner
+            picked for the same launch without it (`_followed_schedule`) unless `schedule` is given.
     Returns:
         out [B, Hq, D].
     """
@@ -743,8 +963,10 @@ def paged_decode_attention(
     plan = plan_decode_splits(num_seqs, num_kv_heads, max_context, sms, num_splits)
     if fp8_variant is None:  # the upcast path (fp8_via_float16 false) has one loop
         chosen = fp8 and fp8_via_float16
+        chosen = chosen and q.dtype != torch.float32  # a float32 q: f16 terms, not q8x2's e4m3 ones
         fp8_variant = choose_fp8_variant(plan, num_seqs, num_kv_heads, sms) if chosen else DEFAULT_FP8_VARIANT
-    meta = _split_kernel_meta(fp8, fp8_via_float16, fp8_variant, schedule)
+    require(q.dtype != torch.float32 or not fp8 or fp8_via_float16, "a float32 q over an fp8 cache needs fp8_via_float16")
+    meta = _split_kernel_meta(fp8, fp8_via_float16, fp8_variant)
     num_splits, tokens_per_split, single = plan.num_splits, plan.tokens_per_split, plan.single
     if split_counters is not None:
         _check_split_counters(split_counters, num_seqs, num_kv_heads, q.device)
@@ -755,7 +977,6 @@ def paged_decode_attention(
         partial_out = torch.empty(num_seqs, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         partial_lse = torch.empty(num_seqs, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
     group = num_q_heads // num_kv_heads
-    kernel = _decode_split_kernel if schedule is None else _decode_split_kernel.fn
     grid = (num_kv_heads, num_seqs, num_splits)
     args = (
         q, k_cache, v_cache, block_tables, seq_lens,
@@ -770,6 +991,7 @@ def paged_decode_attention(
         partial_lse.stride(0), partial_lse.stride(1),
         tokens_per_split, group, plan.split_bucket,
     )  # fmt: skip
+    no_rope = (seq_lens,) * 5 + (0,) * 5  # k_new .. slot and their strides: never read
     group_rows = max(16, next_power_of_2(group))  # the dots' 16 rows of mma.sync / wgmma
     if meta["VARIANT"] & _GROUP_ROWS:
         group_rows = next_power_of_2(group)
@@ -779,7 +1001,20 @@ def paged_decode_attention(
     meta |= {"HEAD_DIM": head_dim, "BLOCK_G": group_rows, "PAGE_SIZE": page_size,
              "SINGLE_SPLIT": single, "FP8_KV": fp8, "FUSED_MERGE": fused,
              "MERGE_BLOCK": plan.merge_block if fused else 1, "MERGE_G": next_power_of_2(group) if fused else 1,
-             **pdl}  # fmt: skip
+             "F32_TERMS": q.dtype == torch.float32, **pdl}  # fmt: skip
+    if rope is None:
+        kernel = _decode_split_kernel if schedule is None else _decode_split_kernel.fn
+        args += no_rope
+    else:
+        rope.check(q, num_kv_heads)
+        if schedule is None:
+            require(not compile_only, "compile_only with rope needs a schedule")
+            key = (q.dtype, k_cache.dtype, out.dtype, plan.split_bucket, tuple(sorted(meta.items())))
+            schedule = _followed_schedule(key, lambda: _decode_split_kernel[grid](*args, *no_rope, **meta))
+        kernel = _decode_split_kernel.fn
+        args += rope.args()
+        meta["ROTARY_DIM"] = rope.cos_sin_cache.shape[1]
+    meta |= _schedule_meta(schedule)
     if compile_only:
         if not is_interpreter():  # the interpreter compiles nothing
             kernel.warmup(*args, grid=grid, **meta)
