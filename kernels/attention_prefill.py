@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from sits.kernels.attention_checks import (
+    FP8_CACHE_DTYPE,
     check_block_tables,
     check_fp8_scales,
     check_index,
@@ -43,6 +44,8 @@ from sits.kernels.attention_checks import (
     prepare_out,
 )
 from sits.kernels.launch_utils import (
+    FLOAT_DTYPES,
+    HALF_DTYPES,
     autotune,
     check_inner_contiguous,
     check_tensor,
@@ -209,6 +212,8 @@ def _prefill_attention_kernel(
     )
     if FP8_KV and FP8_F16:  # the tiles' `.to(q.dtype)` is then the native e4m3 -> f16 conversion
         q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    elif q.dtype == tl.float32 and not FP8_KV:  # float32 activations: the dots take q in the cache's dtype
+        q = q.to(k_ptr.dtype.element_ty)
     q_pos = offs_m + (k_len - q_len)  # absolute positions, bottom-right aligned
 
     if CAUSAL:
@@ -303,23 +308,25 @@ def paged_prefill_attention(
     """Causal attention of a flat batch of new tokens over their whole paged context.
 
     Args:
-        q: [T, Hq, D] float16 / bfloat16, new tokens of B sequences back to back.
-        k_cache, v_cache: [num_blocks, block_size, Hkv, D] in q's dtype, holding every context
-            token (the new ones included).
+        q: [T, Hq, D] float16 / bfloat16, new tokens of B sequences back to back; or float32 (float32
+            activations beside a half-precision cache: q is rounded to the cache's dtype for the dots).
+        k_cache, v_cache: [num_blocks, block_size, Hkv, D] in q's dtype (a half-precision dtype for float32 q)
+            or float8_e4m3fn, holding every context token (the new ones included).
         cu_seqlens_q: [B + 1] int32, cumulative new-token counts (cu_seqlens_q[0] = 0).
         seq_lens: [B] int32, context length of each sequence after this step (>= its q_len).
         block_tables: [B, max_blocks] int32 physical block ids (padding entries are never read).
         scale: softmax scale, usually D ** -0.5.
         max_query_len: the largest q_len in the batch (sets the grid; no device sync needed).
-        out: optional [T, Hq, D] output buffer in q's dtype.
+        out: optional [T, Hq, D] output buffer in q's dtype or float32 (written unrounded).
         k_scale, v_scale: [Hkv] float32 dequantization scales, for a float8_e4m3fn cache only.
         fp8_via_float16: with an fp8 cache, run the dots in float16 (native e4m3 -> f16
             conversion; q clamped to +-65504) instead of upcasting the tiles to q's dtype.
     Returns:
         out [T, Hq, D].
     """
-    num_tokens, num_q_heads, head_dim = check_query(q)
-    check_paged_caches(q, k_cache, v_cache)
+    num_tokens, num_q_heads, head_dim = check_query(q, FLOAT_DTYPES)
+    float32_q = q.dtype == torch.float32
+    check_paged_caches(q, k_cache, v_cache, (*HALF_DTYPES, FP8_CACHE_DTYPE) if float32_q else None)
     check_fp8_scales(k_cache, k_scale, v_scale)
     check_index(cu_seqlens_q, "cu_seqlens_q", None, q.device)
     num_seqs = cu_seqlens_q.shape[0] - 1
@@ -327,7 +334,7 @@ def paged_prefill_attention(
     check_index(seq_lens, "seq_lens", num_seqs, q.device)
     check_block_tables(block_tables, num_seqs, q.device)
     require(int(max_query_len) >= 0, f"max_query_len must be >= 0, got {max_query_len}")
-    out = prepare_out(out, q)
+    out = prepare_out(out, q, (q.dtype, torch.float32))
     group = num_q_heads // k_cache.shape[2]
     return _launch(
         q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, scale, int(max_query_len), True, True, group,

@@ -176,3 +176,22 @@ def test_bad_input_raises_value_error():
             q, cache.k_cache.float(), cache.v_cache, cu, cache.seq_lens, cache.block_tables, 0.1, 4
         )
     assert DEVICE.type in ("cpu", "cuda")
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_float32_queries_over_a_half_precision_cache_write_float32(dtype):
+    """--activation-dtype float32: q in float32 is rounded to the cache's dtype for the dots (as a half-precision
+    q would be) and the output stays float32, unrounded."""
+    torch.manual_seed(3)
+    seq_lens, q_lens = [9, 40], [9, 7]
+    cache = random_paged_cache(seq_lens, 2, 64, 16, dtype)
+    q = randn(sum(q_lens), 4, 64, dtype=torch.float32)
+    cu_q = cumulative(q_lens)
+    args = (cache.k_cache, cache.v_cache, cu_q, cache.seq_lens, cache.block_tables, 0.125, max(q_lens))
+    out = paged_prefill_attention(q, *args, out=poisoned(*q.shape, dtype=torch.float32))
+    rounded_q = paged_prefill_attention(q.to(dtype), *args, out=poisoned(*q.shape, dtype=torch.float32))
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, rounded_q, rtol=0, atol=0)
+    expected = paged_prefill_attention_reference(q.to(dtype), cache.k_cache, cache.v_cache, cu_q, cache.seq_lens,
+                                                 cache.block_tables, 0.125)
+    _close(out.to(dtype), expected, dtype)
