@@ -3,7 +3,9 @@
 The model runner builds one `AttentionMetadata` per step and hands it to the model explicitly
 (never through module globals). A back end writes the new tokens' K/V into the paged cache and
 attends over it, for a flat batch that holds prefill (and chunked-prefill) sequences first and
-single-token decodes after them.
+single-token decodes after them. The model calls `rope_write_attend` once per layer; by default that
+is `rope_and_cache_write` then `forward`, and a back end may fuse the two (the Triton one does for
+decode rows).
 
 Paged KV cache layout, one pair per layer:
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
@@ -31,7 +33,8 @@ from torch import Tensor
 from sits.runtime.models.kernel_ops import TORCH_OPS, KernelOps
 
 # The contract below, "major.minor". A major bump breaks back ends; a minor bump only adds.
-INTERFACE_VERSION = "1.2"  # 1.2: an fp8 cache (fp8_kv_cache, k_scale / v_scale keywords)
+# 1.2: an fp8 cache (fp8_kv_cache, k_scale / v_scale keywords); 1.3: rope_write_attend (a concrete default).
+INTERFACE_VERSION = "1.3"
 # The one cache layout the engine allocates: [num_blocks, block_size, num_kv_heads, head_dim].
 PAGED_NHD = "paged-nhd"
 
@@ -184,3 +187,28 @@ class AttentionBackend(ABC):
         Returns:
             [num_tokens, num_heads, head_dim] in q's dtype; padding rows are unspecified.
         """
+
+    def rope_write_attend(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos_sin_cache: Tensor,
+                          k_cache: Tensor, v_cache: Tensor, metadata: AttentionMetadata, scale: float,
+                          **scales: Tensor) -> Tensor:
+        """One layer's attention after the qkv projection: RoPE on q and k, k and v into the cache at
+        metadata.slot_mapping, then attention of the new tokens over their contexts.
+
+        The default runs `rope_and_cache_write`, then `forward`; back ends may fuse the two (q, k and v
+        may then be left unrotated, and the new tokens' K/V reach the cache during the attention).
+
+        Args:
+            q: [num_tokens, num_heads, head_dim], not rotated (a view into the qkv output is fine).
+            k, v: [num_tokens, num_kv_heads, head_dim], k not rotated.
+            positions: [num_tokens] int64, absolute positions.
+            cos_sin_cache: [max_positions, rotary_dim] float32 (cos half, then sin half).
+            k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+            metadata: the step's batch layout.
+            scale: softmax scale.
+            scales: k_scale / v_scale of a float8_e4m3fn cache (fp8_kv_cache), else none.
+        Returns:
+            [num_tokens, num_heads, head_dim] in q's dtype, as `forward` returns it.
+        """
+        q, k = self.rope_and_cache_write(q, k, v, positions, cos_sin_cache, k_cache, v_cache, metadata.slot_mapping,
+                                         **scales)
+        return self.forward(q, k, v, k_cache, v_cache, metadata, scale, **scales)

@@ -3,6 +3,8 @@
     rope_and_cache_write  → kernels.rope_kv_write (RoPE on q and k, K/V into their slots, one launch)
     forward, prefill rows → kernels.attention_prefill.paged_prefill_attention (varlen, causal, GQA)
     forward, decode rows  → kernels.attention_decode.paged_decode_attention (flash-decoding)
+    rope_write_attend     → prefill rows: rope_and_cache_write on them, then the prefill kernel; decode rows:
+                            the decode kernel with their RoPE + KV write fused in (`DecodeRope`), one launch
     kernel_ops()          → fused RMSNorm (+ residual) and SiLU·mul kernels
 
 The forward reads only device tensors and host integers that the runner fixes per captured
@@ -20,6 +22,12 @@ With the fused merge on (`attention_decode.FUSED_MERGE_DEFAULT`, or SITS_DECODE_
 measure both ways), decode launches get the back end's split counters (`SplitCounters`, one zeroed int32
 buffer per device) and merge their split-KV partials inside the split kernel: one launch per layer
 instead of two at small batches.
+
+With the fused RoPE on (`attention_decode.FUSED_ROPE_DEFAULT`, or SITS_DECODE_FUSED_ROPE=1 / 0 to measure
+both ways), `rope_write_attend` rotates and writes the decode rows' q, k and v inside the decode kernel
+instead of in a launch of its own before it: at decode that is one launch a layer fewer, the same bits
+(the kernel runs the schedule tuned for the unfused launch). Off, and on a CPU with an fp8 cache (the
+interpreter's fp8 cast), it is rope_and_cache_write then forward.
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ import torch
 # The kernels import triton: on a machine without it this module raises ImportError, which the
 # registry logs and skips.
 from sits.kernels import attention_decode
-from sits.kernels.attention_decode import paged_decode_attention
+from sits.kernels.attention_decode import DecodeRope, paged_decode_attention
 from sits.kernels.attention_prefill import paged_prefill_attention
 from sits.kernels.rope_kv_write import rope_and_cache_write
 from sits.runtime.attention.backend import AttentionBackend, AttentionMetadata
@@ -45,17 +53,29 @@ HEAD_DIMS = (16, 32, 64, 128, 256)  # the paged kernels' tl.arange over a head n
 
 
 FUSED_MERGE_ENV = "SITS_DECODE_FUSED_MERGE"
+FUSED_ROPE_ENV = "SITS_DECODE_FUSED_ROPE"
 
 
 def _interpreter_on() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def _env_switch(name: str) -> bool | None:
+    """An on / off environment variable: None when unset or empty, False for 0 / off / false / no."""
+    value = os.environ.get(name, "").strip().lower()
+    return None if not value else value not in ("0", "off", "false", "no")
+
+
 def fused_merge_env() -> bool | None:
     """SITS_DECODE_FUSED_MERGE=1 / 0 (a benchmark measuring both ways): whether decode launches merge inside
     the split kernel whatever attention_decode.FUSED_MERGE_DEFAULT says; None when unset."""
-    value = os.environ.get(FUSED_MERGE_ENV, "").strip().lower()
-    return None if not value else value not in ("0", "off", "false", "no")
+    return _env_switch(FUSED_MERGE_ENV)
+
+
+def fused_rope_env() -> bool | None:
+    """SITS_DECODE_FUSED_ROPE=1 / 0 (a benchmark measuring both ways): whether decode rows get their RoPE + KV
+    write inside the decode kernel whatever attention_decode.FUSED_ROPE_DEFAULT says; None when unset."""
+    return _env_switch(FUSED_ROPE_ENV)
 
 
 @register_backend
@@ -75,12 +95,20 @@ class TritonAttentionBackend(AttentionBackend):
     def __init__(self) -> None:
         self.split_counters = SplitCounters()
         self._fused_merge_env = fused_merge_env()  # read once, not per launch
+        self._fused_rope_env = fused_rope_env()
 
     @property
     def fused_merge(self) -> bool:
         """Whether decode launches get the split counters (the environment's choice, else the default)."""
         env = self._fused_merge_env
         return attention_decode.FUSED_MERGE_DEFAULT if env is None else env
+
+    @property
+    def fused_rope(self) -> bool:
+        """Whether rope_write_attend fuses the decode rows' RoPE + KV write into the decode kernel (the
+        environment's choice, else the default)."""
+        env = self._fused_rope_env
+        return attention_decode.FUSED_ROPE_DEFAULT if env is None else env
 
     @classmethod
     def unsupported_reason(cls, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
@@ -125,9 +153,35 @@ class TritonAttentionBackend(AttentionBackend):
         dtype, written in place (the static buffer a captured piece reads). Rows past
         metadata.num_tokens (padding) are left as they were.
         """
-        num_tokens, num_heads, head_dim = q.shape
         if out is None:
-            out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        self._prefill(q, k_cache, v_cache, metadata, scale, out, k_scale, v_scale)
+        self._decode(q, k_cache, v_cache, metadata, scale, out, k_scale, v_scale)
+        return out
+
+    def rope_write_attend(self, q, k, v, positions, cos_sin_cache, k_cache, v_cache, metadata: AttentionMetadata,
+                          scale: float, **scales) -> torch.Tensor:
+        """See AttentionBackend.rope_write_attend. With fused_rope: the prefill rows' RoPE + KV write
+        (rope_and_cache_write on their slice) and the prefill kernel, then the decode kernel with the
+        decode rows' RoPE + KV write inside it (q, k and v of those rows stay unrotated in memory).
+        Without it, or on a CPU with an fp8 cache, the default: rope_and_cache_write, then forward."""
+        if not self.fused_rope or not metadata.num_decodes or (scales and q.device.type == "cpu"):
+            return super().rope_write_attend(q, k, v, positions, cos_sin_cache, k_cache, v_cache, metadata, scale,
+                                             **scales)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        prefill = slice(0, metadata.num_prefill_tokens)
+        if metadata.num_prefills:
+            self.rope_and_cache_write(q[prefill], k[prefill], v[prefill], positions[prefill], cos_sin_cache,
+                                      k_cache, v_cache, metadata.slot_mapping[prefill], **scales)
+            self._prefill(q, k_cache, v_cache, metadata, scale, out, **scales)
+        rows = slice(metadata.num_prefill_tokens, metadata.num_tokens)
+        rope = DecodeRope(k[rows], v[rows], positions[rows], cos_sin_cache, metadata.slot_mapping[rows])
+        self._decode(q, k_cache, v_cache, metadata, scale, out, rope=rope, **scales)
+        return out
+
+    def _prefill(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale: float, out: torch.Tensor,
+                 k_scale=None, v_scale=None) -> None:
+        """The prefill rows (0 .. num_prefill_tokens) of q [num_tokens, Hq, D] into the same rows of out."""
         prefills, prefill_tokens = metadata.num_prefills, metadata.num_prefill_tokens
         if prefills:
             paged_prefill_attention(
@@ -136,16 +190,22 @@ class TritonAttentionBackend(AttentionBackend):
                 metadata.block_tables[:prefills], scale, metadata.max_query_len,
                 out=out[:prefill_tokens], k_scale=k_scale, v_scale=v_scale,
             )  # fmt: skip
-        if metadata.num_decodes:
-            rows = slice(prefill_tokens, prefill_tokens + metadata.num_decodes)
-            counters = None
-            if self.fused_merge:
-                counters = self.split_counters.get(q.device, metadata.num_decodes, k_cache.shape[2])
-            paged_decode_attention(
-                q[rows], k_cache, v_cache,
-                metadata.block_tables[prefills: prefills + metadata.num_decodes],
-                metadata.seq_lens[prefills: prefills + metadata.num_decodes], scale,
-                out=out[rows], max_seq_len=metadata.max_seq_len, k_scale=k_scale, v_scale=v_scale,
-                split_counters=counters,
-            )  # fmt: skip
-        return out
+
+    def _decode(self, q, k_cache, v_cache, metadata: AttentionMetadata, scale: float, out: torch.Tensor,
+                k_scale=None, v_scale=None, rope: DecodeRope | None = None) -> None:
+        """The decode rows (after the prefill tokens) of q into the same rows of out; rope: their RoPE + KV
+        write fused into the kernel (q unrotated), None when rope_and_cache_write ran."""
+        if not metadata.num_decodes:
+            return
+        prefills = metadata.num_prefills
+        rows = slice(metadata.num_prefill_tokens, metadata.num_tokens)
+        counters = None
+        if self.fused_merge:
+            counters = self.split_counters.get(q.device, metadata.num_decodes, k_cache.shape[2])
+        paged_decode_attention(
+            q[rows], k_cache, v_cache,
+            metadata.block_tables[prefills: prefills + metadata.num_decodes],
+            metadata.seq_lens[prefills: prefills + metadata.num_decodes], scale,
+            out=out[rows], max_seq_len=metadata.max_seq_len, k_scale=k_scale, v_scale=v_scale,
+            split_counters=counters, rope=rope,
+        )  # fmt: skip

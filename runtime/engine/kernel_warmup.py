@@ -5,9 +5,10 @@ fresh machine); on live traffic that stalls every stream of the engine for secon
 one step on an H200: the first mixed step whose decodes passed a context of 1,024). So once the
 model is loaded and its KV cache allocated, before CUDA-graph capture, `pretune_kernels` launches
 the attention back end's prefill kernel for every query-length bucket, its decode kernel for every
-split plan, the quantized GEMMs for every row bucket (with --quantization fp8 / int8) and the
-small-M direct GEMM (and its fused norm) for every bucket its measured table gave a layer: the launches
-of `tuning_plan`, on dummy inputs that read the real cache and write nothing into it.
+split plan (through `rope_write_attend`, as decode steps call it, so a fused RoPE variant compiles
+too), the quantized GEMMs for every row bucket (with --quantization fp8 / int8) and the small-M direct
+GEMM (and its fused norm) for every bucket its measured table gave a layer: the launches of
+`tuning_plan`, on dummy inputs that read the real cache and write nothing into it.
 
 Triton's on-disk autotune cache (TRITON_CACHE_AUTOTUNING) is switched on for the engine unless the
 user set the variable, so the next start on the same machine and Triton cache reads the results
@@ -160,12 +161,18 @@ def run_attention_plan(runner: ModelRunner, dtype: torch.dtype, plan: TuningPlan
     if k_cache.dtype == torch.float8_e4m3fn:  # an fp8 cache is read with per-KV-head scales
         ones = torch.ones(num_kv_heads, dtype=torch.float32, device=runner.device)
         scales = {"k_scale": ones, "v_scale": ones}
+    rope_table = getattr(runner.model, "cos_sin_cache", None)
     batches: list[PrefillShape | DecodeShape] = [*plan.prefill, *plan.decode]
     for shape in batches:
         metadata = dummy_metadata(shape, runner.block_size, runner.num_blocks, runner.device)
         q = torch.randn(metadata.num_tokens, num_q_heads, head_dim, dtype=dtype, device=runner.device)
         kv = torch.zeros(metadata.num_tokens, num_kv_heads, head_dim, dtype=dtype, device=runner.device)
-        backend.forward(q, kv, kv, k_cache, v_cache, metadata, head_dim**-0.5, **scales)
+        if isinstance(shape, DecodeShape) and rope_table is not None:  # as decode steps call it: RoPE may fuse in
+            positions = torch.zeros(metadata.num_tokens, dtype=torch.int64, device=runner.device)
+            backend.rope_write_attend(q, kv, kv, positions, rope_table, k_cache, v_cache, metadata, head_dim**-0.5,
+                                      **scales)
+        else:
+            backend.forward(q, kv, kv, k_cache, v_cache, metadata, head_dim**-0.5, **scales)
     return len(batches)
 
 

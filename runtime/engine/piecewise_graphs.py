@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from sits.runtime.attention.backend import AttentionMetadata
+from sits.runtime.attention.backend import AttentionBackend, AttentionMetadata
 from sits.runtime.engine.cuda_graphs import StaticInputs, smallest_bucket
 from sits.runtime.engine.model_input import ModelInput
 
@@ -111,6 +111,10 @@ class _HoleBackend:
     def rope_and_cache_write(self, *args, **kwargs):
         return self._backend.rope_and_cache_write(*args, **kwargs)
 
+    # Unfused here, whatever the real back end fuses: RoPE + KV write stay in the captured piece and only
+    # attention runs in the hole (`forward` below), so a piece never depends on the step's batch layout.
+    rope_write_attend = AttentionBackend.rope_write_attend
+
     def forward(self, q, k, v, k_cache, v_cache, metadata, scale, **scales):
         owner = self._owner
         rows = q.shape[0]
@@ -130,8 +134,8 @@ class PiecewiseGraphs:
 
     Args:
         model: the decoder (`forward(input_ids, positions, kv_caches, metadata) -> [T, H]`), whose
-            attention modules call `self.backend.rope_and_cache_write` then `self.backend.forward`
-            once per layer (the Llama family's `LlamaAttention`).
+            attention modules call `self.backend.rope_write_attend` once per layer (the Llama family's
+            `LlamaAttention`), which the hole back end runs as `rope_and_cache_write` then `forward`.
         backend: the real attention back end (its `forward` takes `out=`).
         kv_caches: the runner's caches (their storage must not move after capture).
         token_sizes: the buckets (piecewise_token_sizes).

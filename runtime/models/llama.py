@@ -155,10 +155,9 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         scales = scale_kwargs(kv_cache)  # an fp8 cache's per-head k_scale / v_scale, else none
-        q, k = self.backend.rope_and_cache_write(
-            q, k, v, positions, cos_sin_cache, k_cache, v_cache, metadata.slot_mapping, **scales
-        )
-        out = self.backend.forward(q, k, v, k_cache, v_cache, metadata, self.scale, **scales)
+        # RoPE, the KV-cache write and attention: the back end may fuse them (Triton's decode rows do)
+        out = self.backend.rope_write_attend(q, k, v, positions, cos_sin_cache, k_cache, v_cache, metadata,
+                                             self.scale, **scales)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
