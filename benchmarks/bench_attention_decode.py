@@ -4,6 +4,7 @@
     TRITON_CACHE_AUTOTUNING=1 python benchmarks/bench_attention_decode.py --fp8 [--json out.json]
     python benchmarks/bench_attention_decode.py --fp8 --variants [--json out.json] [--quick]
     python benchmarks/bench_attention_decode.py --small-batch [--json out.json]
+    python benchmarks/bench_attention_decode.py --rope [--json out.json] [--quick]
 
 One query token per sequence, GQA 32 query / 8 KV heads, head_dim 128, bf16. The figure is the
 effective bandwidth: bytes of live K and V (B * context * Hkv * D * 2 tensors * 2 bytes) over the
@@ -30,6 +31,10 @@ past L2 (at batch 1 the live K and V are 8 MiB, which L2 would otherwise serve).
 fused merge (split_counters: the last split merges, one launch) is timed beside the two launches (split
 kernel + merge kernel), with their ratio, and a second row per case sets the fused merge's best count
 against the two launches' best; the fused outputs are checked bit for bit against the two launches'.
+
+--rope times the decode RoPE + KV write fused into the kernel (rope=DecodeRope: one launch) against
+rope_and_cache_write followed by the kernel (two launches), as a decode layer runs them: CUDA graphs, batches
+1, 32 and 256 at context 2,048, bf16 and fp8 caches, with the output and the cache checked bit for bit.
 """
 
 from __future__ import annotations
@@ -50,10 +55,12 @@ from sits.kernels import attention_decode
 from sits.kernels.attention_decode import (
     DEFAULT_FP8_VARIANT,
     FP8_DECODE_VARIANTS,
+    DecodeRope,
     choose_num_splits,
     paged_decode_attention,
 )
 from sits.kernels.reference import paged_decode_attention_reference
+from sits.kernels.rope_kv_write import build_cos_sin_cache, rope_and_cache_write
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
 HBM_PEAK_GBPS = 4290.0  # H200 HBM3e peak
@@ -422,12 +429,64 @@ def small_batch_main(args):
            "against the two launches' best", rows, args.json, notes)
 
 
+def rope_case(batch: int, context: int, fp8: bool) -> tuple[Measurement, str]:
+    """One decode layer's RoPE + KV write + attention: fused (one launch) against the two launches."""
+    (k16, v16), (k8, v8), (ks, vs), tables = _fp8_caches(batch, context, 16)
+    caches = dict(k_cache=k8, v_cache=v8) if fp8 else dict(k_cache=k16, v_cache=v16)
+    scales = dict(k_scale=ks, v_scale=vs) if fp8 else {}
+    qkv = torch.randn(batch, (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM, dtype=torch.bfloat16, device=DEVICE)
+    q, k, v = (t.view(batch, -1, HEAD_DIM) for t in qkv.split([NUM_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM,
+                                                                  NUM_KV_HEADS * HEAD_DIM], dim=-1))
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=DEVICE)
+    positions = (seq_lens - 1).long()
+    table = build_cos_sin_cache(HEAD_DIM, context + 16, device=DEVICE)
+    out = torch.empty_like(q)
+
+    def slots(i):  # the new token's slot through block table i
+        return tables[i][:, (context - 1) // 16].long() * 16 + (context - 1) % 16
+
+    slot_sets = [slots(i) for i in range(len(tables))]
+
+    def two(i):
+        rope_and_cache_write(q, k, v, positions, table, **caches, slot_mapping=slot_sets[i], **scales)
+        return paged_decode_attention(q, block_tables=tables[i], seq_lens=seq_lens, scale=HEAD_DIM**-0.5, out=out,
+                                      **caches, **scales)
+
+    def fused(i):
+        rope = DecodeRope(k, v, positions, table, slot_sets[i])
+        return paged_decode_attention(q, block_tables=tables[i], seq_lens=seq_lens, scale=HEAD_DIM**-0.5, out=out,
+                                      rope=rope, **caches, **scales)
+
+    fused_ms = time_ms(rotating(fused, len(tables)))
+    two_ms = time_ms(rotating(two, len(tables)))  # rotates q and k in place: timed after the fused path
+    qkv.normal_()  # one step of each from the same inputs and caches, compared
+    saved = qkv.clone(), caches["k_cache"].clone(), caches["v_cache"].clone()
+    expected = two(0).clone(), caches["k_cache"].clone(), caches["v_cache"].clone()
+    qkv.copy_(saved[0]), caches["k_cache"].copy_(saved[1]), caches["v_cache"].copy_(saved[2])
+    got = fused(0).clone(), caches["k_cache"], caches["v_cache"]
+    identical = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, expected, strict=True))
+    case = f"{'fp8' if fp8 else 'bf16'} B{batch} ctx{context}"
+    note = (f"{case}: fused RoPE + KV write {fused_ms * 1e3:.1f} us, two launches {two_ms * 1e3:.1f} us "
+            f"({two_ms / fused_ms:.2f}x); bit-identical: {identical}")
+    print(note, flush=True)
+    return Measurement(f"{case} fused RoPE", "us", fused_ms * 1e3, two_ms * 1e3, "rope_and_cache_write + kernel",
+                       fused_ms, two_ms, {"bit_identical": identical}), note
+
+
 def main():
     fp8, variants, small = "--fp8" in sys.argv, "--variants" in sys.argv, "--small-batch" in sys.argv
-    for flag in ("--fp8", "--variants", "--small-batch"):
+    rope = "--rope" in sys.argv
+    for flag in ("--fp8", "--variants", "--small-batch", "--rope"):
         if flag in sys.argv:
             sys.argv.remove(flag)  # the shared parser knows only --json and --quick
     args = parse_args(__doc__)
+    if rope:
+        measured = [rope_case(batch, 2048, on_fp8) for on_fp8 in (False, True)
+                    for batch in ((1,) if args.quick else (1, 32, 256))]
+        report("Decode RoPE + KV write fused into decode attention against the two launches (microseconds per "
+               "layer: a ratio below 1 means the fused launch is faster)", [m for m, _ in measured], args.json,
+               [n for _, n in measured])
+        return
     if small:
         small_batch_main(args)
         return

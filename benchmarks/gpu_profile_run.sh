@@ -22,6 +22,8 @@
 #   trace256       benchmarks/bench_step_trace.py: 256 in flight, 1,024 / 512, 512 prompts, default budget
 #   trace256-capN[-minM]  the same with --max-prefill-tokens-with-decodes N [--prefill-cap-min-decodes M]
 #                  (e.g. trace256-cap2048, trace256-cap1024-min64; cap0 turns the device's default off)
+#   attn-rope      benchmarks/bench_attention_decode.py --rope: the decode RoPE + KV write fused into decode attention
+#                  against rope_and_cache_write + the kernel, batches 1 / 32 / 256, bf16 and fp8 caches, bit for bit
 #   attn-small     benchmarks/bench_attention_decode.py --small-batch: the decode attention's split count at batches
 #                  1-16 (bf16 and fp8 caches), every count against the chosen one, and the fused merge beside
 #                  the two launches at each count (ATTN_ARGS=--quick: batch 1 only)
@@ -43,7 +45,12 @@
 #                  kernels launched with programmatic dependent launch (SITS_PDL=1, sits.kernels.pdl);
 #                  -pdlearly (prof1-pdlearly, ...): SITS_PDL=early, the next kernel launched right after the wait;
 #                  -splitN (prof1-split128, prof1-fused-split128, ...): decode attention splits keep at least N tokens
-#                  (SITS_DECODE_SPLIT_TOKENS, a multiple of 128; default 256)
+#                  (SITS_DECODE_SPLIT_TOKENS, a multiple of 128; default 256); -rope0 / -rope1 (prof1-rope0,
+#                  prof32-rope0, prof32fp8-rope0, ...): the decode rows' RoPE + KV write as a launch of its own
+#                  before attention / fused into the decode kernel (SITS_DECODE_FUSED_ROPE; default:
+#                  attention_decode.FUSED_ROPE_DEFAULT)
+#   ropetests      the fused decode RoPE + KV write against the two launches, bit for bit (bf16 and fp8 caches,
+#                  autotuned and fixed schedules), through the engine, and captured in CUDA graphs
 #   l2pf           benchmarks/bench_l2_prefetch.py: a projection's weight prefetched into L2 during the small
 #                  kernels before it (attention + o_proj, norm + qkv, norm + gate_up), against the same chain
 #                  without (2026-12-03: a loss, the prefetch launch holds the stream; benchmarks/RESULTS.md)
@@ -66,17 +73,23 @@ for step in $STEPS; do
       --mixed-prompt-tokens "$tokens" $eager --chrome-trace "$LOG_DIR/$step.trace.json.gz" ;;
     pdltests) PYTHONSAFEPATH=1 timeout 240 python3 -m pytest tests/kernels/test_pdl.py -q -s -p no:cacheprovider \
       --confcutdir=tests/kernels ;;
+    ropetests) PYTHONSAFEPATH=1 timeout 500 python3 -m pytest tests/kernels/test_attention_decode_rope.py \
+      tests/runtime/test_decode_fused_rope.py tests/gpu/test_decode_fused_rope_graphs.py -q -s -p no:cacheprovider \
+      --confcutdir=tests ;;
     pwtests) PYTHONSAFEPATH=1 timeout 240 python3 -m pytest tests/runtime/test_triton_backend.py -q -s \
       -p no:cacheprovider --confcutdir=tests -k "piecewise or padded" ;;
     prof448fp8) timeout 400 python3 benchmarks/profile_decode.py $COMMON --batch 448 --input-len 3072 \
       --quantization fp8 --kv-cache-dtype fp8 --steps 10 --chrome-trace "$LOG_DIR/$step.trace.json.gz" ;;
-    prof32fp8|prof32fp8-pdl|prof32fp8-pdlearly) pdl=""
-      case $step in *-pdlearly) pdl=early ;; *-pdl) pdl=1 ;; esac
-      SITS_PDL="$pdl" timeout 300 \
+    prof32fp8|prof32fp8-*) pdl=""; rope=""
+      case $step in *-pdlearly*) pdl=early ;; *-pdl*) pdl=1 ;; esac
+      case $step in *-rope0*) rope=0 ;; *-rope1*) rope=1 ;; esac
+      SITS_PDL="$pdl" SITS_DECODE_FUSED_ROPE="$rope" timeout 300 \
       python3 benchmarks/profile_decode.py $COMMON --batch 32 --input-len 2048 \
       --quantization fp8 --kv-cache-dtype fp8 ;;
     trace256) timeout 300 python3 benchmarks/bench_step_trace.py $COMMON --batch 256 --input-len 1024 \
       --output-len 512 --prompts 512 --host-phases --json "$LOG_DIR/$step.json" ;;
+    attn-rope) timeout 400 python3 benchmarks/bench_attention_decode.py --rope --json "$LOG_DIR/attn-rope.json" \
+      ${ATTN_ARGS:-} ;;
     attn-small) timeout 600 python3 benchmarks/bench_attention_decode.py --small-batch --json "$LOG_DIR/attn-small.json" \
       ${ATTN_ARGS:-} ;;
     l2pf) timeout 300 python3 benchmarks/bench_l2_prefetch.py --json "$LOG_DIR/l2pf.json" ;;
@@ -90,13 +103,14 @@ for step in $STEPS; do
       --host-phases --json "$LOG_DIR/$step.json" ;;
     gemv) timeout 600 python3 benchmarks/bench_gemm_small_m.py --json "$LOG_DIR/gemv.json" \
       --table "$LOG_DIR/small_m_gemm_table.json" ${GEMV_ARGS:-} ;;
-    prof[0-9]*-*) batch=${step#prof}; batch=${batch%%-*}; table=""; fused=""; pdl=""; split=""
+    prof[0-9]*-*) batch=${step#prof}; batch=${batch%%-*}; table=""; fused=""; pdl=""; split=""; rope=""
       case $step in *-gemv*) table="${SMALL_M_TABLE:-$LOG_DIR/small_m_gemm_table.json}" ;; esac
       case $step in *-split*) split=${step##*-split}; split=${split%%-*} ;; esac
       case $step in *-fused*) fused=1 ;; esac
       case $step in *-pdlearly*) pdl=early ;; *-pdl*) pdl=1 ;; esac
+      case $step in *-rope0*) rope=0 ;; *-rope1*) rope=1 ;; esac
       SITS_SMALL_M_GEMM="$table" SITS_DECODE_FUSED_MERGE="$fused" SITS_PDL="$pdl" SITS_DECODE_SPLIT_TOKENS="$split" \
-      timeout 200 \
+      SITS_DECODE_FUSED_ROPE="$rope" timeout 200 \
       python3 benchmarks/profile_decode.py $COMMON --batch "$batch" --input-len 2048 ;;
     trace256-cap*) budget=${step#trace256-cap}; cap=${budget%%-min*}; least=0
       [ "$budget" != "$cap" ] && least=${budget##*-min}

@@ -165,6 +165,10 @@ def _report(args, prof, wall_ms: float, loaded, engine) -> None:
           f"{busy:.3f} ms/step, kernel sum {total_us / 1e3 / args.steps:.3f} ms/step, "
           f"{len(kernels) / args.steps:.0f} kernels/step")
     model = loaded.model
+    switches = [f"{name.replace('_', ' ')} {'on' if getattr(model.backend, name) else 'off'}"
+                for name in ("fused_rope", "fused_merge") if hasattr(model.backend, name)]
+    if switches:  # the Triton back end's A/B switches (SITS_DECODE_FUSED_ROPE, SITS_DECODE_FUSED_MERGE)
+        print("decode attention: " + ", ".join(switches))
     weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
     shape = loaded.config
     kv_bytes = (2 * shape.num_hidden_layers * shape.num_key_value_heads * shape.head_dim

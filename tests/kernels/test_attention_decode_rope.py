@@ -22,6 +22,7 @@ from sits.kernels.attention_decode import (
 )
 from sits.kernels.reference import apply_rope_reference, rope_and_cache_write_reference
 from sits.kernels.rope_kv_write import build_cos_sin_cache, rope_and_cache_write
+from tests.kernels.bench_scripts import bench_script
 from tests.kernels.helpers import DEVICE, ON_GPU, poisoned, randn
 from tests.kernels.paged import random_paged_cache
 
@@ -229,3 +230,27 @@ def test_bad_rope_arguments_are_clear_errors():
     with pytest.raises(ValueError, match="compile_only with rope needs a schedule"):
         paged_decode_attention(*args, compile_only=True,
                                rope=DecodeRope(step.k, step.v, step.positions, step.table, step.slots))
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    yield from bench_script(monkeypatch, "bench_attention_decode")
+
+
+@pytest.mark.skipif(ON_GPU, reason="the CPU run of the script; on the GPU it runs at full size")
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
+def test_bench_rope_case_times_both_and_checks_the_bits(bench, monkeypatch, fp8):
+    """benchmarks/bench_attention_decode.py --rope's case at a toy size with the CUDA-graph timer replaced: both
+    paths timed, one step of each compared bit for bit (output and cache)."""
+    timed: list[object] = []
+
+    def fake_time_ms(fn):
+        fn()
+        timed.append(fn)
+        return 0.01 * len(timed)
+
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "MIN_ROTATED_FP8_BYTES", 1)
+    monkeypatch.setattr(bench, "time_ms", fake_time_ms)
+    row, note = bench.rope_case(2, 64, fp8)
+    assert len(timed) == 2 and row.extra["bit_identical"] is True, note

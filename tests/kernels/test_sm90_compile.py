@@ -14,7 +14,8 @@ ptxas-blackwell.
 * The fp8 weight-only GEMM (quick list), both decodings: native e4m3 for sm_90a, integer decoding for sm_80.
 * The kernels that take USE_PDL (programmatic dependent launch): the wait (and the early trigger) only when asked.
 * The decode split kernel with its fused merge at the largest merge size (BLOCK_S 64) and without it, for
-  the first bf16 config and the fp8 default schedule (the full list: the script without --quick).
+  the first bf16 config and the fp8 default schedule (the full list: the script without --quick), each with
+  q rotated before, with the RoPE + KV write fused in, and with a float32 q and output (fused RoPE).
 """
 
 from __future__ import annotations
@@ -74,8 +75,8 @@ def test_fused_norm_gemm_configs_compile_and_the_kept_ones_fit(tmp_path):
 
 def test_split_kernel_with_fused_merge_compiles_without_spills(tmp_path):
     rows = compile_rows(tmp_path, "compile_attention_decode_sm90.py", "--quick", "--merge-blocks", "64")
-    assert {(row["cache"], row["fused_merge_block"]) for row in rows} == {
-        ("bf16", 0), ("bf16", 64), ("fp8", 0), ("fp8", 64)}
+    assert {(row["cache"], row["fused_merge_block"], row["query"]) for row in rows} == {
+        (cache, block, query) for cache in ("bf16", "fp8") for block in (0, 64) for query in ("plain", "rope", "f32-rope")}
     for row in rows:
         assert row["spill_stores"] == 0 and row["spill_loads"] == 0, row
 
