@@ -54,9 +54,9 @@ def models():
     return {name: tiny_model(name) for name in ("torch", "triton")}
 
 
-def engine_for(loaded, *, max_batched=512, num_blocks=48, enforce_eager=True) -> LLMEngine:
+def engine_for(loaded, *, max_batched=512, num_blocks=48, enforce_eager=True, activation_dtype="auto") -> LLMEngine:
     config = EngineConfig(
-        model=ModelConfig(device=DEVICE, dtype="float16", max_model_len=128),
+        model=ModelConfig(device=DEVICE, dtype="float16", max_model_len=128, activation_dtype=activation_dtype),
         cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks),
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_batched),
         enforce_eager=enforce_eager,
@@ -107,6 +107,19 @@ def test_triton_back_end_matches_torch_through_the_engine(models, max_batched):
     got = run_schedule(engine, WAVES)
     assert got == expected
     assert engine.stats().prefix_cache_hits > 0, "the last prompt should reuse the first one's blocks"
+
+
+def test_float32_activations_match_torch_through_the_engine(models):
+    """--activation-dtype float32 (float16 weights and KV cache): the Triton kernels (norms writing float32, RoPE
+    writing the float16 cache from float32 k / v, attention over float32 q with float32 out) pick the torch back
+    end's tokens in every step shape, and the steps really ran in float32."""
+    expected = run_schedule(engine_for(models["torch"], max_batched=16, activation_dtype="float32"), WAVES)
+    engine = engine_for(models["triton"], max_batched=16, activation_dtype="float32")
+    assert models["triton"].model.activation_dtype == torch.float32
+    got = run_schedule(engine, WAVES)
+    assert got == expected
+    engine_for(models["triton"])  # the next engine over this model runs float16 activations again
+    assert models["triton"].model.activation_dtype is None
 
 
 def test_padded_decode_buffers_give_the_same_tokens(models):
