@@ -51,6 +51,10 @@ def bf16():
 
 @pytest.fixture(scope="module")
 def reference(smollm2):
+    return teacher_forced_reference(smollm2)
+
+
+def teacher_forced_reference(smollm2):
     """The 8 chat prompts, the float32 answers' tokens and float32's log-softmax rows predicting them."""
     tokenizer = smollm2.tokenizer
     prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}]),

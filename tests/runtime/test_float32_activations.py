@@ -26,7 +26,11 @@ from sits.runtime.models.loading import load_model
 from sits.runtime.models.mixed_linear import mixed_linear
 from sits.runtime.parallel.config import ParallelConfig
 from tests.gpu.test_real_model_parity import EOS_IDS, QUESTIONS, generate
-from tests.runtime.test_bf16_residual_stream import FLOAT32_ANSWERS, _answer_logprobs
+from tests.runtime.test_bf16_residual_stream import (
+    FLOAT32_ANSWERS,
+    _answer_logprobs,
+    teacher_forced_reference,
+)
 
 MIN_IDENTICAL = 7  # issue 13's bar for a half-precision engine against the float32 one, of 8 answers
 
@@ -41,11 +45,7 @@ def bf16_float32_activations():
 
 @pytest.fixture(scope="module")
 def reference(smollm2):
-    tokenizer = smollm2.tokenizer
-    prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}]),
-                                add_special_tokens=False) for q in QUESTIONS]
-    answers = [tokenizer.encode(text, add_special_tokens=False) for text in FLOAT32_ANSWERS]
-    return prompts, answers, _answer_logprobs(smollm2.model, prompts, answers)
+    return teacher_forced_reference(smollm2)
 
 
 def test_two_bf16_halves_carry_sixteen_bits_of_the_input():
