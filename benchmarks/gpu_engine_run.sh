@@ -193,8 +193,9 @@ for step in $STEPS; do
         --json "$LOG_DIR/$step.json" >"$LOG_DIR/$step.log" 2>&1
       rc=$?
       figure=$(sits_tok_s "$base")
-      [ $rc -eq 0 ] && [ -n "$figure" ] && result_line "$step" "$figure" "the $base step (this run, bf16 activations)" \
-        "bf16 KV cache" ;;
+      if [ $rc -eq 0 ] && [ -n "$figure" ]; then
+        result_line "$step" "$figure" "the $base step (this run, bf16 activations)" "bf16 KV cache"
+      fi ;;
     itl-pdl|bf16-pdl|fp8-b32-pdl)  # the step before the suffix, the decode kernels launched with PDL
       base=${step%-pdl}
       case $base in

@@ -76,7 +76,7 @@ from sits.kernels.launch_utils import (
 from sits.kernels.paged_kv import paged_tile_blocks
 from sits.kernels.pdl import pdl_launch_options, pdl_wait
 from sits.kernels.reference import paged_decode_attention_reference
-from sits.kernels.rope_kv_write import _store_cache
+from sits.kernels.rope_kv_write import store_cache
 
 __all__ = [
     "DEFAULT_FP8_VARIANT",
@@ -284,7 +284,7 @@ def _write_new_kv(k_new_ptr, v_new_ptr, slot_ptr, seq, kv_head, cos_sin_row, k_c
                   HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
                   FP8_KV: tl.constexpr):  # fmt: skip
     """The sequence's new token, one KV head: k rotated, k and v stored into cache slot slot_ptr[seq]
-    (nothing for slot -1) as `_rope_cache_write_kernel` stores them (`_store_cache`: from float32, an fp8
+    (nothing for slot -1) as `_rope_cache_write_kernel` stores them (`store_cache`: from float32, an fp8
     cache divided by the head's scale and saturated), then a barrier, so this program's own tile loads
     after it read them back (global stores before bar.sync are visible to the whole CTA after it)."""
     slot = tl.load(slot_ptr + seq).to(tl.int64)
@@ -304,8 +304,8 @@ def _write_new_kv(k_new_ptr, v_new_ptr, slot_ptr, seq, kv_head, cos_sin_row, k_c
         offset = slot % PAGE_SIZE
         k_dst = k_cache_ptr + block * stride_k_block + offset * stride_k_slot + kv_head * stride_k_head
         v_dst = v_cache_ptr + block * stride_v_block + offset * stride_v_slot + kv_head * stride_v_head
-        _store_cache(k_dst + row[:, None] + dims, k, k_scale, row_valid[:, None], FP8_KV)
-        _store_cache(v_dst + row[:, None] + dims, v, v_scale, row_valid[:, None], FP8_KV)
+        store_cache(k_dst + row[:, None] + dims, k, k_scale, row_valid[:, None], FP8_KV)
+        store_cache(v_dst + row[:, None] + dims, v, v_scale, row_valid[:, None], FP8_KV)
         tl.debug_barrier()
 
 

@@ -61,7 +61,7 @@ def _rotate_heads(
 
 
 @triton.jit
-def _store_cache(cache_ptr, values, scale, mask, FP8_CACHE: tl.constexpr):
+def store_cache(cache_ptr, values, scale, mask, FP8_CACHE: tl.constexpr):
     """Stores values (float32) into cache slots; an fp8 cache divides by the head's scale first."""
     if FP8_CACHE:
         values = tl.clamp(values / scale, -448.0, 448.0)
@@ -109,17 +109,17 @@ def _rope_cache_write_kernel(
             k_scale = tl.load(k_scale_ptr + heads, mask=heads < num_kv_heads, other=1.0)
             v_scale = tl.load(v_scale_ptr + heads, mask=heads < num_kv_heads, other=1.0)
         k_dst = k_cache_ptr + block * stride_kc_block + offset * stride_kc_slot + heads * stride_kc_head
-        _store_cache(k_dst + half_dims, k1, k_scale, k_mask, FP8_CACHE)
-        _store_cache(k_dst + ROTARY_DIM // 2 + half_dims, k2, k_scale, k_mask, FP8_CACHE)
+        store_cache(k_dst + half_dims, k1, k_scale, k_mask, FP8_CACHE)
+        store_cache(k_dst + ROTARY_DIM // 2 + half_dims, k2, k_scale, k_mask, FP8_CACHE)
         dims = tl.arange(0, BLOCK_D)[None, :]
         if ROTARY_DIM < HEAD_DIM:  # partial rotary: the tail of k is copied unrotated
             tail = (heads < num_kv_heads) & (dims >= ROTARY_DIM) & (dims < HEAD_DIM)
             k_tail = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims, mask=tail, other=0.0)
-            _store_cache(k_dst + dims, k_tail.to(tl.float32), k_scale, tail, FP8_CACHE)
+            store_cache(k_dst + dims, k_tail.to(tl.float32), k_scale, tail, FP8_CACHE)
         v_mask = (heads < num_kv_heads) & (dims < HEAD_DIM)
         v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims, mask=v_mask, other=0.0)
         v_dst = v_cache_ptr + block * stride_vc_block + offset * stride_vc_slot + heads * stride_vc_head + dims
-        _store_cache(v_dst, v.to(tl.float32), v_scale, v_mask, FP8_CACHE)
+        store_cache(v_dst, v.to(tl.float32), v_scale, v_mask, FP8_CACHE)
 
 
 def cache_dtypes(q_dtype: torch.dtype) -> tuple[torch.dtype, ...]:

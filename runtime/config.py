@@ -413,7 +413,6 @@ class EngineConfig:
         if self.compile:
             raise ConfigError("--enable-lora does not run with --compile (the adapters' layers run eagerly)")
 
-
     def _validate_activation_dtype(self) -> None:
         """What float32 activations beside half-precision weights do not run with yet."""
         if self.model.activation_dtype == "auto":

@@ -20,9 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from sits.kernels.launch_utils import HALF_DTYPES
 from sits.kernels.split_halves import split_halves
-
-HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def mixed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -3,7 +3,7 @@
 float32 query / output the float32-activation mode passes.
 
 On a CPU both paths run through the interpreter, whose fp32 -> fp8 cast is wrong but the same in both kernels
-(they share `_store_cache`), so the fp8 cases compare like with like there too; the `gpu` cases also check the
+(they share `store_cache`), so the fp8 cases compare like with like there too; the `gpu` cases also check the
 bf16 cache, where the GPU's FMA contraction of the rotation must come out as rope_kv_write's.
 """
 
