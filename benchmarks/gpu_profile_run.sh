@@ -37,6 +37,10 @@
 #                  cuBLAS or the direct kernel, CUDA graphs; writes LOG_DIR/gemv.json and the winners' table (every op,
 #                  the norm ops included) LOG_DIR/small_m_gemm_table.json (copy it to kernels/small_m_gemm_table.json);
 #                  GEMV_ARGS adds flags (e.g. "--m 1,32 --no-configs --budget-s 200")
+#   gemvnorm       gemv for the projections a decoder norm feeds only (qkv, gate_up; M = 1..64, the autotuned picks,
+#                  GEMV_ARGS adds flags) and its norm ops merged over the committed table
+#                  (benchmarks/merge_small_m_table.py): LOG_DIR/small_m_gemm_table.json, read by the -gemv steps
+#   normtests      tests/kernels/test_gemm_small_m_norm.py: the fused norm + small-M GEMM on the GPU (both forms)
 #   prof1-gemv, prof32-gemv  prof1 / prof32 with that table installed (SITS_SMALL_M_GEMM): run after gemv in the
 #                  same call, or give the table's path as SMALL_M_TABLE (LOG_DIR is emptied between calls); any
 #                  batch takes these suffixes (prof8-gemv; prof8-base: batch 8 with the committed table);
@@ -103,6 +107,12 @@ for step in $STEPS; do
       --host-phases --json "$LOG_DIR/$step.json" ;;
     gemv) timeout 600 python3 benchmarks/bench_gemm_small_m.py --json "$LOG_DIR/gemv.json" \
       --table "$LOG_DIR/small_m_gemm_table.json" ${GEMV_ARGS:-} ;;
+    gemvnorm) timeout 600 python3 benchmarks/bench_gemm_small_m.py --json "$LOG_DIR/gemvnorm.json" \
+      --proj qkv,gate_up --m 1,2,4,8,16,32,64 --no-configs --table "$LOG_DIR/gemvnorm-table.json" ${GEMV_ARGS:-} \
+      && python3 benchmarks/merge_small_m_table.py kernels/small_m_gemm_table.json "$LOG_DIR/gemvnorm-table.json" \
+      "$LOG_DIR/small_m_gemm_table.json" norm_linear,norm_silu_mul ;;
+    normtests) PYTHONSAFEPATH=1 timeout 240 python3 -m pytest tests/kernels/test_gemm_small_m_norm.py -q -s \
+      -p no:cacheprovider --confcutdir=tests/kernels ;;
     prof[0-9]*-*) batch=${step#prof}; batch=${batch%%-*}; table=""; fused=""; pdl=""; split=""; rope=""
       case $step in *-gemv*) table="${SMALL_M_TABLE:-$LOG_DIR/small_m_gemm_table.json}" ;; esac
       case $step in *-split*) split=${step##*-split}; split=${split%%-*} ;; esac
