@@ -1,12 +1,11 @@
 """Compile every shipped config of the fused RMSNorm + small-M GEMM for the H200 (sm_90a) without a GPU.
 
-    python benchmarks/compile_gemm_small_m_norm_sm90.py [--dtype bf16] [--k 4096] [--block-m 16] [--json out.json]
+    python benchmarks/compile_gemm_small_m_norm_sm90.py [--dtype bf16] [--k 4096] [--json out.json]
 
 For each config of sits.kernels.gemm_small_m_norm.NORM_GPU_CONFIGS, both variants (plain: qkv_proj; SiLU·mul:
 gate_up_proj) and both stream cases (a float32 residual added; the first layer's stream started from x),
-sits.kernels.gemm_small_m_norm's kernel is compiled at one row tile (--block-m: 16 for M <= 16; 32 and 64 in
-bf16, whose one-pass form takes up to 64 rows) as a Llama-3-8B launch specializes it (K = 4,096; in fp16
-the first pass's row block is 4,096), then ptxas reports
+sits.kernels.gemm_small_m_norm's kernel is compiled at its only row tile (BLOCK_M 16: M <= 8) as a
+Llama-3-8B launch specializes it (K = 4,096, so the first pass's row block is 4,096), then ptxas reports
 registers and spills (see compile_gemm_small_m_sm90.py). Configs the autotuner's prune drops
 (`kept_by_prune` false) cannot launch; the others must fit: shared memory as Triton allocates it is printed
 beside the prune's bound. Run it without TRITON_INTERPRET.
@@ -25,22 +24,21 @@ from sits.kernels.launch_utils import next_power_of_2
 
 _ALIGNED = ("x_ptr", "res_ptr", "nw_ptr", "w_ptr", "out_ptr", "res_out_ptr", "N", "K", "stride_xm", "stride_rm",
             "stride_rom", "stride_wn", "stride_om")
+BLOCK_M = 16
 
 
-def compile_one(config: triton.Config, silu_mul: bool, has_residual: bool, k: int, dtype: str = "bf16",
-                block_m: int = 16) -> dict:
+def compile_one(config: triton.Config, silu_mul: bool, has_residual: bool, k: int, dtype: str = "bf16") -> dict:
     """One config and variant compiled for sm_90a: registers, spills, shared memory, wgmma or not."""
     types = {"x_ptr": f"*{dtype}", "res_ptr": "*fp32", "nw_ptr": f"*{dtype}", "w_ptr": f"*{dtype}",
              "out_ptr": f"*{dtype}", "res_out_ptr": "*fp32", "eps": "fp32"}
-    constexprs = dict(config.kwargs, BLOCK_M=block_m, SILU_MUL=silu_mul, EVEN_K=k % config.kwargs["BLOCK_K"] == 0,
-                      DOT_FP32=False, ROW_BLOCK=next_power_of_2(k), HAS_RESIDUAL=has_residual, WRITE_RESIDUAL=True,
-                      ONE_PASS=dtype == "bf16")  # fmt: skip
+    constexprs = dict(config.kwargs, BLOCK_M=BLOCK_M, SILU_MUL=silu_mul, EVEN_K=k % config.kwargs["BLOCK_K"] == 0,
+                      DOT_FP32=False, ROW_BLOCK=next_power_of_2(k), HAS_RESIDUAL=has_residual, WRITE_RESIDUAL=True)
     return compile_sm90(gemm_small_m_norm._small_m_norm_gemm_kernel, types, constexprs, _ALIGNED, config)
 
 
-def _describe(config: triton.Config, silu_mul: bool, has_residual: bool, k: int, dtype: str, block_m: int) -> dict:
-    predicted = gemm_small_m_norm.shared_memory_bytes(config, block_m, silu_mul)
-    return {"config": short(config), "block_m": block_m, "silu_mul": silu_mul, "has_residual": has_residual, "k": k,
+def _describe(config: triton.Config, silu_mul: bool, has_residual: bool, k: int, dtype: str) -> dict:
+    predicted = gemm_small_m_norm.shared_memory_bytes(config, BLOCK_M, silu_mul)
+    return {"config": short(config), "silu_mul": silu_mul, "has_residual": has_residual, "k": k,
             "kept_by_prune": predicted <= gemm_small_m.SMEM_BYTES, "predicted_shared_bytes": predicted}
 
 
@@ -48,13 +46,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
     parser.add_argument("--k", type=int, default=4096, help="the hidden size (K of qkv_proj and gate_up_proj)")
-    parser.add_argument("--block-m", type=int, default=16, choices=(16, 32, 64), help="the row tile (32, 64: bf16)")
     parser.add_argument("--json", help="also write the rows to this JSON file")
     args = parser.parse_args()
-    if args.block_m > 16 and args.dtype != "bf16":
-        parser.error(f"fp16 takes at most {gemm_small_m_norm.TWO_PASS_MAX_M} rows: --block-m 16")
-    todo = [(config, silu_mul, has_residual, args.k, args.dtype, args.block_m)
-            for config in gemm_small_m_norm.NORM_GPU_CONFIGS
+    todo = [(config, silu_mul, has_residual, args.k, args.dtype) for config in gemm_small_m_norm.NORM_GPU_CONFIGS
             for silu_mul in (False, True) for has_residual in (True, False)]
     report_rows(todo, _describe, compile_one, args.json)
 

@@ -37,7 +37,7 @@
 #                  cuBLAS or the direct kernel, CUDA graphs; writes LOG_DIR/gemv.json and the winners' table (every op,
 #                  the norm ops included) LOG_DIR/small_m_gemm_table.json (copy it to kernels/small_m_gemm_table.json);
 #                  GEMV_ARGS adds flags (e.g. "--m 1,32 --no-configs --budget-s 200")
-#   gemvnorm       gemv for the projections a decoder norm feeds only (qkv, gate_up; M = 1..64, the autotuned picks,
+#   gemvnorm       gemv for the projections a decoder norm feeds only (qkv, gate_up; M = 1..8, the autotuned picks,
 #                  GEMV_ARGS adds flags) and its norm ops merged over the committed table
 #                  (benchmarks/merge_small_m_table.py): LOG_DIR/small_m_gemm_table.json, read by the -gemv steps
 #   normtests      tests/kernels/test_gemm_small_m_norm.py: the fused norm + small-M GEMM on the GPU (both forms)
@@ -108,7 +108,7 @@ for step in $STEPS; do
     gemv) timeout 600 python3 benchmarks/bench_gemm_small_m.py --json "$LOG_DIR/gemv.json" \
       --table "$LOG_DIR/small_m_gemm_table.json" ${GEMV_ARGS:-} ;;
     gemvnorm) timeout 600 python3 benchmarks/bench_gemm_small_m.py --json "$LOG_DIR/gemvnorm.json" \
-      --proj qkv,gate_up --m 1,2,4,8,16,32,64 --no-configs --table "$LOG_DIR/gemvnorm-table.json" ${GEMV_ARGS:-} \
+      --proj qkv,gate_up --m 1,2,4,8 --no-configs --table "$LOG_DIR/gemvnorm-table.json" ${GEMV_ARGS:-} \
       && python3 benchmarks/merge_small_m_table.py kernels/small_m_gemm_table.json "$LOG_DIR/gemvnorm-table.json" \
       "$LOG_DIR/small_m_gemm_table.json" norm_linear,norm_silu_mul ;;
     normtests) PYTHONSAFEPATH=1 timeout 240 python3 -m pytest tests/kernels/test_gemm_small_m_norm.py -q -s \

@@ -1,5 +1,5 @@
-"""RMSNorm (with the residual add) fused into the small-M direct GEMM: one launch for a decoder's norm and the
-projection it feeds, at decode batches (M <= 64 in bfloat16, M <= 8 in float16).
+"""RMSNorm (with the residual add) fused into the small-M direct GEMM's prologue: one launch for a decoder's
+norm and the projection it feeds, at the smallest decode batches (M <= 8).
 
     small_m_norm_gemm(x [M, K], residual [M, K] | None, norm_weight [K], eps, w [N, K])
         -> (out [M, N] = rmsnorm(residual + x) * norm_weight @ w^T, residual_new [M, K])
@@ -9,38 +9,28 @@ projection it feeds, at decode batches (M <= 64 in bfloat16, M <= 8 in float16).
 A Llama layer's two norms (input_layernorm before qkv_proj, post_attention_layernorm before gate_up_proj)
 add the previous sublayer's output x to the float32 residual stream and normalize the sum
 (sits.kernels.rmsnorm). At batch 1 that norm reads 4,096 elements: its ~2.5 µs are launch latency. Here
-each program of the direct GEMM (sits.kernels.gemm_small_m) does the norm itself, in one of two forms.
+each program of the direct GEMM (sits.kernels.gemm_small_m) does the norm itself:
 
-**One pass (bfloat16).** Since rmsnorm(s) * g @ w^T = (1 / rms(s)) * ((s * g) @ w^T) row by row, the K loop
-loads x and residual tiles where the direct kernel loads its activation tile, multiplies the stream
-s = x + residual by the norm weight (rounded to bf16 for the tensor cores) and sums s * s beside the dot.
-After the loop each row's float32 sums are scaled by its 1 / rms, then stored (and SiLU·mul'd) as the
-direct kernel stores them. Nothing runs before the weight stream starts, so the launch costs what the
-direct kernel costs plus the stream tile's loads. The rounding differs from the unfused path's (one
-rounding of s * g instead of two, of s / rms and of that times g), so out matches rms_norm then
-small_m_gemm to the GEMM's tolerance, not bit for bit. float16 cannot take this form: s * g unnormalized
-may pass its 65,504.
-
-**Two passes (float16).**
-1. The first pass reads each of its rows of x and residual (from L2 after the first program) and sums the
+1. the first pass reads each of its rows of x and residual (from L2 after the first program) and sums the
    squares of residual + x over the whole row, as the norm kernel does (one reduction over a power-of-two
-   block of the row): the rows' 1 / rms.
-2. The GEMM's K loop loads x and residual tiles instead of a normalized activation tile and builds it on
+   block of the row): the rows' 1 / rms;
+2. the GEMM's K loop loads x and residual tiles instead of a normalized activation tile and builds it on
    the fly, rounded as the norm kernel rounds it: the sum rounded to the stream's dtype, times 1 / rms
-   rounded to the model dtype, times the norm weight rounded again; the rest is the direct kernel.
-   `normed` matches sits.kernels.rmsnorm.rms_norm bit for bit (under Triton's interpreter, where both
-   reduce a row the same way; on a GPU the reduction order may differ in the last bit of 1 / rms).
-   Every program re-reads its rows before its weight stream starts, hence M <= TWO_PASS_MAX_M (8).
+   rounded to the model dtype, times the norm weight rounded again; the rest is the direct kernel;
+3. the first column tile's programs (pid (0, j)) also write residual_new, the rounded sum: exactly one
+   program writes each row. residual_new is a buffer of its own, never `residual`: the other programs
+   still read the old stream.
 
-In both forms the first column tile's programs (pid (0, j)) also write residual_new, the rounded sum:
-exactly one program writes each row. residual_new is a buffer of its own, never `residual`: the other
-programs still read the old stream. Without a residual (a decoder's first norm starts the stream from the
-embedding rows) the sum is x itself, written to residual_new in the stream's dtype (`stream_dtype`), or
-not written at all when the stream keeps x's dtype (residual_new is x).
+Without a residual (a decoder's first norm starts the stream from the embedding rows) the sum is x
+itself, written to residual_new in the stream's dtype (`stream_dtype`), or not written at all when the
+stream keeps x's dtype (residual_new is x). `normed` matches sits.kernels.rmsnorm.rms_norm bit for bit
+(under Triton's interpreter, where both reduce a row the same way; on a GPU the reduction order may differ
+in the last bit of 1 / rms), so out matches rms_norm then small_m_gemm (or small_m_gemm_silu_mul).
 
-Every program reads its rows' x and stream tiles (M x K x (2 + 4) bytes, from L2) where the direct kernel
-reads M x K x 2: the measured table (sits.kernels.small_m_table, ops "norm_linear" and "norm_silu_mul")
-says at which batches the fused form beats the separate norm launch.
+Every program re-reads its rows: M x K x (2 + 4) bytes (x and the float32 stream) twice, from L2, per
+program (384 programs at N = 6,144 with 16 columns each). Hence M <= NORM_MAX_M (8): past that the
+separate norm costs less than the re-reads; the measured table (sits.kernels.small_m_table, ops
+"norm_linear" and "norm_silu_mul") says where the fused form wins.
 """
 
 from __future__ import annotations
@@ -52,7 +42,6 @@ import triton.language as tl
 from sits.kernels.gemm_small_m import (
     GPU_CONFIGS,
     INTERPRETER_CONFIG,
-    MAX_M,
     _block_m,
     _k_mask,
     _load_w,
@@ -80,16 +69,13 @@ __all__ = [
     "NORM_GPU_CONFIGS",
     "NORM_MAX_K",
     "NORM_MAX_M",
-    "TWO_PASS_MAX_M",
-    "max_rows",
     "small_m_norm_gemm",
     "small_m_norm_gemm_reference",
     "small_m_norm_gemm_silu_mul",
     "small_m_norm_gemm_silu_mul_reference",
 ]
 
-NORM_MAX_M = MAX_M  # bf16: one pass, a row tile of up to 64 rows (the direct kernel's largest)
-TWO_PASS_MAX_M = 8  # float16: every program re-reads its rows in a first pass, worth it at the smallest batches only
+NORM_MAX_M = 8  # every program re-reads its rows: only worth it at the smallest batches
 NORM_MAX_K = 16384  # the first pass holds a whole row (a power of two >= K) in one program's registers
 STREAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -107,18 +93,6 @@ def shared_memory_bytes(config: triton.Config, block_m: int, silu_mul: bool = Fa
 
 
 _prune = shared_memory_prune(shared_memory_bytes, 16)
-
-
-def one_pass(dtype: torch.dtype) -> bool:
-    """Whether x of `dtype` takes the one-pass form (1 / rms applied to the sums at the end): bfloat16, whose
-    range holds stream * norm weight unnormalized. float16 (max 65,504) might overflow there, so it keeps
-    the first pass and multiplies the norm kernel's rows."""
-    return dtype == torch.bfloat16
-
-
-def max_rows(dtype: torch.dtype) -> int:
-    """The most rows the fused launch takes for x of `dtype`: NORM_MAX_M in one pass, TWO_PASS_MAX_M else."""
-    return NORM_MAX_M if one_pass(dtype) else TWO_PASS_MAX_M
 
 
 @triton.jit
@@ -179,29 +153,6 @@ def _normed_tile(x_ptr, res_ptr, nw_ptr, res_out_ptr, rows, row_mask, rstd, k, K
 
 
 @triton.jit
-def _weighted_tile(x_ptr, res_ptr, nw_ptr, res_out_ptr, rows, row_mask, k, K, stride_xm, stride_rm, stride_rom,
-                   K_AXIS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, WRITE_RESIDUAL: tl.constexpr):  # fmt: skip
-    """The one-pass form's activation tile: (stream * norm weight in x's dtype, its K indices `k` along axis
-    K_AXIS; the [rows] float32 sums of the stream's squares over this tile). Rows past M and columns past K
-    are 0. The programs of column tile 0 write this tile of the stream to res_out."""
-    dtype = x_ptr.dtype.element_ty
-    mask = row_mask & _k_mask(k, K, K_AXIS)
-    if K_AXIS == 0:  # [BLOCK_K, BLOCK_M]
-        offs_x, offs_r, offs_o = (rows[None, :] * stride_xm + k[:, None], rows[None, :] * stride_rm + k[:, None],
-                                  rows[None, :] * stride_rom + k[:, None])  # fmt: skip
-        nw = tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)[:, None]
-    else:  # [BLOCK_M, BLOCK_K]
-        offs_x, offs_r, offs_o = (rows[:, None] * stride_xm + k[None, :], rows[:, None] * stride_rm + k[None, :],
-                                  rows[:, None] * stride_rom + k[None, :])  # fmt: skip
-        nw = tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
-    s = _stream_values(x_ptr + offs_x, res_ptr + offs_r, mask, res_out_ptr, HAS_RESIDUAL, WRITE_RESIDUAL)
-    if WRITE_RESIDUAL:  # noqa: SIM102 - a constexpr, then a runtime branch (Triton's `and` would mix them)
-        if tl.program_id(0) == 0:
-            tl.store(res_out_ptr + offs_o, s.to(res_out_ptr.dtype.element_ty), mask=mask)
-    return (s * nw).to(dtype), tl.sum(s * s, axis=K_AXIS)
-
-
-@triton.jit
 def _zero_sums(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr, SILU_MUL: tl.constexpr):
     """The float32 sums of one program at 0: [rows, BLOCK_M] swapped, else [BLOCK_M, rows]; rows = its weight
     rows (BLOCK_N, or 2 BLOCK_N with SILU_MUL)."""
@@ -224,25 +175,18 @@ def _small_m_norm_gemm_kernel(
     stride_om, eps, M_BUCKET,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
     SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr, ROW_BLOCK: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, WRITE_RESIDUAL: tl.constexpr, ONE_PASS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, WRITE_RESIDUAL: tl.constexpr,
 ):  # fmt: skip
     """out [M, N] (or [M, N] of SiLU·mul products from w [2N, K]) of the normalized rows; grid
     (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M)). HAS_RESIDUAL: stream = x + residual; WRITE_RESIDUAL: the stream,
     rounded to res_out's dtype, goes to res_out (by the programs of column tile 0) and is what is
-    normalized; neither: x itself is normalized. ONE_PASS: the K loop multiplies (stream * norm weight)
-    and sums the stream's squares beside it, and the sums are scaled by 1 / rms at the end (no first pass);
-    else the first pass gives 1 / rms and the K loop multiplies the norm kernel's rows. See
-    gemm_small_m._small_m_gemm_kernel for the GEMM."""
+    normalized; neither: x itself is normalized. See gemm_small_m._small_m_gemm_kernel for the GEMM."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     rows_x = offs_m.to(tl.int64)
     in_m = offs_m < M
-    if ONE_PASS:
-        squares = tl.zeros([BLOCK_M], dtype=tl.float32)
-        rstd = squares
-    else:
-        rstd = _rows_rstd(x_ptr, res_ptr, res_out_ptr, M, K, stride_xm, stride_rm, stride_rom, eps,
-                          BLOCK_M, ROW_BLOCK, HAS_RESIDUAL, WRITE_RESIDUAL)  # fmt: skip
+    rstd = _rows_rstd(x_ptr, res_ptr, res_out_ptr, M, K, stride_xm, stride_rm, stride_rom, eps,
+                      BLOCK_M, ROW_BLOCK, HAS_RESIDUAL, WRITE_RESIDUAL)  # fmt: skip
     rows_w = _weight_rows(N, BLOCK_N, SILU_MUL)
     offs_k = tl.arange(0, BLOCK_K)
     acc = _zero_sums(BLOCK_M, BLOCK_N, SWAP_AB, SILU_MUL)
@@ -250,34 +194,20 @@ def _small_m_norm_gemm_kernel(
         k = k0 + offs_k
         if SWAP_AB:  # w [rows_n, BLOCK_K] and the normed x^T [BLOCK_K, BLOCK_M]
             w = _load_w(w_ptr + rows_w[:, None] * stride_wn + k[None, :], k, K, EVEN_K, 1)
-            if ONE_PASS:
-                a, tile_squares = _weighted_tile(x_ptr, res_ptr, nw_ptr, res_out_ptr, rows_x, in_m[None, :], k, K,
-                                                 stride_xm, stride_rm, stride_rom, 0, HAS_RESIDUAL,
-                                                 WRITE_RESIDUAL)  # fmt: skip
-                squares += tile_squares
-            else:
-                a = _normed_tile(x_ptr, res_ptr, nw_ptr, res_out_ptr, rows_x, in_m[None, :], rstd, k, K, stride_xm,
-                                 stride_rm, 0, HAS_RESIDUAL, WRITE_RESIDUAL)  # fmt: skip
+            a = _normed_tile(x_ptr, res_ptr, nw_ptr, res_out_ptr, rows_x, in_m[None, :], rstd, k, K, stride_xm,
+                             stride_rm, 0, HAS_RESIDUAL, WRITE_RESIDUAL)  # fmt: skip
             if DOT_FP32:
                 w, a = w.to(tl.float32), a.to(tl.float32)
             acc = tl.dot(w, a, acc)
         else:  # the normed x [BLOCK_M, BLOCK_K] and w^T [BLOCK_K, rows_n]
-            if ONE_PASS:
-                a, tile_squares = _weighted_tile(x_ptr, res_ptr, nw_ptr, res_out_ptr, rows_x, in_m[:, None], k, K,
-                                                 stride_xm, stride_rm, stride_rom, 1, HAS_RESIDUAL,
-                                                 WRITE_RESIDUAL)  # fmt: skip
-                squares += tile_squares
-            else:
-                a = _normed_tile(x_ptr, res_ptr, nw_ptr, res_out_ptr, rows_x, in_m[:, None], rstd, k, K, stride_xm,
-                                 stride_rm, 1, HAS_RESIDUAL, WRITE_RESIDUAL)  # fmt: skip
+            a = _normed_tile(x_ptr, res_ptr, nw_ptr, res_out_ptr, rows_x, in_m[:, None], rstd, k, K, stride_xm,
+                             stride_rm, 1, HAS_RESIDUAL, WRITE_RESIDUAL)  # fmt: skip
             w = _load_w(w_ptr + rows_w[None, :] * stride_wn + k[:, None], k, K, EVEN_K, 0)
             if DOT_FP32:
                 a, w = a.to(tl.float32), w.to(tl.float32)
             acc = tl.dot(a, w, acc)
     if SWAP_AB:
         acc = tl.trans(acc)
-    if ONE_PASS:  # each row's sums times its 1 / rms, before the store's rounding (and SiLU·mul)
-        acc = acc * tl.rsqrt(squares / K + eps)[:, None]
     store_out(out_ptr, acc, offs_m, offs_n, in_m, N, stride_om, BLOCK_M, BLOCK_N, SILU_MUL)
 
 
@@ -305,8 +235,7 @@ def launch(kernel, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: 
         x, res, norm_weight, w, out, res_out, m, n, k, x.stride(0), res.stride(0), res_out.stride(0), w.stride(0),
         out.stride(0), float(eps), small_m_rows_bucket(m),
         BLOCK_M=block_m, SILU_MUL=silu_mul, DOT_FP32=is_interpreter(), ROW_BLOCK=next_power_of_2(k),
-        HAS_RESIDUAL=residual is not None, WRITE_RESIDUAL=residual_out is not None, ONE_PASS=one_pass(x.dtype),
-        **meta,
+        HAS_RESIDUAL=residual is not None, WRITE_RESIDUAL=residual_out is not None, **meta,
     )  # fmt: skip
 
 
@@ -353,8 +282,7 @@ def _check(x, residual, norm_weight, eps, w, out, out_cols, stream_dtype, residu
     check_tensor(x, "x", ndim=2, dtypes=HALF_DTYPES)
     m, k = x.shape
     require(0 < k <= NORM_MAX_K, f"K must be in 1..{NORM_MAX_K}, got {k}")
-    require(m <= max_rows(x.dtype), f"the fused norm + small-M GEMM takes at most {max_rows(x.dtype)} rows of "
-            f"{x.dtype}, got M = {m}")
+    require(m <= NORM_MAX_M, f"the fused norm + small-M GEMM takes at most {NORM_MAX_M} rows, got M = {m}")
     check_tensor(norm_weight, "norm_weight", ndim=1, dtypes=FLOAT_DTYPES, device=x.device)
     check_shape(norm_weight, "norm_weight", (k,))
     require(norm_weight.is_contiguous(), "norm_weight must be contiguous")
@@ -383,8 +311,7 @@ def small_m_norm_gemm(x: torch.Tensor, residual: torch.Tensor | None, norm_weigh
 
     Args:
         x: [M, K] bfloat16 / float16, the previous sublayer's output (or the embedding rows when residual is
-            None), 0 <= M <= max_rows(x.dtype) (64 in bfloat16, 8 in float16), 1 <= K <= NORM_MAX_K, last
-            dimension contiguous.
+            None), 0 <= M <= NORM_MAX_M (8), 1 <= K <= NORM_MAX_K, last dimension contiguous.
         residual: [M, K] the stream (float32, float16 or bfloat16), last dimension contiguous; None: x
             starts the stream.
         norm_weight: [K] the norm's scale, any float dtype, contiguous.
@@ -397,11 +324,10 @@ def small_m_norm_gemm(x: torch.Tensor, residual: torch.Tensor | None, norm_weigh
             residual (the kernel's other programs read them while it is written).
     Returns:
         (out [M, N] in x's dtype = normed @ w^T with float32 sums, residual_new [M, K]): normed =
-        rmsnorm(stream) * norm_weight (float16: in x's dtype exactly as sits.kernels.rmsnorm.rms_norm computes
-        it; bfloat16: 1 / rms applied to the sums, see the module doc), the stream = residual + x rounded to
-        residual's dtype (or x in stream_dtype; or x itself).
+        rmsnorm(stream) * norm_weight in x's dtype exactly as sits.kernels.rmsnorm.rms_norm computes it, the
+        stream = residual + x rounded to residual's dtype (or x in stream_dtype; or x itself).
     Raises:
-        ValueError: wrong dtype, rank, shape, layout or device, M > max_rows(x.dtype), K > NORM_MAX_K, a negative
+        ValueError: wrong dtype, rank, shape, layout or device, M > NORM_MAX_M, K > NORM_MAX_K, a negative
             eps, or residual_out overlapping an input.
     """
     m, cols, dtype = _check(x, residual, norm_weight, eps, w, out, None, stream_dtype, residual_out, "w")

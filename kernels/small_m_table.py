@@ -10,7 +10,7 @@ reads it before any kernel is imported). One entry per (op, N, K, M bucket):
 * op "norm_linear": the decoder norm fused into the GEMM (sits.kernels.gemm_small_m_norm.small_m_norm_gemm,
   one launch) against the unfused path, sits.kernels.rmsnorm.rms_norm then the projection: "direct" is
   the fused launch, "cublas" the unfused path (us: "cublas" rms_norm + F.linear, "norm_direct" rms_norm +
-  small_m_gemm); w [N, K] (qkv_proj's); a float16 model takes its buckets up to TWO_PASS_MAX_M only;
+  small_m_gemm); w [N, K] (qkv_proj's), M buckets up to NORM_MAX_M;
 * op "norm_silu_mul": the same with the gate_up GEMM and SiLU·mul (small_m_norm_gemm_silu_mul against
   rms_norm + F.linear + silu_mul, and rms_norm + small_m_gemm_silu_mul), w [2I, K].
 
@@ -42,7 +42,7 @@ from typing import TypeGuard
 from sits.kernels.device_tables import load_device_table
 
 __all__ = ["CONFIG_KEYS", "DEFAULT_TABLE_PATH", "MAX_M", "MIN_SPEEDUP", "NORM_MAX_M", "NORM_OPS", "OPS",
-           "SPLITK_CONFIG_KEYS", "TABLE_VERSION", "TIMED_SIDES", "TRITON_WINNERS", "TWO_PASS_MAX_M", "WINNERS", "SmallMEntry",
+           "SPLITK_CONFIG_KEYS", "TABLE_VERSION", "TIMED_SIDES", "TRITON_WINNERS", "WINNERS", "SmallMEntry",
            "SmallMTable", "choose_winner", "load_small_m_table", "m_bucket", "parse_small_m_table"]
 
 NORM_OPS = ("norm_linear", "norm_silu_mul")  # the decoder norm fused into the GEMM's prologue
@@ -51,8 +51,7 @@ WINNERS = ("direct", "splitk", "cublas")  # "splitk": op "linear" only
 TRITON_WINNERS = ("direct", "splitk")
 TIMED_SIDES = (*WINNERS, "norm_direct")  # the keys of an entry's "us" ("norm_direct": norm ops only)
 MAX_M = 64  # the direct kernel's largest batch (gemm_small_m.MAX_M)
-NORM_MAX_M = MAX_M  # the fused norm's largest batch in bfloat16 (gemm_small_m_norm.NORM_MAX_M: one pass)
-TWO_PASS_MAX_M = 8  # ... and in float16 (gemm_small_m_norm.TWO_PASS_MAX_M: its first pass re-reads the rows)
+NORM_MAX_M = 8  # the fused norm's largest batch (gemm_small_m_norm.NORM_MAX_M)
 MIN_SPEEDUP = 1.02  # the direct kernel replaces cuBLAS only where it is measurably faster
 TABLE_VERSION = 1
 DEFAULT_TABLE_PATH = Path(__file__).with_name("small_m_gemm_table.json")
@@ -164,6 +163,8 @@ def _entry(row: object) -> SmallMEntry:
                          f"two up to {MAX_M}")
     if winner == "splitk" and op != "linear":
         raise ValueError(f"bad small-M GEMM table entry {row!r}: only op linear has a split-K kernel")
+    if op in NORM_OPS and bucket > NORM_MAX_M:
+        raise ValueError(f"bad small-M GEMM table entry {row!r}: {op} takes M buckets up to {NORM_MAX_M}")
     if op in ("silu_mul", "norm_silu_mul") and n % 2:
         raise ValueError(f"bad small-M GEMM table entry {row!r}: a silu_mul weight has an even row count")
     if not isinstance(us, dict) or any(s not in TIMED_SIDES or not isinstance(v, (int, float)) for s, v in us.items()):

@@ -8,8 +8,8 @@ sits.kernels.gemm_small_m.small_m_gemm instead (or, at its `splitk_buckets`, the
 sits.kernels.gemm_small_m_splitk.small_m_gemm_splitk, with the layer's own zeroed counters; at buckets where
 the table pinned a config, that config without autotuning); a gate_up projection (`gated`: gate rows first,
 then up, no bias) whose SiLU·mul bucket holds M computes silu(gate) * up in the same launch
-(`small_m_gemm_silu_mul`, called by LlamaMLP). At decode batches (up to 64 rows in bfloat16, 8 in float16)
-the decoder norm that feeds a projection may run in the same launch too (`norm_buckets`: qkv_proj after input_layernorm;
+(`small_m_gemm_silu_mul`, called by LlamaMLP). At the smallest batches the decoder norm that feeds a
+projection may run in the same launch too (`norm_buckets`: qkv_proj after input_layernorm;
 `norm_silu_mul_buckets`: gate_up_proj + SiLU·mul after post_attention_layernorm; sits.kernels.gemm_small_m_norm,
 called by LlamaDecoderLayer). The choice is made on the host from the row count alone, so each CUDA-graph
 batch size captures one fixed path.
@@ -41,7 +41,6 @@ from sits.kernels.small_m_table import (
     DEFAULT_TABLE_PATH,
     MAX_M,
     NORM_MAX_M,
-    TWO_PASS_MAX_M,
     SmallMTable,
     load_small_m_table,
     m_bucket,
@@ -76,8 +75,8 @@ class DecodeLinear(nn.Linear):
             split-K, whichever won); a bucket without one autotunes.
         silu_pinned: the same for the fused gate_up + SiLU·mul.
         silu_mul_buckets: M buckets whose gate_up + SiLU·mul run as one launch (gated layers only).
-        norm_buckets: M buckets (<= 64 in bfloat16, <= 8 in float16) whose preceding decoder norm and this GEMM
-            run as one launch (`norm_linear`; no bias).
+        norm_buckets: M buckets (<= 8) whose preceding decoder norm and this GEMM run as one launch
+            (`norm_linear`; no bias).
         norm_silu_mul_buckets: the same with the SiLU·mul fused as well (`norm_silu_mul`; gated layers).
     """
 
@@ -223,12 +222,10 @@ def _kernels(device: torch.device) -> tuple[Gemm, Gemm, NormGemm, NormGemm]:
 
 
 def _norm_buckets(table: SmallMTable, op: str, module: DecodeLinear) -> frozenset[int]:
-    """The table's buckets of a norm op for `module` (none with a bias; a bfloat16 layer's up to NORM_MAX_M, where
-    the fused launch runs in one pass, any other's up to TWO_PASS_MAX_M)."""
+    """The table's buckets of a norm op for `module` (none past NORM_MAX_M, none with a bias)."""
     if module.bias is not None:
         return frozenset()
-    limit = NORM_MAX_M if module.weight.dtype == torch.bfloat16 else TWO_PASS_MAX_M
-    return frozenset(b for b in table.direct_buckets(op, module.out_features, module.in_features) if b <= limit)
+    return frozenset(b for b in table.direct_buckets(op, module.out_features, module.in_features) if b <= NORM_MAX_M)
 
 
 def install_small_m_gemm(model: nn.Module, table: SmallMTable) -> int:
