@@ -15,6 +15,7 @@
 #   sync   the bf16 step with --no-async-scheduling (each step's host work between GPU steps), so
 #          the overlap's gain is measured in the same session; transformers' figure is the bf16 step's
 #   itl-sync  the itl step with --no-async-scheduling
+#   bf16-16k  the bf16 step with --max-num-batched-tokens 16384 (run after bf16: its RESULT line compares)
 #   tests  tests/runtime/test_gpu_engine.py (Triton vs torch over 512 tokens, CUDA graphs on vs off,
 #          fp8 / int8 accuracy), tests/runtime/test_triton_backend.py and the engine's async-scheduling
 #          and persistent-batch tests (async on vs off: the same tokens with CUDA graphs) on the GPU, and
@@ -117,6 +118,14 @@ for step in $STEPS; do
     bf16)
       timeout "${BF16_TIMEOUT:-420}" $BENCH --batch 32 --input-len 2048 --output-len 512 --peer "$PEERS" \
         --json "$LOG_DIR/bf16.json" >"$LOG_DIR/bf16.log" 2>&1 ;;
+    bf16-16k)  # the bf16 step with 16,384 new tokens a step (the H200's default: 8,192): prefill in 4 steps, not 8
+      timeout "${BF16_TIMEOUT:-420}" $BENCH --batch 32 --input-len 2048 --output-len 512 --max-num-batched-tokens 16384 \
+        $(peer_flag bf16) --json "$LOG_DIR/bf16-16k.json" >"$LOG_DIR/bf16-16k.log" 2>&1
+      rc=$?
+      figure=$(sits_tok_s bf16)
+      [ $rc -eq 0 ] && [ -n "$figure" ] && result_line bf16-16k "$figure" "the bf16 step (this run, 8,192 a step)" \
+        "bf16 KV cache"
+      (exit $rc) ;;
     sync)
       timeout "${SYNC_TIMEOUT:-150}" $BENCH --batch 32 --input-len 2048 --output-len 512 --no-async-scheduling \
         $(peer_flag bf16) --json "$LOG_DIR/sync.json" >"$LOG_DIR/sync.log" 2>&1 ;;
