@@ -88,9 +88,10 @@ def jit_functions() -> dict[str, object]:
     return found
 
 
-def compiled_binaries() -> dict[str, int]:
-    """Compiled binaries per JIT function (each device's kernel cache)."""
-    return {name: sum(len(caches[0]) for caches in fn.device_caches.values())
+def compiled_binaries() -> dict[str, set[str]]:
+    """The keys of the compiled binaries per JIT function (each device's kernel cache): a key names the
+    specialization (argument dtypes, alignments, integer values of 1) and the constexprs of one binary."""
+    return {name: {str(key) for caches in fn.device_caches.values() for key in caches[0]}
             for name, fn in jit_functions().items()}
 
 
@@ -147,9 +148,13 @@ def test_no_autotune_or_compile_after_start(name, caplog, monkeypatch, tmp_path)
     print(f"RESULT {name}: {steps} steps of the varied workload in {time.perf_counter() - run_start:.1f} s")
     new_keys = {tuner: sorted(map(str, tuned_keys()[tuner] - seen)) for tuner, seen in keys.items()}
     new_keys = {tuner: added for tuner, added in new_keys.items() if added}
-    new_binaries = {fn: count - binaries.get(fn, 0) for fn, count in compiled_binaries().items()
-                    if count != binaries.get(fn, 0)}
+    added = {fn: keys_now - binaries.get(fn, set()) for fn, keys_now in compiled_binaries().items()}
+    new_binaries = {fn: len(fresh) for fn, fresh in added.items() if fresh}
     print(f"RESULT {name}: new autotune keys {new_keys or 'none'}; new compiled binaries {new_binaries or 'none'}")
+    for fn in new_binaries:  # which specialization the start-up did not reach, against one it did
+        before = sorted(binaries.get(fn, set()))
+        print(f"RESULT {name}: {fn} new binary keys {sorted(added[fn])}; one compiled at start-up: "
+              f"{before[:1] or 'none'}")
     assert not new_keys
     # The pre-tune's kernels compile nothing more; the element-wise ones (RMSNorm, SiLU-mul, RoPE +
     # KV write) compile during the start-up forwards and are reported above if a step adds one.
