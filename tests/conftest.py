@@ -4,9 +4,32 @@ Triton's interpreter must be switched on before any `@triton.jit` function is de
 runs first: on a machine without a CUDA GPU every kernel test runs through TRITON_INTERPRET=1.
 """
 
+import importlib
 import os
+import sys
+from pathlib import Path
 
 import torch
+
+_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _import_installed(name: str) -> None:
+    """Import the installed distribution `name`, if there is one, before the repository's folder of that name
+    can stand in for it: pytest puts the repository root first on sys.path (tests/ is a package), where
+    kernels/ (sits.kernels' source) would shadow the hub's `kernels` package, which transformers >= 5.25
+    requires and imports. Without an installed one nothing is imported."""
+    saved = list(sys.path)
+    sys.path[:] = [p for p in saved if Path(p or ".").resolve() != _ROOT]
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        pass
+    finally:
+        sys.path[:] = saved
+
+
+_import_installed("kernels")
 
 # Subprocesses started by tests (servers, the operator) run with the repository root as their
 # working directory, where the `operator/` folder would shadow the standard library's module.
