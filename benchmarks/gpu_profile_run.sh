@@ -40,7 +40,7 @@
 #   gemvnorm       gemv for the projections a decoder norm feeds only (qkv, gate_up; M = 1..8, the autotuned picks,
 #                  GEMV_ARGS adds flags) and its norm ops merged over the committed table
 #                  (benchmarks/merge_small_m_table.py): LOG_DIR/small_m_gemm_table.json, read by the -gemv steps
-#   normtests      tests/kernels/test_gemm_small_m_norm.py: the fused norm + small-M GEMM on the GPU (both forms)
+#   normtests      tests/kernels/test_gemm_small_m_norm.py: the fused norm + small-M GEMM on the GPU
 #   prof1-gemv, prof32-gemv  prof1 / prof32 with that table installed (SITS_SMALL_M_GEMM): run after gemv in the
 #                  same call, or give the table's path as SMALL_M_TABLE (LOG_DIR is emptied between calls); any
 #                  batch takes these suffixes (prof8-gemv; prof8-base: batch 8 with the committed table);

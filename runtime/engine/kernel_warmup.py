@@ -6,8 +6,7 @@ one step on an H200: the first mixed step whose decodes passed a context of 1,02
 model is loaded and its KV cache allocated, before CUDA-graph capture, `pretune_kernels` launches
 the attention back end's prefill kernel for every query-length bucket, its decode kernel for every
 split plan (through `rope_write_attend`, as decode steps call it, so a fused RoPE variant compiles
-too; with the RoPE fused, through `forward` as well: the piecewise graphs' mixed steps launch the unfused
-variant), the quantized GEMMs for every row bucket (with --quantization fp8 / int8) and the small-M direct
+too), the quantized GEMMs for every row bucket (with --quantization fp8 / int8) and the small-M direct
 GEMM (and its fused norm) for every bucket its measured table gave a layer: the launches of
 `tuning_plan`, on dummy inputs that read the real cache and write nothing into it.
 
@@ -163,7 +162,6 @@ def run_attention_plan(runner: ModelRunner, dtype: torch.dtype, plan: TuningPlan
         ones = torch.ones(num_kv_heads, dtype=torch.float32, device=runner.device)
         scales = {"k_scale": ones, "v_scale": ones}
     rope_table = getattr(runner.model, "cos_sin_cache", None)
-    fused_rope = bool(getattr(backend, "fused_rope", False))
     batches: list[PrefillShape | DecodeShape] = [*plan.prefill, *plan.decode]
     for shape in batches:
         metadata = dummy_metadata(shape, runner.block_size, runner.num_blocks, runner.device)
@@ -173,9 +171,7 @@ def run_attention_plan(runner: ModelRunner, dtype: torch.dtype, plan: TuningPlan
             positions = torch.zeros(metadata.num_tokens, dtype=torch.int64, device=runner.device)
             backend.rope_write_attend(q, kv, kv, positions, rope_table, k_cache, v_cache, metadata, head_dim**-0.5,
                                       **scales)
-        if not isinstance(shape, DecodeShape) or rope_table is None or fused_rope:
-            # prefill shapes; and with the RoPE fused, the decode kernel's unfused variant as well, which the
-            # piecewise graphs' mixed steps launch (their attention runs apart, RoPE before it)
+        else:
             backend.forward(q, kv, kv, k_cache, v_cache, metadata, head_dim**-0.5, **scales)
     return len(batches)
 

@@ -179,30 +179,6 @@ def test_the_plan_runs_through_the_triton_back_end_and_writes_no_cache_slot(trit
     assert pretune_kernels(runner, torch.float16, _scheduler(48, 4), 160) is None  # CPU: nothing autotunes
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["rope-apart", "rope-fused"])
-def test_decode_shapes_reach_every_variant_the_steps_launch(triton_tiny, monkeypatch, fused):
-    """With the decode RoPE fused into attention, decode steps launch the fused variant and the piecewise
-    graphs' mixed steps the unfused one (their attention runs apart): the plan launches both for every decode
-    shape. With it apart, one launch per shape, unfused."""
-    import sits.runtime.attention.triton as triton_backend
-
-    backend = triton_tiny.model.backend
-    monkeypatch.setattr(backend, "_fused_rope_env", fused)
-    launched = []
-    real = triton_backend.paged_decode_attention
-
-    def spy(*args, **kwargs):
-        launched.append(kwargs.get("rope") is not None)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(triton_backend, "paged_decode_attention", spy)
-    runner = _runner(triton_tiny, num_blocks=12)
-    plan = tuning_plan(KernelLimits(48, 4, 160, 16, runner.kv_shape.num_kv_heads, 8, 12 * 16))
-    assert run_attention_plan(runner, torch.float16, plan) == len(plan.prefill) + len(plan.decode)
-    decodes = len(plan.decode)
-    assert sorted(launched) == ([False] * decodes + [True] * decodes if fused else [False] * decodes)
-
-
 def test_dummy_steps_match_the_reference_back_end(triton_tiny):
     """The pre-tune's dummy launches are well-formed steps: the Triton kernels agree with the torch reference."""
     from sits.runtime.attention.torch_ref import TorchAttentionBackend
