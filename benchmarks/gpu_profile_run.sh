@@ -20,6 +20,10 @@
 #                  prof32fp8-pdl: the same with programmatic dependent launch (SITS_PDL=1: the next kernel
 #                  launches when this one's programs exit); prof32fp8-pdlearly: SITS_PDL=early (right away)
 #   trace256       benchmarks/bench_step_trace.py: 256 in flight, 1,024 / 512, 512 prompts, default budget
+#   trace32        the same for the bf16 step's run of gpu_engine_run.sh: 32 prompts of 2,048 / 512 at once
+#                  (prefill steps apart from decode-only ones: where the end-to-end seconds go)
+#   prefill4x2048  profile_decode.py over that run's prefill steps: 4 new 2,048-token prompts beside one decode
+#                  a step (the 8,192-token budget), kernels by GPU time
 #   trace256-capN[-minM]  the same with --max-prefill-tokens-with-decodes N [--prefill-cap-min-decodes M]
 #                  (e.g. trace256-cap2048, trace256-cap1024-min64; cap0 turns the device's default off)
 #   attn-rope      benchmarks/bench_attention_decode.py --rope: the decode RoPE + KV write fused into decode attention
@@ -90,6 +94,10 @@ for step in $STEPS; do
       SITS_PDL="$pdl" SITS_DECODE_FUSED_ROPE="$rope" timeout 300 \
       python3 benchmarks/profile_decode.py $COMMON --batch 32 --input-len 2048 \
       --quantization fp8 --kv-cache-dtype fp8 ;;
+    trace32) timeout 300 python3 benchmarks/bench_step_trace.py $COMMON --batch 32 --input-len 2048 \
+      --output-len 512 --prompts 32 --json "$LOG_DIR/$step.json" ;;
+    prefill4x2048) timeout 300 python3 benchmarks/profile_decode.py $COMMON --batch 1 --input-len 2048 \
+      --mixed-prompt-tokens 2048 --mixed-prompts 4 --max-num-batched-tokens 8256 --steps 6 ;;
     trace256) timeout 300 python3 benchmarks/bench_step_trace.py $COMMON --batch 256 --input-len 1024 \
       --output-len 512 --prompts 512 --host-phases --json "$LOG_DIR/$step.json" ;;
     attn-rope) timeout 400 python3 benchmarks/bench_attention_decode.py --rope --json "$LOG_DIR/attn-rope.json" \

@@ -1,7 +1,7 @@
 """Where a decode step's time goes on the GPU: torch profiler over steady decode steps.
 
     python benchmarks/profile_decode.py --config llama-3-8b --batch 1 --input-len 2048 [--steps 30]
-        [--mixed-prompt-tokens N] [--chrome-trace PATH.json.gz]
+        [--mixed-prompt-tokens N [--mixed-prompts K]] [--chrome-trace PATH.json.gz]
 
 Prefills `--batch` random prompts of `--input-len` tokens, warms up, then profiles `--steps` decode-only
 steps of the engine as users run it (CUDA graphs, async scheduling unless flagged off). Prints:
@@ -15,7 +15,8 @@ steps of the engine as users run it (CUDA graphs, async scheduling unless flagge
 `--chrome-trace` writes the profiled steps' CPU and CUDA timeline (open it in Perfetto).
 With `--mixed-prompt-tokens N` every measured step also computes one new N-token prompt (a fresh random
 prompt added before the step, answered with one token, so the decode batch stays the same): the mixed
-steps a served engine runs while streams arrive. Those run eagerly (CUDA graphs hold decode-only steps),
+steps a served engine runs while streams arrive; `--mixed-prompts K` adds K such prompts a step (4 x 2,048
+beside batch 1: a prefill step of the batch-32 2,048 / 512 bench at its 8,192-token budget). Those run eagerly (CUDA graphs hold decode-only steps),
 so wall against GPU busy says how much of a mixed step the GPU waits for the host's launches.
 """
 
@@ -66,17 +67,22 @@ def main(argv=None) -> int:
     bench.add_bench_arguments(parser)
     parser.add_argument("--steps", type=int, default=30, help="decode steps profiled")
     parser.add_argument("--mixed-prompt-tokens", type=int, default=0, metavar="N",
-                        help="each measured step also prefills one new N-token prompt (0: decode-only steps)")
+                        help="each measured step also prefills new N-token prompts (0: decode-only steps)")
+    parser.add_argument("--mixed-prompts", type=int, default=1, metavar="K",
+                        help="how many N-token prompts each measured step prefills (default 1; K x N prompt "
+                             "tokens must fit --max-num-batched-tokens beside the batch)")
     parser.add_argument("--chrome-trace", default=None, metavar="PATH",
                         help="write the profiled steps' timeline (Chrome trace JSON; gzipped if PATH ends in .gz)")
     args = parser.parse_args(argv)
     if args.mixed_prompt_tokens < 0:
         parser.error("--mixed-prompt-tokens must be 0 or a positive number of tokens")
+    if args.mixed_prompts < 1:
+        parser.error("--mixed-prompts must be at least 1")
     if args.mixed_prompt_tokens and args.max_num_seqs is None:
         # Room for the new prompt beside the whole batch and the previous one: with async scheduling the
         # previous prompt's sequence still holds its seat when the next step is scheduled (it finished on
         # the token that step's call processes); with one seat only every other step would mix.
-        args.max_num_seqs = args.batch + 2
+        args.max_num_seqs = args.batch + 2 * args.mixed_prompts
     if args.mixed_prompt_tokens and args.max_model_len is None:
         args.max_model_len = max(args.input_len + max(args.output_len, args.steps + 64),
                                  args.mixed_prompt_tokens + 1)
@@ -89,7 +95,8 @@ def main(argv=None) -> int:
     _start_decoding(engine, bench.random_prompts(args.batch, args.input_len, loaded.config.vocab_size, 7),
                     SamplingParams(temperature=0.0, max_tokens=args.output_len, min_tokens=args.output_len,
                                    ignore_eos=True))
-    step = _mixed_stepper(engine, args.mixed_prompt_tokens, 3 * args.steps, loaded.config.vocab_size)
+    step = _mixed_stepper(engine, args.mixed_prompt_tokens, args.mixed_prompts, 3 * args.steps,
+                          loaded.config.vocab_size)
     with frozen_startup_heap("profile_decode"):  # as the engine process and `sits bench` run (gc_heap.py)
         sync()
         walls = []
@@ -160,7 +167,8 @@ def _report(args, prof, wall_ms: float, loaded, engine) -> None:
         by_name[event.name].append(event.device_time or (event.time_range.end - event.time_range.start))
     total_us = sum(sum(v) for v in by_name.values())
     busy = _busy_ms(kernels) / args.steps
-    mixed = f" + {args.mixed_prompt_tokens} prompt tokens a step" if args.mixed_prompt_tokens else ""
+    mixed = (f" + {args.mixed_prompts} x {args.mixed_prompt_tokens} prompt tokens a step"
+             if args.mixed_prompt_tokens else "")
     print(f"\nbatch {args.batch}{mixed}, context {args.input_len}: wall {wall_ms:.3f} ms/step (unprofiled), GPU busy "
           f"{busy:.3f} ms/step, kernel sum {total_us / 1e3 / args.steps:.3f} ms/step, "
           f"{len(kernels) / args.steps:.0f} kernels/step")
@@ -181,20 +189,22 @@ def _report(args, prof, wall_ms: float, loaded, engine) -> None:
     _print_kernel_table(by_name, total_us, args.steps)
 
 
-def _mixed_stepper(engine, prompt_tokens: int, count: int, vocab_size: int):
-    """engine.step, or (prompt_tokens > 0) a step that first adds one fresh prompt of that length, answered with
-    one token (it leaves after its prefill, so the decode batch keeps its size): up to `count` of them."""
+def _mixed_stepper(engine, prompt_tokens: int, per_step: int, count: int, vocab_size: int):
+    """engine.step, or (prompt_tokens > 0) a step that first adds `per_step` fresh prompts of that length, each
+    answered with one token (they leave after their prefill, so the decode batch keeps its size): up to `count`
+    steps of them."""
     if not prompt_tokens:
         return engine.step
     from sits.runtime.commands import bench
     from sits.runtime.engine.request import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=1)
-    prompts = iter(bench.random_prompts(count, prompt_tokens, vocab_size, 11))
-    added = iter(range(count))
+    prompts = iter(bench.random_prompts(count * per_step, prompt_tokens, vocab_size, 11))
+    added = iter(range(count * per_step))
 
     def step():
-        engine.add_request(f"mixed-{next(added)}", next(prompts), params)
+        for _ in range(per_step):
+            engine.add_request(f"mixed-{next(added)}", next(prompts), params)
         return engine.step()
 
     return step
