@@ -995,7 +995,11 @@ def paged_decode_attention(
         partial_lse.stride(0), partial_lse.stride(1),
         tokens_per_split, group, plan.split_bucket,
     )  # fmt: skip
-    no_rope = (seq_lens,) * 5 + (0,) * 5  # k_new .. slot and their strides: never read
+    # k_new .. slot and their strides: never read. q stands in for the pointers: Triton specializes a pointer on
+    # its 16-byte alignment, and q's rows always start on one, where seq_lens (a mixed step's decode rows start
+    # after its prefills) would compile a second binary of the same launch for every prefill count not a
+    # multiple of 4.
+    no_rope = (q,) * 5 + (0,) * 5
     group_rows = max(16, next_power_of_2(group))  # the dots' 16 rows of mma.sync / wgmma
     if meta["VARIANT"] & _GROUP_ROWS:
         group_rows = next_power_of_2(group)

@@ -17,6 +17,7 @@ they specialize, depends on shapes and dtypes only. Skipped without CUDA.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import random
@@ -144,10 +145,28 @@ def workload(llm: LLMEngine, seed: int) -> int:
     return steps
 
 
-@pytest.mark.parametrize("name", CONFIGS)
-def test_no_autotune_or_compile_after_start(name, caplog, monkeypatch, tmp_path):
-    quantization, eager, small_m = CONFIGS[name]
-    monkeypatch.setenv("SITS_SMALL_M_GEMM", direct_everywhere_table(tmp_path / "table.json") if small_m else "off")
+def key_fields(key: str) -> list[str]:
+    """A compiled binary's key (`compiled_binaries`) cut into its fields: one per argument, then the options."""
+    return key.replace("), (", ")\n(").split("\n")
+
+
+def nearest_difference(new: str, before: set[str]) -> str:
+    """The fields (index: before -> new) where `new` differs from the nearest key compiled before."""
+    fields = key_fields(new)
+
+    def differing(old: str) -> list[str]:
+        other = key_fields(old)
+        if len(other) != len(fields):
+            return ["a different argument count"]
+        return [f"{i}: {a} -> {b}" for i, (a, b) in enumerate(zip(other, fields, strict=True)) if a != b]
+
+    diffs = sorted((differing(old) for old in before), key=len)
+    return "; ".join(diffs[0]) if diffs else "nothing compiled before"
+
+
+def run_workload(name: str, caplog, eager: bool, quantization: str) -> dict:
+    """Start an engine, run the workload; what autotuned and compiled after start-up. The engine is shut down
+    and its GPU memory released before returning (the next configuration sizes its KV cache on what is free)."""
     config = EngineConfig(
         model=ModelConfig(**model_source(), device="cuda", dtype="bfloat16", quantization=quantization,
                           max_model_len=MAX_MODEL_LEN),
@@ -158,24 +177,38 @@ def test_no_autotune_or_compile_after_start(name, caplog, monkeypatch, tmp_path)
     start = time.perf_counter()
     with caplog.at_level(logging.INFO, logger="sits.runtime.engine.kernel_warmup"):
         llm = LLMEngine.from_config(config, progress=False)
-    started = time.perf_counter() - start
-    tuned_line = next((r.getMessage() for r in caplog.records if "kernels tuned" in r.getMessage()), None)
-    model = model_source().get("model", f"random weights of {DUMMY_SHAPE}")
-    print(f"RESULT {name}: {model}; engine ready in {started:.1f} s; {tuned_line}")
-    assert tuned_line is not None
-    keys, binaries = tuned_keys(), compiled_binaries()
-    run_start = time.perf_counter()
-    steps = workload(llm, seed=len(name))
-    print(f"RESULT {name}: {steps} steps of the varied workload in {time.perf_counter() - run_start:.1f} s")
-    new_keys = {tuner: sorted(map(str, tuned_keys()[tuner] - seen)) for tuner, seen in keys.items()}
-    new_keys = {tuner: added for tuner, added in new_keys.items() if added}
-    added = {fn: keys_now - binaries.get(fn, set()) for fn, keys_now in compiled_binaries().items()}
-    new_binaries = {fn: len(fresh) for fn, fresh in added.items() if fresh}
+    try:
+        started = time.perf_counter() - start
+        tuned_line = next((r.getMessage() for r in caplog.records if "kernels tuned" in r.getMessage()), None)
+        model = model_source().get("model", f"random weights of {DUMMY_SHAPE}")
+        print(f"RESULT {name}: {model}; engine ready in {started:.1f} s; {tuned_line}")
+        keys, binaries = tuned_keys(), compiled_binaries()
+        run_start = time.perf_counter()
+        steps = workload(llm, seed=len(name))
+        print(f"RESULT {name}: {steps} steps of the varied workload in {time.perf_counter() - run_start:.1f} s")
+        new_keys = {tuner: sorted(map(str, tuned_keys()[tuner] - seen)) for tuner, seen in keys.items()}
+        added = {fn: keys_now - binaries.get(fn, set()) for fn, keys_now in compiled_binaries().items()}
+    finally:
+        llm.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    for fn, fresh in added.items():  # which specialization the start-up did not reach, against the nearest it did
+        for key in sorted(fresh):
+            print(f"RESULT {name}: {fn} compiled after start-up; against the nearest key compiled before: "
+                  f"{nearest_difference(key, binaries.get(fn, set()))}")
+    return {"tuned_line": tuned_line, "new_keys": {tuner: keys for tuner, keys in new_keys.items() if keys},
+            "new_binaries": {fn: len(fresh) for fn, fresh in added.items() if fresh}}
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_no_autotune_or_compile_after_start(name, caplog, monkeypatch, tmp_path):
+    quantization, eager, small_m = CONFIGS[name]
+    monkeypatch.setenv("SITS_SMALL_M_GEMM", direct_everywhere_table(tmp_path / "table.json") if small_m else "off")
+    found = run_workload(name, caplog, eager, quantization)
+    new_keys, new_binaries = found["new_keys"], found["new_binaries"]
     print(f"RESULT {name}: new autotune keys {new_keys or 'none'}; new compiled binaries {new_binaries or 'none'}")
-    for fn in new_binaries:  # which specialization the start-up did not reach, against one it did
-        before = sorted(binaries.get(fn, set()))
-        print(f"RESULT {name}: {fn} new binary keys {sorted(added[fn])}; one compiled at start-up: "
-              f"{before[:1] or 'none'}")
+    assert found["tuned_line"] is not None
     assert not new_keys
     # The pre-tune's kernels compile nothing more; the element-wise ones (RMSNorm, SiLU-mul, RoPE +
     # KV write) compile during the start-up forwards and are reported above if a step adds one.

@@ -286,3 +286,36 @@ def test_bad_input_raises_value_error():
         paged_decode_attention(*args, schedule=(48, 4, 2), **scales)
     with pytest.raises(ValueError, match="schedule must be"):
         paged_decode_attention(*args, schedule=(64, 4), **scales)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="Triton compiles, and specializes, only on a GPU")
+@pytest.mark.parametrize("rope", [False, True], ids=["plain", "fused-rope"])
+def test_decode_rows_after_prefills_reuse_the_decode_only_binary(rope):
+    """A mixed step's decode rows are views that start after its prefills (seq_lens at a 4-byte offset, the
+    tables a row further): the launch must run the binary a decode-only step compiled, not a new one."""
+    from sits.kernels.attention_decode import DecodeRope, _decode_split_kernel
+    from sits.kernels.rope_kv_write import build_cos_sin_cache
+
+    torch.manual_seed(5)
+    cache = random_paged_cache([7, 300, 129, 64, 1000], 2, 64, 16, torch.bfloat16)
+    qkv = randn(5, 12 * 64, dtype=torch.bfloat16)
+    q, k, v = (t.reshape(5, -1, 64) for t in qkv.split([8 * 64, 2 * 64, 2 * 64], dim=-1))
+    table = build_cos_sin_cache(64, 2048, device=DEVICE)
+    positions = (cache.seq_lens.long() - 1).clamp(min=0)
+    slots = torch.full((5,), -1, dtype=torch.int64, device=DEVICE)  # nothing written: both launches alike
+
+    def launch(rows: slice) -> None:
+        fused = DecodeRope(k[rows], v[rows], positions[rows], table, slots[rows]) if rope else None
+        paged_decode_attention(q[rows], cache.k_cache, cache.v_cache, cache.block_tables[rows], cache.seq_lens[rows],
+                               0.125, num_splits=3, schedule=(64, 4, 4), rope=fused)
+
+    def binaries() -> int:
+        return sum(len(caches[0]) for caches in _decode_split_kernel.fn.device_caches.values())
+
+    launch(slice(0, 4))  # a decode-only step: every view starts at its tensor's start
+    torch.cuda.synchronize()
+    compiled = binaries()
+    launch(slice(1, 5))  # the decodes of a step with one prefill before them
+    torch.cuda.synchronize()
+    assert binaries() == compiled
