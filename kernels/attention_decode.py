@@ -76,7 +76,7 @@ from sits.kernels.launch_utils import (
 from sits.kernels.paged_kv import paged_tile_blocks
 from sits.kernels.pdl import pdl_launch_options, pdl_wait
 from sits.kernels.reference import paged_decode_attention_reference
-from sits.kernels.rope_kv_write import store_cache
+from sits.kernels.rope_kv_write import rope_pair, store_cache
 
 __all__ = [
     "DEFAULT_FP8_VARIANT",
@@ -108,11 +108,10 @@ MAX_GRID_Y = 65535  # CUDA's limit on the grid's second dimension (sequences)
 FUSED_MERGE_DEFAULT = False
 # Whether the Triton attention back end runs the decode rows' RoPE + KV-cache write inside this kernel
 # (`DecodeRope`) instead of as rope_and_cache_write's launch before it (SITS_DECODE_FUSED_ROPE=0 / 1 overrides).
-# Off until the start-up pre-tune is shown to cover it: on the H200 (2026-12-03, Llama-3-8B shape) the fusion took
-# a decode step from 4.610 to 4.532 ms at batch 1 and from 6.759 to 6.692 at batch 32, the engine's GPU tests and
-# the real-model parity passed with it on, but tests/gpu/test_kernel_warmup.py failed its first case in that run
-# (no log kept) and has not run since (benchmarks/RESULTS.md).
-FUSED_ROPE_DEFAULT = False
+# On: on the H200 (2026-12-03, Llama-3-8B shape) it takes a decode step from 4.592 to 4.537 ms at batch 1 and from
+# 6.650 to 6.624 at batch 32, and tests/gpu/test_kernel_warmup.py finds nothing compiled after start-up with it on
+# (benchmarks/RESULTS.md).
+FUSED_ROPE_DEFAULT = True
 
 
 def _config(block_n, warps, stages, maxnreg=None):
@@ -247,13 +246,6 @@ def _quantize_rows_e4m3(q):
 
 
 @triton.jit
-def _rope_pair(x1, x2, cos, sin):
-    """The rotate-half pair (x1 cos - x2 sin, x2 cos + x1 sin), float32: kernels/rope_kv_write.py's
-    expression, operand for operand, so both kernels round (and contract to FMAs) alike."""
-    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
-
-
-@triton.jit
 def _rope_rows(row_ptrs, row_valid, cos_sin_row, HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr):
     """Rows [R, HEAD_DIM] at row_ptrs [R] (contiguous elements) rotated by RoPE, float32; invalid rows 0.
 
@@ -272,8 +264,8 @@ def _rope_rows(row_ptrs, row_valid, cos_sin_row, HEAD_DIM: tl.constexpr, ROTARY_
     sin_first = tl.load(cos_sin_row + HALF + dims, mask=first, other=0.0)
     cos_second = tl.load(cos_sin_row + dims - HALF, mask=second, other=1.0)
     sin_second = tl.load(cos_sin_row + dims, mask=second, other=0.0)
-    rotated_first, _ = _rope_pair(x, partner, cos_first, sin_first)
-    _, rotated_second = _rope_pair(partner, x, cos_second, sin_second)
+    rotated_first, _ = rope_pair(x, partner, cos_first, sin_first)
+    _, rotated_second = rope_pair(partner, x, cos_second, sin_second)
     return tl.where(first, rotated_first, tl.where(second, rotated_second, x))
 
 

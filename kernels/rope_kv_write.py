@@ -33,10 +33,18 @@ from sits.kernels.pdl import pdl_launch_options, pdl_wait
 from sits.kernels.reference import rope_and_cache_write_reference
 from sits.kernels.rope_tables import build_cos_sin_cache
 
-__all__ = ["build_cos_sin_cache", "rope_and_cache_write", "rope_and_cache_write_reference"]
+__all__ = ["build_cos_sin_cache", "rope_and_cache_write", "rope_and_cache_write_reference", "rope_pair"]
 
 FP8_E4M3_MAX = 448.0
 INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+@triton.jit
+def rope_pair(x1, x2, cos, sin):
+    """The rotate-half pair (x1 cos - x2 sin, x2 cos + x1 sin) of float32 tensors, each an explicit FMA over
+    the other product rounded: the compiler may not choose which product stays unrounded, so every kernel
+    that rotates (this one, the decode attention's fused RoPE) gets the same bits."""
+    return tl.fma(x1, cos, -(x2 * sin)), tl.fma(x2, cos, x1 * sin)
 
 
 @triton.jit
@@ -57,7 +65,8 @@ def _rotate_heads(
     ptrs = base_ptr + heads * stride_head + dims
     x1 = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
-    return x1 * cos - x2 * sin, x2 * cos + x1 * sin, ptrs, mask
+    rotated1, rotated2 = rope_pair(x1, x2, cos, sin)
+    return rotated1, rotated2, ptrs, mask
 
 
 @triton.jit
