@@ -29,7 +29,7 @@
 #          and reports identical answers over 48 tokens (a lottery on the near-ties)
 #   warmup tests/gpu/test_kernel_warmup.py: no autotune and no kernel compile after start-up, over the SmolLM2
 #          GGUF where $SITS_SMOLLM2_GGUF names it, else over random weights of its shape (one call, no GGUF
-#          parts); SITS_DECODE_FUSED_ROPE=1 checks the fused decode RoPE's pre-tune
+#          parts); with the fused decode RoPE as set (SITS_DECODE_FUSED_ROPE=0 checks the unfused path's)
 #   hosttier  benchmarks/bench_host_kv_tier.py: Llama-3-8B shape, 64 tenants x 8k-token prefixes, 4x what
 #          the GPU cache holds, follow-ups; host tier off and on in one run (TTFT, tok/s, hits per tier)
 #   fp8    the bf16 run's batch with fp8 weights; transformers' figure is the bf16 step's, same run

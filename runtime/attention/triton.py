@@ -26,9 +26,9 @@ instead of two at small batches.
 With the fused RoPE on (`attention_decode.FUSED_ROPE_DEFAULT`, or SITS_DECODE_FUSED_ROPE=1 / 0 to measure
 both ways), `rope_write_attend` rotates and writes the decode rows' q, k and v inside the decode kernel
 instead of in a launch of its own before it: at decode that is one launch a layer fewer, the same bits for
-power-of-two query groups (the kernel runs the schedule tuned for the unfused launch). Off (the default for
-now, docs/engine-process.md says why), and on a CPU with an fp8 cache (the interpreter's fp8 cast), it is
-rope_and_cache_write then forward.
+power-of-two query groups (both kernels rotate through `rope_kv_write.rope_pair`; the kernel runs the
+schedule tuned for the unfused launch). It is on by default (docs/engine-process.md gives the measurements);
+on a CPU with an fp8 cache (the interpreter's fp8 cast) it is rope_and_cache_write then forward.
 """
 
 from __future__ import annotations
