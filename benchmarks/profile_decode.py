@@ -63,29 +63,7 @@ def main(argv=None) -> int:
     from sits.runtime.engine.request import SamplingParams
     from sits.runtime.gc_heap import frozen_startup_heap
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    bench.add_bench_arguments(parser)
-    parser.add_argument("--steps", type=int, default=30, help="decode steps profiled")
-    parser.add_argument("--mixed-prompt-tokens", type=int, default=0, metavar="N",
-                        help="each measured step also prefills new N-token prompts (0: decode-only steps)")
-    parser.add_argument("--mixed-prompts", type=int, default=1, metavar="K",
-                        help="how many N-token prompts each measured step prefills (default 1; K x N prompt "
-                             "tokens must fit --max-num-batched-tokens beside the batch)")
-    parser.add_argument("--chrome-trace", default=None, metavar="PATH",
-                        help="write the profiled steps' timeline (Chrome trace JSON; gzipped if PATH ends in .gz)")
-    args = parser.parse_args(argv)
-    if args.mixed_prompt_tokens < 0:
-        parser.error("--mixed-prompt-tokens must be 0 or a positive number of tokens")
-    if args.mixed_prompts < 1:
-        parser.error("--mixed-prompts must be at least 1")
-    if args.mixed_prompt_tokens and args.max_num_seqs is None:
-        # Room for the new prompt beside the whole batch and the previous one: with async scheduling the
-        # previous prompt's sequence still holds its seat when the next step is scheduled (it finished on
-        # the token that step's call processes); with one seat only every other step would mix.
-        args.max_num_seqs = args.batch + 2 * args.mixed_prompts
-    if args.mixed_prompt_tokens and args.max_model_len is None:
-        args.max_model_len = max(args.input_len + max(args.output_len, args.steps + 64),
-                                 args.mixed_prompt_tokens + 1)
+    args = _parse_args(argv)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     args.output_len = max(args.output_len, args.steps + 64)
     configure_logging(args.log_level)
@@ -117,6 +95,36 @@ def main(argv=None) -> int:
     if args.chrome_trace:
         _write_trace(prof, args.chrome_trace)
     return 0
+
+
+def _parse_args(argv) -> argparse.Namespace:
+    """The bench's flags and this script's, checked; the mixed steps' seats and context filled in."""
+    from sits.runtime.commands import bench
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    bench.add_bench_arguments(parser)
+    parser.add_argument("--steps", type=int, default=30, help="decode steps profiled")
+    parser.add_argument("--mixed-prompt-tokens", type=int, default=0, metavar="N",
+                        help="each measured step also prefills new N-token prompts (0: decode-only steps)")
+    parser.add_argument("--mixed-prompts", type=int, default=1, metavar="K",
+                        help="how many N-token prompts each measured step prefills (default 1; K x N prompt "
+                             "tokens must fit --max-num-batched-tokens beside the batch)")
+    parser.add_argument("--chrome-trace", default=None, metavar="PATH",
+                        help="write the profiled steps' timeline (Chrome trace JSON; gzipped if PATH ends in .gz)")
+    args = parser.parse_args(argv)
+    if args.mixed_prompt_tokens < 0:
+        parser.error("--mixed-prompt-tokens must be 0 or a positive number of tokens")
+    if args.mixed_prompts < 1:
+        parser.error("--mixed-prompts must be at least 1")
+    if args.mixed_prompt_tokens and args.max_num_seqs is None:
+        # Room for the new prompt beside the whole batch and the previous one: with async scheduling the
+        # previous prompt's sequence still holds its seat when the next step is scheduled (it finished on
+        # the token that step's call processes); with one seat only every other step would mix.
+        args.max_num_seqs = args.batch + 2 * args.mixed_prompts
+    if args.mixed_prompt_tokens and args.max_model_len is None:
+        args.max_model_len = max(args.input_len + max(args.output_len, args.steps + 64),
+                                 args.mixed_prompt_tokens + 1)
+    return args
 
 
 def _print_host_phases(engine, step, steps: int) -> None:
