@@ -16,8 +16,9 @@ steps of the engine as users run it (CUDA graphs, async scheduling unless flagge
 With `--mixed-prompt-tokens N` every measured step also computes one new N-token prompt (a fresh random
 prompt added before the step, answered with one token, so the decode batch stays the same): the mixed
 steps a served engine runs while streams arrive; `--mixed-prompts K` adds K such prompts a step (4 x 2,048
-beside batch 1: a prefill step of the batch-32 2,048 / 512 bench at its 8,192-token budget). Those run eagerly (CUDA graphs hold decode-only steps),
-so wall against GPU busy says how much of a mixed step the GPU waits for the host's launches.
+beside batch 1: a prefill step of the batch-32 2,048 / 512 bench at its 8,192-token budget). Those run
+eagerly (CUDA graphs hold decode-only steps), so wall against GPU busy says how much of a mixed step the GPU
+waits for the host's launches.
 """
 
 from __future__ import annotations
@@ -117,9 +118,9 @@ def _parse_args(argv) -> argparse.Namespace:
     if args.mixed_prompts < 1:
         parser.error("--mixed-prompts must be at least 1")
     if args.mixed_prompt_tokens and args.max_num_seqs is None:
-        # Room for the new prompt beside the whole batch and the previous one: with async scheduling the
-        # previous prompt's sequence still holds its seat when the next step is scheduled (it finished on
-        # the token that step's call processes); with one seat only every other step would mix.
+        # Room for the new prompts beside the whole batch and the previous step's: with async scheduling the
+        # previous step's prompts still hold their seats when the next step is scheduled (they finished on
+        # the token that step's call processes); with one set of seats only every other step would mix.
         args.max_num_seqs = args.batch + 2 * args.mixed_prompts
     if args.mixed_prompt_tokens and args.max_model_len is None:
         args.max_model_len = max(args.input_len + max(args.output_len, args.steps + 64),

@@ -167,8 +167,9 @@ def nearest_difference(new: str, before: set[str]) -> str:
 def run_workload(name: str, caplog, eager: bool, quantization: str) -> dict:
     """Start an engine, run the workload; what autotuned and compiled after start-up. The engine is shut down
     and its GPU memory released before returning (the next configuration sizes its KV cache on what is free)."""
+    source = model_source()
     config = EngineConfig(
-        model=ModelConfig(**model_source(), device="cuda", dtype="bfloat16", quantization=quantization,
+        model=ModelConfig(**source, device="cuda", dtype="bfloat16", quantization=quantization,
                           max_model_len=MAX_MODEL_LEN),
         cache=CacheConfig(block_size=16, gpu_memory_utilization=0.5),
         scheduler=SchedulerConfig(max_num_seqs=48, max_num_batched_tokens=1024),
@@ -180,7 +181,7 @@ def run_workload(name: str, caplog, eager: bool, quantization: str) -> dict:
     try:
         started = time.perf_counter() - start
         tuned_line = next((r.getMessage() for r in caplog.records if "kernels tuned" in r.getMessage()), None)
-        model = model_source().get("model", f"random weights of {DUMMY_SHAPE}")
+        model = source.get("model", f"random weights of {DUMMY_SHAPE}")
         print(f"RESULT {name}: {model}; engine ready in {started:.1f} s; {tuned_line}")
         keys, binaries = tuned_keys(), compiled_binaries()
         run_start = time.perf_counter()

@@ -127,7 +127,8 @@ def test_fused_rope_is_bit_identical(num_q_heads, num_kv_heads, block_size, cach
     if ON_GPU and group & (group - 1):
         # A group of 3 query heads padded to 4 rows: on the H200 (2026-12-03) the caches came out bit-identical
         # and 33-39 bytes of out one float16 ulp apart (max 0.000488), at an autotuned and a fixed schedule alike
-        # (the compiler rounds the rotation of that tile shape differently). Served head layouts use groups of
+        # (the compiler rounds the rotation of that tile shape differently; measured before both kernels rotated
+        # through rope_pair's explicit FMAs, and not run on the GPU since). Served head layouts use groups of
         # powers of two (Llama-3-8B: 4), which are bit-identical.
         torch.testing.assert_close(got[0], expected[0], rtol=2.0**-10, atol=0)
         got, expected = (expected[0], *got[1:]), expected
@@ -188,8 +189,8 @@ def test_float32_query_keeps_float32_accuracy(cache_dtype, splits):
     """float32 q / k / v (float32 activations) over a half or fp8 cache, RoPE fused: the new token stored as the
     torch reference rounds it; the same output as the unfused launch on the reference's rotated q (within float32
     rounding: the kernels rotate with FMAs, the reference with two roundings); and, with q and P as two half terms
-    each, within float32 rounding
-    of float64 attention over the cache as stored, a thousand times closer than a float16 q gets."""
+    each, within float32 rounding of float64 attention over the cache as stored, a thousand times closer than a
+    float16 q gets."""
     torch.manual_seed(6 + splits)
     step = decode_step(SEQ_LENS, 8, 2, 16, torch.float32, cache_dtype)
     out, k_cache, v_cache = fused(step, num_splits=splits)
