@@ -57,6 +57,10 @@
 #                  prof32-rope0, prof32fp8-rope0, ...): the decode rows' RoPE + KV write as a launch of its own
 #                  before attention / fused into the decode kernel (SITS_DECODE_FUSED_ROPE; default:
 #                  attention_decode.FUSED_ROPE_DEFAULT)
+#                  -fold0 (prof1-fold0, prof32-fold0): the decoder norms as launches of their own
+#                  (SITS_FOLD_NORMS=0; by default they are folded into the projections, runtime/models/norm_fold.py)
+#   foldtests      the folded norms' kernels (tests/kernels/test_gemm_small_m_fold.py) and the split-K kernel
+#                  they extend, then the engine with and without them teacher-forced (tests/gpu/test_norm_fold.py)
 #   ropetests      the fused decode RoPE + KV write against the two launches, bit for bit (bf16 and fp8 caches,
 #                  autotuned and fixed schedules), through the engine, and captured in CUDA graphs
 #   l2pf           benchmarks/bench_l2_prefetch.py: a projection's weight prefetched into L2 during the small
@@ -119,6 +123,10 @@ for step in $STEPS; do
       --proj qkv,gate_up --m 1,2,4,8 --no-configs --table "$LOG_DIR/gemvnorm-table.json" ${GEMV_ARGS:-} \
       && python3 benchmarks/merge_small_m_table.py kernels/small_m_gemm_table.json "$LOG_DIR/gemvnorm-table.json" \
       "$LOG_DIR/small_m_gemm_table.json" norm_linear,norm_silu_mul ;;
+    foldtests) PYTHONSAFEPATH=1 timeout 400 python3 -m pytest tests/kernels/test_gemm_small_m_fold.py \
+      tests/kernels/test_gemm_small_m_splitk.py -q -p no:cacheprovider \
+      --confcutdir=tests/kernels && PYTHONSAFEPATH=1 timeout 300 python3 -m pytest tests/gpu/test_norm_fold.py -q -s \
+      -p no:cacheprovider --confcutdir=tests/gpu ;;
     normtests) PYTHONSAFEPATH=1 timeout 240 python3 -m pytest tests/kernels/test_gemm_small_m_norm.py -q -s \
       -p no:cacheprovider --confcutdir=tests/kernels ;;
     prof[0-9]*-*) batch=${step#prof}; batch=${batch%%-*}; table=""; fused=""; pdl=""; split=""; rope=""
@@ -127,8 +135,9 @@ for step in $STEPS; do
       case $step in *-fused*) fused=1 ;; esac
       case $step in *-pdlearly*) pdl=early ;; *-pdl*) pdl=1 ;; esac
       case $step in *-rope0*) rope=0 ;; *-rope1*) rope=1 ;; esac
+      fold=""; case $step in *-fold0*) fold=0 ;; esac
       SITS_SMALL_M_GEMM="$table" SITS_DECODE_FUSED_MERGE="$fused" SITS_PDL="$pdl" SITS_DECODE_SPLIT_TOKENS="$split" \
-      SITS_DECODE_FUSED_ROPE="$rope" timeout 200 \
+      SITS_DECODE_FUSED_ROPE="$rope" SITS_FOLD_NORMS="$fold" timeout 200 \
       python3 benchmarks/profile_decode.py $COMMON --batch "$batch" --input-len 2048 ;;
     trace256-cap*) budget=${step#trace256-cap}; cap=${budget%%-min*}; least=0
       [ "$budget" != "$cap" ] && least=${budget##*-min}

@@ -45,14 +45,23 @@ from sits.kernels.small_m_table import CONFIG_KEYS
 
 __all__ = [
     "MAX_M",
+    "SUMSQ_GROUP",
     "small_m_gemm",
     "small_m_gemm_reference",
     "small_m_gemm_silu_mul",
     "small_m_gemm_silu_mul_reference",
+    "small_m_gemm_to_stream",
     "small_m_rows_bucket",
+    "sumsq_slots",
 ]
 
 MAX_M = 64  # the largest row tile: one row tile covers every batch the kernel takes
+SUMSQ_GROUP = 32  # columns per sum-of-squares slot that a stream-feeding launch leaves for the next norm (its
+# column tiles are at least this wide)
+_GROUP = tl.constexpr(SUMSQ_GROUP)  # the same, for the jit functions
+# A row-scaled launch keeps its rows' sum-of-squares slots in registers across the K loop (their load hidden by the
+# weight stream) up to this many values a program, else reduces them to 1 / rms first.
+_EARLY_RSTD_VALUES = tl.constexpr(4096)
 SMEM_BYTES = 227 * 1024  # shared memory one program may use on an H100 / H200 (sm_90)
 
 
@@ -218,11 +227,60 @@ def store_out(out_ptr, sums, offs_m, offs_n, in_m, N, stride_om,
     tl.store(ptrs, acc.to(dtype), mask=in_m[:, None] & (offs_n[None, :] < N))
 
 
+@triton.jit
+def load_stream_tile(stream_ptr, offs_m, col0, in_m, N, stride_sm, BLOCK_N: tl.constexpr):
+    """The float32 stream's [BLOCK_M, BLOCK_N] tile at columns col0 + [0, BLOCK_N) (0 past M and N): loaded before
+    the weight stream, so that `add_to_stream` waits for no load. Only this launch's `add_to_stream` of the same
+    tile writes it, after every program of the tile has loaded it."""
+    offs_n = col0 + tl.arange(0, BLOCK_N)
+    mask = in_m[:, None] & (offs_n[None, :] < N)
+    return tl.load(stream_ptr + offs_m[:, None].to(tl.int64) * stride_sm + offs_n[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def add_to_stream(stream_ptr, out_ptr, sumsq_ptr, old, sums, offs_m, col0, in_m, N, stride_sm, stride_om, stride_qm,
+                  BLOCK_N: tl.constexpr):  # fmt: skip
+    """The epilogue of a launch that feeds the residual stream (o_proj, down_proj with folded norms): the
+    program's float32 sums [BLOCK_M, BLOCK_N] (columns col0 + [0, BLOCK_N); col0 and BLOCK_N multiples of
+    SUMSQ_GROUP) are added to the float32 stream tile `old` (`load_stream_tile`) and stored back in place, the
+    new stream rounded to out's dtype is written to out (the next projection's input), and each row's sum of
+    squares over each SUMSQ_GROUP columns to sumsq [M, cdiv(N, SUMSQ_GROUP)] float32 (the next norm's mean of
+    squares, `row_rstd`)."""
+    offs_n = col0 + tl.arange(0, BLOCK_N)
+    mask = in_m[:, None] & (offs_n[None, :] < N)
+    rows = offs_m[:, None].to(tl.int64)
+    new = old + sums
+    tl.store(stream_ptr + rows * stride_sm + offs_n[None, :], new, mask=mask)
+    tl.store(out_ptr + rows * stride_om + offs_n[None, :], new.to(out_ptr.dtype.element_ty), mask=mask)
+    squares = tl.where(mask, new * new, 0.0)
+    groups = tl.sum(tl.reshape(squares, [squares.shape[0], BLOCK_N // _GROUP, _GROUP]), axis=2)
+    offs_g = col0 // _GROUP + tl.arange(0, BLOCK_N // _GROUP)
+    g_mask = in_m[:, None] & (offs_g[None, :] < tl.cdiv(N, _GROUP))
+    tl.store(sumsq_ptr + rows * stride_qm + offs_g[None, :], groups, mask=g_mask)
+
+
+@triton.jit
+def load_row_squares(sumsq_ptr, offs_m, in_m, stride_qm, K, RSTD_SLOTS: tl.constexpr):
+    """The sums of squares `add_to_stream` left for these rows: [BLOCK_M, RSTD_SLOTS] float32 (slots past
+    cdiv(K, SUMSQ_GROUP) and rows past M are 0)."""
+    offs_g = tl.arange(0, RSTD_SLOTS)
+    mask = in_m[:, None] & (offs_g[None, :] < tl.cdiv(K, _GROUP))
+    return tl.load(sumsq_ptr + offs_m[:, None].to(tl.int64) * stride_qm + offs_g[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def row_rstd(squares, K, eps):
+    """1 / rms of each row from its slots' sums of squares [BLOCK_M, slots]: rsqrt(sum / K + eps), [BLOCK_M]."""
+    return tl.rsqrt(tl.sum(squares, axis=1) / K + eps)
+
+
 @triton.jit(do_not_specialize=["M", "M_BUCKET"])  # one binary per row tile, not per batch size
 def _small_m_gemm_kernel(
     x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, M_BUCKET,
+    stream_ptr, sumsq_ptr, stride_sm, stride_qm, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
     SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr, USE_PDL: tl.constexpr = False,
+    STREAM: tl.constexpr = False, RSTD_SLOTS: tl.constexpr = 0,
 ):  # fmt: skip
     """out [M, N] in out's dtype; grid (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M)).
 
@@ -233,6 +291,11 @@ def _small_m_gemm_kernel(
     K tile), split apart in the epilogue. Columns past N are wrapped for the loads and masked at the
     store; activation rows past M are masked at the load (a batch of 1 to 15 rows in a 16-row tile
     reads only its rows). USE_PDL: launched with programmatic dependent launch (sits.kernels.pdl).
+
+    Folded decoder norms (see `small_m_gemm_to_stream`, `small_m_gemm`'s sumsq): RSTD_SLOTS > 0 scales each
+    row's sums by rsqrt(mean square + eps), the mean square from sumsq [M, cdiv(K, SUMSQ_GROUP)] (RSTD_SLOTS:
+    that width's next power of two); STREAM adds the sums to the float32 stream [M, N] in place and writes
+    the new stream rounded to out, and its sums of squares to sumsq (`add_to_stream`; not with SILU_MUL).
     """
     pdl_wait(USE_PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -240,35 +303,81 @@ def _small_m_gemm_kernel(
     rows_x = offs_m.to(tl.int64)
     in_m = offs_m < M
     rows_w = _weight_rows(N, BLOCK_N, SILU_MUL)
+    if STREAM:
+        old = load_stream_tile(stream_ptr, offs_m, tl.program_id(0) * BLOCK_N, in_m, N, stride_sm, BLOCK_N)
+    if RSTD_SLOTS:  # loaded before the weight stream; reduced after it unless that holds too many registers
+        squares = load_row_squares(sumsq_ptr, offs_m, in_m, stride_qm, K, RSTD_SLOTS)
+        if BLOCK_M * RSTD_SLOTS > _EARLY_RSTD_VALUES:
+            rstd = row_rstd(squares, K, eps)
     if SILU_MUL:
         sums = _row_sums(x_ptr, w_ptr, rows_x, in_m, rows_w, K, stride_xm, stride_wn,
                          BLOCK_M, 2 * BLOCK_N, BLOCK_K, SWAP_AB, EVEN_K, DOT_FP32)  # fmt: skip
     else:
         sums = _row_sums(x_ptr, w_ptr, rows_x, in_m, rows_w, K, stride_xm, stride_wn,
                          BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, EVEN_K, DOT_FP32)  # fmt: skip
-    store_out(out_ptr, sums, offs_m, offs_n, in_m, N, stride_om, BLOCK_M, BLOCK_N, SILU_MUL)
+    if RSTD_SLOTS:
+        if BLOCK_M * RSTD_SLOTS <= _EARLY_RSTD_VALUES:
+            rstd = row_rstd(squares, K, eps)
+        sums = sums * rstd[:, None]
+    if STREAM:
+        add_to_stream(stream_ptr, out_ptr, sumsq_ptr, old, sums, offs_m, tl.program_id(0) * BLOCK_N, in_m, N,
+                      stride_sm, stride_om, stride_qm, BLOCK_N)  # fmt: skip
+    else:
+        store_out(out_ptr, sums, offs_m, offs_n, in_m, N, stride_om, BLOCK_M, BLOCK_N, SILU_MUL)
 
 
 _small_m_gemm_kernel_even_k = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(
     _small_m_gemm_kernel
 )
 _KEY = ("N", "K", "M_BUCKET")
-# Two tuners over the same kernel: the plain GEMM and the SiLU·mul variant pick configs apart (their
-# N means different things, and the variant streams twice the weight rows per program).
+# Tuners over the same kernel, one per variant: the plain GEMM and the SiLU·mul variant pick configs apart (their
+# N means different things, and the variant streams twice the weight rows per program), and so do the folded
+# norms' row-scaled and stream-feeding launches (their epilogues differ).
 _small_m_gemm = autotune(GPU_CONFIGS, INTERPRETER_CONFIG, _KEY, _prune)(_small_m_gemm_kernel_even_k)
 _small_m_gemm_silu = autotune(GPU_CONFIGS, INTERPRETER_CONFIG, _KEY, _prune)(_small_m_gemm_kernel_even_k)
+_small_m_gemm_rstd = autotune(GPU_CONFIGS, INTERPRETER_CONFIG, _KEY, _prune)(_small_m_gemm_kernel_even_k)
+_small_m_gemm_silu_rstd = autotune(GPU_CONFIGS, INTERPRETER_CONFIG, _KEY, _prune)(_small_m_gemm_kernel_even_k)
 
 
-def launch(kernel, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, silu_mul: bool, **meta) -> None:
+def _prune_stream(configs, named_args, **kwargs):
+    """`_prune`, less the column tiles narrower than a sum-of-squares slot."""
+    return _prune([c for c in configs if c.kwargs["BLOCK_N"] >= SUMSQ_GROUP], named_args, **kwargs)
+
+
+# the stream is updated in place: each timed run gets it back
+_small_m_gemm_stream = autotune(GPU_CONFIGS, INTERPRETER_CONFIG, _KEY, _prune_stream, restore_value=["stream_ptr"])(
+    _small_m_gemm_kernel_even_k)
+
+
+def sumsq_slots(n: int) -> int:
+    """Columns of the sums of squares a stream-feeding launch over n columns leaves: cdiv(n, SUMSQ_GROUP)."""
+    return triton.cdiv(n, SUMSQ_GROUP)
+
+
+def fold_arguments(x: torch.Tensor, stream: torch.Tensor | None, sumsq: torch.Tensor | None, eps: float,
+                   scale_rows: bool) -> tuple[tuple, dict]:
+    """The folded-norm arguments of a small-M launch: (stream_ptr, sumsq_ptr, stride_sm, stride_qm, eps) and the
+    STREAM / RSTD_SLOTS constexprs. x stands in for a pointer the launch does not read (same alignment)."""
+    args = (x if stream is None else stream, x if sumsq is None else sumsq,
+            0 if stream is None else stream.stride(0), 0 if sumsq is None else sumsq.stride(0), float(eps))
+    slots = triton.next_power_of_2(sumsq.shape[1]) if scale_rows and sumsq is not None else 0
+    return args, {"STREAM": stream is not None, "RSTD_SLOTS": slots}
+
+
+def launch(kernel, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, silu_mul: bool,
+           stream: torch.Tensor | None = None, sumsq: torch.Tensor | None = None, eps: float = 0.0, **meta) -> None:
     """Launch `kernel` (an autotuner above, or the raw jit kernel with every constexpr in `meta`) writing
-    out [M, N'] (N' = N, or I = N / 2 with silu_mul) from checked operands."""
+    out [M, N'] (N' = N, or I = N / 2 with silu_mul) from checked operands; with `stream`, feeding it (and
+    writing `sumsq`), else with `sumsq`, scaling rows by it (see the kernel)."""
     m, k = x.shape
     n = out.shape[1]
     block_m = _block_m(m)
     grid = lambda meta_: (triton.cdiv(n, meta_["BLOCK_N"]), triton.cdiv(m, block_m))  # noqa: E731
+    fold_args, fold_meta = fold_arguments(x, stream, sumsq, eps, scale_rows=stream is None)
     kernel[grid](
-        x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0), small_m_rows_bucket(m),
-        BLOCK_M=block_m, SILU_MUL=silu_mul, DOT_FP32=is_interpreter(), **{**pdl_launch_options(x.device), **meta},
+        x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0), small_m_rows_bucket(m), *fold_args,
+        BLOCK_M=block_m, SILU_MUL=silu_mul, DOT_FP32=is_interpreter(),
+        **{**pdl_launch_options(x.device), **fold_meta, **meta},
     )  # fmt: skip
 
 
@@ -303,8 +412,16 @@ def check_gemm_operands(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | No
     return m, cols
 
 
+def check_row_squares(sumsq: torch.Tensor, m: int, cols: int, x: torch.Tensor) -> None:
+    """sumsq: [m, sumsq_slots(cols)] float32 on x's device, last dimension contiguous (ValueError otherwise)."""
+    check_tensor(sumsq, "sumsq", ndim=2, dtypes=(torch.float32,), device=x.device)
+    check_shape(sumsq, "sumsq", (m, sumsq_slots(cols)))
+    check_inner_contiguous(sumsq, "sumsq")
+
+
 def small_m_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
-                 config: dict[str, int] | None = None) -> torch.Tensor:
+                 config: dict[str, int] | None = None, sumsq: torch.Tensor | None = None,
+                 eps: float = 0.0) -> torch.Tensor:
     """out = x @ w^T with float32 sums, for decode batches.
 
     Args:
@@ -314,27 +431,35 @@ def small_m_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = No
         out: optional [M, N] buffer in x's dtype, last dimension contiguous.
         config: a pinned launch config (CONFIG_KEYS: BLOCK_N, BLOCK_K, SWAP_AB, num_warps, num_stages) instead
             of autotuning, e.g. a measured table's.
+        sumsq: optional [M, sumsq_slots(K)] float32, the sums of squares of the stream x was rounded from
+            (`small_m_gemm_to_stream`): each output row is then scaled by rsqrt(sum(sumsq[m]) / K + eps), so
+            that with the norm weight folded into w the launch is the decoder norm and the projection.
+        eps: the norm's epsilon (with sumsq).
     Returns:
         [M, N] in x's dtype.
     Raises:
         ValueError: wrong dtype, rank, shape, layout or device, M > MAX_M, or a config with other keys.
     """
     m, n = check_gemm_operands(x, w, out, None, "w")
+    if sumsq is not None:
+        check_row_squares(sumsq, m, x.shape[1], x)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     if m and n:
-        _launch_tuned_or_pinned(_small_m_gemm, x, w, out, False, config)
+        tuner = _small_m_gemm if sumsq is None else _small_m_gemm_rstd
+        _launch_tuned_or_pinned(tuner, x, w, out, False, config, sumsq=sumsq, eps=eps)
     return out
 
 
-def _launch_tuned_or_pinned(tuner, x, w, out, silu_mul: bool, config: dict[str, int] | None) -> None:
+def _launch_tuned_or_pinned(tuner, x, w, out, silu_mul: bool, config: dict[str, int] | None, **fold) -> None:
     if config is None:
-        launch(tuner, x, w, out, silu_mul)
+        launch(tuner, x, w, out, silu_mul, **fold)
     else:
-        launch(_small_m_gemm_kernel, x, w, out, silu_mul, **pinned_meta(config, x.shape[1], CONFIG_KEYS))
+        launch(_small_m_gemm_kernel, x, w, out, silu_mul, **fold, **pinned_meta(config, x.shape[1], CONFIG_KEYS))
 
 
 def small_m_gemm_silu_mul(x: torch.Tensor, w_gate_up: torch.Tensor, out: torch.Tensor | None = None,
-                          config: dict[str, int] | None = None) -> torch.Tensor:
+                          config: dict[str, int] | None = None, sumsq: torch.Tensor | None = None,
+                          eps: float = 0.0) -> torch.Tensor:
     """silu(x @ gate^T) * (x @ up^T), the gate_up GEMM and SiLU·mul in one launch.
 
     Args:
@@ -342,6 +467,7 @@ def small_m_gemm_silu_mul(x: torch.Tensor, w_gate_up: torch.Tensor, out: torch.T
         w_gate_up: [2I, K] in x's dtype: gate rows [0, I), up rows [I, 2I) (LlamaMLP's gate_up_proj).
         out: optional [M, I] buffer in x's dtype, last dimension contiguous.
         config: a pinned launch config, as small_m_gemm's.
+        sumsq, eps: as small_m_gemm's (the products scaled before the activation).
     Returns:
         [M, I] in x's dtype: the unfused silu_mul(x @ w_gate_up^T), each step rounded as it rounds.
     Raises:
@@ -350,7 +476,44 @@ def small_m_gemm_silu_mul(x: torch.Tensor, w_gate_up: torch.Tensor, out: torch.T
     rows = w_gate_up.shape[0] if isinstance(w_gate_up, torch.Tensor) and w_gate_up.dim() == 2 else 1
     require(rows % 2 == 0, f"w_gate_up must have an even number of rows (gate, then up), got {rows}")
     m, cols = check_gemm_operands(x, w_gate_up, out, rows // 2, "w_gate_up")
+    if sumsq is not None:
+        check_row_squares(sumsq, m, x.shape[1], x)
     out = torch.empty(m, cols, dtype=x.dtype, device=x.device) if out is None else out
     if m and cols:
-        _launch_tuned_or_pinned(_small_m_gemm_silu, x, w_gate_up, out, True, config)
+        tuner = _small_m_gemm_silu if sumsq is None else _small_m_gemm_silu_rstd
+        _launch_tuned_or_pinned(tuner, x, w_gate_up, out, True, config, sumsq=sumsq, eps=eps)
     return out
+
+
+def check_stream(stream: torch.Tensor, m: int, n: int, x: torch.Tensor) -> None:
+    """stream: [m, n] float32 on x's device, last dimension contiguous (ValueError otherwise)."""
+    check_tensor(stream, "stream", ndim=2, dtypes=(torch.float32,), device=x.device)
+    check_shape(stream, "stream", (m, n))
+    check_inner_contiguous(stream, "stream")
+
+
+def small_m_gemm_to_stream(x: torch.Tensor, w: torch.Tensor, stream: torch.Tensor,
+                           config: dict[str, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """stream += x @ w^T (float32 sums, in place), for a projection that feeds the residual stream (o_proj,
+    down_proj) when the next decoder norm is folded into the projection after it.
+
+    Args:
+        x, w, config: as small_m_gemm's (N = w's rows).
+        stream: [M, N] float32, the residual stream, updated in place.
+    Returns:
+        (out [M, N] the new stream rounded to x's dtype, the next projection's input; sumsq
+        [M, sumsq_slots(N)] float32, the new stream's sums of squares over each SUMSQ_GROUP columns, which
+        small_m_gemm(out, ..., sumsq=sumsq) turns into the norm's 1 / rms).
+    Raises:
+        ValueError: as small_m_gemm, or a stream of another shape, dtype or device.
+    """
+    m, n = check_gemm_operands(x, w, None, None, "w")
+    check_stream(stream, m, n, x)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    sumsq = torch.empty(m, sumsq_slots(n), dtype=torch.float32, device=x.device)
+    if config is not None:
+        require(config.get("BLOCK_N", 0) >= SUMSQ_GROUP,
+                f"a stream-feeding launch takes column tiles of at least {SUMSQ_GROUP}, got {config!r}")
+    if m and n:
+        _launch_tuned_or_pinned(_small_m_gemm_stream, x, w, out, False, config, stream=stream, sumsq=sumsq)
+    return out, sumsq

@@ -34,18 +34,24 @@ from sits.kernels.gemm_small_m import (
     _block_m,
     _row_sums,
     _weight_rows,
+    add_to_stream,
     check_gemm_operands,
+    load_stream_tile,
+    check_stream,
+    fold_arguments,
     pinned_meta,
     pipeline_tiles,
     small_m_rows_bucket,
     store_out,
+    sumsq_slots,
 )
 from sits.kernels.launch_utils import autotune, check_tensor, is_interpreter, require
 from sits.kernels.pdl import pdl_launch_options, pdl_wait
 from sits.kernels.reference import small_m_gemm_reference
 from sits.kernels.small_m_table import SPLITK_CONFIG_KEYS
 
-__all__ = ["MAX_SPLIT_K", "MIN_BLOCK_N", "counters_needed", "small_m_gemm_splitk", "small_m_gemm_reference"]
+__all__ = ["MAX_SPLIT_K", "MIN_BLOCK_N", "counters_needed", "small_m_gemm_splitk", "small_m_gemm_splitk_to_stream",
+           "small_m_gemm_reference"]
 
 MAX_SPLIT_K = 8  # the workspace is sized for the widest split of any config
 MIN_BLOCK_N = 32  # the narrowest column tile of any config: one counter per tile of it
@@ -89,12 +95,16 @@ def _smem(config: triton.Config, block_m: int) -> int:
 @triton.jit(do_not_specialize=["M", "M_BUCKET"])  # one binary per row tile, not per batch size
 def _splitk_kernel(
     x_ptr, w_ptr, out_ptr, ws_ptr, counters_ptr, M, N, K, stride_xm, stride_wn, stride_om, M_BUCKET,
+    stream_ptr, sumsq_ptr, stride_sm, stride_qm, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr, USE_PDL: tl.constexpr = False,
+    STREAM: tl.constexpr = False, RSTD_SLOTS: tl.constexpr = 0,
 ):  # fmt: skip
     """out [M, N] = x @ w^T; grid (cdiv(N, BLOCK_N), SPLIT_K). Program (j, s) sums K slice s (a whole number of
     BLOCK_K tiles) of column tile j into ws[s] ([SPLIT_K, BLOCK_M, N] float32), and the tile's last arrival on
-    counters[j] adds ws[0..SPLIT_K) in that order and writes out."""
+    counters[j] adds ws[0..SPLIT_K) in that order and writes out; with STREAM it adds that to the float32 stream
+    instead and writes the new stream rounded, and its sums of squares (gemm_small_m.add_to_stream).
+    RSTD_SLOTS is not taken here (the row-scaled launches run the direct kernel); eps is unused."""
     pdl_wait(USE_PDL)
     pid_n, split = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -103,6 +113,8 @@ def _splitk_kernel(
     k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_start = split * k_per_split
     k_len = tl.maximum(tl.minimum(k_per_split, K - k_start), 0)
+    if STREAM:  # every program of the tile loads it (its last arrival will need it): no load in the epilogue
+        old = load_stream_tile(stream_ptr, offs_m, pid_n * BLOCK_N, in_m, N, stride_sm, BLOCK_N)
     sums = _row_sums(x_ptr + k_start, w_ptr + k_start, offs_m.to(tl.int64), in_m, _weight_rows(N, BLOCK_N, False),
                      k_len, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, EVEN_K, DOT_FP32)  # fmt: skip
     tile = offs_m[:, None] * N + offs_n[None, :]
@@ -112,11 +124,18 @@ def _splitk_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for s in tl.static_range(SPLIT_K):
             acc += tl.load(ws_ptr + s * BLOCK_M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
-        store_out(out_ptr, acc, offs_m, offs_n, in_m, N, stride_om, BLOCK_M, BLOCK_N, False)
+        if STREAM:
+            add_to_stream(stream_ptr, out_ptr, sumsq_ptr, old, acc, offs_m, pid_n * BLOCK_N, in_m, N, stride_sm,
+                          stride_om, stride_qm, BLOCK_N)  # fmt: skip
+        else:
+            store_out(out_ptr, acc, offs_m, offs_n, in_m, N, stride_om, BLOCK_M, BLOCK_N, False)
 
 
 _splitk_kernel_even_k = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(_splitk_kernel)
 _small_m_gemm_splitk = autotune(GPU_CONFIGS, INTERPRETER_CONFIG, ("N", "K", "M_BUCKET"), _prune)(_splitk_kernel_even_k)
+# the stream-feeding launches (folded norms) tune apart: their epilogue differs
+_small_m_gemm_splitk_stream = autotune(GPU_CONFIGS, INTERPRETER_CONFIG, ("N", "K", "M_BUCKET"), _prune,
+                                       restore_value=["stream_ptr"])(_splitk_kernel_even_k)  # in place: restored
 
 
 def counters_needed(n: int) -> int:
@@ -124,16 +143,19 @@ def counters_needed(n: int) -> int:
     return triton.cdiv(n, MIN_BLOCK_N)
 
 
-def launch(kernel, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, counters: torch.Tensor, **meta) -> None:
-    """Launch `kernel` (the autotuner, or the raw jit kernel with every constexpr in `meta`) from checked operands."""
+def launch(kernel, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, counters: torch.Tensor,
+           stream: torch.Tensor | None = None, sumsq: torch.Tensor | None = None, **meta) -> None:
+    """Launch `kernel` (the autotuner, or the raw jit kernel with every constexpr in `meta`) from checked operands;
+    with `stream`, feeding it and writing `sumsq` (see the kernel)."""
     m, k = x.shape
     n = out.shape[1]
     block_m = _block_m(m)
     ws = torch.empty(MAX_SPLIT_K * block_m * n, dtype=torch.float32, device=x.device)
     grid = lambda meta_: (triton.cdiv(n, meta_["BLOCK_N"]), meta_["SPLIT_K"])  # noqa: E731
+    fold_args, fold_meta = fold_arguments(x, stream, sumsq, 0.0, scale_rows=False)
     kernel[grid](
         x, w, out, ws, counters, m, n, k, x.stride(0), w.stride(0), out.stride(0), small_m_rows_bucket(m),
-        BLOCK_M=block_m, DOT_FP32=is_interpreter(), **{**pdl_launch_options(x.device), **meta},
+        *fold_args, BLOCK_M=block_m, DOT_FP32=is_interpreter(), **{**pdl_launch_options(x.device), **fold_meta, **meta},
     )  # fmt: skip
 
 
@@ -166,13 +188,35 @@ def small_m_gemm_splitk(x: torch.Tensor, w: torch.Tensor, counters: torch.Tensor
     m, n = check_gemm_operands(x, w, out, None, "w")
     check_counters(counters, n, x.device)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
-    if not (m and n):
-        return out
-    if config is None:
-        launch(_small_m_gemm_splitk, x, w, out, counters)
-    else:
-        meta = pinned_meta(config, x.shape[1], SPLITK_CONFIG_KEYS)
-        require(meta["SPLIT_K"] <= MAX_SPLIT_K and meta["BLOCK_N"] >= MIN_BLOCK_N,
-                f"a pinned split-K config takes SPLIT_K <= {MAX_SPLIT_K} and BLOCK_N >= {MIN_BLOCK_N}, got {config!r}")
-        launch(_splitk_kernel, x, w, out, counters, **meta)
+    if m and n:
+        _launch_tuned_or_pinned(_small_m_gemm_splitk, x, w, out, counters, config)
     return out
+
+
+def _launch_tuned_or_pinned(tuner, x, w, out, counters, config: dict[str, int] | None, **fold) -> None:
+    if config is None:
+        launch(tuner, x, w, out, counters, **fold)
+        return
+    meta = pinned_meta(config, x.shape[1], SPLITK_CONFIG_KEYS)
+    require(meta["SPLIT_K"] <= MAX_SPLIT_K and meta["BLOCK_N"] >= MIN_BLOCK_N,
+            f"a pinned split-K config takes SPLIT_K <= {MAX_SPLIT_K} and BLOCK_N >= {MIN_BLOCK_N}, got {config!r}")
+    launch(_splitk_kernel, x, w, out, counters, **fold, **meta)
+
+
+def small_m_gemm_splitk_to_stream(x: torch.Tensor, w: torch.Tensor, counters: torch.Tensor, stream: torch.Tensor,
+                                  config: dict[str, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """stream += x @ w^T in place, K split over programs: gemm_small_m.small_m_gemm_to_stream's contract (out the
+    new stream rounded to x's dtype, sumsq its sums of squares) on this kernel; counters and config as
+    small_m_gemm_splitk's.
+
+    Raises:
+        ValueError: as small_m_gemm_splitk, or a stream of another shape, dtype or device.
+    """
+    m, n = check_gemm_operands(x, w, None, None, "w")
+    check_counters(counters, n, x.device)
+    check_stream(stream, m, n, x)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    sumsq = torch.empty(m, sumsq_slots(n), dtype=torch.float32, device=x.device)
+    if m and n:
+        _launch_tuned_or_pinned(_small_m_gemm_splitk_stream, x, w, out, counters, config, stream=stream, sumsq=sumsq)
+    return out, sumsq

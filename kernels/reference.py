@@ -214,6 +214,35 @@ def small_m_gemm_silu_mul_reference(x: torch.Tensor, w_gate_up: torch.Tensor) ->
     return silu_mul_reference(small_m_gemm_reference(x, w_gate_up))
 
 
+def small_m_gemm_to_stream_reference(x: torch.Tensor, w: torch.Tensor, stream: torch.Tensor,
+                                     group: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """stream [M, N] float32 += x [M, K] @ w [N, K]^T (float32 sums, in place) -> (the new stream rounded to x's
+    dtype [M, N], its sums of squares over each `group` columns [M, cdiv(N, group)] float32; the default is the
+    kernels' gemm_small_m.SUMSQ_GROUP, which tests/kernels/test_gemm_small_m_fold.py checks)."""
+    stream += x.float() @ w.float().t()
+    m, n = stream.shape
+    slots = -(-n // group)
+    squares = F.pad(stream * stream, (0, slots * group - n)).view(m, slots, group).sum(-1)
+    return stream.to(x.dtype), squares
+
+
+def row_rstd_reference(sumsq: torch.Tensor, k: int, eps: float) -> torch.Tensor:
+    """1 / rms of each row from its sums of squares sumsq [M, slots] over k columns: [M, 1] float32."""
+    return torch.rsqrt(sumsq.sum(-1, keepdim=True) / k + eps)
+
+
+def small_m_gemm_rstd_reference(x: torch.Tensor, w: torch.Tensor, sumsq: torch.Tensor, eps: float) -> torch.Tensor:
+    """(x [M, K] @ w [N, K]^T) * row_rstd_reference(sumsq, K, eps), float32 sums -> [M, N] in x's dtype: the
+    decoder norm folded into the projection (the norm weight inside w)."""
+    return ((x.float() @ w.float().t()) * row_rstd_reference(sumsq, x.shape[-1], eps)).to(x.dtype)
+
+
+def small_m_gemm_silu_mul_rstd_reference(x: torch.Tensor, w_gate_up: torch.Tensor, sumsq: torch.Tensor,
+                                         eps: float) -> torch.Tensor:
+    """silu_mul_reference of small_m_gemm_rstd_reference: the products scaled, rounded, then the activation."""
+    return silu_mul_reference(small_m_gemm_rstd_reference(x, w_gate_up, sumsq, eps))
+
+
 # --- quantized GEMMs ------------------------------------------------------------------------
 
 

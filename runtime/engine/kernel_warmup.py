@@ -229,7 +229,7 @@ def run_gemm_plan(model: torch.nn.Module, dtype: torch.dtype, rows: Iterable[int
 
 def _small_m_buckets(module: DecodeLinear) -> tuple[frozenset[int], ...]:
     return (module.direct_buckets, module.splitk_buckets, module.silu_mul_buckets, module.norm_buckets,
-            module.norm_silu_mul_buckets)
+            module.norm_silu_mul_buckets, module.fold_buckets)
 
 
 def small_m_layers(model: torch.nn.Module) -> list[DecodeLinear]:
@@ -239,7 +239,7 @@ def small_m_layers(model: torch.nn.Module) -> list[DecodeLinear]:
     layers: dict[tuple, DecodeLinear] = {}
     for module in model.modules():
         if isinstance(module, DecodeLinear) and any(_small_m_buckets(module)):
-            signature = (tuple(module.weight.shape), module.weight.dtype, *_small_m_buckets(module))
+            signature = (tuple(module.weight.shape), module.weight.dtype, module.fold_role, *_small_m_buckets(module))
             layers.setdefault(signature, module)
     return list(layers.values())
 
@@ -262,9 +262,9 @@ def _run_norm_fused(layer: DecodeLinear, inputs: torch.Tensor, stream_dtype: tor
 
 def run_small_m_plan(model: torch.nn.Module, rows: Iterable[int]) -> int:
     """Run each distinct small-M layer of `model` (`small_m_layers`) on every row count whose bucket it runs
-    on the direct kernel, its fused SiLU·mul on those of its SiLU·mul buckets, and its fused norm (with and
-    without a residual stream in the model's `residual_dtype`) on those of its norm buckets; returns the
-    launches."""
+    on the direct kernel, its fused SiLU·mul on those of its SiLU·mul buckets, its fused norm (with and
+    without a residual stream in the model's `residual_dtype`) on those of its norm buckets, and its folded-norm
+    launch on those of its fold buckets; returns the launches."""
     rows = sorted(rows)
     launches = 0
     for layer in small_m_layers(model) if rows else []:
@@ -278,4 +278,24 @@ def run_small_m_plan(model: torch.nn.Module, rows: Iterable[int]) -> int:
                 layer.silu_mul(inputs[:count])
                 launches += 1
             launches += _run_norm_fused(layer, inputs[:count], stream_dtype)
+            launches += _run_folded(layer, inputs[:count])
     return launches
+
+
+def _run_folded(layer: DecodeLinear, inputs: torch.Tensor) -> int:
+    """The folded norms' launch of one bucket (inputs: its rows) in the layer's role (norm_fold.py); returns the
+    launches (0 or 1)."""
+    rows = inputs.shape[0]
+    if m_bucket(rows) not in layer.fold_buckets:
+        return 0
+    if layer.fold_role == "stream":
+        layer.to_stream(inputs, torch.zeros(rows, layer.out_features, dtype=torch.float32, device=inputs.device))
+        return 1
+    from sits.kernels.gemm_small_m import sumsq_slots
+
+    sumsq = torch.ones(rows, sumsq_slots(layer.in_features), dtype=torch.float32, device=inputs.device)
+    if layer.fold_role == "scale_silu_mul":
+        layer.scaled_silu_mul(inputs, sumsq, 1e-5)
+    else:
+        layer.scaled(inputs, sumsq, 1e-5)
+    return 1

@@ -26,6 +26,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from sits.kernels.small_m_table import MAX_M, m_bucket
 from sits.runtime.attention.backend import AttentionBackend, AttentionMetadata
 from sits.runtime.engine.kv_cache_fp8 import scale_kwargs
 from sits.runtime.models.config import LlamaConfig
@@ -148,6 +149,18 @@ class LlamaAttention(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """The rest of `forward` after qkv_proj: qkv [num_tokens, q_size + 2 kv_size] → [num_tokens, hidden]."""
+        return self.o_proj(self.attend_heads(qkv, positions, cos_sin_cache, kv_cache, metadata))
+
+    def attend_heads(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """RoPE, the KV-cache write and attention: qkv [num_tokens, q_size + 2 kv_size] → the heads' outputs
+        [num_tokens, q_size], o_proj's input."""
         num_tokens = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -158,7 +171,7 @@ class LlamaAttention(nn.Module):
         # RoPE, the KV-cache write and attention: the back end may fuse them (Triton's decode rows do)
         out = self.backend.rope_write_attend(q, k, v, positions, cos_sin_cache, k_cache, v_cache, metadata,
                                              self.scale, **scales)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return out.reshape(num_tokens, self.q_size)
 
 
 class LlamaMLP(nn.Module):
@@ -245,6 +258,34 @@ class LlamaDecoderLayer(nn.Module):
         normed, residual = norm(attention, residual)  # residual += attention
         return mlp(normed), residual
 
+    def forward_folded(
+        self,
+        x: torch.Tensor,
+        sumsq: torch.Tensor | None,
+        stream: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer of a decode step with its norms folded into the projections (runtime/models/norm_fold.py).
+
+        Args:
+            x: [num_tokens, hidden_size] model dtype: the stream rounded to it, as the previous layer's down_proj
+                wrote it; for the first layer (sumsq None) the input norm's output.
+            sumsq: [num_tokens, cdiv(hidden_size, 16)] float32, the stream's sums of squares, or None.
+            stream: [num_tokens, hidden_size] float32, the residual stream, updated in place (this layer's
+                attention and MLP outputs added).
+        Returns:
+            (x, sumsq) for the next layer (or, after the last, the stream's rounded copy and sums).
+        """
+        attn, mlp = self.self_attn, self.mlp
+        qkv = attn.qkv_proj(x) if sumsq is None else attn.qkv_proj.scaled(x, sumsq, self.input_layernorm.eps)
+        heads = attn.attend_heads(qkv, positions, cos_sin_cache, kv_cache, metadata)
+        x, sumsq = attn.o_proj.to_stream(heads, stream)
+        activated = mlp.gate_up_proj.scaled_silu_mul(x, sumsq, self.post_attention_layernorm.eps)
+        return mlp.down_proj.to_stream(activated, stream)
+
 
 class LlamaModel(nn.Module):
     def __init__(self, config: LlamaConfig, backend: AttentionBackend, ops: KernelOps = TORCH_OPS) -> None:
@@ -276,10 +317,13 @@ class LlamaForCausalLM(nn.Module):
             GEMMs, the KV cache, attention and collectives keep the model dtype. No-op in float32.
         activation_dtype: the dtype of every activation between the kernels (None: the model dtype). float32
             in a half-precision model with --activation-dtype float32 (`use_activation_dtype`).
+        fold_buckets: the M buckets (row counts up to 64) whose steps run with the decoder norms folded into the
+            projections (`forward_folded`; set at start-up by norm_fold.fold_decoder_norms; empty: none).
     """
 
     residual_dtype: torch.dtype | None = torch.float32
     activation_dtype: torch.dtype | None = None
+    fold_buckets: frozenset[int] = frozenset()
 
     def __init__(self, config: LlamaConfig, backend: AttentionBackend, max_positions: int | None = None) -> None:
         super().__init__()
@@ -353,6 +397,8 @@ class LlamaForCausalLM(nn.Module):
         that follows it, the last MLP's into the final norm: 2 norm kernels per layer + 1, no other
         element-wise kernel outside attention and the MLP.
         """
+        if self.fold_buckets and input_ids.shape[0] <= MAX_M and m_bucket(input_ids.shape[0]) in self.fold_buckets:
+            return self.forward_folded(input_ids, positions, kv_caches, metadata)
         hidden = self.model.embed_tokens(input_ids)
         stream_dtype = self.residual_dtype or hidden.dtype
         residual: torch.Tensor | None = None
@@ -361,6 +407,26 @@ class LlamaForCausalLM(nn.Module):
                                      stream_dtype)
         normed, _ = self.model.norm(hidden, residual, stream_dtype)  # residual += last MLP output
         return normed
+
+    def forward_folded(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """`forward` with the decoder norms folded into the projections (a step of at most 64 rows in
+        `fold_buckets`; runtime/models/norm_fold.py): the first layer's input norm starts the float32 stream,
+        each layer adds to it in place (`LlamaDecoderLayer.forward_folded`), the final norm reads it.
+        Returns [num_tokens, hidden_size] in the model dtype, as `forward`."""
+        hidden = self.model.embed_tokens(input_ids)
+        layers = self.model.layers
+        x, stream = layers[0].input_layernorm(hidden, stream_dtype=torch.float32)
+        sumsq = None
+        for layer, kv_cache in zip(layers, kv_caches, strict=True):
+            x, sumsq = layer.forward_folded(x, sumsq, stream, positions, self.cos_sin_cache, kv_cache, metadata)
+        norm = self.model.norm
+        return norm.ops.rms_norm(stream, norm.weight, norm.eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden_size] → logits [N, vocab_size] float32 (computed in float32, see LMHead)."""

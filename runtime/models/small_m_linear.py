@@ -33,7 +33,10 @@ from torch import nn
 
 from sits.kernels.reference import (
     small_m_gemm_reference,
+    small_m_gemm_rstd_reference,
     small_m_gemm_silu_mul_reference,
+    small_m_gemm_silu_mul_rstd_reference,
+    small_m_gemm_to_stream_reference,
     small_m_norm_gemm_reference,
     small_m_norm_gemm_silu_mul_reference,
 )
@@ -78,6 +81,11 @@ class DecodeLinear(nn.Linear):
         norm_buckets: M buckets (<= 8) whose preceding decoder norm and this GEMM run as one launch
             (`norm_linear`; no bias).
         norm_silu_mul_buckets: the same with the SiLU·mul fused as well (`norm_silu_mul`; gated layers).
+        fold_buckets: M buckets at which the model runs this layer with the decoder norms folded
+            (runtime/models/norm_fold.py); fold_role says how: "stream" (o_proj, down_proj: `to_stream`),
+            "scale" (qkv_proj: `scaled`), "scale_silu_mul" (gate_up_proj: `scaled_silu_mul`).
+        fold_pinned: M bucket -> the config a "scale" layer's folded launch pins where the table pinned none
+            for its plain GEMM there (the nearest bucket's direct config).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, gated: bool = False,
@@ -97,6 +105,10 @@ class DecodeLinear(nn.Linear):
         self._gemm_silu_mul: Gemm = _silu_mul_reference
         self._norm_gemm: NormGemm = small_m_norm_gemm_reference
         self._norm_gemm_silu_mul: NormGemm = small_m_norm_gemm_silu_mul_reference
+        self._fold_kernels: tuple[Callable, ...] = FOLD_REFERENCES
+        self.fold_buckets: frozenset[int] = frozenset()
+        self.fold_role = ""
+        self.fold_pinned: dict[int, dict[str, int]] = {}
 
     def _direct_rows(self, x: torch.Tensor, buckets: frozenset[int]) -> int:
         """x's row count when it runs the direct kernel at `buckets`, else 0 (host-side: shapes and dtypes)."""
@@ -157,6 +169,29 @@ class DecodeLinear(nn.Linear):
         fused = self._norm_gemm_silu_mul if silu_mul else self._norm_gemm
         return fused(x, residual, norm_weight, eps, self.weight, stream_dtype=stream_dtype)
 
+    def scaled(self, x: torch.Tensor, sumsq: torch.Tensor, eps: float) -> torch.Tensor:
+        """The folded decoder norm and this projection (`fold_role` "scale"): x [M, in] the stream rounded to the
+        weight's dtype, sumsq [M, cdiv(in, 16)] its sums of squares (`to_stream`) -> x @ W^T with each row
+        scaled by 1 / rms, [M, out_features], on the direct kernel (W holds the norm weight)."""
+        bucket = m_bucket(x.shape[0])
+        config = self.fold_pinned.get(bucket) or (None if bucket in self.splitk_buckets else self.pinned.get(bucket))
+        out = self._fold_kernels[0](x, self.weight, config=config, sumsq=sumsq, eps=eps)
+        return out if self.bias is None else out + self.bias
+
+    def scaled_silu_mul(self, x: torch.Tensor, sumsq: torch.Tensor, eps: float) -> torch.Tensor:
+        """`scaled` with the SiLU·mul (`fold_role` "scale_silu_mul", a gated layer): [M, out_features / 2]."""
+        return self._fold_kernels[1](x, self.weight, config=self.silu_pinned.get(m_bucket(x.shape[0])),
+                                     sumsq=sumsq, eps=eps)
+
+    def to_stream(self, x: torch.Tensor, stream: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """stream [M, out] float32 += x [M, in] @ W^T in place (`fold_role` "stream") -> (the new stream rounded to
+        the weight's dtype [M, out], its sums of squares [M, cdiv(out, 16)] float32): the split-K kernel at its
+        buckets, else the direct one."""
+        bucket = m_bucket(x.shape[0])
+        if self.splitk_counters is not None and bucket in self.splitk_buckets:
+            return self._fold_kernels[3](x, self.weight, self.splitk_counters, stream, config=self.pinned.get(bucket))
+        return self._fold_kernels[2](x, self.weight, stream, config=self.pinned.get(bucket))
+
     def extra_repr(self) -> str:
         extra = f", direct GEMM at M buckets {sorted(self.direct_buckets)}" if self.direct_buckets else ""
         if self.splitk_buckets:
@@ -167,6 +202,8 @@ class DecodeLinear(nn.Linear):
             extra += f", SiLU·mul fused at M buckets {sorted(self.silu_mul_buckets)}"
         if self.norm_buckets or self.norm_silu_mul_buckets:
             extra += f", norm fused at M buckets {sorted(self.norm_buckets | self.norm_silu_mul_buckets)}"
+        if self.fold_buckets:
+            extra += f", folded norm ({self.fold_role}) at M buckets {sorted(self.fold_buckets)}"
         return super().extra_repr() + extra
 
 
@@ -183,6 +220,38 @@ def _splitk_reference(x: torch.Tensor, w: torch.Tensor, counters: torch.Tensor,
                       config: dict[str, int] | None = None) -> torch.Tensor:
     """The split-K GEMM's reference (the counters and a pinned config are the kernel's only)."""
     return small_m_gemm_reference(x, w)
+
+
+def _rstd_reference(x, w, config=None, sumsq=None, eps=0.0):
+    return small_m_gemm_rstd_reference(x, w, sumsq, eps)
+
+
+def _silu_rstd_reference(x, w, config=None, sumsq=None, eps=0.0):
+    return small_m_gemm_silu_mul_rstd_reference(x, w, sumsq, eps)
+
+
+def _to_stream_reference(x, w, stream, config=None):
+    return small_m_gemm_to_stream_reference(x, w, stream)
+
+
+def _splitk_to_stream_reference(x, w, counters, stream, config=None):
+    return small_m_gemm_to_stream_reference(x, w, stream)
+
+
+# the folded norms' launches: (row-scaled GEMM, row-scaled GEMM + SiLU·mul, stream-feeding GEMM, its split-K form)
+FOLD_REFERENCES = (_rstd_reference, _silu_rstd_reference, _to_stream_reference, _splitk_to_stream_reference)
+
+
+def fold_kernels(device: torch.device) -> tuple[Callable, ...]:
+    """The folded norms' Triton launches on CUDA or under Triton's interpreter, else FOLD_REFERENCES."""
+    from sits.kernels.launch_utils import is_interpreter
+
+    if device.type == "cuda" or is_interpreter():
+        from sits.kernels.gemm_small_m import small_m_gemm, small_m_gemm_silu_mul, small_m_gemm_to_stream
+        from sits.kernels.gemm_small_m_splitk import small_m_gemm_splitk_to_stream
+
+        return small_m_gemm, small_m_gemm_silu_mul, small_m_gemm_to_stream, small_m_gemm_splitk_to_stream
+    return FOLD_REFERENCES
 
 
 def _splitk_kernel(device: torch.device) -> SplitKGemm:
