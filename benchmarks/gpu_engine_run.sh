@@ -16,6 +16,8 @@
 #          the overlap's gain is measured in the same session; transformers' figure is the bf16 step's
 #   itl-sync  the itl step with --no-async-scheduling
 #   bf16-16k  the bf16 step with --max-num-batched-tokens 16384 (run after bf16: its RESULT line compares)
+#   bf16-fold0  the bf16 step with SITS_FOLD_NORMS=0: the decoder norms as launches of their own, not folded into
+#          the projections (runtime/models/norm_fold.py; run after bf16: its RESULT line compares)
 #   tests  tests/runtime/test_gpu_engine.py (Triton vs torch over 512 tokens, CUDA graphs on vs off,
 #          fp8 / int8 accuracy), tests/runtime/test_triton_backend.py and the engine's async-scheduling
 #          and persistent-batch tests (async on vs off: the same tokens with CUDA graphs) on the GPU, and
@@ -125,6 +127,14 @@ for step in $STEPS; do
       rc=$?
       figure=$(sits_tok_s bf16)
       [ $rc -eq 0 ] && [ -n "$figure" ] && result_line bf16-16k "$figure" "the bf16 step (this run, 8,192 a step)" \
+        "bf16 KV cache"
+      (exit $rc) ;;
+    bf16-fold0)  # the bf16 step with the decoder norms as launches of their own (run after bf16: its RESULT line compares)
+      SITS_FOLD_NORMS=0 timeout "${BF16_TIMEOUT:-420}" $BENCH --batch 32 --input-len 2048 --output-len 512 \
+        $(peer_flag bf16) --json "$LOG_DIR/bf16-fold0.json" >"$LOG_DIR/bf16-fold0.log" 2>&1
+      rc=$?
+      figure=$(sits_tok_s bf16)
+      [ $rc -eq 0 ] && [ -n "$figure" ] && result_line bf16-fold0 "$figure" "the bf16 step (this run, norms folded)" \
         "bf16 KV cache"
       (exit $rc) ;;
     sync)

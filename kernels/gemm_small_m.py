@@ -19,6 +19,15 @@ wgmma), and write silu(gate) * up rounded as the unfused path rounds it
 (each product rounded to the dtype as the GEMM stores it, silu in float32 rounded to the dtype, the
 product rounded again): one launch, no [M, 2I] intermediate in memory.
 
+The decoder norms folded into the projections (sits.runtime.models.norm_fold) use two more forms:
+
+    small_m_gemm_to_stream(x [M, K], w [N, K], stream [M, N] float32) -> (out [M, N], sumsq [M, cdiv(N, 32)])
+        stream += x @ w^T in place; out = the new stream rounded to x's dtype; sumsq = its rows' sums of
+        squares over every SUMSQ_GROUP (32) columns (o_proj and down_proj feeding the residual stream)
+    small_m_gemm(x, w, sumsq=sumsq, eps=eps), small_m_gemm_silu_mul(x, w, sumsq=sumsq, eps=eps)
+        each row's float32 sums scaled by rsqrt(sum(sumsq[m]) / K + eps) before the epilogue (the norm of the
+        stream x was rounded from, its weight already folded into w)
+
 The row count M is not specialized (`do_not_specialize`): one binary per row tile (16, 32 or 64
 rows), whatever the batch. Configs are autotuned per (N, K, bucket of M) and dtype.
 """

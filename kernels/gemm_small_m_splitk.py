@@ -17,6 +17,9 @@ the same launch:
 3. the last of the tile's SPLIT_K programs to arrive adds the partials in split order 0, 1, ... (the same
    sums whatever order the programs ran in), writes out in x's dtype and sets the counter back to 0.
 
+`small_m_gemm_splitk_to_stream(x, w, counters, stream)` is gemm_small_m.small_m_gemm_to_stream on this kernel: the
+last arrival adds the tile's sums to the float32 stream and writes the rounded copy and the sums of squares.
+
 So the counters belong to the caller and must outlive the launch (and any CUDA graph that captures it):
 `DecodeLinear` keeps one buffer per layer. Configs (BLOCK_N, BLOCK_K, warps, stages, SPLIT_K) are autotuned
 per (N, K, bucket of M) and dtype.
@@ -36,9 +39,9 @@ from sits.kernels.gemm_small_m import (
     _weight_rows,
     add_to_stream,
     check_gemm_operands,
-    load_stream_tile,
     check_stream,
     fold_arguments,
+    load_stream_tile,
     pinned_meta,
     pipeline_tiles,
     small_m_rows_bucket,

@@ -17,6 +17,8 @@ decode batches a measured table may fuse each of those norms into the projection
 launch for norm + qkv_proj, one for norm + gate_up_proj + SiLU·mul; `RMSNorm.fuses_into`). With fp8 w8a8
 projections the norms before qkv_proj and gate_up_proj write their rows already quantized per token (e4m3 and
 a scale: `RMSNorm.quantizes_for`), so those projections launch no quantization of their own.
+At the decode buckets where the small-M table runs every projection on a Triton kernel, the norms are folded
+into the projections instead (norm_fold.py, `LlamaForCausalLM.forward_folded`): no norm launch inside a layer.
 """
 
 from __future__ import annotations
@@ -138,18 +140,7 @@ class LlamaAttention(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """hidden: [num_tokens, hidden_size] → [num_tokens, hidden_size]."""
-        return self.attend(self.qkv_proj(hidden), positions, cos_sin_cache, kv_cache, metadata)
-
-    def attend(
-        self,
-        qkv: torch.Tensor,
-        positions: torch.Tensor,
-        cos_sin_cache: torch.Tensor,
-        kv_cache: KVCache,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        """The rest of `forward` after qkv_proj: qkv [num_tokens, q_size + 2 kv_size] → [num_tokens, hidden]."""
-        return self.o_proj(self.attend_heads(qkv, positions, cos_sin_cache, kv_cache, metadata))
+        return self.o_proj(self.attend_heads(self.qkv_proj(hidden), positions, cos_sin_cache, kv_cache, metadata))
 
     def attend_heads(
         self,
@@ -159,8 +150,8 @@ class LlamaAttention(nn.Module):
         kv_cache: KVCache,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        """RoPE, the KV-cache write and attention: qkv [num_tokens, q_size + 2 kv_size] → the heads' outputs
-        [num_tokens, q_size], o_proj's input."""
+        """The rest of `forward` after qkv_proj but o_proj: RoPE, the KV-cache write and attention, qkv
+        [num_tokens, q_size + 2 kv_size] → the heads' outputs [num_tokens, q_size], o_proj's input."""
         num_tokens = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -237,11 +228,11 @@ class LlamaDecoderLayer(nn.Module):
         attn, norm, mlp = self.self_attn, self.input_layernorm, self.mlp
         if norm.fuses_into(attn.qkv_proj, hidden):  # the norm and qkv_proj in one launch
             qkv, residual = norm.fused_linear(attn.qkv_proj, hidden, residual, stream_dtype or hidden.dtype)
-            attention = attn.attend(qkv, positions, cos_sin_cache, kv_cache, metadata)
+            attention = attn.o_proj(attn.attend_heads(qkv, positions, cos_sin_cache, kv_cache, metadata))
         elif norm.quantizes_for(attn.qkv_proj, hidden):  # fp8 w8a8: the norm quantizes qkv_proj's input
             normed_fp8, scale, residual = norm.quantized(hidden, residual, stream_dtype)
             qkv = attn.qkv_proj.forward_quantized(normed_fp8, scale, norm.weight.dtype)
-            attention = attn.attend(qkv, positions, cos_sin_cache, kv_cache, metadata)
+            attention = attn.o_proj(attn.attend_heads(qkv, positions, cos_sin_cache, kv_cache, metadata))
         else:
             if residual is None:
                 normed, residual = norm(hidden, stream_dtype=stream_dtype or hidden.dtype)
@@ -395,7 +386,8 @@ class LlamaForCausalLM(nn.Module):
         The residual stream starts as the embedding rows in `residual_dtype` (the cast fused into the
         first layer's input norm) and is carried from layer to layer; every add is fused into the norm
         that follows it, the last MLP's into the final norm: 2 norm kernels per layer + 1, no other
-        element-wise kernel outside attention and the MLP.
+        element-wise kernel outside attention and the MLP. A step of at most 64 rows in `fold_buckets` runs
+        `forward_folded` instead (two norm kernels in all).
         """
         if self.fold_buckets and input_ids.shape[0] <= MAX_M and m_bucket(input_ids.shape[0]) in self.fold_buckets:
             return self.forward_folded(input_ids, positions, kv_caches, metadata)
@@ -408,13 +400,8 @@ class LlamaForCausalLM(nn.Module):
         normed, _ = self.model.norm(hidden, residual, stream_dtype)  # residual += last MLP output
         return normed
 
-    def forward_folded(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[KVCache],
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
+    def forward_folded(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                       metadata: AttentionMetadata) -> torch.Tensor:
         """`forward` with the decoder norms folded into the projections (a step of at most 64 rows in
         `fold_buckets`; runtime/models/norm_fold.py): the first layer's input norm starts the float32 stream,
         each layer adds to it in place (`LlamaDecoderLayer.forward_folded`), the final norm reads it.

@@ -11,8 +11,10 @@ then up, no bias) whose SiLU·mul bucket holds M computes silu(gate) * up in the
 (`small_m_gemm_silu_mul`, called by LlamaMLP). At the smallest batches the decoder norm that feeds a
 projection may run in the same launch too (`norm_buckets`: qkv_proj after input_layernorm;
 `norm_silu_mul_buckets`: gate_up_proj + SiLU·mul after post_attention_layernorm; sits.kernels.gemm_small_m_norm,
-called by LlamaDecoderLayer). The choice is made on the host from the row count alone, so each CUDA-graph
-batch size captures one fixed path.
+called by LlamaDecoderLayer). Where the decoder norms are folded into the projections (norm_fold.py,
+`fold_buckets`), the model calls `to_stream` (o_proj, down_proj), `scaled` (qkv_proj) and `scaled_silu_mul`
+(gate_up_proj) instead at those buckets. The choice is made on the host from the row count alone, so each
+CUDA-graph batch size captures one fixed path.
 
 Where the buckets come from (`enable_small_m_gemm`, at engine start-up, CUDA only): the committed table
 kernels/small_m_gemm_table.json (sits.kernels.small_m_table, written by benchmarks/bench_gemm_small_m.py)

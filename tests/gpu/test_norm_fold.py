@@ -21,7 +21,7 @@ from sits.runtime.models.small_m_linear import SMALL_M_ENV, DecodeLinear
 from tests.runtime.test_gpu_engine import (
     DECISIVE_MARGIN,
     NEW_TOKENS,
-    agreement,
+    compare_picks,
     engine,
     generate,
     model,
@@ -71,12 +71,7 @@ def test_folded_norms_agree_with_the_norm_launches(small_m_table, monkeypatch):
     assert _folded(folded) == frozenset(BUCKETS)
     assert folded.runner.decode_graphs is not None
     folded_ids, folded_logprobs, _ = teacher_forced(folded, reference)
-    share = agreement(plain_ids, folded_ids)
-    pairs = [(margin, x == y) for rm, ra, rb in zip(margins, plain_ids, folded_ids, strict=True)
-             for margin, x, y in zip(rm, ra, rb, strict=True)]
-    decisive = [same for margin, same in pairs if margin >= DECISIVE_MARGIN]
-    errors = [abs(a - b) for ra, rb, ia, ib in zip(plain_logprobs, folded_logprobs, plain_ids, folded_ids, strict=True)
-              for a, b, x, y in zip(ra, rb, ia, ib, strict=True) if x == y]
+    share, decisive, _, errors = compare_picks(plain_ids, plain_logprobs, margins, folded_ids, folded_logprobs)
     print(f"\nRESULT folded norms vs norm launches (bf16, 4 x {NEW_TOKENS} positions, teacher-forced greedy): "
           f"agreement {share:.2%}; decisive {sum(decisive)}/{len(decisive)}; chosen-token |d logprob| max "
           f"{max(errors):.4f} mean {sum(errors) / len(errors):.5f}")

@@ -109,6 +109,19 @@ def teacher_forced(engine: LLMEngine, forced: list[list[int]]):
     return predictions, logprobs, margins
 
 
+def compare_picks(ref_ids, ref_logprobs, ref_margins, ids, logprobs):
+    """Teacher-forced picks against a reference's: (agreement, [agrees] at each position where the reference's
+    top-2 margin is >= DECISIVE_MARGIN, the reference's margins where they disagree (sorted), the chosen-token
+    |d logprob| where they agree)."""
+    pairs = [(margin, x == y) for rm, ra, rb in zip(ref_margins, ref_ids, ids, strict=True)
+             for margin, x, y in zip(rm, ra, rb, strict=True)]
+    decisive = [same for margin, same in pairs if margin >= DECISIVE_MARGIN]
+    missed = sorted(margin for margin, same in pairs if not same)
+    errors = [abs(a - b) for ra, rb, ia, ib in zip(ref_logprobs, logprobs, ref_ids, ids, strict=True)
+              for a, b, x, y in zip(ra, rb, ia, ib, strict=True) if x == y]
+    return agreement(ref_ids, ids), decisive, missed, errors
+
+
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     same = sum(x == y for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
     return same / sum(map(len, a))
@@ -124,13 +137,8 @@ def test_triton_back_end_agrees_with_torch_over_512_tokens(dtype, activations):
     triton_engine = engine(model("triton", dtype=dtype), enforce_eager=False, activation_dtype=activations)
     assert triton_engine.runner.decode_graphs is not None
     triton_ids, triton_logprobs, _ = teacher_forced(triton_engine, reference)
-    share = agreement(torch_ids, triton_ids)
-    pairs = [(margin, x == y) for rm, ra, rb in zip(torch_margins, torch_ids, triton_ids, strict=True)
-             for margin, x, y in zip(rm, ra, rb, strict=True)]
-    decisive = [same for margin, same in pairs if margin >= DECISIVE_MARGIN]
-    missed = sorted(margin for margin, same in pairs if not same)
-    errors = [abs(a - b) for ra, rb, ia, ib in zip(torch_logprobs, triton_logprobs, torch_ids, triton_ids, strict=True)
-              for a, b, x, y in zip(ra, rb, ia, ib, strict=True) if x == y]
+    share, decisive, missed, errors = compare_picks(torch_ids, torch_logprobs, torch_margins, triton_ids,
+                                                    triton_logprobs)
     label = str(dtype).removeprefix("torch.") + (f", {activations} activations" if activations != "auto" else "")
     print(f"\nRESULT triton vs torch ({label}, 4 x {NEW_TOKENS} positions, teacher-forced "
           f"greedy): agreement {share:.2%}, chosen-token |d logprob| max {max(errors):.4f} "

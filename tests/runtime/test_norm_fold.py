@@ -139,3 +139,24 @@ def test_nearest_pinned_config():
     assert nearest_pinned(pins, 8) == {"a": 2}  # a tie: the smaller bucket
     assert nearest_pinned(pins, 16) == {"a": 32}
     assert nearest_pinned({}, 4) is None
+
+
+def test_piecewise_steps_fold_as_eager_steps_do(tmp_path, monkeypatch):
+    """Steps with prompt tokens through the piecewise graphs' pieces (run eagerly over their static buffers and
+    holes on a CPU, captured on a GPU) take the folded path at its buckets and give the eager engine's tokens."""
+    from sits.runtime.models.llama import LlamaDecoderLayer
+    from tests.runtime.test_triton_backend import WAVES, engine_for, run_schedule, tiny_model
+
+    loaded = tiny_model("triton")
+    monkeypatch.setenv(SMALL_M_ENV, _table_file(tmp_path, loaded.model, splitk=frozenset({1})))
+    install_small_m_gemm(loaded.model, installed_table(str(loaded.device)))
+    assert fold_decoder_norms(loaded.model)
+    expected = run_schedule(engine_for(loaded, max_batched=16), WAVES)
+    folded_layers = []
+    real = LlamaDecoderLayer.forward_folded
+    monkeypatch.setattr(LlamaDecoderLayer, "forward_folded",
+                        lambda self, *args: folded_layers.append(args[0].shape[0]) or real(self, *args))
+    engine = engine_for(loaded, max_batched=16)
+    engine.runner.setup_piecewise_graphs([8, 16], capture=torch.cuda.is_available())
+    assert run_schedule(engine, WAVES) == expected
+    assert {8, 16} <= set(folded_layers)  # the padded buckets' pieces ran the folded layers
