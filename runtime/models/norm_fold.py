@@ -77,27 +77,35 @@ def nearest_pinned(pinned: dict[int, dict[str, int]], bucket: int) -> dict[str, 
 def fold_decoder_norms(model: nn.Module) -> frozenset[int]:
     """Fold every decoder norm of `model` into the projection it feeds and mark the buckets whose decode steps skip
     the norm launches (see the module doc); at start-up, after the small-M table is installed and before the
-    kernels' pre-tune. Returns the buckets (empty: nothing changed)."""
-    if os.environ.get(FOLD_ENV, "1").strip().lower() in ("0", "off", "false", "no"):
-        return frozenset()
-    buckets = fold_buckets(model)
-    if not buckets:
-        return frozenset()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            qkv, o_proj, gate_up, down = _projections(layer)
-            _fold(layer.input_layernorm, qkv)
-            _fold(layer.post_attention_layernorm, gate_up)
-            kernels = fold_kernels(qkv.weight.device)
-            for linear, role in ((qkv, "scale"), (o_proj, "stream"), (gate_up, "scale_silu_mul"), (down, "stream")):
-                linear.fold_buckets, linear.fold_role, linear._fold_kernels = buckets, role, kernels
-            direct_pins = {b: c for b, c in qkv.pinned.items() if b not in qkv.splitk_buckets}
-            qkv.fold_pinned = {b: nearest_pinned(direct_pins, b) for b in buckets
-                               if b not in direct_pins and nearest_pinned(direct_pins, b) is not None}
-    model.fold_buckets = buckets
-    logger.info("decoder norms folded into the projections: decode batches in M buckets %s launch no norm per layer",
-                sorted(buckets))
+    kernels' pre-tune. Returns the buckets (empty: no step folds). Folding twice changes nothing (the norms
+    are 1 by then); with SITS_FOLD_NORMS=0 a model folded before keeps its weights (the same model) but no step
+    takes the folded path."""
+    off = os.environ.get(FOLD_ENV, "1").strip().lower() in ("0", "off", "false", "no")
+    buckets = frozenset() if off else fold_buckets(model)
+    if buckets:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                qkv, _, gate_up, _ = _projections(layer)
+                _fold(layer.input_layernorm, qkv)
+                _fold(layer.post_attention_layernorm, gate_up)
+        logger.info("decoder norms folded into the projections: decode batches in M buckets %s launch no norm per "
+                    "layer", sorted(buckets))
+    if buckets or getattr(model, "fold_buckets", None):
+        _mark(model, buckets)
     return buckets
+
+
+def _mark(model: nn.Module, buckets: frozenset[int]) -> None:
+    """Give the model and each layer's projections their fold buckets, roles and kernels (empty: unmarked)."""
+    for layer in model.model.layers:
+        qkv, o_proj, gate_up, down = _projections(layer)
+        kernels = fold_kernels(qkv.weight.device)
+        for linear, role in ((qkv, "scale"), (o_proj, "stream"), (gate_up, "scale_silu_mul"), (down, "stream")):
+            linear.fold_buckets, linear.fold_role, linear._fold_kernels = buckets, role if buckets else "", kernels
+        direct_pins = {b: c for b, c in qkv.pinned.items() if b not in qkv.splitk_buckets}
+        qkv.fold_pinned = {b: nearest_pinned(direct_pins, b) for b in buckets
+                           if b not in direct_pins and nearest_pinned(direct_pins, b) is not None}
+    model.fold_buckets = buckets
 
 
 def _fold(norm: nn.Module, linear: DecodeLinear) -> None:

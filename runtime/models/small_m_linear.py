@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -107,7 +108,7 @@ class DecodeLinear(nn.Linear):
         self._gemm_silu_mul: Gemm = _silu_mul_reference
         self._norm_gemm: NormGemm = small_m_norm_gemm_reference
         self._norm_gemm_silu_mul: NormGemm = small_m_norm_gemm_silu_mul_reference
-        self._fold_kernels: tuple[Callable, ...] = FOLD_REFERENCES
+        self._fold_kernels: FoldKernels = FOLD_REFERENCES
         self.fold_buckets: frozenset[int] = frozenset()
         self.fold_role = ""
         self.fold_pinned: dict[int, dict[str, int]] = {}
@@ -177,13 +178,13 @@ class DecodeLinear(nn.Linear):
         scaled by 1 / rms, [M, out_features], on the direct kernel (W holds the norm weight)."""
         bucket = m_bucket(x.shape[0])
         config = self.fold_pinned.get(bucket) or (None if bucket in self.splitk_buckets else self.pinned.get(bucket))
-        out = self._fold_kernels[0](x, self.weight, config=config, sumsq=sumsq, eps=eps)
+        out = self._fold_kernels.scaled(x, self.weight, config=config, sumsq=sumsq, eps=eps)
         return out if self.bias is None else out + self.bias
 
     def scaled_silu_mul(self, x: torch.Tensor, sumsq: torch.Tensor, eps: float) -> torch.Tensor:
         """`scaled` with the SiLU·mul (`fold_role` "scale_silu_mul", a gated layer): [M, out_features / 2]."""
-        return self._fold_kernels[1](x, self.weight, config=self.silu_pinned.get(m_bucket(x.shape[0])),
-                                     sumsq=sumsq, eps=eps)
+        return self._fold_kernels.scaled_silu_mul(x, self.weight, config=self.silu_pinned.get(m_bucket(x.shape[0])),
+                                                  sumsq=sumsq, eps=eps)
 
     def to_stream(self, x: torch.Tensor, stream: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """stream [M, out] float32 += x [M, in] @ W^T in place (`fold_role` "stream") -> (the new stream rounded to
@@ -191,8 +192,9 @@ class DecodeLinear(nn.Linear):
         buckets, else the direct one."""
         bucket = m_bucket(x.shape[0])
         if self.splitk_counters is not None and bucket in self.splitk_buckets:
-            return self._fold_kernels[3](x, self.weight, self.splitk_counters, stream, config=self.pinned.get(bucket))
-        return self._fold_kernels[2](x, self.weight, stream, config=self.pinned.get(bucket))
+            return self._fold_kernels.splitk_to_stream(x, self.weight, self.splitk_counters, stream,
+                                                       config=self.pinned.get(bucket))
+        return self._fold_kernels.to_stream(x, self.weight, stream, config=self.pinned.get(bucket))
 
     def extra_repr(self) -> str:
         extra = f", direct GEMM at M buckets {sorted(self.direct_buckets)}" if self.direct_buckets else ""
@@ -240,11 +242,21 @@ def _splitk_to_stream_reference(x, w, counters, stream, config=None):
     return small_m_gemm_to_stream_reference(x, w, stream)
 
 
-# the folded norms' launches: (row-scaled GEMM, row-scaled GEMM + SiLU·mul, stream-feeding GEMM, its split-K form)
-FOLD_REFERENCES = (_rstd_reference, _silu_rstd_reference, _to_stream_reference, _splitk_to_stream_reference)
+class FoldKernels(NamedTuple):
+    """The folded norms' launches (norm_fold.py): the row-scaled GEMM (x, w, config=, sumsq=, eps=), the same with
+    the SiLU·mul, the stream-feeding GEMM (x, w, stream, config=) -> (out, sumsq) and its split-K form
+    (x, w, counters, stream, config=)."""
+
+    scaled: Callable[..., torch.Tensor]
+    scaled_silu_mul: Callable[..., torch.Tensor]
+    to_stream: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    splitk_to_stream: Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
-def fold_kernels(device: torch.device) -> tuple[Callable, ...]:
+FOLD_REFERENCES = FoldKernels(_rstd_reference, _silu_rstd_reference, _to_stream_reference, _splitk_to_stream_reference)
+
+
+def fold_kernels(device: torch.device) -> FoldKernels:
     """The folded norms' Triton launches on CUDA or under Triton's interpreter, else FOLD_REFERENCES."""
     from sits.kernels.launch_utils import is_interpreter
 
@@ -252,7 +264,7 @@ def fold_kernels(device: torch.device) -> tuple[Callable, ...]:
         from sits.kernels.gemm_small_m import small_m_gemm, small_m_gemm_silu_mul, small_m_gemm_to_stream
         from sits.kernels.gemm_small_m_splitk import small_m_gemm_splitk_to_stream
 
-        return small_m_gemm, small_m_gemm_silu_mul, small_m_gemm_to_stream, small_m_gemm_splitk_to_stream
+        return FoldKernels(small_m_gemm, small_m_gemm_silu_mul, small_m_gemm_to_stream, small_m_gemm_splitk_to_stream)
     return FOLD_REFERENCES
 
 

@@ -109,6 +109,14 @@ def test_where_folding_does_not_apply(tmp_path, monkeypatch):
     monkeypatch.setenv(FOLD_ENV, "0")
     assert fold_decoder_norms(model) == frozenset() and not model.fold_buckets
     monkeypatch.delenv(FOLD_ENV)
+    assert fold_decoder_norms(model) and model.fold_buckets  # then switched off for the next engine: unmarked
+    weights = copy.deepcopy(model.state_dict())
+    assert fold_decoder_norms(model) == model.fold_buckets  # again: the norms are 1, nothing moves
+    assert all(torch.equal(weights[name], value) for name, value in model.state_dict().items())
+    monkeypatch.setenv(FOLD_ENV, "off")
+    assert fold_decoder_norms(model) == frozenset() == model.fold_buckets
+    assert not any(m.fold_buckets or m.fold_role for m in small_m_layers(model))
+    monkeypatch.delenv(FOLD_ENV)
     no_silu = _installed(tmp_path, monkeypatch, ops=("linear",))  # gate_up without its fused SiLU·mul
     assert fold_buckets(no_silu) == frozenset()
     half_stream = _installed(tmp_path, monkeypatch)
