@@ -264,7 +264,7 @@ class LlamaDecoderLayer(nn.Module):
         Args:
             x: [num_tokens, hidden_size] model dtype: the stream rounded to it, as the previous layer's down_proj
                 wrote it; for the first layer (sumsq None) the input norm's output.
-            sumsq: [num_tokens, cdiv(hidden_size, 16)] float32, the stream's sums of squares, or None.
+            sumsq: [num_tokens, cdiv(hidden_size, 32)] float32, the stream's sums of squares, or None.
             stream: [num_tokens, hidden_size] float32, the residual stream, updated in place (this layer's
                 attention and MLP outputs added).
         Returns:

@@ -8,7 +8,7 @@ small-M GEMMs run (small_m_linear.py), `fold_decoder_norms` removes those launch
   (rounded to the weight's dtype), and the norm keeps weight 1, so every path (prefill, cuBLAS, the torch
   back end) computes the same model as before, up to that rounding;
 - the projection that feeds the stream (o_proj, down_proj) adds its float32 sums to the float32 stream in
-  its epilogue, writes the new stream rounded to the model dtype, and each row's sums of squares per 16
+  its epilogue, writes the new stream rounded to the model dtype, and each row's sums of squares per 32
   columns (`DecodeLinear.to_stream`, gemm_small_m.add_to_stream);
 - the next projection (qkv_proj, gate_up_proj + SiLU·mul) reads that rounded stream and scales each row of
   its float32 sums by 1 / rms from those sums of squares before its epilogue (`DecodeLinear.scaled`,

@@ -174,7 +174,7 @@ class DecodeLinear(nn.Linear):
 
     def scaled(self, x: torch.Tensor, sumsq: torch.Tensor, eps: float) -> torch.Tensor:
         """The folded decoder norm and this projection (`fold_role` "scale"): x [M, in] the stream rounded to the
-        weight's dtype, sumsq [M, cdiv(in, 16)] its sums of squares (`to_stream`) -> x @ W^T with each row
+        weight's dtype, sumsq [M, cdiv(in, 32)] its sums of squares (`to_stream`) -> x @ W^T with each row
         scaled by 1 / rms, [M, out_features], on the direct kernel (W holds the norm weight)."""
         bucket = m_bucket(x.shape[0])
         config = self.fold_pinned.get(bucket) or (None if bucket in self.splitk_buckets else self.pinned.get(bucket))
@@ -188,7 +188,7 @@ class DecodeLinear(nn.Linear):
 
     def to_stream(self, x: torch.Tensor, stream: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """stream [M, out] float32 += x [M, in] @ W^T in place (`fold_role` "stream") -> (the new stream rounded to
-        the weight's dtype [M, out], its sums of squares [M, cdiv(out, 16)] float32): the split-K kernel at its
+        the weight's dtype [M, out], its sums of squares [M, cdiv(out, 32)] float32): the split-K kernel at its
         buckets, else the direct one."""
         bucket = m_bucket(x.shape[0])
         if self.splitk_counters is not None and bucket in self.splitk_buckets:
