@@ -123,18 +123,26 @@ async def test_deployments_never_see_each_others_keys(redis_service):
         await two.close()
 
 
+async def until(predicate, seconds: float) -> bool:
+    """Poll `predicate` every 20 ms for up to `seconds` (generous: a loaded 2-core CI machine is slow to notice an
+    outage); whether it came true."""
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return True
+
+
 async def test_redis_killed_mid_load_then_restarted(caplog):
     """No call fails while Redis is down; afterwards Redis holds the replica's whole state again."""
     caplog.set_level(logging.INFO, logger="sits.runtime.tenancy.redis_store")
+    results = {"admitted": 0, "down_seen": 0}
+    stop = asyncio.Event()
     with redis_server() as service:
         port = service.port
         store = RedisStateStore(f"redis://127.0.0.1:{port}/0", deployment="crash", replica_id="r1", **FAST)
         await store.start()
-        document = parse_tenants({"tenants": [{"name": "finance", "apiKey": "sk-1", "requestsPerMinute": 10_000}]})
-        await store.put_tenant_table(document.to_document())
-        limits = Limits(requests=10_000, tokens=None)
-        results = {"admitted": 0, "down_seen": 0}
-        stop = asyncio.Event()
 
         async def load() -> None:  # a steady stream of requests, as a server would make
             while not stop.is_set():
@@ -146,39 +154,48 @@ async def test_redis_killed_mid_load_then_restarted(caplog):
                 store.publish_eviction_index({"finance": EvictionIndexEntry(results["admitted"], 0, 0, 0.0, 0)})
                 await asyncio.sleep(0.002)
 
-        task = asyncio.create_task(load())
-        await asyncio.sleep(0.3)
-        service.kill()
-        await asyncio.sleep(0.4)
-        assert not store.up
-        assert (await store.get_tenant_table()).version == 1  # served from local state
-        with pytest.raises(StateStoreUnavailable):
-            await store.put_tenant_table({"tenants": []})
-        with started(redis_argv(port), port, log_name="redis-again.log") as again:
-            for _ in range(100):
-                if store.up:
-                    break
-                await asyncio.sleep(0.05)
-            assert store.up
-            await asyncio.sleep(0.2)
+        task = None
+        try:  # a failed assertion must still stop the load and close the store, or the loop's teardown waits on them
+            document = parse_tenants({"tenants": [{"name": "finance", "apiKey": "sk-1", "requestsPerMinute": 10_000}]})
+            await store.put_tenant_table(document.to_document())
+            limits = Limits(requests=10_000, tokens=None)
+            task = asyncio.create_task(load())
+            await asyncio.sleep(0.3)
+            service.kill()
+            assert await until(lambda: not store.up, 10.0)
+            assert (await store.get_tenant_table()).version == 1  # served from local state
+            with pytest.raises(StateStoreUnavailable):
+                await store.put_tenant_table({"tenants": []})
+            with started(redis_argv(port), port, log_name="redis-again.log") as again:
+                assert await until(lambda: store.up, 20.0)
+                await asyncio.sleep(0.2)
+                stop.set()
+                await task  # the load never raised
+                await store.flush()
+                _check_written_back(raw(again), store)
+                await store.close()  # while Redis is up: its final write succeeds
+        finally:
             stop.set()
-            await task  # the load never raised
-            await store.flush()
-            client = raw(again)
-            usage = client.hgetall("sits:crash:usage:r1")
-            assert int(usage["finance|requests"]) == store._usage["finance"]["requests"] > 0
-            tenants = client.hgetall("sits:crash:tenants")
-            assert tenants["version"] == "1" and "finance" in tenants["document"]
-            for (tenant, index), (requests, tokens) in store._windows.mine.items():
-                if index >= window_index(time.time()) - 1:
-                    window = client.hgetall(f"sits:crash:rl:{tenant}:{index}")
-                    assert (int(window["r:r1"]), int(window["t:r1"])) == (requests, tokens)
-            assert client.hexists("sits:crash:eviction:r1", "finance")
-            await store.close()
+            if task is not None and not task.done():
+                task.cancel()
+            await store.close()  # after a failure (else a no-op)
     assert results["down_seen"] > 0 and results["admitted"] > 0
     messages = [r.getMessage() for r in caplog.records]
     assert sum("unreachable" in m for m in messages) == 1  # logged once per outage
     assert sum("reachable again" in m for m in messages) == 1
+
+
+def _check_written_back(client: redis.Redis, store: RedisStateStore) -> None:
+    """Redis holds the replica's usage, tenant table, current rate-limit windows and eviction index again."""
+    usage = client.hgetall("sits:crash:usage:r1")
+    assert int(usage["finance|requests"]) == store._usage["finance"]["requests"] > 0
+    tenants = client.hgetall("sits:crash:tenants")
+    assert tenants["version"] == "1" and "finance" in tenants["document"]
+    for (tenant, index), (requests, tokens) in store._windows.mine.items():
+        if index >= window_index(time.time()) - 1:
+            window = client.hgetall(f"sits:crash:rl:{tenant}:{index}")
+            assert (int(window["r:r1"]), int(window["t:r1"])) == (requests, tokens)
+    assert client.hexists("sits:crash:eviction:r1", "finance")
 
 
 async def test_a_store_started_while_redis_is_down_serves_and_catches_up(caplog):
