@@ -27,6 +27,11 @@ from sits.runtime.engine.request import CompletionOutput, FinishReason, RequestO
 from sits.runtime.engine.request_stream import RequestStream
 
 PROMPT_TEXT = "The quick brown fox jumps over the lazy dog"
+# The tokens an engine may add after the one that completed a stop string, before the client's abort reaches it: the
+# abort crosses from the client to the engine (another process, or another task), and the tiny model's steps take
+# about a millisecond, so a client descheduled for a few ms on a loaded 2-core machine sees the engine add several
+# (4 once in CI, on 2026-12-04). Far below the 200 tokens it would run on to without the abort.
+RUN_ON = 8
 # One engine of each kind (and one event loop) for the module: every test waits until its requests have left
 # the engine, and measures the engine's counters as differences.
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.asyncio(loop_scope="module")]
@@ -105,7 +110,7 @@ async def test_a_stop_string_ends_the_completion_like_offline_and_stops_the_engi
         assert "".join(o.outputs[0].text_delta for o in outputs) == expected.text
         await settled(client)  # the engine stopped the sequence and freed its blocks
         generated = client.stats().num_generation_tokens - before
-        assert generated <= len(expected.token_ids) + 3, "the engine ran on past the stop string"
+        assert generated <= len(expected.token_ids) + RUN_ON, "the engine ran on past the stop string"
 
 
 async def test_n2_a_stop_string_stops_only_the_completion_it_ended(client, tiny):
@@ -124,7 +129,7 @@ async def test_n2_a_stop_string_stops_only_the_completion_it_ended(client, tiny)
     assert any(not o.outputs[1].finished for o in outputs[ended_first:])  # the other one went on
     await settled(client)
     generated = client.stats().num_generation_tokens - before
-    assert generated <= len(first.token_ids) + 64 + 3, "the stopped completion kept running in the engine"
+    assert generated <= len(first.token_ids) + 64 + RUN_ON, "the stopped completion kept running in the engine"
 
 
 async def test_a_consumer_that_falls_behind_gets_the_missed_steps_merged_once(client, tiny):
