@@ -47,6 +47,7 @@ from sits.runtime.attention.backend import AttentionBackend, AttentionMetadata
 from sits.runtime.attention.registry import register_backend
 from sits.runtime.attention.split_counters import SplitCounters
 from sits.runtime.attention.torch_ref import write_kv_cache
+from sits.runtime.env_switch import env_switch
 from sits.runtime.models.kernel_ops import KernelOps, TritonKernelOps
 
 _TRITON_OPS = TritonKernelOps()
@@ -61,22 +62,16 @@ def _interpreter_on() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _env_switch(name: str) -> bool | None:
-    """An on / off environment variable: None when unset or empty, False for 0 / off / false / no."""
-    value = os.environ.get(name, "").strip().lower()
-    return None if not value else value not in ("0", "off", "false", "no")
-
-
 def fused_merge_env() -> bool | None:
     """SITS_DECODE_FUSED_MERGE=1 / 0 (a benchmark measuring both ways): whether decode launches merge inside
     the split kernel whatever attention_decode.FUSED_MERGE_DEFAULT says; None when unset."""
-    return _env_switch(FUSED_MERGE_ENV)
+    return env_switch(FUSED_MERGE_ENV)
 
 
 def fused_rope_env() -> bool | None:
     """SITS_DECODE_FUSED_ROPE=1 / 0 (a benchmark measuring both ways): whether decode rows get their RoPE + KV
     write inside the decode kernel whatever attention_decode.FUSED_ROPE_DEFAULT says; None when unset."""
-    return _env_switch(FUSED_ROPE_ENV)
+    return env_switch(FUSED_ROPE_ENV)
 
 
 @register_backend

@@ -28,11 +28,11 @@ activations, or SITS_FOLD_NORMS=0. Quantized, compiled and tensor-parallel model
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 from torch import nn
 
+from sits.runtime.env_switch import env_switch
 from sits.runtime.models.small_m_linear import DecodeLinear, fold_kernels
 
 logger = logging.getLogger(__name__)
@@ -80,8 +80,7 @@ def fold_decoder_norms(model: nn.Module) -> frozenset[int]:
     kernels' pre-tune. Returns the buckets (empty: no step folds). Folding twice changes nothing (the norms
     are 1 by then); with SITS_FOLD_NORMS=0 a model folded before keeps its weights (the same model) but no step
     takes the folded path."""
-    off = os.environ.get(FOLD_ENV, "1").strip().lower() in ("0", "off", "false", "no")
-    buckets = frozenset() if off else fold_buckets(model)
+    buckets = frozenset() if env_switch(FOLD_ENV) is False else fold_buckets(model)
     if buckets:
         with torch.no_grad():
             for layer in model.model.layers:
@@ -103,8 +102,8 @@ def _mark(model: nn.Module, buckets: frozenset[int]) -> None:
         for linear, role in ((qkv, "scale"), (o_proj, "stream"), (gate_up, "scale_silu_mul"), (down, "stream")):
             linear.fold_buckets, linear.fold_role, linear._fold_kernels = buckets, role if buckets else "", kernels
         direct_pins = {b: c for b, c in qkv.pinned.items() if b not in qkv.splitk_buckets}
-        qkv.fold_pinned = {b: nearest_pinned(direct_pins, b) for b in buckets
-                           if b not in direct_pins and nearest_pinned(direct_pins, b) is not None}
+        nearest = {b: nearest_pinned(direct_pins, b) for b in buckets if b not in direct_pins}
+        qkv.fold_pinned = {b: config for b, config in nearest.items() if config is not None}
     model.fold_buckets = buckets
 
 
