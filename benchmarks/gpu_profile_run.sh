@@ -35,6 +35,9 @@
 #   trace448fp8    the fp8-2k2k bench's run step by step (fp8 weights + fp8 cache, 448 prompts of 2,048 / 2,048
 #                  at once): decode-only step times apart from mixed ones; trace448fp8-tableoff: the same with
 #                  SITS_FP8_GEMM_TABLE=off (every fp8 GEMM on precise Triton)
+#   ncu            Nsight Compute on the decode step's kernels one launch each (benchmarks/ncu_decode_kernels.py:
+#                  the four projections as the small-M table routes them, and decode attention, at batches
+#                  $NCU_M, default 1,32; real clocks, caches flushed): LOG_DIR/ncu.log, ncu.csv, ncu.ncu-rep
 #   gemv           benchmarks/bench_gemm_small_m.py: the bf16 small-M direct GEMM (each config, then the autotuned
 #                  pick) and its gate_up + SiLU·mul fusion against cuBLAS (+ silu_mul) on Llama-3-8B's projections at
 #                  M = 1..64, and at M = 1..8 the decoder norm fused into qkv / gate_up + SiLU·mul against rms_norm then
@@ -123,6 +126,13 @@ for step in $STEPS; do
       --proj qkv,gate_up --m 1,2,4,8 --no-configs --table "$LOG_DIR/gemvnorm-table.json" ${GEMV_ARGS:-} \
       && python3 benchmarks/merge_small_m_table.py kernels/small_m_gemm_table.json "$LOG_DIR/gemvnorm-table.json" \
       "$LOG_DIR/small_m_gemm_table.json" norm_linear,norm_silu_mul ;;
+    ncu) ncu_bin=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      timeout 400 "$ncu_bin" --profile-from-start off --clock-control none --cache-control all -f -o "$LOG_DIR/ncu" \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+        --section WarpStateStats --section SchedulerStats \
+        python3 benchmarks/ncu_decode_kernels.py --m "${NCU_M:-1,32}" \
+        && "$ncu_bin" --import "$LOG_DIR/ncu.ncu-rep" --page details \
+        && "$ncu_bin" --import "$LOG_DIR/ncu.ncu-rep" --page details --csv >"$LOG_DIR/ncu.csv" ;;
     foldtests) PYTHONSAFEPATH=1 timeout 400 python3 -m pytest tests/kernels/test_gemm_small_m_fold.py \
       tests/kernels/test_gemm_small_m_splitk.py -q -p no:cacheprovider \
       --confcutdir=tests/kernels && PYTHONSAFEPATH=1 timeout 300 python3 -m pytest tests/gpu/test_norm_fold.py -q -s \
