@@ -38,6 +38,9 @@
 #   ncu            Nsight Compute on the decode step's kernels one launch each (benchmarks/ncu_decode_kernels.py:
 #                  the four projections as the small-M table routes them, and decode attention, at batches
 #                  $NCU_M, default 1,32; real clocks, caches flushed): LOG_DIR/ncu.log, ncu.csv, ncu.ncu-rep
+#   gemvsk         the stream-K small-M GEMM (an equal share of the weight per program): its tests on the GPU, then
+#                  benchmarks/bench_gemm_small_m_streamk.py against the launch the table routes each projection to
+#                  and cuBLAS
 #   gemv           benchmarks/bench_gemm_small_m.py: the bf16 small-M direct GEMM (each config, then the autotuned
 #                  pick) and its gate_up + SiLU·mul fusion against cuBLAS (+ silu_mul) on Llama-3-8B's projections at
 #                  M = 1..64, and at M = 1..8 the decoder norm fused into qkv / gate_up + SiLU·mul against rms_norm then
@@ -126,6 +129,9 @@ for step in $STEPS; do
       --proj qkv,gate_up --m 1,2,4,8 --no-configs --table "$LOG_DIR/gemvnorm-table.json" ${GEMV_ARGS:-} \
       && python3 benchmarks/merge_small_m_table.py kernels/small_m_gemm_table.json "$LOG_DIR/gemvnorm-table.json" \
       "$LOG_DIR/small_m_gemm_table.json" norm_linear,norm_silu_mul ;;
+    gemvsk) PYTHONSAFEPATH=1 timeout 200 python3 -m pytest tests/kernels/test_gemm_small_m_streamk.py -q \
+      -p no:cacheprovider --confcutdir=tests/kernels; timeout 300 python3 benchmarks/bench_gemm_small_m_streamk.py \
+      ${GEMVSK_ARGS:-} ;;
     ncu) ncu_bin=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
       timeout 400 "$ncu_bin" --profile-from-start off --clock-control none --cache-control all -f -o "$LOG_DIR/ncu" \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \

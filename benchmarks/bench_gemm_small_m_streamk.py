@@ -1,0 +1,107 @@
+"""The stream-K small-M GEMM against the launch the committed table routes each projection to, and cuBLAS.
+
+    python benchmarks/bench_gemm_small_m_streamk.py [--m 1,32] [--proj qkv,o,down,gate_up]
+
+Llama-3-8B's projections in bf16 (gate_up as a plain GEMM over its 28,672 rows), at each M: the table's launch
+(the direct or split-K kernel with its pinned config, or cuBLAS: what a decode step runs for an unfused
+projection), cuBLAS (F.linear), and sits.kernels.gemm_small_m_streamk with each config of CONFIGS on the
+device's multiprocessors (each with pointer loads of the weight and with TMA loads through a tensor
+descriptor). Each is timed inside a CUDA graph (kernel_bench_utils.time_ms: 10 calls a graph,
+median of 15 replays), rotating through weight copies of >= 256 MB so no weight is read from L2. Printed per
+case: µs per call, TB/s of weight bytes, the ratio table launch / stream-K (> 1: stream-K is faster), and each
+side's max error relative to the float32 product.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+from kernel_bench_utils import rotating, time_ms
+
+from sits.kernels.gemm_small_m import small_m_gemm
+from sits.kernels.gemm_small_m_splitk import small_m_gemm_splitk
+from sits.kernels.gemm_small_m_streamk import counters_needed, small_m_gemm_streamk
+from sits.kernels.small_m_table import load_small_m_table, m_bucket
+
+PROJ = {"qkv": (6144, 4096), "o": (4096, 4096), "down": (4096, 14336), "gate_up": (28672, 4096)}
+L2_DEFEAT_BYTES = 256 << 20
+# (BLOCK_N, BLOCK_K, warps, stages, programs per SM, weight through a TMA descriptor)
+CONFIGS = [
+    (64, 128, 4, 4, 1, 0), (64, 128, 4, 4, 2, 0), (64, 256, 4, 4, 1, 0), (64, 128, 4, 6, 1, 0), (128, 128, 8, 4, 1, 0),
+    (32, 256, 4, 4, 2, 0), (64, 64, 4, 8, 2, 0),
+    (64, 128, 4, 4, 1, 1), (64, 128, 4, 4, 2, 1), (64, 256, 4, 4, 1, 1), (64, 128, 4, 6, 1, 1), (128, 128, 8, 4, 1, 1),
+    (64, 64, 4, 8, 2, 1), (128, 64, 4, 8, 1, 1),
+]  # fmt: skip
+
+
+def table_launch(n: int, k: int, m: int, table, counters: torch.Tensor):
+    """(name, fn(x, w)) of the launch the table routes an [n, k] projection to at M rows."""
+    bucket = m_bucket(m)
+    config = table.pinned_configs("linear", n, k).get(bucket)
+    if bucket in table.splitk_buckets(n, k):
+        return f"splitk {config}", lambda x, w: small_m_gemm_splitk(x, w, counters, config=config)
+    if bucket in table.direct_buckets("linear", n, k):
+        return f"direct {config}", lambda x, w: small_m_gemm(x, w, config=config)
+    return "cublas", F.linear
+
+
+def bench_case(name: str, m: int, table) -> None:
+    n, k = PROJ[name]
+    copies = max(1, -(-L2_DEFEAT_BYTES // (2 * n * k)))
+    weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * k**-0.5 for _ in range(copies)]
+    x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+    exact = x.double() @ weights[0].double().T
+    counters = torch.zeros(counters_needed(n), dtype=torch.int32, device="cuda")
+    table_name, table_fn = table_launch(n, k, m, table, counters)
+
+    def run(fn):
+        us = time_ms(rotating(lambda i: fn(x, weights[i]), copies)) * 1e3
+        error = ((fn(x, weights[0]).double() - exact).abs().max() / exact.abs().max()).item()
+        return us, error
+
+    tb = lambda us: 2 * n * k / (us * 1e-6) / 1e12  # noqa: E731
+    base_us, base_err = run(table_fn)
+    cublas_us, _ = run(F.linear)
+    line = [
+        f"{name:7s} M{m:<3d} N{n:<6d} K{k:<6d} | table ({table_name}) {base_us:.2f} us {tb(base_us):.2f} TB/s "
+        f"err {base_err:.1e} | cublas {cublas_us:.2f} us"
+    ]
+    best = None
+    for bn, bk, warps, stages, per_sm, tma in CONFIGS:
+        keys = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "PROGRAMS_PER_SM", "W_TMA")
+        config = dict(zip(keys, (bn, bk, warps, stages, per_sm, tma), strict=True))
+        label = f"n{bn}k{bk}w{warps}s{stages}p{per_sm}{'-tma' if tma else ''}"
+        try:
+            us, err = run(lambda a, b, c=config: small_m_gemm_streamk(a, b, counters, config=c))
+        except Exception as exc:  # noqa: BLE001 - a config that does not fit is reported, not fatal
+            line.append(f"{label}: {type(exc).__name__}")
+            continue
+        line.append(f"{label} {us:.2f} us err {err:.1e}")
+        best = min(best or (us, config), (us, config), key=lambda t: t[0])
+    assert counters.count_nonzero().item() == 0
+    if best:
+        line.insert(
+            1,
+            f"stream-K best {best[0]:.2f} us {tb(best[0]):.2f} TB/s | table / stream-K "
+            f"{base_us / best[0]:.3f}x, cublas / stream-K {cublas_us / best[0]:.3f}x",
+        )
+    print(" | ".join(line), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--m", default="1,32")
+    parser.add_argument("--proj", default="qkv,o,down,gate_up")
+    args = parser.parse_args()
+    table = load_small_m_table(device_name=torch.cuda.get_device_name())
+    print(torch.__version__, torch.cuda.get_device_name(), flush=True)
+    for m in (int(v) for v in args.m.split(",")):
+        for name in args.proj.split(","):
+            bench_case(name, m, table)
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,211 @@
+"""The small-M GEMM with an equal share of the weight per program (stream-K), reduced in the same launch.
+
+    small_m_gemm_streamk(x [M, K], w [N, K], counters [>= counters_needed(N)] int32, zero) -> out [M, N] = x @ w^T
+
+Why: at decode every projection only streams its weight, and Nsight Compute (benchmarks/ncu_decode_kernels.py on
+an H200, 2026-12-04) shows the short ones losing a third of their time to uneven work across multiprocessors. The
+direct and split-K kernels give each program whole (column tile, K slice) pieces, so the grid is a whole number of
+pieces: qkv_proj at 6,144 columns runs 96 programs on 132 multiprocessors (SMs active 62 % of its 16.4 µs, DRAM at
+67 % of peak), o_proj 128 (70 % active, 53 % of peak), while gate_up's 448 programs reach 89 %.
+
+Here the grid is P programs (a whole number per multiprocessor), and the work is U = column tiles x K tiles
+units of one [BLOCK_N, BLOCK_K] weight tile each, in column-tile-major order. Program p streams units
+[p U / P, (p + 1) U / P): within a column tile its units are one contiguous K range, so a program runs one K loop
+per column tile it touches (at most a few). A column tile whose units one program holds is written directly;
+one shared by several programs (its "segments", in program order) is reduced as the split-K kernel reduces
+(sits.kernels.gemm_small_m_splitk): each segment stores its float32 partial in its own workspace slot, counts
+itself on the tile's counter, and the last to arrive adds the slots in segment order (the same sums whatever
+order the programs ran in), writes out in x's dtype and sets the counter back to 0.
+
+Configs (BLOCK_N, BLOCK_K, num_warps, num_stages, PROGRAMS_PER_SM, W_TMA) are pinned by the caller; no autotuning.
+W_TMA = 1 reads the weight tiles through a tensor descriptor (TMA on sm_90: one bulk copy a tile instead of a
+16-byte load per thread, for the few warps a multiprocessor runs here) instead of pointer loads.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from sits.kernels.attention_decode import _last_arrival
+from sits.kernels.gemm_small_m import _block_m, _row_sums, check_gemm_operands, small_m_rows_bucket, store_out
+from sits.kernels.gemm_small_m_splitk import check_counters, counters_needed
+from sits.kernels.launch_utils import is_interpreter, num_sms, require
+from sits.kernels.reference import small_m_gemm_reference
+
+__all__ = [
+    "STREAMK_CONFIG_KEYS",
+    "counters_needed",
+    "small_m_gemm_reference",
+    "small_m_gemm_streamk",
+    "streamk_plan",
+]
+
+STREAMK_CONFIG_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "PROGRAMS_PER_SM", "W_TMA")
+GPU_CONFIG = {
+    "BLOCK_N": 64,
+    "BLOCK_K": 128,
+    "num_warps": 4,
+    "num_stages": 4,
+    "PROGRAMS_PER_SM": 1,
+    "W_TMA": 0,
+}
+INTERPRETER_CONFIG = {
+    "BLOCK_N": 32,
+    "BLOCK_K": 32,
+    "num_warps": 4,
+    "num_stages": 1,
+    "PROGRAMS_PER_SM": 1,
+    "W_TMA": 0,
+}
+
+
+@triton.jit
+def _owner(u, P, U):
+    """The program whose range [p U / P, (p + 1) U / P) holds unit u."""
+    return ((u + 1) * P - 1) // U
+
+
+@triton.jit
+def _row_sums_tma(x_ptr, w_desc, offs_m, in_m, row0, k0, k_end, stride_xm,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):  # fmt: skip
+    """float32 sums of x[:, k0:k_end] @ w[row0 : row0 + BLOCK_N, k0:k_end]^T, [BLOCK_M, BLOCK_N], the weight tiles
+    read through the tensor descriptor w_desc (TMA on sm_90: zeros past its rows and K), swapped operands."""
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for kk in range(k0, k_end, BLOCK_K):
+        w = w_desc.load([row0, kk])
+        k = kk + offs_k
+        x = tl.load(x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + k[:, None],
+                    mask=in_m[None, :] & (k[:, None] < k_end), other=0.0)  # fmt: skip
+        if DOT_FP32:
+            w, x = w.to(tl.float32), x.to(tl.float32)
+        acc = tl.dot(w, x, acc)
+    return tl.trans(acc)
+
+
+@triton.jit(do_not_specialize=["M", "M_BUCKET"])  # one binary per row tile, not per batch size
+def _streamk_kernel(
+    x_ptr, w_ptr, out_ptr, ws_ptr, counters_ptr, M, N, K, stride_xm, stride_wn, stride_om, M_BUCKET, max_segments,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    DOT_FP32: tl.constexpr, W_TMA: tl.constexpr = False,
+):  # fmt: skip
+    """out [M, N] = x @ w^T; grid (P,). See the module docstring. ws: [column tiles, max_segments, BLOCK_M,
+    BLOCK_N] float32 slots; counters: one int32 per column tile, 0 before the launch and after it. W_TMA: w_ptr is
+    a tensor descriptor of w with [BLOCK_N, BLOCK_K] blocks (`_row_sums_tma`), else the weight's pointer."""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    units = tl.cdiv(N, BLOCK_N) * k_tiles
+    u = pid * units // programs
+    u_end = (pid + 1) * units // programs
+    offs_m = tl.arange(0, BLOCK_M)
+    in_m = offs_m < M
+    local = offs_m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    while u < u_end:
+        tile = u // k_tiles
+        t0 = u - tile * k_tiles
+        t1 = tl.minimum(k_tiles, t0 + (u_end - u))
+        k0 = t0 * BLOCK_K
+        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        if W_TMA:
+            sums = _row_sums_tma(x_ptr, w_ptr, offs_m, in_m, tile * BLOCK_N, k0, tl.minimum(t1 * BLOCK_K, K),
+                                 stride_xm, BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32)  # fmt: skip
+        else:
+            rows_w = (offs_n % N).to(tl.int64)
+            sums = _row_sums(x_ptr + k0, w_ptr + k0, offs_m.to(tl.int64), in_m, rows_w,
+                             tl.minimum(t1 * BLOCK_K, K) - k0, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, True,
+                             EVEN_K, DOT_FP32)  # fmt: skip
+        first = _owner(tile * k_tiles, programs, units)
+        segments = _owner(tile * k_tiles + k_tiles - 1, programs, units) - first + 1
+        if segments == 1:
+            store_out(out_ptr, sums, offs_m, offs_n, in_m, N, stride_om, BLOCK_M, BLOCK_N, False)
+        else:
+            slots = ws_ptr + (tile * max_segments).to(tl.int64) * (BLOCK_M * BLOCK_N)
+            tl.store(slots + (pid - first) * (BLOCK_M * BLOCK_N) + local, sums)
+            if _last_arrival(counters_ptr + tile, segments):
+                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for s in range(segments):  # in segment order: the same sums whatever order they arrived in
+                    acc += tl.load(slots + s * (BLOCK_M * BLOCK_N) + local, cache_modifier=".cg")
+                store_out(out_ptr, acc, offs_m, offs_n, in_m, N, stride_om, BLOCK_M, BLOCK_N, False)
+        u += t1 - t0
+
+
+def streamk_plan(n: int, k: int, block_n: int, block_k: int, programs: int) -> tuple[int, int]:
+    """(programs launched, segment slots per column tile) for an [n, k] weight: at most one program per unit,
+    and room for every program that can touch a tile (each holds at least units // programs units)."""
+    k_tiles = triton.cdiv(k, block_k)
+    units = triton.cdiv(n, block_n) * k_tiles
+    programs = max(1, min(programs, units))
+    return programs, triton.cdiv(k_tiles, units // programs) + 1
+
+
+def _checked_config(config: dict[str, int] | None) -> dict[str, int]:
+    config = dict(INTERPRETER_CONFIG if is_interpreter() else GPU_CONFIG) if config is None else dict(config)
+    require(set(config) == set(STREAMK_CONFIG_KEYS), f"a stream-K config has exactly {', '.join(STREAMK_CONFIG_KEYS)}, "
+            f"got {config!r}")  # fmt: skip
+    require(all(isinstance(v, int) and v > 0 for key, v in config.items() if key != "W_TMA"),
+            f"config values must be positive: {config!r}")  # fmt: skip
+    require(config["W_TMA"] in (0, 1), f"W_TMA is 0 or 1, got {config['W_TMA']!r}")
+    require(
+        config["BLOCK_N"] >= 32 and config["BLOCK_N"] & (config["BLOCK_N"] - 1) == 0,
+        f"BLOCK_N must be a power of two >= 32 (the counters' tile), got {config['BLOCK_N']}",
+    )
+    return config
+
+
+def small_m_gemm_streamk(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    counters: torch.Tensor,
+    out: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
+    programs: int | None = None,
+) -> torch.Tensor:
+    """out = x @ w^T with float32 sums, the weight shared evenly over the programs.
+
+    Args:
+        x: [M, K] bfloat16 / float16, 0 <= M <= 64, last dimension contiguous (any row stride).
+        w: [N, K] in x's dtype (nn.Linear layout), last dimension contiguous.
+        counters: [>= counters_needed(N)] int32 on x's device, all zero; zero again after the launch. Launches
+            sharing a buffer must run one after another (one stream).
+        out: optional [M, N] buffer in x's dtype, last dimension contiguous.
+        config: STREAMK_CONFIG_KEYS (default GPU_CONFIG; INTERPRETER_CONFIG under the interpreter).
+        programs: the grid, default PROGRAMS_PER_SM x the device's multiprocessors (at most one per unit).
+    Returns:
+        [M, N] in x's dtype.
+    Raises:
+        ValueError: wrong dtype, rank, shape, layout or device, M > 64, too few counters, or a bad config.
+    """
+    m, n = check_gemm_operands(x, w, out, None, "w")
+    check_counters(counters, n, x.device)
+    config = _checked_config(config)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
+    if not (m and n):
+        return out
+    k = x.shape[1]
+    block_m, block_n, block_k = _block_m(m), config["BLOCK_N"], config["BLOCK_K"]
+    wanted = programs if programs is not None else config["PROGRAMS_PER_SM"] * num_sms(x.device)
+    require(wanted >= 1, f"programs must be positive, got {wanted}")
+    grid, segments = streamk_plan(n, k, block_n, block_k, wanted)
+    ws = torch.empty(
+        triton.cdiv(n, block_n) * segments * block_m * block_n, dtype=torch.float32, device=x.device
+    )
+    _streamk_kernel[(grid,)](
+        x, _weight_operand(w, config), out, ws, counters, m, n, k, x.stride(0), w.stride(0), out.stride(0), small_m_rows_bucket(m), segments,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, DOT_FP32=is_interpreter(),
+        W_TMA=bool(config["W_TMA"]), num_warps=config["num_warps"], num_stages=config["num_stages"],
+    )  # fmt: skip
+    return out
+
+
+def _weight_operand(w: torch.Tensor, config: dict[str, int]):
+    """The weight as the kernel reads it: its tensor, or with W_TMA a tensor descriptor of [BLOCK_N, BLOCK_K]
+    blocks (its row stride and address must be multiples of 16 bytes)."""
+    if not config["W_TMA"]:
+        return w
+    require(w.stride(0) * w.element_size() % 16 == 0 and w.data_ptr() % 16 == 0,
+            "W_TMA needs the weight's address and row stride in multiples of 16 bytes")  # fmt: skip
+    return TensorDescriptor.from_tensor(w, [config["BLOCK_N"], config["BLOCK_K"]])
