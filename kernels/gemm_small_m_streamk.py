@@ -167,17 +167,11 @@ def small_m_gemm_streamk(
     """out = x @ w^T with float32 sums, the weight shared evenly over the programs.
 
     Args:
-        x: [M, K] bfloat16 / float16, 0 <= M <= 64, last dimension contiguous (any row stride).
-        w: [N, K] in x's dtype (nn.Linear layout), last dimension contiguous.
-        counters: [>= counters_needed(N)] int32 on x's device, all zero; zero again after the launch. Launches
-            sharing a buffer must run one after another (one stream).
-        out: optional [M, N] buffer in x's dtype, last dimension contiguous.
+        x, w, counters, out: as gemm_small_m_splitk.small_m_gemm_splitk's (x [M <= 64, K] half precision, w
+            [N, K], counters zero before and after the launch, out an optional [M, N] buffer).
         config: STREAMK_CONFIG_KEYS (default GPU_CONFIG; INTERPRETER_CONFIG under the interpreter).
         programs: the grid, default PROGRAMS_PER_SM x the device's multiprocessors (at most one per unit).
-    Returns:
-        [M, N] in x's dtype.
-    Raises:
-        ValueError: wrong dtype, rank, shape, layout or device, M > 64, too few counters, or a bad config.
+    Returns [M, N] in x's dtype; raises ValueError on bad operands (as the split-K kernel) or a bad config.
     """
     m, n = check_gemm_operands(x, w, out, None, "w")
     check_counters(counters, n, x.device)
