@@ -27,6 +27,7 @@ from sits.kernels.small_m_table import load_small_m_table, m_bucket
 
 PROJ = {"qkv": (6144, 4096), "o": (4096, 4096), "down": (4096, 14336), "gate_up": (28672, 4096)}
 L2_DEFEAT_BYTES = 256 << 20
+DEVICE, DTYPE = "cuda", torch.bfloat16  # (tests/kernels/test_gemm_small_m_streamk_bench.py runs a CPU toy)
 # (BLOCK_N, BLOCK_K, warps, stages, programs per SM, weight through a TMA descriptor)
 CONFIGS = [
     (64, 128, 4, 4, 1, 0), (64, 128, 4, 4, 2, 0), (64, 256, 4, 4, 1, 0), (64, 128, 4, 6, 1, 0), (128, 128, 8, 4, 1, 0),
@@ -47,13 +48,15 @@ def table_launch(n: int, k: int, m: int, table, counters: torch.Tensor):
     return "cublas", F.linear
 
 
-def bench_case(name: str, m: int, table) -> None:
+def bench_case(name: str, m: int, table) -> dict:
+    """Time one projection at M rows, print its line, and return {"table_us", "table_err", "cublas_us", "streamk":
+    {config label: (µs, error)}, "failed": {config label: exception name}}."""
     n, k = PROJ[name]
     copies = max(1, -(-L2_DEFEAT_BYTES // (2 * n * k)))
-    weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * k**-0.5 for _ in range(copies)]
-    x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+    weights = [(torch.randn(n, k, device=DEVICE) * k**-0.5).to(DTYPE) for _ in range(copies)]
+    x = torch.randn(m, k, device=DEVICE).to(DTYPE)
     exact = x.double() @ weights[0].double().T
-    counters = torch.zeros(counters_needed(n), dtype=torch.int32, device="cuda")
+    counters = torch.zeros(counters_needed(n), dtype=torch.int32, device=DEVICE)
     table_name, table_fn = table_launch(n, k, m, table, counters)
 
     def run(fn):
@@ -68,7 +71,7 @@ def bench_case(name: str, m: int, table) -> None:
         f"{name:7s} M{m:<3d} N{n:<6d} K{k:<6d} | table ({table_name}) {base_us:.2f} us {tb(base_us):.2f} TB/s "
         f"err {base_err:.1e} | cublas {cublas_us:.2f} us"
     ]
-    best = None
+    best, measured, failed = None, {}, {}
     for bn, bk, warps, stages, per_sm, tma in CONFIGS:
         keys = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "PROGRAMS_PER_SM", "W_TMA")
         config = dict(zip(keys, (bn, bk, warps, stages, per_sm, tma), strict=True))
@@ -77,8 +80,10 @@ def bench_case(name: str, m: int, table) -> None:
             us, err = run(lambda a, b, c=config: small_m_gemm_streamk(a, b, counters, config=c))
         except Exception as exc:  # noqa: BLE001 - a config that does not fit is reported, not fatal
             line.append(f"{label}: {type(exc).__name__}")
+            failed[label] = type(exc).__name__
             continue
         line.append(f"{label} {us:.2f} us err {err:.1e}")
+        measured[label] = (us, err)
         best = min(best or (us, config), (us, config), key=lambda t: t[0])
     assert counters.count_nonzero().item() == 0
     if best:
@@ -88,6 +93,13 @@ def bench_case(name: str, m: int, table) -> None:
             f"{base_us / best[0]:.3f}x, cublas / stream-K {cublas_us / best[0]:.3f}x",
         )
     print(" | ".join(line), flush=True)
+    return {
+        "table_us": base_us,
+        "table_err": base_err,
+        "cublas_us": cublas_us,
+        "streamk": measured,
+        "failed": failed,
+    }
 
 
 def main() -> None:
@@ -95,12 +107,14 @@ def main() -> None:
     parser.add_argument("--m", default="1,32")
     parser.add_argument("--proj", default="qkv,o,down,gate_up")
     args = parser.parse_args()
-    table = load_small_m_table(device_name=torch.cuda.get_device_name())
-    print(torch.__version__, torch.cuda.get_device_name(), flush=True)
+    device_name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
+    table = load_small_m_table(device_name=device_name)
+    print(torch.__version__, device_name, flush=True)
     for m in (int(v) for v in args.m.split(",")):
         for name in args.proj.split(","):
             bench_case(name, m, table)
-            torch.cuda.empty_cache()
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
