@@ -20,6 +20,11 @@ order the programs ran in), writes out in x's dtype and sets the counter back to
 Configs (BLOCK_N, BLOCK_K, num_warps, num_stages, PROGRAMS_PER_SM, W_TMA) are pinned by the caller; no autotuning.
 W_TMA = 1 reads the weight tiles through a tensor descriptor (TMA on sm_90: one bulk copy a tile instead of a
 16-byte load per thread, for the few warps a multiprocessor runs here) instead of pointer loads.
+
+The folded decoder norms' epilogues (`small_m_gemm_streamk(..., sumsq=)`, `small_m_gemm_streamk_to_stream`) run in
+whichever program writes a tile. Compiled for sm_90a by Triton 3.9 (benchmarks/sm90_compile.py), their pointer
+path's K loop is not software-pipelined (about 230 registers and 32-48 KB of shared memory, against 80 registers
+and 82 KB for the plain GEMM), while the TMA path is (71-128 registers, 82-98 KB): measure before choosing.
 """
 
 from __future__ import annotations
@@ -30,7 +35,21 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from sits.kernels.attention_decode import _last_arrival
-from sits.kernels.gemm_small_m import _block_m, _row_sums, check_gemm_operands, small_m_rows_bucket, store_out
+from sits.kernels.gemm_small_m import (
+    _block_m,
+    _row_sums,
+    add_to_stream,
+    check_gemm_operands,
+    check_row_squares,
+    check_stream,
+    fold_arguments,
+    load_row_squares,
+    load_stream_tile,
+    row_rstd,
+    small_m_rows_bucket,
+    store_out,
+    sumsq_slots,
+)
 from sits.kernels.gemm_small_m_splitk import check_counters, counters_needed
 from sits.kernels.launch_utils import is_interpreter, num_sms, require
 from sits.kernels.reference import small_m_gemm_reference
@@ -40,6 +59,7 @@ __all__ = [
     "counters_needed",
     "small_m_gemm_reference",
     "small_m_gemm_streamk",
+    "small_m_gemm_streamk_to_stream",
     "streamk_plan",
 ]
 
@@ -86,15 +106,38 @@ def _row_sums_tma(x_ptr, w_desc, offs_m, in_m, row0, k0, k_end, stride_xm,
     return tl.trans(acc)
 
 
+@triton.jit
+def _write_tile(out_ptr, stream_ptr, sumsq_ptr, sums, rstd, offs_m, col0, in_m, N, stride_om, stride_sm, stride_qm,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STREAM: tl.constexpr, RSTD_SLOTS: tl.constexpr):  # fmt: skip
+    """A tile's whole float32 sums [BLOCK_M, BLOCK_N] (columns col0 + [0, BLOCK_N)) into out, scaled by the rows'
+    rstd with RSTD_SLOTS, or added to the stream with STREAM (the one program that writes the tile reads the
+    stream tile here, so no other program touches it)."""
+    if RSTD_SLOTS:
+        sums = sums * rstd[:, None]
+    if STREAM:
+        old = load_stream_tile(stream_ptr, offs_m, col0, in_m, N, stride_sm, BLOCK_N)
+        add_to_stream(stream_ptr, out_ptr, sumsq_ptr, old, sums, offs_m, col0, in_m, N, stride_sm, stride_om,
+                      stride_qm, BLOCK_N)  # fmt: skip
+    else:
+        store_out(
+            out_ptr, sums, offs_m, col0 + tl.arange(0, BLOCK_N), in_m, N, stride_om, BLOCK_M, BLOCK_N, False
+        )
+
+
 @triton.jit(do_not_specialize=["M", "M_BUCKET"])  # one binary per row tile, not per batch size
 def _streamk_kernel(
     x_ptr, w_ptr, out_ptr, ws_ptr, counters_ptr, M, N, K, stride_xm, stride_wn, stride_om, M_BUCKET, max_segments,
+    stream_ptr, sumsq_ptr, stride_sm, stride_qm, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    DOT_FP32: tl.constexpr, W_TMA: tl.constexpr = False,
+    DOT_FP32: tl.constexpr, W_TMA: tl.constexpr = False, STREAM: tl.constexpr = False, RSTD_SLOTS: tl.constexpr = 0,
 ):  # fmt: skip
     """out [M, N] = x @ w^T; grid (P,). See the module docstring. ws: [column tiles, max_segments, BLOCK_M,
     BLOCK_N] float32 slots; counters: one int32 per column tile, 0 before the launch and after it. W_TMA: w_ptr is
-    a tensor descriptor of w with [BLOCK_N, BLOCK_K] blocks (`_row_sums_tma`), else the weight's pointer."""
+    a tensor descriptor of w with [BLOCK_N, BLOCK_K] blocks (`_row_sums_tma`), else the weight's pointer.
+    The folded decoder norms' epilogues, as the direct kernel's (sits.kernels.gemm_small_m), applied by whichever
+    program writes a tile: RSTD_SLOTS > 0 scales each row by rsqrt(mean square + eps) from sumsq [M, cdiv(K, 32)];
+    STREAM adds the sums to the float32 stream [M, N] in place, writes the new stream rounded to out and its sums
+    of squares to sumsq [M, cdiv(N, 32)]."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     k_tiles = tl.cdiv(K, BLOCK_K)
@@ -104,6 +147,9 @@ def _streamk_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     in_m = offs_m < M
     local = offs_m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    rstd = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    if RSTD_SLOTS:
+        rstd = row_rstd(load_row_squares(sumsq_ptr, offs_m, in_m, stride_qm, K, RSTD_SLOTS), K, eps)
     while u < u_end:
         tile = u // k_tiles
         t0 = u - tile * k_tiles
@@ -121,7 +167,8 @@ def _streamk_kernel(
         first = _owner(tile * k_tiles, programs, units)
         segments = _owner(tile * k_tiles + k_tiles - 1, programs, units) - first + 1
         if segments == 1:
-            store_out(out_ptr, sums, offs_m, offs_n, in_m, N, stride_om, BLOCK_M, BLOCK_N, False)
+            _write_tile(out_ptr, stream_ptr, sumsq_ptr, sums, rstd, offs_m, tile * BLOCK_N, in_m, N, stride_om,
+                        stride_sm, stride_qm, BLOCK_M, BLOCK_N, STREAM, RSTD_SLOTS)  # fmt: skip
         else:
             slots = ws_ptr + (tile * max_segments).to(tl.int64) * (BLOCK_M * BLOCK_N)
             tl.store(slots + (pid - first) * (BLOCK_M * BLOCK_N) + local, sums)
@@ -129,7 +176,8 @@ def _streamk_kernel(
                 acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
                 for s in range(segments):  # in segment order: the same sums whatever order they arrived in
                     acc += tl.load(slots + s * (BLOCK_M * BLOCK_N) + local, cache_modifier=".cg")
-                store_out(out_ptr, acc, offs_m, offs_n, in_m, N, stride_om, BLOCK_M, BLOCK_N, False)
+                _write_tile(out_ptr, stream_ptr, sumsq_ptr, acc, rstd, offs_m, tile * BLOCK_N, in_m, N, stride_om,
+                            stride_sm, stride_qm, BLOCK_M, BLOCK_N, STREAM, RSTD_SLOTS)  # fmt: skip
         u += t1 - t0
 
 
@@ -163,6 +211,8 @@ def small_m_gemm_streamk(
     out: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
     programs: int | None = None,
+    sumsq: torch.Tensor | None = None,
+    eps: float = 0.0,
 ) -> torch.Tensor:
     """out = x @ w^T with float32 sums, the weight shared evenly over the programs.
 
@@ -171,14 +221,44 @@ def small_m_gemm_streamk(
             [N, K], counters zero before and after the launch, out an optional [M, N] buffer).
         config: STREAMK_CONFIG_KEYS (default GPU_CONFIG; INTERPRETER_CONFIG under the interpreter).
         programs: the grid, default PROGRAMS_PER_SM x the device's multiprocessors (at most one per unit).
+        sumsq, eps: as gemm_small_m.small_m_gemm's (each row scaled by the folded norm's 1 / rms).
     Returns [M, N] in x's dtype; raises ValueError on bad operands (as the split-K kernel) or a bad config.
     """
     m, n = check_gemm_operands(x, w, out, None, "w")
+    if sumsq is not None:
+        check_row_squares(sumsq, m, x.shape[1], x)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
+    _launch(x, w, counters, out, config, programs, None, sumsq, eps)
+    return out
+
+
+def small_m_gemm_streamk_to_stream(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    counters: torch.Tensor,
+    stream: torch.Tensor,
+    config: dict[str, int] | None = None,
+    programs: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """stream += x @ w^T in place: gemm_small_m.small_m_gemm_to_stream's contract (returns out, the new stream
+    rounded to x's dtype, and sumsq [M, cdiv(N, 32)], its sums of squares) on this kernel; the other arguments as
+    small_m_gemm_streamk's. Raises ValueError as it does, or on a stream of another shape, dtype or device."""
+    m, n = check_gemm_operands(x, w, None, None, "w")
+    check_stream(stream, m, n, x)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    sumsq = torch.empty(m, sumsq_slots(n), dtype=torch.float32, device=x.device)
+    _launch(x, w, counters, out, config, programs, stream, sumsq, 0.0)
+    return out, sumsq
+
+
+def _launch(x, w, counters, out, config, programs, stream, sumsq, eps) -> None:
+    """Check the counters and config, plan the grid and launch (nothing for an empty product). With `stream`, the
+    launch feeds it and writes `sumsq`; else a given `sumsq` scales the rows."""
+    m, n = out.shape
     check_counters(counters, n, x.device)
     config = _checked_config(config)
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     if not (m and n):
-        return out
+        return
     k = x.shape[1]
     block_m, block_n, block_k = _block_m(m), config["BLOCK_N"], config["BLOCK_K"]
     wanted = programs if programs is not None else config["PROGRAMS_PER_SM"] * num_sms(x.device)
@@ -187,12 +267,13 @@ def small_m_gemm_streamk(
     ws = torch.empty(
         triton.cdiv(n, block_n) * segments * block_m * block_n, dtype=torch.float32, device=x.device
     )
+    fold_args, fold_meta = fold_arguments(x, stream, sumsq, eps, scale_rows=stream is None)
     _streamk_kernel[(grid,)](
-        x, _weight_operand(w, config), out, ws, counters, m, n, k, x.stride(0), w.stride(0), out.stride(0), small_m_rows_bucket(m), segments,
+        x, _weight_operand(w, config), out, ws, counters, m, n, k, x.stride(0), w.stride(0), out.stride(0),
+        small_m_rows_bucket(m), segments, *fold_args,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, DOT_FP32=is_interpreter(),
-        W_TMA=bool(config["W_TMA"]), num_warps=config["num_warps"], num_stages=config["num_stages"],
+        W_TMA=bool(config["W_TMA"]), num_warps=config["num_warps"], num_stages=config["num_stages"], **fold_meta,
     )  # fmt: skip
-    return out
 
 
 def _weight_operand(w: torch.Tensor, config: dict[str, int]):

@@ -2,7 +2,9 @@
 
 On CPU the kernel runs in Triton's interpreter (fp16, 32 x 32 tiles). The program counts are chosen so that
 column tiles are written whole, shared by two or three programs, and cut at ragged points; ragged N and a
-short last K tile are covered. The counters must be zero after every launch, and bad input is refused.
+short last K tile are covered, with the weight read through pointers and through a TMA descriptor, and so are
+the folded decoder norms' epilogues (the stream fed in place, rows scaled by 1 / rms). The counters must be zero
+after every launch, and bad input is refused.
 """
 
 from __future__ import annotations
@@ -10,12 +12,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sits.kernels.gemm_small_m import sumsq_slots
 from sits.kernels.gemm_small_m_streamk import (
     counters_needed,
     small_m_gemm_reference,
     small_m_gemm_streamk,
+    small_m_gemm_streamk_to_stream,
     streamk_plan,
 )
+from sits.kernels.reference import small_m_gemm_rstd_reference, small_m_gemm_to_stream_reference
 from tests.kernels.helpers import DEVICE, randn
 
 # 32 x 32 tiles on either device, so the program counts below cut the same column tiles
@@ -112,3 +117,40 @@ def test_too_few_counters_are_refused():
     x, w = _operands(2, 128, 32, seed=4)
     with pytest.raises(ValueError, match="counters"):
         small_m_gemm_streamk(x, w, torch.zeros(1, dtype=torch.int32, device=DEVICE))
+
+
+# The folded decoder norms' launches (runtime/models/norm_fold.py) on this kernel, at program counts that share
+# column tiles: the epilogue runs once per tile, in whichever program writes it.
+@pytest.mark.parametrize("programs", [3, 7])
+@pytest.mark.parametrize("tma", [0, 1], ids=["pointers", "descriptor"])
+def test_feeds_the_stream_and_leaves_its_sums_of_squares(programs, tma):
+    x, w = _operands(5, 100, 96, seed=programs + tma)
+    stream = randn(5, 100, dtype=torch.float32)
+    expected_stream = stream.clone()
+    expected_out, expected_squares = small_m_gemm_to_stream_reference(x, w, expected_stream)
+    counters = torch.zeros(counters_needed(100), dtype=torch.int32, device=DEVICE)
+    out, squares = small_m_gemm_streamk_to_stream(x, w, counters, stream, config=dict(CONFIG, W_TMA=tma),
+                                                  programs=programs)  # fmt: skip
+    torch.testing.assert_close(stream, expected_stream, atol=1e-3, rtol=1e-3)
+    _check(out, expected_out)
+    torch.testing.assert_close(squares, expected_squares, atol=1e-2, rtol=1e-3)
+    assert counters.count_nonzero().item() == 0
+
+
+@pytest.mark.parametrize("programs", [3, 7])
+def test_scales_rows_by_the_folded_norm(programs):
+    x, w = _operands(5, 100, 96, seed=programs)
+    sumsq = randn(5, sumsq_slots(96), dtype=torch.float32).abs() * 10
+    counters = torch.zeros(counters_needed(100), dtype=torch.int32, device=DEVICE)
+    out = small_m_gemm_streamk(x, w, counters, config=CONFIG, programs=programs, sumsq=sumsq, eps=1e-5)
+    _check(out, small_m_gemm_rstd_reference(x, w, sumsq, 1e-5))
+    assert counters.count_nonzero().item() == 0
+
+
+def test_fold_operands_are_checked():
+    x, w = _operands(5, 64, 32, seed=6)
+    counters = torch.zeros(counters_needed(64), dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="stream"):
+        small_m_gemm_streamk_to_stream(x, w, counters, torch.zeros(5, 63, device=DEVICE), config=CONFIG)
+    with pytest.raises(ValueError, match="sumsq"):
+        small_m_gemm_streamk(x, w, counters, config=CONFIG, sumsq=torch.zeros(5, 7, device=DEVICE))
