@@ -40,7 +40,7 @@
 #                  $NCU_M, default 1,32; real clocks, caches flushed): LOG_DIR/ncu.log, ncu.csv, ncu.ncu-rep
 #   gemvsk         the stream-K small-M GEMM (an equal share of the weight per program): its tests on the GPU, then
 #                  benchmarks/bench_gemm_small_m_streamk.py against the launch the table routes each projection to
-#                  and cuBLAS
+#                  and cuBLAS, then the same for the folded-norm forms (--fold: what a folded decode step runs)
 #   gemv           benchmarks/bench_gemm_small_m.py: the bf16 small-M direct GEMM (each config, then the autotuned
 #                  pick) and its gate_up + SiLU·mul fusion against cuBLAS (+ silu_mul) on Llama-3-8B's projections at
 #                  M = 1..64, and at M = 1..8 the decoder norm fused into qkv / gate_up + SiLU·mul against rms_norm then
@@ -131,7 +131,7 @@ for step in $STEPS; do
       "$LOG_DIR/small_m_gemm_table.json" norm_linear,norm_silu_mul ;;
     gemvsk) PYTHONSAFEPATH=1 timeout 200 python3 -m pytest tests/kernels/test_gemm_small_m_streamk.py -q \
       -p no:cacheprovider --confcutdir=tests/kernels; timeout 300 python3 benchmarks/bench_gemm_small_m_streamk.py \
-      ${GEMVSK_ARGS:-} ;;
+      ${GEMVSK_ARGS:-} && timeout 300 python3 benchmarks/bench_gemm_small_m_streamk.py --fold ${GEMVSK_ARGS:-} ;;
     ncu) ncu_bin=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
       timeout 400 "$ncu_bin" --profile-from-start off --clock-control none --cache-control all -f -o "$LOG_DIR/ncu" \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \

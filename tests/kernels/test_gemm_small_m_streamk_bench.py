@@ -20,7 +20,7 @@ TOY_CONFIGS = [(32, 32, 4, 1, 1, 0), (32, 32, 4, 2, 2, 1), (64, 32, 4, 1, 1, 1)]
 @pytest.fixture
 def bench(monkeypatch):
     yield from bench_script(monkeypatch, "bench_gemm_small_m_streamk", DEVICE="cpu", DTYPE=torch.float16,
-                            PROJ={"o": (96, 64), "down": (64, 160)}, CONFIGS=TOY_CONFIGS, L2_DEFEAT_BYTES=0,
+                            PROJ={"qkv": (96, 64), "o": (96, 64), "down": (64, 160)}, CONFIGS=TOY_CONFIGS, L2_DEFEAT_BYTES=0,
                             time_ms=wall_ms)  # fmt: skip
 
 
@@ -35,3 +35,20 @@ def test_cpu_toy_run_measures_every_config(bench, monkeypatch, capsys):
     assert len(result["streamk"]) == len(TOY_CONFIGS)
     assert all(us > 0 and err < 3e-3 for us, err in result["streamk"].values()), result
     assert result["table_us"] > 0 and result["table_err"] < 3e-3
+
+
+def test_cpu_toy_run_of_the_folded_forms(bench, monkeypatch, capsys):
+    """--fold: qkv scaled by the norm's 1 / rms, o and down feeding the stream, each against the engine's launch."""
+    monkeypatch.setattr(
+        sys, "argv", ["bench_gemm_small_m_streamk.py", "--m", "3", "--proj", "qkv,o,down", "--fold"]
+    )
+    bench.main()
+    lines = [line for line in capsys.readouterr().out.splitlines() if " | " in line]
+    assert [line.split()[0] for line in lines] == ["qkv", "o", "down"]
+    assert "direct scaled" in lines[0] and "to_stream" in lines[1] and "to_stream" in lines[2]
+    table = bench.load_small_m_table(device_name="cpu")
+    for name in ("qkv", "o"):
+        result = bench.bench_case(name, 3, table, fold=True)
+        assert result["failed"] == {} and len(result["streamk"]) == len(TOY_CONFIGS)
+        assert all(err < 1e-2 for _, err in result["streamk"].values()), result  # the output's fp16 rounding
+        assert result["table_err"] < 1e-2
