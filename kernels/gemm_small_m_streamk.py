@@ -3,9 +3,9 @@
     small_m_gemm_streamk(x [M, K], w [N, K], counters [>= counters_needed(N)] int32, zero) -> out [M, N] = x @ w^T
 
 Why: at decode every projection only streams its weight, and Nsight Compute (benchmarks/ncu_decode_kernels.py on
-an H200, 2026-12-04) shows the short ones losing a third of their time to uneven work across multiprocessors. The
-direct and split-K kernels give each program whole (column tile, K slice) pieces, so the grid is a whole number of
-pieces: qkv_proj at 6,144 columns runs 96 programs on 132 multiprocessors (SMs active 62 % of its 16.4 µs, DRAM at
+an H200, 2026-12-04) shows the short ones' multiprocessors idle a third of the time. The direct and split-K kernels
+give each program whole (column tile, K slice) pieces, so the grid is a whole number of pieces, and the work per
+multiprocessor is as even as that number allows: qkv_proj at 6,144 columns runs 96 programs on 132 multiprocessors (SMs active 62 % of its 16.4 µs, DRAM at
 67 % of peak), o_proj 128 (70 % active, 53 % of peak), while gate_up's 448 programs reach 89 %.
 
 Here the grid is P programs (a whole number per multiprocessor), and the work is U = column tiles x K tiles
