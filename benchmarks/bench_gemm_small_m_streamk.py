@@ -20,6 +20,7 @@ import argparse
 
 import torch
 import torch.nn.functional as F
+from bench_gemm_small_m import L2_DEFEAT_BYTES, LLAMA3_8B
 from kernel_bench_utils import rotating, time_ms
 
 from sits.kernels.gemm_small_m import small_m_gemm, small_m_gemm_to_stream, sumsq_slots
@@ -31,8 +32,7 @@ from sits.kernels.gemm_small_m_streamk import (
 )
 from sits.kernels.small_m_table import load_small_m_table, m_bucket
 
-PROJ = {"qkv": (6144, 4096), "o": (4096, 4096), "down": (4096, 14336), "gate_up": (28672, 4096)}
-L2_DEFEAT_BYTES = 256 << 20
+PROJ = dict(LLAMA3_8B)  # Llama-3-8B's projections, [N, K] (the CPU test swaps in toy sizes)
 DEVICE, DTYPE = "cuda", torch.bfloat16  # (tests/kernels/test_gemm_small_m_streamk_bench.py runs a CPU toy)
 # (BLOCK_N, BLOCK_K, warps, stages, programs per SM, weight through a TMA descriptor)
 CONFIGS = [

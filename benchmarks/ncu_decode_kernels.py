@@ -21,35 +21,32 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from bench_gemm_small_m import LLAMA3_8B
+from bench_gemm_small_m_streamk import table_launch
 
 from sits.kernels.attention_decode import paged_decode_attention
-from sits.kernels.gemm_small_m import small_m_gemm, small_m_gemm_silu_mul
-from sits.kernels.gemm_small_m_splitk import counters_needed, small_m_gemm_splitk
+from sits.kernels.gemm_small_m import small_m_gemm_silu_mul
+from sits.kernels.gemm_small_m_splitk import counters_needed
 from sits.kernels.small_m_table import load_small_m_table, m_bucket
 
-HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM = 4096, 14336, 32, 8, 128
-PROJ = {"qkv": (6144, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 CONTEXT, BLOCK = 2048, 16
 
 
 def projection_launch(name: str, m: int, table) -> tuple[str, Callable[[], object]]:
     """(what runs, a callable launching it once) for one projection at M rows, as the table routes it."""
-    n, k = PROJ[name]
+    n, k = LLAMA3_8B[name]
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
     w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02
-    bucket = m_bucket(m)
     if name == "gate_up":
+        bucket = m_bucket(m)
         config = table.pinned_configs("silu_mul", n, k).get(bucket)
         if bucket in table.direct_buckets("silu_mul", n, k):
             return f"direct+silu {config}", lambda: small_m_gemm_silu_mul(x, w, config=config)
         return "cublas (then silu_mul)", lambda: F.linear(x, w)
-    config = table.pinned_configs("linear", n, k).get(bucket)
-    if bucket in table.splitk_buckets(n, k):
-        counters = torch.zeros(counters_needed(n), dtype=torch.int32, device="cuda")
-        return f"splitk {config}", lambda: small_m_gemm_splitk(x, w, counters, config=config)
-    if bucket in table.direct_buckets("linear", n, k):
-        return f"direct {config}", lambda: small_m_gemm(x, w, config=config)
-    return "cublas", lambda: F.linear(x, w)
+    counters = torch.zeros(counters_needed(n), dtype=torch.int32, device="cuda")
+    what, launch = table_launch(n, k, m, table, counters)
+    return what, lambda: launch(x, w)
 
 
 def attention_launch(m: int) -> tuple[str, Callable[[], object]]:
@@ -71,7 +68,7 @@ def main() -> None:
     table = load_small_m_table(device_name=torch.cuda.get_device_name())
     launches = []
     for m in (int(v) for v in args.m.split(",")):
-        launches += [(f"M{m} {name}", *projection_launch(name, m, table)) for name in PROJ]
+        launches += [(f"M{m} {name}", *projection_launch(name, m, table)) for name in LLAMA3_8B]
         launches.append((f"M{m} attention", *attention_launch(m)))
     for _, _, launch in launches:  # compile and autotune before profiling
         launch()

@@ -5,8 +5,9 @@
 Why: at decode every projection only streams its weight, and Nsight Compute (benchmarks/ncu_decode_kernels.py on
 an H200, 2026-12-04) shows the short ones' multiprocessors idle a third of the time. The direct and split-K kernels
 give each program whole (column tile, K slice) pieces, so the grid is a whole number of pieces, and the work per
-multiprocessor is as even as that number allows: qkv_proj at 6,144 columns runs 96 programs on 132 multiprocessors (SMs active 62 % of its 16.4 µs, DRAM at
-67 % of peak), o_proj 128 (70 % active, 53 % of peak), while gate_up's 448 programs reach 89 %.
+multiprocessor is as even as that number allows: qkv_proj at 6,144 columns runs 96 programs on 132 multiprocessors
+(SMs active 62 % of its 16.4 µs, DRAM at 67 % of peak), o_proj 128 (70 % active, 53 % of peak), while gate_up's 448
+programs reach 89 %.
 
 Here the grid is P programs (a whole number per multiprocessor), and the work is U = column tiles x K tiles
 units of one [BLOCK_N, BLOCK_K] weight tile each, in column-tile-major order. Program p streams units
@@ -64,22 +65,8 @@ __all__ = [
 ]
 
 STREAMK_CONFIG_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "PROGRAMS_PER_SM", "W_TMA")
-GPU_CONFIG = {
-    "BLOCK_N": 64,
-    "BLOCK_K": 128,
-    "num_warps": 4,
-    "num_stages": 4,
-    "PROGRAMS_PER_SM": 1,
-    "W_TMA": 0,
-}
-INTERPRETER_CONFIG = {
-    "BLOCK_N": 32,
-    "BLOCK_K": 32,
-    "num_warps": 4,
-    "num_stages": 1,
-    "PROGRAMS_PER_SM": 1,
-    "W_TMA": 0,
-}
+GPU_CONFIG = dict(zip(STREAMK_CONFIG_KEYS, (64, 128, 4, 4, 1, 0), strict=True))
+INTERPRETER_CONFIG = dict(zip(STREAMK_CONFIG_KEYS, (32, 32, 4, 1, 1, 0), strict=True))
 
 
 @triton.jit
@@ -155,12 +142,11 @@ def _streamk_kernel(
         t0 = u - tile * k_tiles
         t1 = tl.minimum(k_tiles, t0 + (u_end - u))
         k0 = t0 * BLOCK_K
-        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         if W_TMA:
             sums = _row_sums_tma(x_ptr, w_ptr, offs_m, in_m, tile * BLOCK_N, k0, tl.minimum(t1 * BLOCK_K, K),
                                  stride_xm, BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32)  # fmt: skip
-        else:
-            rows_w = (offs_n % N).to(tl.int64)
+        else:  # the weight rows of the tile, wrapped into [0, N) (columns past N are masked at the store)
+            rows_w = ((tile * BLOCK_N + tl.arange(0, BLOCK_N)) % N).to(tl.int64)
             sums = _row_sums(x_ptr + k0, w_ptr + k0, offs_m.to(tl.int64), in_m, rows_w,
                              tl.minimum(t1 * BLOCK_K, K) - k0, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, True,
                              EVEN_K, DOT_FP32)  # fmt: skip
