@@ -3,7 +3,7 @@
     python benchmarks/bench_attention_decode.py [--json out.json] [--quick]
     TRITON_CACHE_AUTOTUNING=1 python benchmarks/bench_attention_decode.py --fp8 [--json out.json]
     python benchmarks/bench_attention_decode.py --fp8 --variants [--json out.json] [--quick]
-    python benchmarks/bench_attention_decode.py --small-batch [--json out.json]
+    python benchmarks/bench_attention_decode.py --small-batch [--batches=1,2,4,8,16] [--json out.json]
     python benchmarks/bench_attention_decode.py --rope [--json out.json] [--quick]
 
 One query token per sequence, GQA 32 query / 8 KV heads, head_dim 128, bf16. The figure is the
@@ -24,7 +24,7 @@ schedules (BLOCK_N, num_warps, num_stages) in one run, at batch 448 / context 3,
 same run, and its max abs error against kernels/reference.py (float32) on the same fp8 cache, beside
 the autotuned default and the bf16 kernel. Every candidate is compiled ahead in parallel.
 
---small-batch sweeps the split count where it decides the time: batches 1 to 16 at context 2,048, bf16
+--small-batch sweeps the split count where it decides the time: batches 1 to 16 (--batches=... for others) at context 2,048, bf16
 and fp8 caches, every split count the 128-token split granule allows (1 to 16) beside the one
 `choose_num_splits` picks (the peer, same run), each timed in CUDA graphs over block tables rotated
 past L2 (at batch 1 the live K and V are 8 MiB, which L2 would otherwise serve). At every split count the
@@ -418,10 +418,10 @@ def small_batch_case(batch: int, context: int, fp8: bool) -> tuple[list[Measurem
     return rows, note
 
 
-def small_batch_main(args):
+def small_batch_main(args, batches: tuple[int, ...] = SMALL_BATCHES):
     rows, notes = [], []
     for fp8 in (False, True):
-        for batch in SMALL_BATCHES[:1] if args.quick else SMALL_BATCHES:
+        for batch in batches[:1] if args.quick else batches:
             case_rows, note = small_batch_case(batch, 2048, fp8)
             rows += case_rows
             notes.append(note)
@@ -476,6 +476,10 @@ def rope_case(batch: int, context: int, fp8: bool) -> tuple[Measurement, str]:
 def main():
     fp8, variants, small = "--fp8" in sys.argv, "--variants" in sys.argv, "--small-batch" in sys.argv
     rope = "--rope" in sys.argv
+    batches = [a for a in sys.argv if a.startswith("--batches=")]
+    for a in batches:
+        sys.argv.remove(a)
+    small_batches = tuple(int(b) for b in batches[-1].split("=", 1)[1].split(",")) if batches else SMALL_BATCHES
     for flag in ("--fp8", "--variants", "--small-batch", "--rope"):
         if flag in sys.argv:
             sys.argv.remove(flag)  # the shared parser knows only --json and --quick
@@ -488,7 +492,7 @@ def main():
                [n for _, n in measured])
         return
     if small:
-        small_batch_main(args)
+        small_batch_main(args, small_batches)
         return
     if fp8 and variants:
         variants_main(args)

@@ -7,7 +7,8 @@ kernels, timed in CUDA graphs (kernel_bench_utils.time_ms), rotating over weight
 together so nothing is read from L2 that the chain itself did not bring there:
 
   * o: decode attention (context 2,048, 8 splits, merge) then o_proj (4,096 x 4,096, the small-M direct GEMM);
-    with sits.kernels.l2_prefetch of the whole o weight (32 MiB) queued before the attention;
+    with sits.kernels.l2_prefetch of the whole o weight (32 MiB) queued before the attention, on the same stream,
+    or on a stream beside it (forked before the attention, joined before o_proj or after it);
   * qkv: the decoder's add + RMSNorm then qkv_proj (6,144 x 4,096); prefetches of 8 / 16 MiB of the weight
     queued before the norm;
   * gate_up: add + RMSNorm then gate_up + SiLU·mul (28,672 x 4,096); prefetches of 8 / 16 MiB before the norm.
@@ -62,25 +63,43 @@ def o_case() -> tuple[list[Measurement], str]:
     attn_out = torch.empty_like(q)
     out = torch.empty(1, HIDDEN, dtype=torch.bfloat16, device="cuda")
 
-    def chain(prefetch: bool):
+    side = torch.cuda.Stream()
+
+    def chain(prefetch: str):
         def call(i):
-            if prefetch:
+            main = torch.cuda.current_stream()
+            if prefetch == "stream":
                 l2_prefetch(weights[i])
+            elif prefetch:  # "join-before" / "join-after": on a stream of its own, forked here
+                side.wait_stream(main)
+                with torch.cuda.stream(side):
+                    l2_prefetch(weights[i])
             k, v, table = sets[i]
             paged_decode_attention(q, k, v, table, seq_lens, HEAD_DIM**-0.5, out=attn_out)
-            return small_m_gemm(attn_out.view(1, HIDDEN), weights[i], out=out)
+            if prefetch == "join-before":
+                main.wait_stream(side)
+            result = small_m_gemm(attn_out.view(1, HIDDEN), weights[i], out=out)
+            if prefetch == "join-after":
+                main.wait_stream(side)
+            return result
         return rotating(call, len(weights))
 
-    base, fetched = time_ms(chain(False)), time_ms(chain(True))
+    base, fetched = time_ms(chain("")), time_ms(chain("stream"))
+    beside = {name: time_ms(chain(name)) for name in ("join-before", "join-after")}
     attention = time_ms(rotating(lambda i: paged_decode_attention(q, sets[i][0], sets[i][1], sets[i][2], seq_lens,
                                                                   HEAD_DIM**-0.5, out=attn_out), len(weights)))
     x = attn_out.view(1, HIDDEN)
     cold = time_ms(rotating(lambda i: small_m_gemm(x, weights[i], out=out), len(weights)))
     hot = time_ms(lambda: small_m_gemm(x, weights[0], out=out))
     note = (f"o: attention alone {attention * 1e3:.1f} us; o_proj cold {cold * 1e3:.1f} us, hot {hot * 1e3:.1f} us; "
-            f"attention + o_proj {base * 1e3:.1f} us, with the 32 MiB prefetch {fetched * 1e3:.1f} us")
+            f"attention + o_proj {base * 1e3:.1f} us, with the 32 MiB prefetch {fetched * 1e3:.1f} us; on a stream "
+            f"beside, joined before o_proj {beside['join-before'] * 1e3:.1f} us, after it "
+            f"{beside['join-after'] * 1e3:.1f} us")
     extra = {"attention_us": attention * 1e3, "gemm_cold_us": cold * 1e3, "gemm_hot_us": hot * 1e3}
-    return [_row("attention + o_proj, prefetch 32 MiB", fetched, base, "no prefetch", extra)], note
+    rows = [_row("attention + o_proj, prefetch 32 MiB", fetched, base, "no prefetch", extra)]
+    rows += [_row(f"attention + o_proj, prefetch 32 MiB beside, {name}", ms, base, "no prefetch", extra)
+             for name, ms in beside.items()]
+    return rows, note
 
 
 def norm_gemm_case(name: str, rows: int, silu: bool) -> tuple[list[Measurement], str]:
