@@ -71,7 +71,11 @@
 #                  autotuned and fixed schedules), through the engine, and captured in CUDA graphs
 #   l2pf           benchmarks/bench_l2_prefetch.py: a projection's weight prefetched into L2 during the small
 #                  kernels before it (attention + o_proj, norm + qkv, norm + gate_up), against the same chain
-#                  without (2026-12-03: a loss, the prefetch launch holds the stream; benchmarks/RESULTS.md)
+#                  without (2026-12-03: a loss, the prefetch launch holds the stream; benchmarks/RESULTS.md), and
+#                  the prefetch on a stream beside the attention (2026-12-04: a loss too)
+#   floor          benchmarks/bench_stream_floor.py: a kernel that only reads a batch-1 decode layer's bytes (each
+#                  projection's weight, the live K / V, lm_head) against cuBLAS on the same weight, the fixed cost
+#                  per launch fitted, and a step's floor under one kernel per operation
 #   pdltests       tests/kernels/test_pdl.py: the decode chain with and without PDL in a CUDA graph, bit for bit
 set -u
 cd "$(dirname "$0")/.."
@@ -115,6 +119,7 @@ for step in $STEPS; do
     attn-small) timeout 600 python3 benchmarks/bench_attention_decode.py --small-batch --json "$LOG_DIR/attn-small.json" \
       ${ATTN_ARGS:-} ;;
     l2pf) timeout 300 python3 benchmarks/bench_l2_prefetch.py --json "$LOG_DIR/l2pf.json" ;;
+    floor) timeout 300 python3 benchmarks/bench_stream_floor.py --json "$LOG_DIR/floor.json" ;;
     argmax) timeout 120 python3 benchmarks/bench_argmax.py --json "$LOG_DIR/argmax.json" ;;
     trace448fp8) timeout 400 python3 benchmarks/bench_step_trace.py $COMMON --batch 448 --input-len 2048 \
       --output-len "${TRACE448_OUTPUT_LEN:-2048}" --prompts 448 --quantization fp8 --kv-cache-dtype fp8 \
