@@ -3,7 +3,8 @@
     python benchmarks/bench_attention_decode.py [--json out.json] [--quick]
     TRITON_CACHE_AUTOTUNING=1 python benchmarks/bench_attention_decode.py --fp8 [--json out.json]
     python benchmarks/bench_attention_decode.py --fp8 --variants [--json out.json] [--quick]
-    python benchmarks/bench_attention_decode.py --small-batch [--batches=1,2,4,8,16] [--json out.json]
+    python benchmarks/bench_attention_decode.py --small-batch [--batches=1,2,4,8,16] [--contexts=2048] [--bf16]
+        [--json out.json]
     python benchmarks/bench_attention_decode.py --rope [--json out.json] [--quick]
 
 One query token per sequence, GQA 32 query / 8 KV heads, head_dim 128, bf16. The figure is the
@@ -24,13 +25,13 @@ schedules (BLOCK_N, num_warps, num_stages) in one run, at batch 448 / context 3,
 same run, and its max abs error against kernels/reference.py (float32) on the same fp8 cache, beside
 the autotuned default and the bf16 kernel. Every candidate is compiled ahead in parallel.
 
---small-batch sweeps the split count where it decides the time: batches 1 to 16 (--batches=... for others) at context 2,048, bf16
-and fp8 caches, every split count the 128-token split granule allows (1 to 16) beside the one
-`choose_num_splits` picks (the peer, same run), each timed in CUDA graphs over block tables rotated
-past L2 (at batch 1 the live K and V are 8 MiB, which L2 would otherwise serve). At every split count the
-fused merge (split_counters: the last split merges, one launch) is timed beside the two launches (split
-kernel + merge kernel), with their ratio, and a second row per case sets the fused merge's best count
-against the two launches' best; the fused outputs are checked bit for bit against the two launches'.
+--small-batch sweeps the split count where it decides the time: batches 1 to 16 (--batches=... for others) at context
+2,048 (--contexts=...), bf16 and fp8 caches (--bf16: bf16 only), every split count the 128-token split granule
+allows (1 to 16) beside the one `choose_num_splits` picks (the peer, same run), each timed in CUDA graphs over block
+tables rotated past L2 (at batch 1 the live K and V are 8 MiB, which L2 would otherwise serve). At every split count
+the fused merge (split_counters: the last split merges, one launch) is timed beside the two launches (split kernel +
+merge kernel), with their ratio, and a second row per case sets the fused merge's best count against the two
+launches' best; the fused outputs are checked bit for bit against the two launches'.
 
 --rope times the decode RoPE + KV write fused into the kernel (rope=DecodeRope: one launch) against
 rope_and_cache_write followed by the kernel (two launches), as a decode layer runs them: CUDA graphs, batches
@@ -418,13 +419,15 @@ def small_batch_case(batch: int, context: int, fp8: bool) -> tuple[list[Measurem
     return rows, note
 
 
-def small_batch_main(args, batches: tuple[int, ...] = SMALL_BATCHES):
+def small_batch_main(args, batches: tuple[int, ...] = SMALL_BATCHES, contexts: tuple[int, ...] = (2048,),
+                     caches: tuple[bool, ...] = (False, True)):
     rows, notes = [], []
-    for fp8 in (False, True):
+    for fp8 in caches:
         for batch in batches[:1] if args.quick else batches:
-            case_rows, note = small_batch_case(batch, 2048, fp8)
-            rows += case_rows
-            notes.append(note)
+            for context in contexts:
+                case_rows, note = small_batch_case(batch, context, fp8)
+                rows += case_rows
+                notes.append(note)
     report("Decode attention at small batches: best split count against the chosen one; the fused merge's best "
            "against the two launches' best", rows, args.json, notes)
 
@@ -473,13 +476,21 @@ def rope_case(batch: int, context: int, fp8: bool) -> tuple[Measurement, str]:
                        fused_ms, two_ms, {"bit_identical": identical}), note
 
 
+def _int_list_flag(prefix: str, default: tuple[int, ...]) -> tuple[int, ...]:
+    """The integers of the last `--name=1,2,3` argument (removed from sys.argv), else `default`."""
+    given = [a for a in sys.argv if a.startswith(prefix)]
+    for a in given:
+        sys.argv.remove(a)
+    return tuple(int(v) for v in given[-1].split("=", 1)[1].split(",")) if given else default
+
+
 def main():
     fp8, variants, small = "--fp8" in sys.argv, "--variants" in sys.argv, "--small-batch" in sys.argv
     rope = "--rope" in sys.argv
-    batches = [a for a in sys.argv if a.startswith("--batches=")]
-    for a in batches:
-        sys.argv.remove(a)
-    small_batches = tuple(int(b) for b in batches[-1].split("=", 1)[1].split(",")) if batches else SMALL_BATCHES
+    small_batches, contexts = _int_list_flag("--batches=", SMALL_BATCHES), _int_list_flag("--contexts=", (2048,))
+    caches = (False,) if "--bf16" in sys.argv else (False, True)
+    if "--bf16" in sys.argv:
+        sys.argv.remove("--bf16")
     for flag in ("--fp8", "--variants", "--small-batch", "--rope"):
         if flag in sys.argv:
             sys.argv.remove(flag)  # the shared parser knows only --json and --quick
@@ -492,7 +503,7 @@ def main():
                [n for _, n in measured])
         return
     if small:
-        small_batch_main(args, small_batches)
+        small_batch_main(args, small_batches, contexts, caches)
         return
     if fp8 and variants:
         variants_main(args)
