@@ -30,7 +30,8 @@
 #                  against rope_and_cache_write + the kernel, batches 1 / 32 / 256, bf16 and fp8 caches, bit for bit
 #   attn-small     benchmarks/bench_attention_decode.py --small-batch: the decode attention's split count at batches
 #                  1-16 (bf16 and fp8 caches), every count against the chosen one, and the fused merge beside
-#                  the two launches at each count (ATTN_ARGS=--quick: batch 1 only)
+#                  the two launches at each count (ATTN_ARGS=--quick: batch 1 only; ATTN_ARGS="--batches=1,32
+#                  --contexts=256,2048 --bf16": other batches and contexts, the bf16 cache only)
 #   argmax         benchmarks/bench_argmax.py: greedy sampling's vocabulary argmax against torch.argmax
 #   trace448fp8    the fp8-2k2k bench's run step by step (fp8 weights + fp8 cache, 448 prompts of 2,048 / 2,048
 #                  at once): decode-only step times apart from mixed ones; trace448fp8-tableoff: the same with
