@@ -489,9 +489,7 @@ def main():
     rope = "--rope" in sys.argv
     small_batches, contexts = _int_list_flag("--batches=", SMALL_BATCHES), _int_list_flag("--contexts=", (2048,))
     caches = (False,) if "--bf16" in sys.argv else (False, True)
-    if "--bf16" in sys.argv:
-        sys.argv.remove("--bf16")
-    for flag in ("--fp8", "--variants", "--small-batch", "--rope"):
+    for flag in ("--fp8", "--variants", "--small-batch", "--rope", "--bf16"):
         if flag in sys.argv:
             sys.argv.remove(flag)  # the shared parser knows only --json and --quick
     args = parse_args(__doc__)

@@ -67,20 +67,20 @@ def o_case() -> tuple[list[Measurement], str]:
 
     def chain(prefetch: str):
         def call(i):
-            main = torch.cuda.current_stream()
+            stream = torch.cuda.current_stream()
             if prefetch == "stream":
                 l2_prefetch(weights[i])
             elif prefetch:  # "join-before" / "join-after": on a stream of its own, forked here
-                side.wait_stream(main)
+                side.wait_stream(stream)
                 with torch.cuda.stream(side):
                     l2_prefetch(weights[i])
             k, v, table = sets[i]
             paged_decode_attention(q, k, v, table, seq_lens, HEAD_DIM**-0.5, out=attn_out)
             if prefetch == "join-before":
-                main.wait_stream(side)
+                stream.wait_stream(side)
             result = small_m_gemm(attn_out.view(1, HIDDEN), weights[i], out=out)
             if prefetch == "join-after":
-                main.wait_stream(side)
+                stream.wait_stream(side)
             return result
         return rotating(call, len(weights))
 
