@@ -33,6 +33,9 @@ the fused merge (split_counters: the last split merges, one launch) is timed bes
 merge kernel), with their ratio, and a second row per case sets the fused merge's best count against the two
 launches' best; the fused outputs are checked bit for bit against the two launches'.
 
+Each case also times the chosen split count for a launch told its contexts reach WIDE_BOUND (131,072) tokens, as
+CUDA graphs captured for that max_model_len launch it, against the launch told the real context (the peer).
+
 --rope times the decode RoPE + KV write fused into the kernel (rope=DecodeRope: one launch) against
 rope_and_cache_write followed by the kernel (two launches), as a decode layer runs them: CUDA graphs, batches
 1, 32 and 256 at context 2,048, bf16 and fp8 caches, with the output and the cache checked bit for bit.
@@ -368,6 +371,7 @@ def variants_main(args):
 SMALL_BATCHES = (1, 2, 4, 8, 16)
 SMALL_SPLITS = (1, 2, 4, 8, 16)
 SAME_SCHEDULE = (64, 4, 4)  # the split kernel's tiles when the fused and two-launch outputs are compared bit for bit
+WIDE_BOUND = 131_072  # max_seq_len as CUDA graphs pass it when max_model_len is Llama-3.1's context (the table's width)
 
 
 def small_batch_case(batch: int, context: int, fp8: bool) -> tuple[list[Measurement], str]:
@@ -381,11 +385,12 @@ def small_batch_case(batch: int, context: int, fp8: bool) -> tuple[list[Measurem
     cache = dict(k_cache=k8, v_cache=v8, k_scale=ks, v_scale=vs) if fp8 else dict(k_cache=k16, v_cache=v16)
     counters = torch.zeros(batch * NUM_KV_HEADS, dtype=torch.int32, device=DEVICE)
 
-    def launch(splits: int, fused: bool, schedule: tuple[int, ...] | None = None) -> Callable[[int], torch.Tensor]:
+    def launch(splits: int | None, fused: bool, schedule: tuple[int, ...] | None = None,
+               bound: int | None = None) -> Callable[[int], torch.Tensor]:
         def call(i):
             return paged_decode_attention(q, block_tables=tables[i], seq_lens=seq_lens, scale=scale, out=out,
                                           num_splits=splits, split_counters=counters if fused else None,
-                                          schedule=schedule, **cache)
+                                          schedule=schedule, max_seq_len=bound, **cache)
         return call
 
     chosen = choose_num_splits(batch, NUM_KV_HEADS, context, q.device)
@@ -395,6 +400,9 @@ def small_batch_case(batch: int, context: int, fp8: bool) -> tuple[list[Measurem
         ms[splits] = time_ms(rotating(launch(splits, False), len(tables)))
         # One split has no merge: the same single launch either way.
         fused_ms[splits] = time_ms(rotating(launch(splits, True), len(tables))) if splits > 1 else ms[splits]
+    # The chosen plan told WIDE_BOUND tokens (as a CUDA graph captured for that max_model_len launches it): the split
+    # count follows the bound, each sequence's split length its own context (`split_tokens`).
+    wide_ms = time_ms(rotating(launch(None, False, bound=WIDE_BOUND), len(tables)))
     # At one schedule: autotuned, the two variants may pick other tiles, hence other sums inside a split.
     identical = all(torch.equal(launch(s, False, SAME_SCHEDULE)(0).clone(), launch(s, True, SAME_SCHEDULE)(0))
                     for s in counts if s > 1)
@@ -406,16 +414,20 @@ def small_batch_case(batch: int, context: int, fp8: bool) -> tuple[list[Measurem
     note = (f"{case}: chosen {chosen} splits {ms[chosen] * 1e3:.1f} us (fused {fused_ms[chosen] * 1e3:.1f}), best two-launch "
             f"{best} splits {ms[best] * 1e3:.1f} us ({ms[chosen] / ms[best]:.2f}x), best fused {best_fused} splits "
             f"{fused_ms[best_fused] * 1e3:.1f} us (two-launch best / fused best {ms[best] / fused_ms[best_fused]:.2f}x); "
-            f"fused bit-identical: {identical}; splits: two-launch / fused us (ratio): "
+            f"fused bit-identical: {identical}; told {WIDE_BOUND} tokens: {wide_ms * 1e3:.1f} us "
+            f"({wide_ms / ms[chosen]:.2f}x the chosen count told {context}); splits: two-launch / fused us (ratio): "
             + ", ".join(f"{s}: {ms[s] * 1e3:.1f} / {fused_ms[s] * 1e3:.1f} ({ms[s] / fused_ms[s]:.2f}x)" for s in counts))
     print(note, flush=True)
     extra = {"chosen_splits": chosen, "best_splits": best, "us_by_splits": {s: round(t * 1e3, 2) for s, t in ms.items()},
              "best_fused_splits": best_fused, "fused_bit_identical": identical,
-             "fused_us_by_splits": {s: round(t * 1e3, 2) for s, t in fused_ms.items()}}
+             "fused_us_by_splits": {s: round(t * 1e3, 2) for s, t in fused_ms.items()},
+             "wide_bound": WIDE_BOUND, "wide_bound_us": round(wide_ms * 1e3, 2)}
     rows = [Measurement(case, "GB/s", gbps(ms[best]), gbps(ms[chosen]), f"chosen ({chosen} splits)", ms[best],
                         ms[chosen], extra),
             Measurement(f"{case} fused merge", "GB/s", gbps(fused_ms[best_fused]), gbps(ms[best]),
-                        f"two launches ({best} splits)", fused_ms[best_fused], ms[best], extra)]
+                        f"two launches ({best} splits)", fused_ms[best_fused], ms[best], extra),
+            Measurement(f"{case} told {WIDE_BOUND}", "GB/s", gbps(wide_ms), gbps(ms[chosen]),
+                        f"chosen ({chosen} splits) told {context}", wide_ms, ms[chosen], extra)]
     return rows, note
 
 

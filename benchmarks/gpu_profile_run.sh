@@ -66,6 +66,8 @@
 #                  attention_decode.FUSED_ROPE_DEFAULT)
 #                  -fold0 (prof1-fold0, prof32-fold0): the decoder norms as launches of their own
 #                  (SITS_FOLD_NORMS=0; by default they are folded into the projections, runtime/models/norm_fold.py)
+#                  -mmlN (prof1-mml131072, prof4-mml32768): --max-model-len N, so the CUDA graphs' block tables (and
+#                  the bound their decode attention is told) span N tokens while the context stays 2,048
 #   foldtests      the folded norms' kernels (tests/kernels/test_gemm_small_m_fold.py) and the split-K kernel
 #                  they extend, then the engine with and without them teacher-forced (tests/gpu/test_norm_fold.py)
 #   ropetests      the fused decode RoPE + KV write against the two launches, bit for bit (bf16 and fp8 caches,
@@ -158,9 +160,10 @@ for step in $STEPS; do
       case $step in *-pdlearly*) pdl=early ;; *-pdl*) pdl=1 ;; esac
       case $step in *-rope0*) rope=0 ;; *-rope1*) rope=1 ;; esac
       fold=""; case $step in *-fold0*) fold=0 ;; esac
+      mml=""; case $step in *-mml*) mml=${step##*-mml}; mml="--max-model-len ${mml%%-*}" ;; esac
       SITS_SMALL_M_GEMM="$table" SITS_DECODE_FUSED_MERGE="$fused" SITS_PDL="$pdl" SITS_DECODE_SPLIT_TOKENS="$split" \
       SITS_DECODE_FUSED_ROPE="$rope" SITS_FOLD_NORMS="$fold" timeout 200 \
-      python3 benchmarks/profile_decode.py $COMMON --batch "$batch" --input-len 2048 ;;
+      python3 benchmarks/profile_decode.py $COMMON --batch "$batch" --input-len 2048 $mml ;;
     trace256-cap*) budget=${step#trace256-cap}; cap=${budget%%-min*}; least=0
       [ "$budget" != "$cap" ] && least=${budget##*-min}
       timeout 300 python3 benchmarks/bench_step_trace.py $COMMON --batch 256 --input-len 1024 \

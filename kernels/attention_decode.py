@@ -8,6 +8,9 @@ once for all Hq / Hkv query heads that share it (the query heads are the rows of
 an online softmax over its split, and writes a normalized partial result with its log-sum-exp.
 A second small kernel merges the splits. Splitting the context keeps every multiprocessor busy
 when batch x KV heads alone would not; with one split the first kernel writes the output directly.
+The host picks how many splits to launch from the shapes (`plan_decode_splits`); each sequence's split
+length comes from its own seq_len inside the kernels (`split_tokens`), so a short context under a wide
+block table (a CUDA graph's spans max_model_len) is still spread over the splits, not held by the first.
 Given split_counters (a persistent zeroed int32 buffer, one counter per sequence and KV head), the
 last split of each sequence and KV head to finish merges instead, inside the split kernel (one
 launch, the same bits; see `_last_arrival` for the memory ordering); FUSED_MERGE_DEFAULT says whether
@@ -92,10 +95,12 @@ __all__ = [
     "paged_decode_attention_reference",
     "plan_decode_splits",
     "split_count",
+    "split_tokens",
 ]
 
 LOG2_E = 1.4426950408889634
 SPLIT_GRANULE = 128  # tokens; every split length is a multiple of every BLOCK_N below
+_GRANULE = tl.constexpr(SPLIT_GRANULE)  # the same, for the jit functions
 MIN_TOKENS_PER_SPLIT = 256
 # The least tokens a split keeps, instead of MIN_TOKENS_PER_SPLIT (a multiple of SPLIT_GRANULE): for A/B runs
 # of the split count at small batches (benchmarks/gpu_profile_run.sh's -splitN steps).
@@ -169,7 +174,7 @@ def _prune_configs(configs, named_args, **kwargs):
 # addresses of per-sequence rows (a mixed step's decodes start after its prefills, also in the fused RoPE's
 # positions and slots).
 _VARYING_INTS = ["stride_block_table", "stride_po_seq", "stride_po_head", "stride_po_split", "stride_pl_seq",
-                 "stride_pl_head", "tokens_per_split", "split_bucket"]
+                 "stride_pl_head", "min_split_tokens", "split_bucket"]
 _VARYING_POINTERS = ["block_tables_ptr", "seq_lens_ptr", "k_scale_ptr", "v_scale_ptr", "split_counters_ptr",
                      "positions_ptr", "slot_ptr"]
 
@@ -243,6 +248,16 @@ def _quantize_rows_e4m3(q):
     hi = _round_to_e4m3(scaled)
     lo = _round_to_e4m3(scaled - hi)
     return hi.to(tl.float8e4nv), lo.to(tl.float8e4nv), row_scale
+
+
+@triton.jit
+def _split_tokens(seq_len, num_splits, min_split_tokens):
+    """Tokens in each split of a sequence of seq_len tokens over num_splits launched splits: its context cut into
+    num_splits pieces rounded up to SPLIT_GRANULE, at least min_split_tokens each (`split_tokens` on the host).
+    Sized from the sequence's own length, not from the launch's bound on it, so a context much shorter than the
+    block table's width (a CUDA graph's table spans max_model_len) still spreads over as many splits as it fills."""
+    even = (seq_len + num_splits - 1) // num_splits
+    return tl.maximum((even + _GRANULE - 1) // _GRANULE * _GRANULE, min_split_tokens)
 
 
 @triton.jit
@@ -487,12 +502,12 @@ def _fused_merge(partial_out_ptr, partial_lse_ptr, out_ptr, split_counters_ptr, 
                  stride_pl_seq, stride_pl_head, stride_o_seq, stride_o_head,
                  HEAD_DIM: tl.constexpr, MERGE_BLOCK: tl.constexpr, MERGE_G: tl.constexpr):  # fmt: skip
     """After a non-empty split stored its partials: the last of the sequence's num_valid =
-    cdiv(seq_len, tokens_per_split) non-empty splits to finish (counted on the int32 counter
+    cdiv(seq_len, tokens_per_split) non-empty splits (tokens_per_split: this sequence's, `_split_tokens`) to finish (counted on the int32 counter
     split_counters[seq * num_kv_heads + kv_head], which is 0 before the launch and after it) merges
     all of them for the KV head's query heads, as `_decode_merge_kernel` does (`_merge_partials`, so
     bit for bit), and writes out. Empty splits return before they get here and never count."""
     counter = split_counters_ptr + seq * tl.num_programs(0) + kv_head
-    # At most the launched splits (a seq_len past the caller's max_seq_len must not leave the count unfinished).
+    # At most the launched splits (`_split_tokens` never gives more; kept as a guard on the count).
     num_valid = tl.minimum((seq_len + tokens_per_split - 1) // tokens_per_split, tl.num_programs(2))
     if _last_arrival(counter, num_valid):
         offs_g = tl.arange(0, MERGE_G)
@@ -520,7 +535,7 @@ def _decode_split_kernel(
     stride_block_table,
     stride_po_seq, stride_po_head, stride_po_split,
     stride_pl_seq, stride_pl_head,
-    tokens_per_split, group_size, split_bucket,
+    min_split_tokens, group_size, split_bucket,
     k_new_ptr, v_new_ptr, positions_ptr, cos_sin_ptr, slot_ptr,
     stride_kn_seq, stride_kn_head, stride_vn_seq, stride_vn_head, stride_cos_sin,
     HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, PAGE_SIZE: tl.constexpr,
@@ -538,6 +553,7 @@ def _decode_split_kernel(
     seq = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
+    tokens_per_split = _split_tokens(seq_len, tl.num_programs(2), min_split_tokens)
     start = split * tokens_per_split
     if ROTARY_DIM > 0:
         cos_sin_row = cos_sin_ptr + tl.load(positions_ptr + seq).to(tl.int64) * stride_cos_sin
@@ -646,14 +662,14 @@ def _decode_split_kernel(
                          HEAD_DIM, MERGE_BLOCK, MERGE_G)  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["stride_pl_seq", "stride_pl_head", "tokens_per_split"],
+@triton.jit(do_not_specialize=["stride_pl_seq", "stride_pl_head", "min_split_tokens", "num_splits"],
             do_not_specialize_on_alignment=["seq_lens_ptr"])
 def _decode_merge_kernel(
     partial_out_ptr, partial_lse_ptr, seq_lens_ptr, out_ptr,
     stride_po_seq, stride_po_head, stride_po_split,
     stride_pl_seq, stride_pl_head,
     stride_o_seq, stride_o_head,
-    tokens_per_split,
+    min_split_tokens, num_splits,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """out = sum_s w_s * o_s / sum_s w_s with w_s = 2^(lse_s - max lse), over non-empty splits
@@ -662,6 +678,7 @@ def _decode_merge_kernel(
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
+    tokens_per_split = _split_tokens(seq_len, num_splits, min_split_tokens)
     num_valid = (seq_len + tokens_per_split - 1) // tokens_per_split
     row = tl.arange(0, 1)
     merged = _merge_partials(
@@ -709,20 +726,33 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device
 class DecodeSplitPlan:
     """How one launch cuts its contexts, and the compile / autotune keys that follow.
 
+    The launch sizes each sequence's splits from its own length (`split_tokens`, in the kernel): a sequence
+    of max_context tokens gets tokens_per_split-token splits, a shorter one shorter splits (at least min_tokens),
+    so it spreads over as many of the launched splits as it fills. CUDA graphs launch with max_context = the
+    block table's width (max_model_len), however short the contexts they run.
+
     Attributes:
         requested_splits: the split count asked for (`split_count`, or the caller's num_splits).
         num_splits: splits launched: ceil(max_context / tokens_per_split).
-        tokens_per_split: tokens per split, a multiple of SPLIT_GRANULE (the whole context with one split).
+        tokens_per_split: tokens per split of a max_context-token sequence, a multiple of SPLIT_GRANULE (the whole
+            context with one split): the most any split of the launch holds.
+        min_tokens: the least tokens a split of a sequence holds (`min_split_tokens()` for a chosen count,
+            SPLIT_GRANULE for the caller's).
     """
 
     requested_splits: int
     num_splits: int
     tokens_per_split: int
+    min_tokens: int
 
     @property
     def single(self) -> bool:
         """One split: the split kernel writes the output and no merge runs."""
         return self.num_splits == 1
+
+    def tokens_for(self, seq_len: int) -> int:
+        """Tokens in each split of a sequence of seq_len tokens (`split_tokens` over the launched splits)."""
+        return split_tokens(seq_len, self.num_splits, self.min_tokens)
 
     @property
     def split_bucket(self) -> int:
@@ -753,7 +783,15 @@ def plan_decode_splits(num_seqs: int, num_kv_heads: int, max_context: int, sms: 
     launched = max(1, cdiv(max_context, tokens_per_split))
     if launched == 1:
         tokens_per_split = max(tokens_per_split, max_context)
-    return DecodeSplitPlan(requested, launched, tokens_per_split)
+    return DecodeSplitPlan(requested, launched, tokens_per_split,
+                           min_split_tokens() if num_splits is None else SPLIT_GRANULE)
+
+
+def split_tokens(seq_len: int, num_splits: int, min_tokens: int) -> int:
+    """Tokens in each split of a sequence of seq_len tokens over num_splits launched splits, as the kernels size
+    them (`_split_tokens`): ceil(seq_len / num_splits) rounded up to SPLIT_GRANULE, at least min_tokens. The
+    sequence fills ceil(seq_len / that) of the splits (none for seq_len 0); the rest return at once."""
+    return max(cdiv(cdiv(seq_len, num_splits), SPLIT_GRANULE) * SPLIT_GRANULE, min_tokens)
 
 
 def choose_fp8_variant(plan: DecodeSplitPlan, num_seqs: int, num_kv_heads: int, sms: int) -> str:
@@ -963,7 +1001,7 @@ def paged_decode_attention(
         fp8_variant = choose_fp8_variant(plan, num_seqs, num_kv_heads, sms) if chosen else DEFAULT_FP8_VARIANT
     require(q.dtype != torch.float32 or not fp8 or fp8_via_float16, "a float32 q over an fp8 cache needs fp8_via_float16")
     meta = _split_kernel_meta(fp8, fp8_via_float16, fp8_variant)
-    num_splits, tokens_per_split, single = plan.num_splits, plan.tokens_per_split, plan.single
+    num_splits, single = plan.num_splits, plan.single
     if split_counters is not None:
         _check_split_counters(split_counters, num_seqs, num_kv_heads, q.device)
     fused = split_counters is not None and not single
@@ -985,7 +1023,7 @@ def paged_decode_attention(
         block_tables.stride(0),
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2) if not single else 0,
         partial_lse.stride(0), partial_lse.stride(1),
-        tokens_per_split, group, plan.split_bucket,
+        plan.min_tokens, group, plan.split_bucket,
     )  # fmt: skip
     # k_new .. slot and their strides: never read. q stands in for the pointers: Triton specializes a pointer on
     # its 16-byte alignment, and q's rows always start on one, where seq_lens (a mixed step's decode rows start
@@ -1026,7 +1064,7 @@ def paged_decode_attention(
             partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
             partial_lse.stride(0), partial_lse.stride(1),
             out.stride(0), out.stride(1),
-            tokens_per_split,
+            plan.min_tokens, num_splits,
             HEAD_DIM=head_dim, BLOCK_S=plan.merge_block,
             num_warps=4, **pdl,
         )  # fmt: skip

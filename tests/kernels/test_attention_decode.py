@@ -7,17 +7,21 @@ import torch
 import triton
 import triton.language as tl
 
+from sits.kernels import attention_decode
 from sits.kernels.attention_decode import (
     DEFAULT_FP8_VARIANT,
     FP8_DECODE_VARIANTS,
     FP8_VARIANT_ENV,
     SMALL_BATCH_FP8_VARIANT,
+    SPLIT_GRANULE,
     SPLIT_TOKENS_ENV,
     _round_to_e4m3,
+    _split_tokens,
     choose_fp8_variant,
     paged_decode_attention,
     paged_decode_attention_reference,
     plan_decode_splits,
+    split_tokens,
 )
 from sits.kernels.launch_utils import num_sms
 from tests.kernels.helpers import DEVICE, HALF_DTYPES, assert_close, poisoned, randn
@@ -157,6 +161,55 @@ def test_split_tokens_follow_the_environment(monkeypatch):
     monkeypatch.setenv(SPLIT_TOKENS_ENV, "100")
     with pytest.raises(ValueError, match="SITS_DECODE_SPLIT_TOKENS must be a positive multiple of 128"):
         plan_decode_splits(1, 8, 2048, 132)
+
+
+@triton.jit
+def _split_tokens_kernel(seq_lens_ptr, out_ptr, num_splits, min_tokens, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(out_ptr + offs, _split_tokens(tl.load(seq_lens_ptr + offs), num_splits, min_tokens))
+
+
+def test_the_kernels_size_splits_as_the_host_says():
+    """The kernels' split length per sequence (`_split_tokens`) is `split_tokens`: its context over the launched
+    splits, rounded up to the granule, at least the minimum."""
+    seq_lens = torch.tensor([0, 1, 127, 128, 129, 255, 256, 1000, 2048, 2049, 5000, 70_000, 131_072, 9, 300, 4096],
+                            dtype=torch.int32, device=DEVICE)
+    for num_splits in (1, 3, 10, 64):
+        for min_tokens in (SPLIT_GRANULE, 256, 512):
+            out = torch.empty_like(seq_lens)
+            _split_tokens_kernel[(1,)](seq_lens, out, num_splits, min_tokens, N=seq_lens.numel())
+            assert out.tolist() == [split_tokens(n, num_splits, min_tokens) for n in seq_lens.tolist()]
+
+
+def test_a_short_context_under_a_wide_bound_still_spreads_over_the_splits(monkeypatch):
+    """Batch 1, 8 KV heads, 132 multiprocessors, launched as CUDA graphs launch it: told that contexts reach a
+    131,072-token table's width. 64 splits launch; a 2,048-token context fills 8 of them with 256 tokens each
+    (as a launch told 2,048 does), not one split of 2,048 tokens. A context reaching the bound fills all 64, and
+    no sequence ever fills more splits than launch or holds more tokens than the plan's longest split."""
+    monkeypatch.delenv(SPLIT_TOKENS_ENV, raising=False)
+    wide, tight = plan_decode_splits(1, 8, 131_072, 132), plan_decode_splits(1, 8, 2048, 132)
+    assert (wide.num_splits, wide.tokens_per_split, wide.min_tokens) == (64, 2048, 256)
+    assert wide.tokens_for(2048) == tight.tokens_for(2048) == 256
+    assert wide.tokens_for(131_072) == 2048
+    for max_context in (300, 2048, 2560, 4097, 131_072):
+        plan = plan_decode_splits(1, 8, max_context, 132)
+        for seq_len in range(1, max_context + 1, 37):
+            tokens = plan.tokens_for(seq_len)
+            assert -(-seq_len // tokens) <= plan.num_splits and (plan.single or tokens <= plan.tokens_per_split)
+    assert plan_decode_splits(1, 8, 2048, 132, num_splits=16).tokens_for(2048) == 128  # a caller's count: 128
+
+
+def test_short_contexts_under_a_wide_bound_match_the_reference(monkeypatch):
+    """max_seq_len far past every context (the CUDA graphs' case), chosen splits (52 on 132 multiprocessors) and a
+    caller's count: each row's splits are sized from its own length, the launched splits past them return, and the
+    merge counts only those."""
+    monkeypatch.delenv(SPLIT_TOKENS_ENV, raising=False)
+    monkeypatch.setattr(attention_decode, "num_sms", lambda device: 132)
+    torch.manual_seed(12)
+    cache = random_paged_cache([300, 37, 0, 129, 1], 2, 64, 16, torch.float16)
+    q = randn(5, 8, 64, dtype=torch.float16)
+    for splits in (None, 24):
+        _check(cache, q, 0.125, torch.float16, num_splits=splits, max_seq_len=1 << 16)
 
 
 def test_an_fp8_launch_without_a_variant_runs_the_chosen_one(monkeypatch):

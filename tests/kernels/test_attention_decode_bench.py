@@ -1,7 +1,7 @@
 """benchmarks/bench_attention_decode.py --small-batch's case, run through Triton's interpreter at a toy size
 (one sequence, a 512-token context, 1 / 2 / 4 splits) with the CUDA-graph timer replaced: only the flow is
 checked (every split count timed with both merges, the fused outputs bit-identical, the counters back at
-zero, two rows per case). On the H200 the script runs it at full size (benchmarks/gpu_profile_run.sh attn-small).
+zero, and the chosen count told 131,072 tokens: three rows per case). On the H200 the script runs it at full size (benchmarks/gpu_profile_run.sh attn-small).
 """
 
 from __future__ import annotations
@@ -33,10 +33,12 @@ def test_small_batch_case_times_both_merges_at_every_split_count(bench, monkeypa
     monkeypatch.setattr(bench, "SMALL_SPLITS", (1, 2, 4))
     monkeypatch.setattr(bench, "time_ms", fake_time_ms)
     rows, note = bench.small_batch_case(1, 512, fp8)
-    assert len(timed) == 5  # two-launch at 1, 2, 4 splits; fused at 2, 4 (one split has no merge)
-    assert [row.case for row in rows] == [f"{'fp8' if fp8 else 'bf16'} B1 ctx512",
-                                          f"{'fp8' if fp8 else 'bf16'} B1 ctx512 fused merge"]
+    # two-launch at 1, 2, 4 splits; fused at 2, 4 (one split has no merge); the chosen count told 131,072 tokens
+    assert len(timed) == 6
+    case = f"{'fp8' if fp8 else 'bf16'} B1 ctx512"
+    assert [row.case for row in rows] == [case, f"{case} fused merge", f"{case} told 131072"]
     extra = rows[1].extra
     assert extra["fused_bit_identical"] is True
     assert set(extra["fused_us_by_splits"]) == set(extra["us_by_splits"]) == {1, 2, 4}
     assert "fused bit-identical: True" in note
+    assert rows[2].extra["wide_bound"] == 131_072 and "told 131072 tokens" in note

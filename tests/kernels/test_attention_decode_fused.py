@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 from triton.runtime import interpreter
 
+from sits.kernels import attention_decode
 from sits.kernels.attention_decode import (
     _last_arrival,
     paged_decode_attention,
@@ -100,6 +101,53 @@ def test_fused_merge_many_splits_and_head_dim_128(nan_empty):
     for _ in range(2):
         two, fused = _both(cache, q, 8, counters)
         assert torch.equal(two, fused)
+
+
+def test_fused_merge_under_a_wide_bound(nan_empty, monkeypatch):
+    """max_seq_len far past every context (a CUDA graph's table width): many launched splits (chosen ones on 132
+    multiprocessors, and 16), a few filled per row, each row's count of them its own; the fused merge waits for
+    exactly those, bit for bit the two launches."""
+    monkeypatch.delenv(attention_decode.SPLIT_TOKENS_ENV, raising=False)
+    monkeypatch.setattr(attention_decode, "num_sms", lambda device: 132)
+    torch.manual_seed(13)
+    cache = random_paged_cache([300, 0, 37, 129], 2, 64, 16, torch.float16)
+    q = randn(4, 8, 64, dtype=torch.float16)
+    counters = torch.zeros(8, dtype=torch.int32, device=DEVICE)
+    expected = paged_decode_attention_reference(q, cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens,
+                                                0.125)
+    for splits in (None, 16):
+        two, fused = _both(cache, q, splits, counters, max_seq_len=1 << 15)
+        assert torch.equal(two, fused)
+        assert_close(fused, expected, torch.float16, scale=2.0)
+
+
+def test_each_row_writes_the_partials_of_the_splits_its_length_fills(monkeypatch):
+    """Which splits write partials, read off the log-sum-exp buffer (allocated NaN): told 32,768 tokens on 132
+    multiprocessors, a launch of 4 rows x 2 KV heads runs 64 splits of up to 512 tokens; a 300-token row fills
+    two of 256 (the least a split keeps), a 37-token row one, a padding row none, a 2,000-token row eight."""
+    monkeypatch.delenv(attention_decode.SPLIT_TOKENS_ENV, raising=False)
+    monkeypatch.setattr(attention_decode, "num_sms", lambda device: 132)
+    allocated, empty = [], torch.empty
+
+    def recorded(*args, **kwargs):
+        tensor = empty(*args, **kwargs)
+        if tensor.is_floating_point():
+            allocated.append(tensor.fill_(float("nan")))
+        return tensor
+
+    monkeypatch.setattr(torch, "empty", recorded)
+    torch.manual_seed(14)
+    lengths = [300, 37, 0, 2000]
+    cache = random_paged_cache(lengths, 2, 64, 16, torch.float16)
+    q = randn(4, 8, 64, dtype=torch.float16)
+    plan = attention_decode.plan_decode_splits(4, 2, 1 << 15, 132)
+    assert (plan.num_splits, plan.tokens_per_split) == (64, 512)
+    paged_decode_attention(q, cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens, 0.125,
+                           out=poisoned(*q.shape, dtype=q.dtype), max_seq_len=1 << 15)
+    lse = next(t for t in allocated if t.shape == (4, 8, plan.num_splits))
+    written = [int((~lse[row, 0].isnan()).sum()) for row in range(4)]
+    assert written == [2, 1, 0, 8]
+    assert all((~lse[row].isnan()).sum(-1).eq(count).all() for row, count in enumerate(written))  # every head alike
 
 
 def _fp8_cache(seq_lens):
