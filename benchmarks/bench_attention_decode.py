@@ -34,7 +34,9 @@ merge kernel), with their ratio, and a second row per case sets the fused merge'
 launches' best; the fused outputs are checked bit for bit against the two launches'.
 
 Each case also times the chosen split count for a launch told its contexts reach WIDE_BOUND (131,072) tokens, as
-CUDA graphs captured for that max_model_len launch it, against the launch told the real context (the peer).
+CUDA graphs captured for that max_model_len launch it, against the launch told the real context (the peer), and the
+chosen count with SITS_DECODE_SPLIT_TOKENS at each of MIN_TOKENS_SWEEP (256 to 32: down to 64 splits of 32 tokens
+at batch 1 and 2,048 tokens, 512 programs; the fastest reads of bench_stream_floor.py ran 8 programs a multiprocessor).
 
 --rope times the decode RoPE + KV write fused into the kernel (rope=DecodeRope: one launch) against
 rope_and_cache_write followed by the kernel (two launches), as a decode layer runs them: CUDA graphs, batches
@@ -371,6 +373,7 @@ def variants_main(args):
 SMALL_BATCHES = (1, 2, 4, 8, 16)
 SMALL_SPLITS = (1, 2, 4, 8, 16)
 SAME_SCHEDULE = (64, 4, 4)  # the split kernel's tiles when the fused and two-launch outputs are compared bit for bit
+MIN_TOKENS_SWEEP = (256, 128, 64, 32)  # SITS_DECODE_SPLIT_TOKENS values timed at each case (the chosen count's)
 WIDE_BOUND = 131_072  # max_seq_len as CUDA graphs pass it when max_model_len is Llama-3.1's context (the table's width)
 
 
@@ -403,6 +406,7 @@ def small_batch_case(batch: int, context: int, fp8: bool) -> tuple[list[Measurem
     # The chosen plan told WIDE_BOUND tokens (as a CUDA graph captured for that max_model_len launches it): the split
     # count follows the bound, each sequence's split length its own context (`split_tokens`).
     wide_ms = time_ms(rotating(launch(None, False, bound=WIDE_BOUND), len(tables)))
+    by_min_tokens = _min_tokens_sweep(launch, len(tables))
     # At one schedule: autotuned, the two variants may pick other tiles, hence other sums inside a split.
     identical = all(torch.equal(launch(s, False, SAME_SCHEDULE)(0).clone(), launch(s, True, SAME_SCHEDULE)(0))
                     for s in counts if s > 1)
@@ -415,13 +419,16 @@ def small_batch_case(batch: int, context: int, fp8: bool) -> tuple[list[Measurem
             f"{best} splits {ms[best] * 1e3:.1f} us ({ms[chosen] / ms[best]:.2f}x), best fused {best_fused} splits "
             f"{fused_ms[best_fused] * 1e3:.1f} us (two-launch best / fused best {ms[best] / fused_ms[best_fused]:.2f}x); "
             f"fused bit-identical: {identical}; told {WIDE_BOUND} tokens: {wide_ms * 1e3:.1f} us "
-            f"({wide_ms / ms[chosen]:.2f}x the chosen count told {context}); splits: two-launch / fused us (ratio): "
+            f"({wide_ms / ms[chosen]:.2f}x the chosen count told {context}); splits keeping at least N tokens, "
+            f"two-launch / fused us: " + ", ".join(f"{n}: {a * 1e3:.1f} / {b * 1e3:.1f}" for n, (a, b) in by_min_tokens.items())
+            + "; splits: two-launch / fused us (ratio): "
             + ", ".join(f"{s}: {ms[s] * 1e3:.1f} / {fused_ms[s] * 1e3:.1f} ({ms[s] / fused_ms[s]:.2f}x)" for s in counts))
     print(note, flush=True)
     extra = {"chosen_splits": chosen, "best_splits": best, "us_by_splits": {s: round(t * 1e3, 2) for s, t in ms.items()},
              "best_fused_splits": best_fused, "fused_bit_identical": identical,
              "fused_us_by_splits": {s: round(t * 1e3, 2) for s, t in fused_ms.items()},
-             "wide_bound": WIDE_BOUND, "wide_bound_us": round(wide_ms * 1e3, 2)}
+             "wide_bound": WIDE_BOUND, "wide_bound_us": round(wide_ms * 1e3, 2),
+             "min_tokens_us": {n: [round(a * 1e3, 2), round(b * 1e3, 2)] for n, (a, b) in by_min_tokens.items()}}
     rows = [Measurement(case, "GB/s", gbps(ms[best]), gbps(ms[chosen]), f"chosen ({chosen} splits)", ms[best],
                         ms[chosen], extra),
             Measurement(f"{case} fused merge", "GB/s", gbps(fused_ms[best_fused]), gbps(ms[best]),
@@ -429,6 +436,23 @@ def small_batch_case(batch: int, context: int, fp8: bool) -> tuple[list[Measurem
             Measurement(f"{case} told {WIDE_BOUND}", "GB/s", gbps(wide_ms), gbps(ms[chosen]),
                         f"chosen ({chosen} splits) told {context}", wide_ms, ms[chosen], extra)]
     return rows, note
+
+
+def _min_tokens_sweep(launch, tables: int) -> dict[int, tuple[float, float]]:
+    """The chosen split count under each SITS_DECODE_SPLIT_TOKENS of MIN_TOKENS_SWEEP (the least tokens a split
+    keeps, and under 128 the granule too): {N: (two-launch ms, fused-merge ms)}; the variable is restored."""
+    saved = os.environ.get(attention_decode.SPLIT_TOKENS_ENV)
+    timed = {}
+    try:
+        for tokens in MIN_TOKENS_SWEEP:
+            os.environ[attention_decode.SPLIT_TOKENS_ENV] = str(tokens)
+            timed[tokens] = (time_ms(rotating(launch(None, False), tables)), time_ms(rotating(launch(None, True), tables)))
+    finally:
+        if saved is None:
+            os.environ.pop(attention_decode.SPLIT_TOKENS_ENV, None)
+        else:
+            os.environ[attention_decode.SPLIT_TOKENS_ENV] = saved
+    return timed
 
 
 def small_batch_main(args, batches: tuple[int, ...] = SMALL_BATCHES, contexts: tuple[int, ...] = (2048,),

@@ -60,7 +60,7 @@
 #                  kernels launched with programmatic dependent launch (SITS_PDL=1, sits.kernels.pdl);
 #                  -pdlearly (prof1-pdlearly, ...): SITS_PDL=early, the next kernel launched right after the wait;
 #                  -splitN (prof1-split128, prof1-fused-split128, ...): decode attention splits keep at least N tokens
-#                  (SITS_DECODE_SPLIT_TOKENS, a multiple of 128; default 256); -rope0 / -rope1 (prof1-rope0,
+#                  (SITS_DECODE_SPLIT_TOKENS, a multiple of 16; default 256); -rope0 / -rope1 (prof1-rope0,
 #                  prof32-rope0, prof32fp8-rope0, ...): the decode rows' RoPE + KV write as a launch of its own
 #                  before attention / fused into the decode kernel (SITS_DECODE_FUSED_ROPE; default:
 #                  attention_decode.FUSED_ROPE_DEFAULT)

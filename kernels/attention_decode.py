@@ -99,12 +99,15 @@ __all__ = [
 ]
 
 LOG2_E = 1.4426950408889634
-SPLIT_GRANULE = 128  # tokens; every split length is a multiple of every BLOCK_N below
+SPLIT_GRANULE = 128  # tokens; every split length is a multiple of every BLOCK_N below (`split_granule`)
 _GRANULE = tl.constexpr(SPLIT_GRANULE)  # the same, for the jit functions
 MIN_TOKENS_PER_SPLIT = 256
-# The least tokens a split keeps, instead of MIN_TOKENS_PER_SPLIT (a multiple of SPLIT_GRANULE): for A/B runs
-# of the split count at small batches (benchmarks/gpu_profile_run.sh's -splitN steps).
+# The least tokens a split keeps, instead of MIN_TOKENS_PER_SPLIT (a multiple of SPLIT_TOKENS_QUANTUM): for A/B
+# runs of the split count at small batches (benchmarks/gpu_profile_run.sh's -splitN steps). Under SPLIT_GRANULE
+# it is the granule as well, so a 2,048-token context can spread over 32 or 64 splits (more programs per
+# multiprocessor, each with fewer tokens; the tiles past a split's end are masked).
 SPLIT_TOKENS_ENV = "SITS_DECODE_SPLIT_TOKENS"
+SPLIT_TOKENS_QUANTUM = 16  # the smallest tile (BLOCK_N) and the default page: split starts stay on both
 MAX_SPLITS = 64
 MAX_GRID_Y = 65535  # CUDA's limit on the grid's second dimension (sequences)
 # Whether callers that own split counters (the Triton attention back end) pass them, so split launches
@@ -253,11 +256,12 @@ def _quantize_rows_e4m3(q):
 @triton.jit
 def _split_tokens(seq_len, num_splits, min_split_tokens):
     """Tokens in each split of a sequence of seq_len tokens over num_splits launched splits: its context cut into
-    num_splits pieces rounded up to SPLIT_GRANULE, at least min_split_tokens each (`split_tokens` on the host).
+    num_splits pieces rounded up to `split_granule`, at least min_split_tokens each (`split_tokens` on the host).
     Sized from the sequence's own length, not from the launch's bound on it, so a context much shorter than the
     block table's width (a CUDA graph's table spans max_model_len) still spreads over as many splits as it fills."""
+    granule = tl.minimum(min_split_tokens, _GRANULE)  # SPLIT_GRANULE unless an A/B run asks for shorter splits
     even = (seq_len + num_splits - 1) // num_splits
-    return tl.maximum((even + _GRANULE - 1) // _GRANULE * _GRANULE, min_split_tokens)
+    return tl.maximum((even + granule - 1) // granule * granule, min_split_tokens)
 
 
 @triton.jit
@@ -693,13 +697,19 @@ def _decode_merge_kernel(
 
 def min_split_tokens() -> int:
     """The least tokens a split keeps: SITS_DECODE_SPLIT_TOKENS when set (a positive multiple of
-    SPLIT_GRANULE), else MIN_TOKENS_PER_SPLIT."""
+    SPLIT_TOKENS_QUANTUM), else MIN_TOKENS_PER_SPLIT."""
     forced = os.environ.get(SPLIT_TOKENS_ENV, "").strip()
     if not forced:
         return MIN_TOKENS_PER_SPLIT
-    require(forced.isdigit() and int(forced) > 0 and int(forced) % SPLIT_GRANULE == 0,
-            f"{SPLIT_TOKENS_ENV} must be a positive multiple of {SPLIT_GRANULE}, got {forced!r}")
+    require(forced.isdigit() and int(forced) > 0 and int(forced) % SPLIT_TOKENS_QUANTUM == 0,
+            f"{SPLIT_TOKENS_ENV} must be a positive multiple of {SPLIT_TOKENS_QUANTUM}, got {forced!r}")
     return int(forced)
+
+
+def split_granule(min_tokens: int) -> int:
+    """What split lengths are rounded up to: SPLIT_GRANULE, or min_tokens where that is shorter (an A/B run's
+    SITS_DECODE_SPLIT_TOKENS under 128), so splits start on whole tiles and pages."""
+    return min(min_tokens, SPLIT_GRANULE)
 
 
 def split_count(num_seqs: int, num_kv_heads: int, max_context: int, sms: int) -> int:
@@ -779,19 +789,21 @@ def plan_decode_splits(num_seqs: int, num_kv_heads: int, max_context: int, sms: 
     tokens, on a GPU of `sms` multiprocessors (num_splits: the caller's count, else `split_count`)."""
     requested = split_count(num_seqs, num_kv_heads, max_context, sms) if num_splits is None else int(num_splits)
     require(requested >= 1, f"num_splits must be >= 1, got {num_splits}")
-    tokens_per_split = max(SPLIT_GRANULE, cdiv(cdiv(max(max_context, 1), requested), SPLIT_GRANULE) * SPLIT_GRANULE)
+    min_tokens = min_split_tokens() if num_splits is None else SPLIT_GRANULE
+    granule = split_granule(min_tokens)
+    tokens_per_split = max(granule, cdiv(cdiv(max(max_context, 1), requested), granule) * granule)
     launched = max(1, cdiv(max_context, tokens_per_split))
     if launched == 1:
         tokens_per_split = max(tokens_per_split, max_context)
-    return DecodeSplitPlan(requested, launched, tokens_per_split,
-                           min_split_tokens() if num_splits is None else SPLIT_GRANULE)
+    return DecodeSplitPlan(requested, launched, tokens_per_split, min_tokens)
 
 
 def split_tokens(seq_len: int, num_splits: int, min_tokens: int) -> int:
     """Tokens in each split of a sequence of seq_len tokens over num_splits launched splits, as the kernels size
-    them (`_split_tokens`): ceil(seq_len / num_splits) rounded up to SPLIT_GRANULE, at least min_tokens. The
-    sequence fills ceil(seq_len / that) of the splits (none for seq_len 0); the rest return at once."""
-    return max(cdiv(cdiv(seq_len, num_splits), SPLIT_GRANULE) * SPLIT_GRANULE, min_tokens)
+    them (`_split_tokens`): ceil(seq_len / num_splits) rounded up to `split_granule(min_tokens)`, at least
+    min_tokens. The sequence fills ceil(seq_len / that) of the splits (none for seq_len 0); the rest return at once."""
+    granule = split_granule(min_tokens)
+    return max(cdiv(cdiv(seq_len, num_splits), granule) * granule, min_tokens)
 
 
 def choose_fp8_variant(plan: DecodeSplitPlan, num_seqs: int, num_kv_heads: int, sms: int) -> str:
@@ -995,6 +1007,9 @@ def paged_decode_attention(
     require(num_seqs <= MAX_GRID_Y, f"at most {MAX_GRID_Y} sequences per launch, got {num_seqs}")
     sms = num_sms(q.device)
     plan = plan_decode_splits(num_seqs, num_kv_heads, max_context, sms, num_splits)
+    # A tile spans whole pages or lies inside one, so splits must start on a page's or a 128-token tile's bound.
+    require(split_granule(plan.min_tokens) % min(page_size, SPLIT_GRANULE) == 0,
+            f"{SPLIT_TOKENS_ENV}={plan.min_tokens} must be a multiple of the {page_size}-token page")
     if fp8_variant is None:  # the upcast path (fp8_via_float16 false) has one loop
         chosen = fp8 and fp8_via_float16
         chosen = chosen and q.dtype != torch.float32  # a float32 q: f16 terms, not q8x2's e4m3 ones

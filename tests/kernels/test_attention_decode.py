@@ -150,7 +150,8 @@ def test_the_fp8_loop_follows_the_launch_shape(monkeypatch):
 
 def test_split_tokens_follow_the_environment(monkeypatch):
     """Batch 1, 8 KV heads, 2,048 tokens on 132 multiprocessors: 256-token splits (8) by default; with
-    SITS_DECODE_SPLIT_TOKENS=128, 16 splits of 128; a value off the 128-token granule is refused."""
+    SITS_DECODE_SPLIT_TOKENS=128, 16 splits of 128; under 128 the value is the granule too (32: 64 splits of 32
+    tokens); a value off the 16-token quantum is refused."""
     monkeypatch.delenv(SPLIT_TOKENS_ENV, raising=False)
     plan = plan_decode_splits(1, 8, 2048, 132)
     assert (plan.num_splits, plan.tokens_per_split) == (8, 256)
@@ -158,8 +159,11 @@ def test_split_tokens_follow_the_environment(monkeypatch):
     plan = plan_decode_splits(1, 8, 2048, 132)
     assert (plan.num_splits, plan.tokens_per_split) == (16, 128)
     assert plan_decode_splits(32, 8, 2048, 132).single  # a batch that fills the GPU stays unsplit
+    monkeypatch.setenv(SPLIT_TOKENS_ENV, "32")
+    plan = plan_decode_splits(1, 8, 2048, 132)
+    assert (plan.num_splits, plan.tokens_per_split, plan.tokens_for(2048), plan.tokens_for(2000)) == (64, 32, 32, 32)
     monkeypatch.setenv(SPLIT_TOKENS_ENV, "100")
-    with pytest.raises(ValueError, match="SITS_DECODE_SPLIT_TOKENS must be a positive multiple of 128"):
+    with pytest.raises(ValueError, match="SITS_DECODE_SPLIT_TOKENS must be a positive multiple of 16"):
         plan_decode_splits(1, 8, 2048, 132)
 
 
@@ -171,11 +175,11 @@ def _split_tokens_kernel(seq_lens_ptr, out_ptr, num_splits, min_tokens, N: tl.co
 
 def test_the_kernels_size_splits_as_the_host_says():
     """The kernels' split length per sequence (`_split_tokens`) is `split_tokens`: its context over the launched
-    splits, rounded up to the granule, at least the minimum."""
+    splits, rounded up to the granule (128, or a shorter minimum), at least the minimum."""
     seq_lens = torch.tensor([0, 1, 127, 128, 129, 255, 256, 1000, 2048, 2049, 5000, 70_000, 131_072, 9, 300, 4096],
                             dtype=torch.int32, device=DEVICE)
     for num_splits in (1, 3, 10, 64):
-        for min_tokens in (SPLIT_GRANULE, 256, 512):
+        for min_tokens in (16, 32, 64, SPLIT_GRANULE, 256, 512):
             out = torch.empty_like(seq_lens)
             _split_tokens_kernel[(1,)](seq_lens, out, num_splits, min_tokens, N=seq_lens.numel())
             assert out.tolist() == [split_tokens(n, num_splits, min_tokens) for n in seq_lens.tolist()]
@@ -197,6 +201,24 @@ def test_a_short_context_under_a_wide_bound_still_spreads_over_the_splits(monkey
             tokens = plan.tokens_for(seq_len)
             assert -(-seq_len // tokens) <= plan.num_splits and (plan.single or tokens <= plan.tokens_per_split)
     assert plan_decode_splits(1, 8, 2048, 132, num_splits=16).tokens_for(2048) == 128  # a caller's count: 128
+
+
+def test_splits_shorter_than_the_granule_match_the_reference(monkeypatch):
+    """SITS_DECODE_SPLIT_TOKENS under 128 (32 and 16: splits shorter than some tiles, starting inside them) on
+    16-token pages, automatic splits; on 64-token pages a 32-token split is refused, as its start could fall
+    inside a page that one tile reads whole."""
+    monkeypatch.setattr(attention_decode, "num_sms", lambda device: 132)
+    torch.manual_seed(15)
+    q = randn(3, 8, 64, dtype=torch.float16)
+    for tokens in ("32", "16"):
+        monkeypatch.setenv(SPLIT_TOKENS_ENV, tokens)
+        cache = random_paged_cache([300, 37, 0], 2, 64, 16, torch.float16)
+        _check(cache, q, 0.125, torch.float16)
+        _check(cache, q, 0.125, torch.float16, schedule=(64, 4, 2))
+    monkeypatch.setenv(SPLIT_TOKENS_ENV, "32")
+    cache = random_paged_cache([300, 37, 0], 2, 64, 64, torch.float16)
+    with pytest.raises(ValueError, match="SITS_DECODE_SPLIT_TOKENS=32 must be a multiple of the 64-token page"):
+        paged_decode_attention(q, cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens, 0.125)
 
 
 def test_short_contexts_under_a_wide_bound_match_the_reference(monkeypatch):

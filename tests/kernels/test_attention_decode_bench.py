@@ -6,6 +6,8 @@ zero, and the chosen count told 131,072 tokens: three rows per case). On the H20
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.kernels.bench_scripts import bench_script
@@ -32,9 +34,11 @@ def test_small_batch_case_times_both_merges_at_every_split_count(bench, monkeypa
     monkeypatch.setattr(bench, "MIN_ROTATED_FP8_BYTES", 1)
     monkeypatch.setattr(bench, "SMALL_SPLITS", (1, 2, 4))
     monkeypatch.setattr(bench, "time_ms", fake_time_ms)
+    monkeypatch.delenv("SITS_DECODE_SPLIT_TOKENS", raising=False)
     rows, note = bench.small_batch_case(1, 512, fp8)
-    # two-launch at 1, 2, 4 splits; fused at 2, 4 (one split has no merge); the chosen count told 131,072 tokens
-    assert len(timed) == 6
+    # two-launch at 1, 2, 4 splits; fused at 2, 4 (one split has no merge); the chosen count told 131,072 tokens;
+    # both merges at each least split length of the sweep
+    assert len(timed) == 6 + 2 * len(bench.MIN_TOKENS_SWEEP)
     case = f"{'fp8' if fp8 else 'bf16'} B1 ctx512"
     assert [row.case for row in rows] == [case, f"{case} fused merge", f"{case} told 131072"]
     extra = rows[1].extra
@@ -42,3 +46,5 @@ def test_small_batch_case_times_both_merges_at_every_split_count(bench, monkeypa
     assert set(extra["fused_us_by_splits"]) == set(extra["us_by_splits"]) == {1, 2, 4}
     assert "fused bit-identical: True" in note
     assert rows[2].extra["wide_bound"] == 131_072 and "told 131072 tokens" in note
+    assert set(rows[2].extra["min_tokens_us"]) == set(bench.MIN_TOKENS_SWEEP)
+    assert "SITS_DECODE_SPLIT_TOKENS" not in os.environ  # restored after the sweep

@@ -112,3 +112,44 @@ def test_engine_tokens_are_the_same_with_the_fused_merge(monkeypatch):
 
     assert tokens(True) == tokens(False)
     assert loaded.model.backend.split_counters.size(DEVICE) >= 3 * 2
+
+
+@pytest.mark.skipif(DEVICE.type == "cpu" and not attention_decode.is_interpreter(), reason="needs the interpreter")
+def test_engine_tokens_are_the_same_under_a_wide_graph_table(monkeypatch):
+    """The graphs' static buffers tell decode attention that contexts reach the table's width, max_model_len.
+    Under 1,024 tokens (8 splits launched of up to 128) and under 256 (4 of up to 64), each sequence's splits are
+    sized from its own length (64 tokens each here), so the engine gives the same greedy tokens either way."""
+    from sits.runtime.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from sits.runtime.engine.engine import LLMEngine
+    from sits.runtime.models.random_model import random_loaded_model
+    from tests.runtime.test_triton_backend import TINY, greedy, prompt
+
+    monkeypatch.setattr(attention_decode, "MIN_TOKENS_PER_SPLIT", 64)
+    monkeypatch.setattr(attention_decode, "num_sms", lambda device: 16)  # 4 x 2 programs still split
+    monkeypatch.delenv(attention_decode.SPLIT_TOKENS_ENV, raising=False)
+    loaded = random_loaded_model(TINY, TritonAttentionBackend(), "cpu", torch.float32, seed=3, max_positions=1024)
+    with torch.no_grad():
+        loaded.model.lm_head.weight.mul_(8.0)  # sharp logits, as tiny_model's
+    loaded.model.to(device=DEVICE, dtype=torch.float16)
+    loaded.device, loaded.dtype = torch.device(DEVICE), torch.float16
+    requests = [("x", prompt(6, 140), 7), ("y", prompt(7, 20), 3), ("z", prompt(8, 129), 5)]
+    assert [attention_decode.plan_decode_splits(4, 2, bound, 16).num_splits for bound in (1024, 256)] == [8, 4]
+
+    def tokens(max_model_len: int) -> dict[str, list[int]]:
+        config = EngineConfig(model=ModelConfig(device=DEVICE.type, dtype="float16", max_model_len=max_model_len),
+                              cache=CacheConfig(block_size=16, num_blocks=80),
+                              scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=1024),
+                              enforce_eager=True)
+        engine = LLMEngine.from_loaded(loaded, config)
+        engine.runner.setup_cuda_graphs([1, 2, 4], max_model_len=max_model_len, capture=torch.cuda.is_available())
+        results: dict[str, list[int]] = {}
+        for request_id, ids, count in requests:
+            engine.add_request(request_id, ids, greedy(count))
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    results[output.request_id] = output.outputs[0].token_ids
+        return results
+
+    wide, tight = tokens(1024), tokens(256)
+    assert wide == tight and sorted(len(t) for t in wide.values()) == [3, 5, 7]
