@@ -265,6 +265,13 @@ def _split_tokens(seq_len, num_splits, min_split_tokens):
 
 
 @triton.jit
+def _filled_splits(seq_len, tokens_per_split, num_splits):
+    """How many of the num_splits launched splits a sequence of seq_len tokens fills at tokens_per_split a split
+    (`_split_tokens`; never more than launched, the minimum kept as a guard)."""
+    return tl.minimum((seq_len + tokens_per_split - 1) // tokens_per_split, num_splits)
+
+
+@triton.jit
 def _rope_rows(row_ptrs, row_valid, cos_sin_row, HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr):
     """Rows [R, HEAD_DIM] at row_ptrs [R] (contiguous elements) rotated by RoPE, float32; invalid rows 0.
 
@@ -501,18 +508,16 @@ def _last_arrival(counter_ptr, num_valid):
 
 
 @triton.jit
-def _fused_merge(partial_out_ptr, partial_lse_ptr, out_ptr, split_counters_ptr, seq, kv_head, seq_len,
-                 tokens_per_split, group_size, stride_po_seq, stride_po_head, stride_po_split,
+def _fused_merge(partial_out_ptr, partial_lse_ptr, out_ptr, split_counters_ptr, seq, kv_head, num_valid,
+                 group_size, stride_po_seq, stride_po_head, stride_po_split,
                  stride_pl_seq, stride_pl_head, stride_o_seq, stride_o_head,
                  HEAD_DIM: tl.constexpr, MERGE_BLOCK: tl.constexpr, MERGE_G: tl.constexpr):  # fmt: skip
-    """After a non-empty split stored its partials: the last of the sequence's num_valid =
-    cdiv(seq_len, tokens_per_split) non-empty splits (tokens_per_split: this sequence's, `_split_tokens`) to finish (counted on the int32 counter
-    split_counters[seq * num_kv_heads + kv_head], which is 0 before the launch and after it) merges
-    all of them for the KV head's query heads, as `_decode_merge_kernel` does (`_merge_partials`, so
-    bit for bit), and writes out. Empty splits return before they get here and never count."""
+    """After a non-empty split stored its partials: the last of the sequence's num_valid non-empty splits
+    (`_filled_splits`) to finish (counted on the int32 counter split_counters[seq * num_kv_heads + kv_head],
+    which is 0 before the launch and after it) merges all of them for the KV head's query heads, as
+    `_decode_merge_kernel` does (`_merge_partials`, so bit for bit), and writes out. Empty splits return before
+    they get here and never count."""
     counter = split_counters_ptr + seq * tl.num_programs(0) + kv_head
-    # At most the launched splits (`_split_tokens` never gives more; kept as a guard on the count).
-    num_valid = tl.minimum((seq_len + tokens_per_split - 1) // tokens_per_split, tl.num_programs(2))
     if _last_arrival(counter, num_valid):
         offs_g = tl.arange(0, MERGE_G)
         q_heads = kv_head * group_size + offs_g
@@ -660,8 +665,12 @@ def _decode_split_kernel(
         lse = m_i + tl.math.log2(safe_l)
         tl.store(partial_lse_ptr + seq * stride_pl_seq + q_heads * stride_pl_head + split, lse, mask=head_valid)
         if FUSED_MERGE:
-            _fused_merge(partial_out_ptr, partial_lse_ptr, out_ptr, split_counters_ptr, seq, kv_head, seq_len,
-                         tokens_per_split, group_size, stride_po_seq, stride_po_head, stride_po_split,
+            # seq_len loaded again and the split length recomputed: nothing of the prologue kept across the loop.
+            seq_len = tl.load(seq_lens_ptr + seq)
+            filled = _filled_splits(seq_len, _split_tokens(seq_len, tl.num_programs(2), min_split_tokens),
+                                    tl.num_programs(2))
+            _fused_merge(partial_out_ptr, partial_lse_ptr, out_ptr, split_counters_ptr, seq, kv_head, filled,
+                         group_size, stride_po_seq, stride_po_head, stride_po_split,
                          stride_pl_seq, stride_pl_head, stride_o_seq, stride_o_head,
                          HEAD_DIM, MERGE_BLOCK, MERGE_G)  # fmt: skip
 
@@ -682,8 +691,7 @@ def _decode_merge_kernel(
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
-    tokens_per_split = _split_tokens(seq_len, num_splits, min_split_tokens)
-    num_valid = (seq_len + tokens_per_split - 1) // tokens_per_split
+    num_valid = _filled_splits(seq_len, _split_tokens(seq_len, num_splits, min_split_tokens), num_splits)
     row = tl.arange(0, 1)
     merged = _merge_partials(
         partial_out_ptr + seq * stride_po_seq + head * stride_po_head + row,
