@@ -68,6 +68,10 @@
 #                  (SITS_FOLD_NORMS=0; by default they are folded into the projections, runtime/models/norm_fold.py)
 #                  -mmlN (prof1-mml131072, prof4-mml32768): --max-model-len N, so the CUDA graphs' block tables (and
 #                  the bound their decode attention is told) span N tokens while the context stays 2,048
+#                  -f32act (prof1-f32act, prof32-f32act): --activation-dtype float32, whose decode projections now
+#                  run the small-M kernels on float32 rows (two terms a tile) instead of mixed_linear's three launches
+#   f32xtests      tests/kernels/test_gemm_small_m_float32_x.py on the GPU: every config the autotuner keeps for a
+#                  float32 x compiles and gives the float32 product (bf16 weights)
 #   foldtests      the folded norms' kernels (tests/kernels/test_gemm_small_m_fold.py) and the split-K kernel
 #                  they extend, then the engine with and without them teacher-forced (tests/gpu/test_norm_fold.py)
 #   ropetests      the fused decode RoPE + KV write against the two launches, bit for bit (bf16 and fp8 caches,
@@ -153,6 +157,8 @@ for step in $STEPS; do
       -p no:cacheprovider --confcutdir=tests/gpu ;;
     normtests) PYTHONSAFEPATH=1 timeout 240 python3 -m pytest tests/kernels/test_gemm_small_m_norm.py -q -s \
       -p no:cacheprovider --confcutdir=tests/kernels ;;
+    f32xtests) PYTHONSAFEPATH=1 timeout 300 python3 -m pytest tests/kernels/test_gemm_small_m_float32_x.py -q \
+      -p no:cacheprovider --confcutdir=tests/kernels ;;
     prof[0-9]*-*) batch=${step#prof}; batch=${batch%%-*}; table=""; fused=""; pdl=""; split=""; rope=""
       case $step in *-gemv*) table="${SMALL_M_TABLE:-$LOG_DIR/small_m_gemm_table.json}" ;; esac
       case $step in *-split*) split=${step##*-split}; split=${split%%-*} ;; esac
@@ -161,6 +167,7 @@ for step in $STEPS; do
       case $step in *-rope0*) rope=0 ;; *-rope1*) rope=1 ;; esac
       fold=""; case $step in *-fold0*) fold=0 ;; esac
       mml=""; case $step in *-mml*) mml=${step##*-mml}; mml="--max-model-len ${mml%%-*}" ;; esac
+      case $step in *-f32act*) mml="$mml --activation-dtype float32" ;; esac
       SITS_SMALL_M_GEMM="$table" SITS_DECODE_FUSED_MERGE="$fused" SITS_PDL="$pdl" SITS_DECODE_SPLIT_TOKENS="$split" \
       SITS_DECODE_FUSED_ROPE="$rope" SITS_FOLD_NORMS="$fold" timeout 200 \
       python3 benchmarks/profile_decode.py $COMMON --batch "$batch" --input-len 2048 $mml ;;

@@ -118,12 +118,17 @@ def pipeline_tiles(config: triton.Config, block_m: int, silu_mul: bool = False) 
     return (config.num_stages if m_side >= 64 else max(config.num_stages - 1, 1)), w_rows
 
 
-def shared_memory_bytes(config: triton.Config, block_m: int, silu_mul: bool = False, elem_bytes: int = 2) -> int:
+def shared_memory_bytes(config: triton.Config, block_m: int, silu_mul: bool = False, elem_bytes: int = 2,
+                        x_bytes: int | None = None) -> int:
     """Shared memory a config's load pipeline takes on sm_90: its weight and activation tiles times the
     buffers of `pipeline_tiles`. (As Triton 3.9 allocates it for every shipped launch:
-    benchmarks/compile_gemm_small_m_sm90.py.)"""
+    benchmarks/compile_gemm_small_m_sm90.py.) x_bytes: the activation's element size where it is not the
+    weight's (float32 activations, whose two half-precision terms are staged once more for the dots)."""
     buffers, w_rows = pipeline_tiles(config, block_m, silu_mul)
-    return buffers * (w_rows + block_m) * config.kwargs["BLOCK_K"] * elem_bytes
+    block_k = config.kwargs["BLOCK_K"]
+    if x_bytes is None or x_bytes == elem_bytes:
+        return buffers * (w_rows + block_m) * block_k * elem_bytes
+    return buffers * (w_rows * elem_bytes + block_m * x_bytes) * block_k + 2 * block_m * block_k * elem_bytes
 
 
 def shared_memory_prune(shared_bytes, default_block_m: int):
@@ -134,9 +139,11 @@ def shared_memory_prune(shared_bytes, default_block_m: int):
         k = named_args["K"]
         block_m = kwargs.get("BLOCK_M", named_args.get("BLOCK_M", default_block_m))
         silu_mul = bool(kwargs.get("SILU_MUL", named_args.get("SILU_MUL", False)))
+        x = named_args.get("x_ptr")
+        x_bytes = {"x_bytes": x.element_size()} if isinstance(x, torch.Tensor) and x.dtype == torch.float32 else {}
         kept = [
             c for c in configs
-            if c.kwargs["BLOCK_K"] <= max(k, 128) and shared_bytes(c, block_m, silu_mul) <= SMEM_BYTES
+            if c.kwargs["BLOCK_K"] <= max(k, 128) and shared_bytes(c, block_m, silu_mul, **x_bytes) <= SMEM_BYTES
         ]
         return kept or configs[:1]
 
@@ -189,12 +196,33 @@ def _weight_rows(N, BLOCK_N: tl.constexpr, SILU_MUL: tl.constexpr):
 
 
 @triton.jit
+def _dot_terms(a, b, acc, DOT_FP32: tl.constexpr):
+    """acc + a @ b for a weight tile and an activation tile (either side): a float32 activation beside a
+    half-precision weight (--activation-dtype float32) enters as two terms of the weight's dtype, hi = the tile
+    rounded and lo = what hi leaves, rounded (about 16 bits of its mantissa, as `mixed_linear`), each a dot with
+    float32 sums. DOT_FP32 (the interpreter only, which multiplies bf16 tiles as raw bits) upcasts the tiles
+    to float32 before each dot."""
+    if a.dtype == tl.float32 or b.dtype == tl.float32:
+        half = b.dtype if a.dtype == tl.float32 else a.dtype
+        a_hi, b_hi = a.to(half), b.to(half)
+        a_lo = (a - a_hi.to(tl.float32)).to(half) if a.dtype == tl.float32 else a_hi
+        b_lo = (b - b_hi.to(tl.float32)).to(half) if b.dtype == tl.float32 else b_hi
+        if DOT_FP32:
+            a_hi, b_hi, a_lo, b_lo = a_hi.to(tl.float32), b_hi.to(tl.float32), a_lo.to(tl.float32), b_lo.to(tl.float32)
+        acc = tl.dot(a_lo, b_lo, tl.dot(a_hi, b_hi, acc))
+    else:
+        if DOT_FP32:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
 def _row_sums(x_ptr, w_ptr, rows_x, in_m, rows_w, K, stride_xm, stride_wn,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr):  # fmt: skip
     """float32 sums x[rows_x] @ w[rows_w]^T over the whole K: [BLOCK_M, BLOCK_N] (BLOCK_N: rows_w's length).
-    DOT_FP32 (the interpreter only, which multiplies bf16 tiles as raw bits) upcasts both tiles to float32
-    before the dot."""
+    x in w's dtype, or float32 (two dots a tile, `_dot_terms`). DOT_FP32: the interpreter's upcast."""
     offs_k = tl.arange(0, BLOCK_K)
     if SWAP_AB:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -205,15 +233,11 @@ def _row_sums(x_ptr, w_ptr, rows_x, in_m, rows_w, K, stride_xm, stride_wn,
         if SWAP_AB:  # w [BLOCK_N, BLOCK_K] and x^T [BLOCK_K, BLOCK_M], both K-major
             w = _load_w(w_ptr + rows_w[:, None] * stride_wn + k[None, :], k, K, EVEN_K, 1)
             x = _load_x(x_ptr + rows_x[None, :] * stride_xm + k[:, None], in_m[None, :], k, K, EVEN_K, 0)
-            if DOT_FP32:
-                w, x = w.to(tl.float32), x.to(tl.float32)
-            acc = tl.dot(w, x, acc)
+            acc = _dot_terms(w, x, acc, DOT_FP32)
         else:  # x [BLOCK_M, BLOCK_K] and w^T [BLOCK_K, BLOCK_N]
             x = _load_x(x_ptr + rows_x[:, None] * stride_xm + k[None, :], in_m[:, None], k, K, EVEN_K, 1)
             w = _load_w(w_ptr + rows_w[None, :] * stride_wn + k[:, None], k, K, EVEN_K, 0)
-            if DOT_FP32:
-                x, w = x.to(tl.float32), w.to(tl.float32)
-            acc = tl.dot(x, w, acc)
+            acc = _dot_terms(x, w, acc, DOT_FP32)
     if SWAP_AB:
         acc = tl.trans(acc)
     return acc
@@ -403,11 +427,12 @@ def pinned_meta(config: dict[str, int], k: int, keys: tuple[str, ...]) -> dict:
 
 
 def check_gemm_operands(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, out_cols: int | None,
-                        name: str) -> tuple[int, int]:
-    """The operand checks of every small-M entry point (x [M, K] half, `name` [rows, K] of x's dtype, out
-    [M, out_cols or rows]): raises ValueError, else returns (M, output columns)."""
-    check_tensor(x, "x", ndim=2, dtypes=HALF_DTYPES)
-    check_tensor(w, name, ndim=2, dtypes=(x.dtype,), device=x.device)
+                        name: str, float32_x: bool = False) -> tuple[int, int]:
+    """The operand checks of every small-M entry point (x [M, K] half, or float32 where the entry point takes
+    float32 activations (`float32_x`); `name` [rows, K] half, x's dtype unless x is float32; out [M, out_cols or
+    rows] in x's dtype): raises ValueError, else returns (M, output columns)."""
+    check_tensor(x, "x", ndim=2, dtypes=(*HALF_DTYPES, torch.float32) if float32_x else HALF_DTYPES)
+    check_tensor(w, name, ndim=2, dtypes=HALF_DTYPES if x.dtype == torch.float32 else (x.dtype,), device=x.device)
     m, k = x.shape
     require(w.shape[1] == k, f"x is [M, {k}] but {name} is {tuple(w.shape)}; expected [rows, {k}]")
     require(k > 0, "K must be positive")
@@ -436,8 +461,10 @@ def small_m_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = No
 
     Args:
         x: [M, K] bfloat16 / float16 activations, 0 <= M <= MAX_M (64), last dimension contiguous
-            (any row stride).
-        w: [N, K] weight in x's dtype (nn.Linear layout), last dimension contiguous.
+            (any row stride); or float32 beside a half-precision w (--activation-dtype float32, not with sumsq):
+            each x tile then enters as two terms of w's dtype, hi + lo, two dots with float32 sums.
+        w: [N, K] weight in x's dtype (nn.Linear layout; half precision under a float32 x), last dimension
+            contiguous.
         out: optional [M, N] buffer in x's dtype, last dimension contiguous.
         config: a pinned launch config (CONFIG_KEYS: BLOCK_N, BLOCK_K, SWAP_AB, num_warps, num_stages) instead
             of autotuning, e.g. a measured table's.
@@ -450,7 +477,7 @@ def small_m_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = No
     Raises:
         ValueError: wrong dtype, rank, shape, layout or device, M > MAX_M, or a config with other keys.
     """
-    m, n = check_gemm_operands(x, w, out, None, "w")
+    m, n = check_gemm_operands(x, w, out, None, "w", float32_x=sumsq is None)
     if sumsq is not None:
         check_row_squares(sumsq, m, x.shape[1], x)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
@@ -473,8 +500,10 @@ def small_m_gemm_silu_mul(x: torch.Tensor, w_gate_up: torch.Tensor, out: torch.T
     """silu(x @ gate^T) * (x @ up^T), the gate_up GEMM and SiLU·mul in one launch.
 
     Args:
-        x: [M, K] bfloat16 / float16, 0 <= M <= MAX_M (64), last dimension contiguous.
-        w_gate_up: [2I, K] in x's dtype: gate rows [0, I), up rows [I, 2I) (LlamaMLP's gate_up_proj).
+        x: [M, K] bfloat16 / float16, 0 <= M <= MAX_M (64), last dimension contiguous; or float32 beside a
+            half-precision w_gate_up (not with sumsq), as small_m_gemm's, the SiLU·mul then in float32 unrounded.
+        w_gate_up: [2I, K] in x's dtype (half precision under a float32 x): gate rows [0, I), up rows [I, 2I)
+            (LlamaMLP's gate_up_proj).
         out: optional [M, I] buffer in x's dtype, last dimension contiguous.
         config: a pinned launch config, as small_m_gemm's.
         sumsq, eps: as small_m_gemm's (the products scaled before the activation).
@@ -485,7 +514,7 @@ def small_m_gemm_silu_mul(x: torch.Tensor, w_gate_up: torch.Tensor, out: torch.T
     """
     rows = w_gate_up.shape[0] if isinstance(w_gate_up, torch.Tensor) and w_gate_up.dim() == 2 else 1
     require(rows % 2 == 0, f"w_gate_up must have an even number of rows (gate, then up), got {rows}")
-    m, cols = check_gemm_operands(x, w_gate_up, out, rows // 2, "w_gate_up")
+    m, cols = check_gemm_operands(x, w_gate_up, out, rows // 2, "w_gate_up", float32_x=sumsq is None)
     if sumsq is not None:
         check_row_squares(sumsq, m, x.shape[1], x)
     out = torch.empty(m, cols, dtype=x.dtype, device=x.device) if out is None else out

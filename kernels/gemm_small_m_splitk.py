@@ -43,7 +43,7 @@ from sits.kernels.gemm_small_m import (
     fold_arguments,
     load_stream_tile,
     pinned_meta,
-    pipeline_tiles,
+    shared_memory_bytes,
     small_m_rows_bucket,
     store_out,
     sumsq_slots,
@@ -85,14 +85,16 @@ def _prune(configs, named_args, **kwargs):
     empty (BLOCK_K x SPLIT_K past K); where that leaves none, the fitting one with the fewest K elements a step."""
     k = named_args["K"]
     block_m = kwargs.get("BLOCK_M", named_args.get("BLOCK_M", 64))
-    fitting = [c for c in configs if _smem(c, block_m) <= SMEM_BYTES] or configs[:1]
+    x = named_args.get("x_ptr")
+    x_bytes = x.element_size() if isinstance(x, torch.Tensor) else 2
+    fitting = [c for c in configs if _smem(c, block_m, x_bytes) <= SMEM_BYTES] or configs[:1]
     kept = [c for c in fitting if c.kwargs["BLOCK_K"] * c.kwargs["SPLIT_K"] <= max(k, 128)]
     return kept or [min(fitting, key=lambda c: c.kwargs["BLOCK_K"] * c.kwargs["SPLIT_K"])]
 
 
-def _smem(config: triton.Config, block_m: int) -> int:
-    buffers, w_rows = pipeline_tiles(config, block_m)
-    return buffers * (w_rows + block_m) * config.kwargs["BLOCK_K"] * 2
+def _smem(config: triton.Config, block_m: int, x_bytes: int = 2) -> int:
+    """`gemm_small_m.shared_memory_bytes` of a split-K config (x_bytes 4: float32 activations)."""
+    return shared_memory_bytes(config, block_m, x_bytes=x_bytes)
 
 
 @triton.jit(do_not_specialize=["M", "M_BUCKET"])  # one binary per row tile, not per batch size
@@ -175,8 +177,9 @@ def small_m_gemm_splitk(x: torch.Tensor, w: torch.Tensor, counters: torch.Tensor
     """out = x @ w^T with float32 sums, K split over programs and reduced in the same launch.
 
     Args:
-        x: [M, K] bfloat16 / float16, 0 <= M <= 64, last dimension contiguous (any row stride).
-        w: [N, K] in x's dtype (nn.Linear layout), last dimension contiguous.
+        x: [M, K] bfloat16 / float16, 0 <= M <= 64, last dimension contiguous (any row stride); or float32 beside
+            a half-precision w (two terms a tile, as gemm_small_m.small_m_gemm's).
+        w: [N, K] in x's dtype (nn.Linear layout; half precision under a float32 x), last dimension contiguous.
         counters: [>= counters_needed(N)] int32 on x's device, all zero; zero again after the launch. Launches
             sharing a buffer must run one after another (one stream).
         out: optional [M, N] buffer in x's dtype, last dimension contiguous.
@@ -188,7 +191,7 @@ def small_m_gemm_splitk(x: torch.Tensor, w: torch.Tensor, counters: torch.Tensor
     Raises:
         ValueError: wrong dtype, rank, shape, layout or device, M > 64, too few counters, or a bad config.
     """
-    m, n = check_gemm_operands(x, w, out, None, "w")
+    m, n = check_gemm_operands(x, w, out, None, "w", float32_x=True)
     check_counters(counters, n, x.device)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     if m and n:

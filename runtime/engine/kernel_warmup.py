@@ -264,18 +264,21 @@ def run_small_m_plan(model: torch.nn.Module, rows: Iterable[int]) -> int:
     """Run each distinct small-M layer of `model` (`small_m_layers`) on every row count whose bucket it runs
     on the direct kernel, its fused SiLU·mul on those of its SiLU·mul buckets, its fused norm (with and
     without a residual stream in the model's `residual_dtype`) on those of its norm buckets, and its folded-norm
-    launch on those of its fold buckets; returns the launches."""
+    launch on those of its fold buckets; returns the launches. The first two take rows in the model's
+    `activation_dtype` (float32 with --activation-dtype float32: the kernels' two-term launches), the others in
+    the weight's."""
     rows = sorted(rows)
     launches = 0
     for layer in small_m_layers(model) if rows else []:
         inputs = torch.randn(rows[-1], layer.in_features, dtype=layer.weight.dtype, device=layer.weight.device)
+        activations = inputs.to(getattr(model, "activation_dtype", None) or layer.weight.dtype)
         stream_dtype = getattr(model, "residual_dtype", None) or layer.weight.dtype
         for count in rows:
             if m_bucket(count) in layer.direct_buckets:
-                layer(inputs[:count])
+                layer(activations[:count])
                 launches += 1
             if m_bucket(count) in layer.silu_mul_buckets:
-                layer.silu_mul(inputs[:count])
+                layer.silu_mul(activations[:count])
                 launches += 1
             launches += _run_norm_fused(layer, inputs[:count], stream_dtype)
             launches += _run_folded(layer, inputs[:count])

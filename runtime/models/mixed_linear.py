@@ -12,7 +12,8 @@ multiplies them ([hi; lo] against the weight, float32 output, `torch.mm(..., out
 third launch adds the two row blocks: twice the tensor-core work of the half-precision GEMM and the same weight
 read, so a prefill step's GEMMs cost about twice as much and a decode step's (bound by the weight read) about
 the same, plus two short launches a projection. Elsewhere (CPU) the weight is upcast and the product is plain
-float32.
+float32. At the decode batches the small-M table routes to a Triton kernel, `DecodeLinear` runs that kernel on
+the float32 rows instead (sits.kernels.gemm_small_m: the same two terms, split per tile inside the launch).
 """
 
 from __future__ import annotations

@@ -2,11 +2,13 @@
 
 `DecodeLinear` is the nn.Linear of the Llama projections (qkv_proj, o_proj, gate_up_proj, down_proj).
 Until `install_small_m_gemm` gives it M buckets it is nn.Linear exactly (F.linear, cuBLAS on CUDA); a float32
-input beside a half-precision weight (--activation-dtype float32) runs `mixed_linear` at every batch.
+input beside a half-precision weight (--activation-dtype float32) runs `mixed_linear`.
 Installed, a call whose row count M (1 to 64) falls in one of its buckets runs
 sits.kernels.gemm_small_m.small_m_gemm instead (or, at its `splitk_buckets`, the split-K kernel
 sits.kernels.gemm_small_m_splitk.small_m_gemm_splitk, with the layer's own zeroed counters; at buckets where
-the table pinned a config, that config without autotuning); a gate_up projection (`gated`: gate rows first,
+the table pinned a config, that config without autotuning). A float32 input runs them too: the kernels take
+each of its tiles as two terms of the weight's dtype, one launch and one pass over the weight where
+`mixed_linear` makes three launches, autotuned (the pinned configs are for half-precision inputs). A gate_up projection (`gated`: gate rows first,
 then up, no bias) whose SiLU·mul bucket holds M computes silu(gate) * up in the same launch
 (`small_m_gemm_silu_mul`, called by LlamaMLP). At the smallest batches the decoder norm that feeds a
 projection may run in the same launch too (`norm_buckets`: qkv_proj after input_layernorm;
@@ -114,15 +116,16 @@ class DecodeLinear(nn.Linear):
         self.fold_pinned: dict[int, dict[str, int]] = {}
 
     def _direct_rows(self, x: torch.Tensor, buckets: frozenset[int]) -> int:
-        """x's row count when it runs the direct kernel at `buckets`, else 0 (host-side: shapes and dtypes)."""
-        if x.shape[-1] != self.in_features or x.stride(-1) != 1 or x.dtype != self.weight.dtype:
+        """x's row count when it runs the direct kernel at `buckets`, else 0 (host-side: shapes and dtypes). x is
+        in the weight's dtype, or float32 (--activation-dtype float32: the kernels take its two terms)."""
+        if x.shape[-1] != self.in_features or x.stride(-1) != 1 or x.dtype not in (self.weight.dtype, torch.float32):
             return 0
         rows = x.numel() // self.in_features if self.in_features else 0
         return rows if 0 < rows <= MAX_M and m_bucket(rows) in buckets else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [..., in_features] -> [..., out_features] in x's dtype (float32 x beside a half-precision weight:
-        `mixed_linear`, the projections of --activation-dtype float32)."""
+        """x: [..., in_features] -> [..., out_features] in x's dtype (float32 x beside a half-precision weight, the
+        projections of --activation-dtype float32: the direct kernels at their buckets, else `mixed_linear`)."""
         rows = self._direct_rows(x, self.direct_buckets) if self.direct_buckets else 0
         if not rows:  # uninstalled (the usual case): one attribute test on top of nn.Linear
             if x.dtype != self.weight.dtype:
@@ -130,13 +133,19 @@ class DecodeLinear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, self.in_features)
         bucket = m_bucket(rows)
+        pinned = self._pinned(self.pinned, bucket, x)
         if self.splitk_counters is not None and bucket in self.splitk_buckets:
-            out = self._gemm_splitk(flat, self.weight, self.splitk_counters, config=self.pinned.get(bucket))
+            out = self._gemm_splitk(flat, self.weight, self.splitk_counters, config=pinned)
         else:
-            out = self._gemm(flat, self.weight, config=self.pinned.get(bucket))
+            out = self._gemm(flat, self.weight, config=pinned)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _pinned(self, configs: dict[int, dict[str, int]], bucket: int, x: torch.Tensor) -> dict[str, int] | None:
+        """The table's pinned config at `bucket` for a call on x: none for a float32 x (the table timed half-precision
+        activations; a float32 one's tiles take more shared memory, so its launches autotune)."""
+        return None if x.dtype == torch.float32 else configs.get(bucket)
 
     def fuses_silu_mul(self, x: torch.Tensor) -> bool:
         """Whether `silu_mul(x)` serves this call: a SiLU·mul bucket holds x's rows and no hook (a LoRA
@@ -149,7 +158,7 @@ class DecodeLinear(nn.Linear):
         """silu(gate) * up of x [..., in_features] -> [..., out_features / 2], one launch (see fuses_silu_mul)."""
         rows = x.numel() // self.in_features
         out = self._gemm_silu_mul(x.reshape(rows, self.in_features), self.weight,
-                                  config=self.silu_pinned.get(m_bucket(rows)))
+                                  config=self._pinned(self.silu_pinned, m_bucket(rows), x))
         return out.reshape(*x.shape[:-1], self.out_features // 2)
 
     def fuses_norm(self, x: torch.Tensor, norm_weight: torch.Tensor, silu_mul: bool = False) -> bool:
@@ -357,10 +366,11 @@ def enable_small_m_gemm(model: nn.Module, device: torch.device, compiled: bool =
     (before the kernels' pre-tune and graph capture); returns how many layers use the direct kernel.
 
     Nothing is installed off CUDA, on a tensor-parallel shard or with `compiled` (torch.compile): their
-    layers keep F.linear; nor with float32 activations beside half-precision weights (the model's
-    `activation_dtype`), whose projections all run `mixed_linear`.
+    layers keep F.linear. With float32 activations beside half-precision weights (the model's `activation_dtype`)
+    the installed buckets take the float32 rows too (the kernels' two-term dots, autotuned), and every other call
+    runs `mixed_linear`.
     """
-    if device.type != "cuda" or compiled or _sharded(model) or getattr(model, "activation_dtype", None) is not None:
+    if device.type != "cuda" or compiled or _sharded(model):
         return 0
     table = installed_table(torch.cuda.get_device_name(device))
     installed = install_small_m_gemm(model, table) if table.entries else 0

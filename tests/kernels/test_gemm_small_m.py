@@ -143,7 +143,8 @@ def test_bad_inputs_raise_value_error():
     x, w = _operands(4, 32, 64, torch.float16, seed=2)
     cases = [
         (lambda: small_m_gemm(randn(MAX_M + 1, 64, dtype=torch.float16), w), "at most 64 rows"),
-        (lambda: small_m_gemm(x.float(), w.float()), "x must have dtype"),
+        (lambda: small_m_gemm(x.double(), w), "x must have dtype"),
+        (lambda: small_m_gemm(x.float(), w.float()), "w must have dtype"),  # float32 x: a half-precision w
         (lambda: small_m_gemm(x, w.to(torch.bfloat16)), "w must have dtype"),
         (lambda: small_m_gemm(x, w[:, :32]), "expected \\[rows, 64\\]"),
         (lambda: small_m_gemm(x[0], w), "x must have 2 dimensions"),

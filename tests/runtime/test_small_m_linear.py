@@ -189,6 +189,46 @@ def test_pinned_configs_are_launched_as_the_table_says(tmp_path, monkeypatch):
     torch.testing.assert_close(out.float(), expected.float(), atol=1e-2 * scale, rtol=1e-2)
 
 
+def test_float32_activations_run_the_tables_kernels_autotuned(tmp_path, monkeypatch):
+    """--activation-dtype float32 beside fp16 weights, the table of the test above (pinned configs at bucket 4,
+    o_proj on split-K): every projection takes its float32 rows on the table's kernel, the gate_up with its
+    SiLU·mul, each autotuned (the pins are for half-precision rows), writing float32; the model's output is
+    mixed_linear's (the uninstalled path) to float32 accuracy."""
+    from sits.kernels import gemm_small_m_splitk
+
+    model = _model(torch.float16)
+    model.use_activation_dtype(torch.float32)
+    expected = _forward(model, 1, 3)
+    config = {"BLOCK_N": 32, "BLOCK_K": 32, "SWAP_AB": 0, "num_warps": 4, "num_stages": 1}
+    with open(_table_file(tmp_path, model, buckets=(4,))) as f:
+        table = json.load(f)
+    for entry in table["entries"]:
+        o_proj = (entry["n"], entry["k"]) == (TINY.hidden_size, TINY.hidden_size)
+        entry["winner"] = "splitk" if o_proj and entry["op"] == "linear" else "direct"
+        entry["config"] = config | ({"SPLIT_K": 2, "SWAP_AB": 1} if entry["winner"] == "splitk" else {})
+    path = tmp_path / "pinned.json"
+    path.write_text(json.dumps(table))
+    seen = []
+    for module in (gemm_small_m, gemm_small_m_splitk):
+        real = module.launch
+
+        def recording(kernel, x, w, out, *args, _real=real, _module=module, **meta):
+            seen.append((_module.__name__.rsplit(".", 1)[1], type(kernel).__name__, x.dtype, out.dtype))
+            return _real(kernel, x, w, out, *args, **meta)
+
+        monkeypatch.setattr(module, "launch", recording)
+    monkeypatch.setenv(SMALL_M_ENV, str(path))
+    install_small_m_gemm(model, installed_table("cpu"))
+    out = _forward(model, 1, 3)
+    layers = TINY.num_hidden_layers
+    assert sorted(set(seen)) == [("gemm_small_m", "Autotuner", torch.float32, torch.float32),
+                                 ("gemm_small_m_splitk", "Autotuner", torch.float32, torch.float32)]
+    assert len(seen) == PROJECTIONS * layers
+    assert out.dtype == torch.float32  # the final norm too writes float32
+    scale = expected.float().abs().max().item()
+    torch.testing.assert_close(out.float(), expected.float(), atol=1e-3 * scale, rtol=1e-3)
+
+
 def test_only_the_tables_buckets_and_ops_run_direct(tmp_path, monkeypatch, launches):
     model = _model(torch.float16)
     monkeypatch.setenv(SMALL_M_ENV, _table_file(tmp_path, model, ops=("linear",), buckets=(4,)))
@@ -255,6 +295,25 @@ def test_pretune_launches_every_bucket_of_each_distinct_layer(tmp_path, monkeypa
     # buckets 1, 4 and 64 (reached by 1, 4 and 40 rows): each distinct layer plain, gate_up fused as well
     assert run_small_m_plan(model, rows) == PROJECTIONS * 3 + 3
     assert launches == [PROJECTIONS * 3, 3]
+
+
+def test_pretune_with_float32_activations_launches_float32_rows(tmp_path, monkeypatch):
+    """With --activation-dtype float32 the pre-tune's plain and SiLU·mul launches take float32 rows, the keys the
+    model's steps reach (a CUDA graph's capture cannot autotune)."""
+    model = _model(torch.float16)
+    model.use_activation_dtype(torch.float32)
+    monkeypatch.setenv(SMALL_M_ENV, _table_file(tmp_path, model, buckets=(1, 4)))
+    install_small_m_gemm(model, installed_table("cpu"))
+    dtypes = []
+    real = gemm_small_m.launch
+
+    def recording(kernel, x, w, out, silu_mul, **meta):
+        dtypes.append((x.dtype, out.dtype, silu_mul))
+        return real(kernel, x, w, out, silu_mul, **meta)
+
+    monkeypatch.setattr(gemm_small_m, "launch", recording)
+    assert run_small_m_plan(model, (1, 3)) == PROJECTIONS * 2 + 2
+    assert set(dtypes) == {(torch.float32, torch.float32, False), (torch.float32, torch.float32, True)}
 
 
 def test_quantized_models_are_unchanged():
