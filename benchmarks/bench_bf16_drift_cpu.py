@@ -4,6 +4,7 @@ SmolLM2-135M-Instruct, the GPU parity prompts of tests/gpu/test_real_model_parit
     PYTHONSAFEPATH=1 python benchmarks/bench_bf16_drift_cpu.py              # peers (minutes)
     PYTHONSAFEPATH=1 python benchmarks/bench_bf16_drift_cpu.py --roundings  # our bf16 engine's roundings
     PYTHONSAFEPATH=1 python benchmarks/bench_bf16_drift_cpu.py --operands   # which bf16 operands cost it
+    PYTHONSAFEPATH=1 python benchmarks/bench_bf16_drift_cpu.py --split-steps  # float32 activations at decode only
 
 Greedy is the argmax of each system's own logits with EOS masked for 48 tokens, as in the GPU parity test
 (transformers' `generate` is not used: its processors may pick another token). Everything is compared with
@@ -32,6 +33,11 @@ would have to keep in float32 to reach 7/8. The groups:
             and SiLU·mul's outputs as bf16 tensor-core GEMMs read them
   kv        the K and V the attention reads (the new ones and the cache) rounded to bf16: a bf16 KV cache
   q         the attention's queries rounded to bf16
+
+--split-steps: whether float32 activations could be kept where they are nearly free, in decode-only steps (the
+projections read the same weights; the small-M kernels take float32 rows in one launch), and bf16 activations where
+they cost twice the tensor-core work, in steps with prompt tokens. Our engine in bf16 three ways, batched: bf16
+activations, float32 activations, and that split: identical answers / 8 and each answer's common prefix.
 """
 
 from __future__ import annotations
@@ -266,6 +272,32 @@ def roundings(free_running: bool, only: list[int] | None) -> None:
     engine.shutdown()
 
 
+def split_steps() -> None:
+    """bf16 activations, float32 activations, and float32 only in decode-only steps (bf16 where a step has prompt
+    tokens: the prompt's K / V and the first token come from bf16 activations), each against the float32 engine."""
+    reference_engine = parity.engine("cpu", "float32", "torch", "none", True)
+    prompts = parity.prompts(reference_engine.tokenizer)
+    reference = [tokens for tokens, _ in parity.generate(reference_engine, prompts, one_at_a_time=False)]
+    reference_engine.shutdown()
+    engine = cpu_engine()
+    model = engine.loaded_model.model
+    forward = model.forward
+    modes = {"bf16 activations": (None, None), "float32 activations": (torch.float32, torch.float32),
+             "bf16 in steps with prompt tokens, float32 in decode-only steps": (None, torch.float32)}
+    for name, (prompt_steps, decode_steps) in modes.items():
+        def per_step(input_ids, positions, kv_caches, metadata, _prompt=prompt_steps, _decode=decode_steps):
+            model.use_activation_dtype(_prompt if metadata.num_prefill_tokens else _decode)
+            return forward(input_ids, positions, kv_caches, metadata)
+
+        model.forward = per_step
+        same, prefixes = against([t for t, _ in parity.generate(engine, prompts, one_at_a_time=False)], reference)
+        print(f"{name}: {same}/{len(reference)} identical to the float32 engine over {parity.NEW_TOKENS} tokens, "
+              f"common prefixes {prefixes} (mean {sum(prefixes) / len(prefixes):.1f})", flush=True)
+    model.forward = forward
+    model.use_activation_dtype(None)
+    engine.shutdown()
+
+
 def peers() -> None:
     reference_engine = parity.engine("cpu", "float32", "torch", "none", True)
     prompts = parity.prompts(reference_engine.tokenizer)
@@ -292,6 +324,8 @@ def main() -> int:
     parser.add_argument("--roundings", action="store_true", help="our bf16 engine, one rounding changed at a time")
     parser.add_argument("--operands", action="store_true",
                         help="the float32 engine with bf16 weights, one group of bf16 operands at a time")
+    parser.add_argument("--split-steps", action="store_true",
+                        help="float32 activations in decode-only steps, bf16 where a step has prompt tokens")
     parser.add_argument("--teacher-forced-only", action="store_true",
                         help="with --roundings or --operands: skip generation")
     parser.add_argument("--only", type=lambda text: [int(i) for i in text.split(",")],
@@ -301,6 +335,8 @@ def main() -> int:
         roundings(free_running=not args.teacher_forced_only, only=args.only)
     elif args.operands:
         operands(free_running=not args.teacher_forced_only)
+    elif args.split_steps:
+        split_steps()
     else:
         peers()
     print(f"({time.perf_counter() - start:.0f} s)")
