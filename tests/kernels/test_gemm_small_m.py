@@ -87,6 +87,19 @@ def test_empty_batch():
     assert small_m_gemm_silu_mul(x, w).shape == (0, 24)
 
 
+def launch_config(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, silu_mul: bool, config) -> bool:
+    """The raw kernel at one config (no autotuning) writing out; False where it cannot launch (OutOfResources)."""
+    try:
+        kernel_module.launch(
+            kernel_module._small_m_gemm_kernel, x, w, out, silu_mul,
+            EVEN_K=x.shape[1] % config.kwargs["BLOCK_K"] == 0, num_warps=config.num_warps,
+            num_stages=config.num_stages, **config.kwargs,
+        )  # fmt: skip
+    except OutOfResources:
+        return False
+    return True
+
+
 @pytest.mark.parametrize("variant", ["gemm", "silu_mul"])
 @pytest.mark.parametrize("m", [5, 29, 64])
 def test_every_gpu_config(m, variant):
@@ -105,13 +118,7 @@ def test_every_gpu_config(m, variant):
         if ON_GPU and kernel_module.shared_memory_bytes(config, block_m, silu_mul) > kernel_module.SMEM_BYTES:
             continue
         out = torch.full((m, n), float("nan"), dtype=torch.float16, device=DEVICE)
-        try:
-            kernel_module.launch(
-                kernel_module._small_m_gemm_kernel, x, w, out, silu_mul,
-                EVEN_K=k % config.kwargs["BLOCK_K"] == 0, num_warps=config.num_warps, num_stages=config.num_stages,
-                **config.kwargs,
-            )  # fmt: skip
-        except OutOfResources:
+        if not launch_config(x, w, out, silu_mul, config):
             assert ON_GPU
             continue
         _check(out, expected, (SILU_TOLERANCE if silu_mul else TOLERANCE)[torch.float16])

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton.runtime.errors import OutOfResources
 
 from sits.kernels import gemm_small_m as kernel_module
 from sits.kernels.gemm_small_m import small_m_gemm, small_m_gemm_silu_mul, small_m_gemm_to_stream
 from sits.kernels.gemm_small_m_splitk import counters_needed, small_m_gemm_splitk
 from sits.kernels.reference import silu_mul_reference
 from tests.kernels.helpers import DEVICE, ON_GPU, randn
+from tests.kernels.test_gemm_small_m import launch_config
 
 WEIGHT_DTYPE = torch.bfloat16 if ON_GPU else torch.float16  # the interpreter mis-rounds bfloat16
 # Relative to the largest |float64 product|: two terms of x keep 16 (bf16) or 22 (fp16) bits; x rounded to the
@@ -117,13 +117,7 @@ def test_every_gpu_config_with_float32_x(m, silu_mul):
         if kernel_module.shared_memory_bytes(config, block_m, silu_mul, x_bytes=4) > kernel_module.SMEM_BYTES:
             continue
         out = torch.full((m, n), float("nan"), device=DEVICE)
-        try:
-            kernel_module.launch(
-                kernel_module._small_m_gemm_kernel, x, w, out, silu_mul,
-                EVEN_K=k % config.kwargs["BLOCK_K"] == 0, num_warps=config.num_warps, num_stages=config.num_stages,
-                **config.kwargs,
-            )  # fmt: skip
-        except OutOfResources:
+        if not launch_config(x, w, out, silu_mul, config):
             continue
         assert _relative_error(out, expected) < 2 * TOLERANCE, config
         ran += 1

@@ -57,6 +57,23 @@ def _table_file(tmp_path, model: nn.Module, ops=OPS, buckets=BUCKETS, device: st
     return str(path)
 
 
+PINNED = {"BLOCK_N": 32, "BLOCK_K": 32, "SWAP_AB": 0, "num_warps": 4, "num_stages": 1}
+
+
+def _pinned_table_file(tmp_path, model: nn.Module) -> str:
+    """`_table_file` at bucket 4 with every entry pinned to PINNED: o_proj's plain GEMM on split-K (2 splits,
+    swapped), the rest on the direct kernel."""
+    with open(_table_file(tmp_path, model, buckets=(4,))) as f:
+        table = json.load(f)
+    for entry in table["entries"]:
+        o_proj = (entry["n"], entry["k"]) == (TINY.hidden_size, TINY.hidden_size)
+        entry["winner"] = "splitk" if o_proj and entry["op"] == "linear" else "direct"
+        entry["config"] = PINNED | ({"SPLIT_K": 2, "SWAP_AB": 1} if entry["winner"] == "splitk" else {})
+    path = tmp_path / "pinned.json"
+    path.write_text(json.dumps(table))
+    return str(path)
+
+
 def _forward(model, num_seqs: int, tokens_each: int) -> torch.Tensor:
     """The model over num_seqs prompts of tokens_each tokens (num_seqs * tokens_each rows), fresh caches."""
     rows = num_seqs * tokens_each
@@ -160,15 +177,7 @@ def test_pinned_configs_are_launched_as_the_table_says(tmp_path, monkeypatch):
 
     model = _model(torch.float16)
     expected = _forward(model, 1, 3)
-    config = {"BLOCK_N": 32, "BLOCK_K": 32, "SWAP_AB": 0, "num_warps": 4, "num_stages": 1}
-    with open(_table_file(tmp_path, model, buckets=(4,))) as f:
-        table = json.load(f)
-    for entry in table["entries"]:
-        o_proj = (entry["n"], entry["k"]) == (TINY.hidden_size, TINY.hidden_size)
-        entry["winner"] = "splitk" if o_proj and entry["op"] == "linear" else "direct"
-        entry["config"] = config | ({"SPLIT_K": 2, "SWAP_AB": 1} if entry["winner"] == "splitk" else {})
-    path = tmp_path / "pinned.json"
-    path.write_text(json.dumps(table))
+    path = _pinned_table_file(tmp_path, model)
     seen = []
     for module, name in ((gemm_small_m, "launch"), (gemm_small_m_splitk, "launch")):
         real = getattr(module, name)
@@ -178,9 +187,9 @@ def test_pinned_configs_are_launched_as_the_table_says(tmp_path, monkeypatch):
             return _real(kernel, *args, **meta)
 
         monkeypatch.setattr(module, name, recording)
-    monkeypatch.setenv(SMALL_M_ENV, str(path))
+    monkeypatch.setenv(SMALL_M_ENV, path)
     install_small_m_gemm(model, installed_table("cpu"))
-    assert model.model.layers[0].self_attn.o_proj.pinned == {4: config | {"SPLIT_K": 2, "SWAP_AB": 1}}
+    assert model.model.layers[0].self_attn.o_proj.pinned == {4: PINNED | {"SPLIT_K": 2, "SWAP_AB": 1}}
     out = _forward(model, 1, 3)
     layers = TINY.num_hidden_layers
     assert sorted(set(seen)) == [("_small_m_gemm_kernel", None, 32), ("_splitk_kernel", 2, 32)]
@@ -199,15 +208,7 @@ def test_float32_activations_run_the_tables_kernels_autotuned(tmp_path, monkeypa
     model = _model(torch.float16)
     model.use_activation_dtype(torch.float32)
     expected = _forward(model, 1, 3)
-    config = {"BLOCK_N": 32, "BLOCK_K": 32, "SWAP_AB": 0, "num_warps": 4, "num_stages": 1}
-    with open(_table_file(tmp_path, model, buckets=(4,))) as f:
-        table = json.load(f)
-    for entry in table["entries"]:
-        o_proj = (entry["n"], entry["k"]) == (TINY.hidden_size, TINY.hidden_size)
-        entry["winner"] = "splitk" if o_proj and entry["op"] == "linear" else "direct"
-        entry["config"] = config | ({"SPLIT_K": 2, "SWAP_AB": 1} if entry["winner"] == "splitk" else {})
-    path = tmp_path / "pinned.json"
-    path.write_text(json.dumps(table))
+    path = _pinned_table_file(tmp_path, model)
     seen = []
     for module in (gemm_small_m, gemm_small_m_splitk):
         real = module.launch
@@ -217,7 +218,7 @@ def test_float32_activations_run_the_tables_kernels_autotuned(tmp_path, monkeypa
             return _real(kernel, x, w, out, *args, **meta)
 
         monkeypatch.setattr(module, "launch", recording)
-    monkeypatch.setenv(SMALL_M_ENV, str(path))
+    monkeypatch.setenv(SMALL_M_ENV, path)
     install_small_m_gemm(model, installed_table("cpu"))
     out = _forward(model, 1, 3)
     layers = TINY.num_hidden_layers

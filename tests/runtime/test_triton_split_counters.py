@@ -84,9 +84,7 @@ def test_engine_tokens_are_the_same_with_the_fused_merge(monkeypatch):
     a padding row; then 2, then 1), with two 128-token splits (MIN_TOKENS_PER_SPLIT lowered so a 256-token
     model splits, 16 multiprocessors so 4 x 2 programs do): the same greedy tokens with the fused merge as
     with the merge kernel."""
-    from sits.runtime.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-    from sits.runtime.engine.engine import LLMEngine
-    from tests.runtime.test_triton_backend import greedy, prompt, tiny_model
+    from tests.runtime.test_triton_backend import prompt, tiny_model
 
     monkeypatch.setattr(attention_decode, "MIN_TOKENS_PER_SPLIT", 64)
     monkeypatch.setattr(attention_decode, "num_sms", lambda device: 16)  # 4 x 2 programs still split
@@ -95,20 +93,7 @@ def test_engine_tokens_are_the_same_with_the_fused_merge(monkeypatch):
 
     def tokens(fused: bool) -> dict[str, list[int]]:
         monkeypatch.setattr(attention_decode, "FUSED_MERGE_DEFAULT", fused)
-        config = EngineConfig(model=ModelConfig(device=DEVICE.type, dtype="float16", max_model_len=256),
-                              cache=CacheConfig(block_size=16, num_blocks=64),
-                              scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=512),
-                              enforce_eager=True)
-        engine = LLMEngine.from_loaded(loaded, config)
-        engine.runner.setup_cuda_graphs([1, 2, 4], max_model_len=256, capture=torch.cuda.is_available())
-        results: dict[str, list[int]] = {}
-        for request_id, ids, count in waves[0]:
-            engine.add_request(request_id, ids, greedy(count))
-        while engine.has_unfinished_requests():
-            for output in engine.step():
-                if output.finished:
-                    results[output.request_id] = output.outputs[0].token_ids
-        return results
+        return _graph_buffer_tokens(loaded, waves[0], max_model_len=256, num_blocks=64, max_batched=512)
 
     assert tokens(True) == tokens(False)
     assert loaded.model.backend.split_counters.size(DEVICE) >= 3 * 2
@@ -119,10 +104,8 @@ def test_engine_tokens_are_the_same_under_a_wide_graph_table(monkeypatch):
     """The graphs' static buffers tell decode attention that contexts reach the table's width, max_model_len.
     Under 1,024 tokens (8 splits launched of up to 128) and under 256 (4 of up to 64), each sequence's splits are
     sized from its own length (64 tokens each here), so the engine gives the same greedy tokens either way."""
-    from sits.runtime.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-    from sits.runtime.engine.engine import LLMEngine
     from sits.runtime.models.random_model import random_loaded_model
-    from tests.runtime.test_triton_backend import TINY, greedy, prompt
+    from tests.runtime.test_triton_backend import TINY, prompt
 
     monkeypatch.setattr(attention_decode, "MIN_TOKENS_PER_SPLIT", 64)
     monkeypatch.setattr(attention_decode, "num_sms", lambda device: 16)  # 4 x 2 programs still split
@@ -135,21 +118,31 @@ def test_engine_tokens_are_the_same_under_a_wide_graph_table(monkeypatch):
     requests = [("x", prompt(6, 140), 7), ("y", prompt(7, 20), 3), ("z", prompt(8, 129), 5)]
     assert [attention_decode.plan_decode_splits(4, 2, bound, 16).num_splits for bound in (1024, 256)] == [8, 4]
 
-    def tokens(max_model_len: int) -> dict[str, list[int]]:
-        config = EngineConfig(model=ModelConfig(device=DEVICE.type, dtype="float16", max_model_len=max_model_len),
-                              cache=CacheConfig(block_size=16, num_blocks=80),
-                              scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=1024),
-                              enforce_eager=True)
-        engine = LLMEngine.from_loaded(loaded, config)
-        engine.runner.setup_cuda_graphs([1, 2, 4], max_model_len=max_model_len, capture=torch.cuda.is_available())
-        results: dict[str, list[int]] = {}
-        for request_id, ids, count in requests:
-            engine.add_request(request_id, ids, greedy(count))
-        while engine.has_unfinished_requests():
-            for output in engine.step():
-                if output.finished:
-                    results[output.request_id] = output.outputs[0].token_ids
-        return results
-
-    wide, tight = tokens(1024), tokens(256)
+    wide, tight = (_graph_buffer_tokens(loaded, requests, max_model_len=bound, num_blocks=80, max_batched=1024)
+                   for bound in (1024, 256))
     assert wide == tight and sorted(len(t) for t in wide.values()) == [3, 5, 7]
+
+
+def _graph_buffer_tokens(loaded, requests: list[tuple[str, list[int], int]], max_model_len: int, num_blocks: int,
+                         max_batched: int) -> dict[str, list[int]]:
+    """Greedy tokens per request id of an engine over `loaded` whose decode steps run the CUDA graphs' static,
+    padded buffers for batches 1, 2 and 4 (captured on a GPU, eager under the interpreter), the table as wide as
+    max_model_len needs."""
+    from sits.runtime.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from sits.runtime.engine.engine import LLMEngine
+    from tests.runtime.test_triton_backend import greedy
+
+    config = EngineConfig(model=ModelConfig(device=DEVICE.type, dtype="float16", max_model_len=max_model_len),
+                          cache=CacheConfig(block_size=16, num_blocks=num_blocks),
+                          scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=max_batched),
+                          enforce_eager=True)
+    engine = LLMEngine.from_loaded(loaded, config)
+    engine.runner.setup_cuda_graphs([1, 2, 4], max_model_len=max_model_len, capture=torch.cuda.is_available())
+    results: dict[str, list[int]] = {}
+    for request_id, ids, count in requests:
+        engine.add_request(request_id, ids, greedy(count))
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                results[output.request_id] = output.outputs[0].token_ids
+    return results
