@@ -36,7 +36,8 @@ launches' best; the fused outputs are checked bit for bit against the two launch
 Each case also times the chosen split count for a launch told its contexts reach WIDE_BOUND (131,072) tokens, as
 CUDA graphs captured for that max_model_len launch it, against the launch told the real context (the peer), and the
 chosen count with SITS_DECODE_SPLIT_TOKENS at each of MIN_TOKENS_SWEEP (256 to 32: down to 64 splits of 32 tokens
-at batch 1 and 2,048 tokens, 512 programs; the fastest reads of bench_stream_floor.py ran 8 programs a multiprocessor).
+at batch 1 and 2,048 tokens, 512 programs; the fastest reads of bench_stream_floor.py ran 8 programs a multiprocessor),
+both merges, and over the bf16 cache with the decode RoPE + KV write fused in as the engine runs it.
 
 --rope times the decode RoPE + KV write fused into the kernel (rope=DecodeRope: one launch) against
 rope_and_cache_write followed by the kernel (two launches), as a decode layer runs them: CUDA graphs, batches
@@ -387,13 +388,15 @@ def small_batch_case(batch: int, context: int, fp8: bool) -> tuple[list[Measurem
     out = torch.empty_like(q)
     cache = dict(k_cache=k8, v_cache=v8, k_scale=ks, v_scale=vs) if fp8 else dict(k_cache=k16, v_cache=v16)
     counters = torch.zeros(batch * NUM_KV_HEADS, dtype=torch.int32, device=DEVICE)
+    ropes = _decode_ropes(tables, context)
 
     def launch(splits: int | None, fused: bool, schedule: tuple[int, ...] | None = None,
-               bound: int | None = None) -> Callable[[int], torch.Tensor]:
+               bound: int | None = None, rope: bool = False) -> Callable[[int], torch.Tensor]:
         def call(i):
             return paged_decode_attention(q, block_tables=tables[i], seq_lens=seq_lens, scale=scale, out=out,
                                           num_splits=splits, split_counters=counters if fused else None,
-                                          schedule=schedule, max_seq_len=bound, **cache)
+                                          schedule=schedule, max_seq_len=bound, rope=ropes[i] if rope else None,
+                                          **cache)
         return call
 
     chosen = choose_num_splits(batch, NUM_KV_HEADS, context, q.device)
@@ -406,7 +409,7 @@ def small_batch_case(batch: int, context: int, fp8: bool) -> tuple[list[Measurem
     # The chosen plan told WIDE_BOUND tokens (as a CUDA graph captured for that max_model_len launches it): the split
     # count follows the bound, each sequence's split length its own context (`split_tokens`).
     wide_ms = time_ms(rotating(launch(None, False, bound=WIDE_BOUND), len(tables)))
-    by_min_tokens = _min_tokens_sweep(launch, len(tables))
+    by_min_tokens = _min_tokens_sweep(launch, len(tables), rope=not fp8)
     # At one schedule: autotuned, the two variants may pick other tiles, hence other sums inside a split.
     identical = all(torch.equal(launch(s, False, SAME_SCHEDULE)(0).clone(), launch(s, True, SAME_SCHEDULE)(0))
                     for s in counts if s > 1)
@@ -420,7 +423,9 @@ def small_batch_case(batch: int, context: int, fp8: bool) -> tuple[list[Measurem
             f"{fused_ms[best_fused] * 1e3:.1f} us (two-launch best / fused best {ms[best] / fused_ms[best_fused]:.2f}x); "
             f"fused bit-identical: {identical}; told {WIDE_BOUND} tokens: {wide_ms * 1e3:.1f} us "
             f"({wide_ms / ms[chosen]:.2f}x the chosen count told {context}); splits keeping at least N tokens, "
-            f"two-launch / fused us: " + ", ".join(f"{n}: {a * 1e3:.1f} / {b * 1e3:.1f}" for n, (a, b) in by_min_tokens.items())
+            f"two-launch / fused merge / RoPE fused (as the engine runs it) us: "
+            + ", ".join(f"{n}: " + " / ".join("-" if t is None else f"{t * 1e3:.1f}" for t in times)
+                        for n, times in by_min_tokens.items())
             + "; splits: two-launch / fused us (ratio): "
             + ", ".join(f"{s}: {ms[s] * 1e3:.1f} / {fused_ms[s] * 1e3:.1f} ({ms[s] / fused_ms[s]:.2f}x)" for s in counts))
     print(note, flush=True)
@@ -428,7 +433,8 @@ def small_batch_case(batch: int, context: int, fp8: bool) -> tuple[list[Measurem
              "best_fused_splits": best_fused, "fused_bit_identical": identical,
              "fused_us_by_splits": {s: round(t * 1e3, 2) for s, t in fused_ms.items()},
              "wide_bound": WIDE_BOUND, "wide_bound_us": round(wide_ms * 1e3, 2),
-             "min_tokens_us": {n: [round(a * 1e3, 2), round(b * 1e3, 2)] for n, (a, b) in by_min_tokens.items()}}
+             "min_tokens_us": {n: [None if t is None else round(t * 1e3, 2) for t in times]
+                               for n, times in by_min_tokens.items()}}
     rows = [Measurement(case, "GB/s", gbps(ms[best]), gbps(ms[chosen]), f"chosen ({chosen} splits)", ms[best],
                         ms[chosen], extra),
             Measurement(f"{case} fused merge", "GB/s", gbps(fused_ms[best_fused]), gbps(ms[best]),
@@ -438,15 +444,28 @@ def small_batch_case(batch: int, context: int, fp8: bool) -> tuple[list[Measurem
     return rows, note
 
 
-def _min_tokens_sweep(launch, tables: int) -> dict[int, tuple[float, float]]:
+def _decode_ropes(tables: list[torch.Tensor], context: int) -> list[DecodeRope]:
+    """A decode step's RoPE + KV write for each block table (the new token at position context - 1 of every
+    sequence, its slot through that table), as the engine fuses it into decode attention."""
+    batch = tables[0].shape[0]
+    k, v = (torch.randn(batch, NUM_KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=DEVICE) for _ in range(2))
+    positions = torch.full((batch,), context - 1, dtype=torch.int64, device=DEVICE)
+    cos_sin = build_cos_sin_cache(HEAD_DIM, context + 16, device=DEVICE)
+    return [DecodeRope(k, v, positions, cos_sin, t[:, (context - 1) // 16].long() * 16 + (context - 1) % 16)
+            for t in tables]
+
+
+def _min_tokens_sweep(launch, tables: int, rope: bool) -> dict[int, tuple[float, float, float | None]]:
     """The chosen split count under each SITS_DECODE_SPLIT_TOKENS of MIN_TOKENS_SWEEP (the least tokens a split
-    keeps, and under 128 the granule too): {N: (two-launch ms, fused-merge ms)}; the variable is restored."""
+    keeps, and under 128 the granule too): {N: (two-launch ms, fused-merge ms, two-launch with the RoPE + KV write
+    fused in ms or None)}; the variable is restored."""
     saved = os.environ.get(attention_decode.SPLIT_TOKENS_ENV)
     timed = {}
     try:
         for tokens in MIN_TOKENS_SWEEP:
             os.environ[attention_decode.SPLIT_TOKENS_ENV] = str(tokens)
-            timed[tokens] = (time_ms(rotating(launch(None, False), tables)), time_ms(rotating(launch(None, True), tables)))
+            timed[tokens] = (time_ms(rotating(launch(None, False), tables)), time_ms(rotating(launch(None, True), tables)),
+                             time_ms(rotating(launch(None, False, rope=True), tables)) if rope else None)
     finally:
         if saved is None:
             os.environ.pop(attention_decode.SPLIT_TOKENS_ENV, None)

@@ -37,8 +37,8 @@ def test_small_batch_case_times_both_merges_at_every_split_count(bench, monkeypa
     monkeypatch.delenv("SITS_DECODE_SPLIT_TOKENS", raising=False)
     rows, note = bench.small_batch_case(1, 512, fp8)
     # two-launch at 1, 2, 4 splits; fused at 2, 4 (one split has no merge); the chosen count told 131,072 tokens;
-    # both merges at each least split length of the sweep
-    assert len(timed) == 6 + 2 * len(bench.MIN_TOKENS_SWEEP)
+    # both merges at each least split length of the sweep, and over the bf16 cache the fused RoPE as well
+    assert len(timed) == 6 + (2 if fp8 else 3) * len(bench.MIN_TOKENS_SWEEP)
     case = f"{'fp8' if fp8 else 'bf16'} B1 ctx512"
     assert [row.case for row in rows] == [case, f"{case} fused merge", f"{case} told 131072"]
     extra = rows[1].extra
@@ -47,4 +47,5 @@ def test_small_batch_case_times_both_merges_at_every_split_count(bench, monkeypa
     assert "fused bit-identical: True" in note
     assert rows[2].extra["wide_bound"] == 131_072 and "told 131072 tokens" in note
     assert set(rows[2].extra["min_tokens_us"]) == set(bench.MIN_TOKENS_SWEEP)
+    assert all((times[2] is None) == fp8 for times in rows[2].extra["min_tokens_us"].values())
     assert "SITS_DECODE_SPLIT_TOKENS" not in os.environ  # restored after the sweep
