@@ -122,6 +122,33 @@ def test_float32_activations_match_torch_through_the_engine(models):
     assert models["triton"].model.activation_dtype is None
 
 
+def test_float32_activations_on_the_small_m_kernels_through_the_engine(models, tmp_path, monkeypatch):
+    """--activation-dtype float32 with a small-M table covering every projection at every bucket (a fresh Triton
+    model: installing changes it): the steps of at most 16 tokens run the direct, split-K and SiLU·mul kernels on
+    float32 rows (two float16 terms a tile) and pick the tokens of the torch back end's mixed_linear steps."""
+    from sits.kernels import gemm_small_m, gemm_small_m_splitk
+    from sits.runtime.models.small_m_linear import SMALL_M_ENV, install_small_m_gemm, installed_table
+    from tests.runtime.test_small_m_linear import _table_file
+
+    expected = run_schedule(engine_for(models["torch"], max_batched=16, activation_dtype="float32"), WAVES)
+    loaded = tiny_model("triton")
+    monkeypatch.setenv(SMALL_M_ENV, _table_file(tmp_path, loaded.model, splitk=frozenset({8})))
+    engine = engine_for(loaded, max_batched=16, activation_dtype="float32")
+    assert install_small_m_gemm(loaded.model, installed_table("cpu")) == 4 * TINY.num_hidden_layers
+    rows = []
+    for module in (gemm_small_m, gemm_small_m_splitk):
+        real = module.launch
+
+        def recording(kernel, x, w, out, *args, _real=real, _name=module.__name__, **meta):
+            rows.append((_name.rsplit(".", 1)[1], x.dtype, out.dtype))
+            return _real(kernel, x, w, out, *args, **meta)
+
+        monkeypatch.setattr(module, "launch", recording)
+    assert run_schedule(engine, WAVES) == expected
+    assert {name for name, _, _ in rows} == {"gemm_small_m", "gemm_small_m_splitk"}
+    assert {(x, out) for _, x, out in rows} == {(torch.float32, torch.float32)}
+
+
 def test_padded_decode_buffers_give_the_same_tokens(models):
     """The CUDA-graph path's static buffers (3 decodes padded to a bucket of 4), run eagerly on CPU."""
     waves = [[("x", prompt(6, 9), 6), ("y", prompt(7, 17), 6), ("z", prompt(8, 30), 6)]]
