@@ -81,15 +81,16 @@ def test_back_end_passes_counters_only_when_the_fused_merge_is_on(monkeypatch):
 @pytest.mark.skipif(DEVICE.type == "cpu" and not attention_decode.is_interpreter(), reason="needs the interpreter")
 def test_engine_tokens_are_the_same_with_the_fused_merge(monkeypatch):
     """The tiny Llama through the engine and the graphs' static padded buffers (3 decodes in a bucket of 4:
-    a padding row; then 2, then 1), with two 128-token splits (MIN_TOKENS_PER_SPLIT lowered so a 256-token
-    model splits, 16 multiprocessors so 4 x 2 programs do): the same greedy tokens with the fused merge as
-    with the merge kernel."""
+    a padding row; then 2, then 1), with four 64-token splits (MIN_TOKENS_PER_SPLIT lowered to 64, which is then
+    the granule too, so a 256-token model splits; 16 multiprocessors so 4 x 2 programs do): the same greedy tokens
+    with the fused merge as with the merge kernel."""
     from tests.runtime.test_triton_backend import prompt, tiny_model
 
     monkeypatch.setattr(attention_decode, "MIN_TOKENS_PER_SPLIT", 64)
     monkeypatch.setattr(attention_decode, "num_sms", lambda device: 16)  # 4 x 2 programs still split
     loaded = tiny_model("triton")
     waves = [[("x", prompt(6, 140), 7), ("y", prompt(7, 20), 3), ("z", prompt(8, 129), 5)]]
+    assert attention_decode.plan_decode_splits(4, 2, 256, 16).num_splits == 4
 
     def tokens(fused: bool) -> dict[str, list[int]]:
         monkeypatch.setattr(attention_decode, "FUSED_MERGE_DEFAULT", fused)
