@@ -166,11 +166,11 @@ for step in $STEPS; do
       case $step in *-pdlearly*) pdl=early ;; *-pdl*) pdl=1 ;; esac
       case $step in *-rope0*) rope=0 ;; *-rope1*) rope=1 ;; esac
       fold=""; case $step in *-fold0*) fold=0 ;; esac
-      mml=""; case $step in *-mml*) mml=${step##*-mml}; mml="--max-model-len ${mml%%-*}" ;; esac
-      case $step in *-f32act*) mml="$mml --activation-dtype float32" ;; esac
+      extra=""; case $step in *-mml*) extra=${step##*-mml}; extra="--max-model-len ${extra%%-*}" ;; esac
+      case $step in *-f32act*) extra="$extra --activation-dtype float32" ;; esac
       SITS_SMALL_M_GEMM="$table" SITS_DECODE_FUSED_MERGE="$fused" SITS_PDL="$pdl" SITS_DECODE_SPLIT_TOKENS="$split" \
       SITS_DECODE_FUSED_ROPE="$rope" SITS_FOLD_NORMS="$fold" timeout 200 \
-      python3 benchmarks/profile_decode.py $COMMON --batch "$batch" --input-len 2048 $mml ;;
+      python3 benchmarks/profile_decode.py $COMMON --batch "$batch" --input-len 2048 $extra ;;
     trace256-cap*) budget=${step#trace256-cap}; cap=${budget%%-min*}; least=0
       [ "$budget" != "$cap" ] && least=${budget##*-min}
       timeout 300 python3 benchmarks/bench_step_trace.py $COMMON --batch 256 --input-len 1024 \

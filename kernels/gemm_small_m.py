@@ -131,6 +131,12 @@ def shared_memory_bytes(config: triton.Config, block_m: int, silu_mul: bool = Fa
     return buffers * (w_rows * elem_bytes + block_m * x_bytes) * block_k + 2 * block_m * block_k * elem_bytes
 
 
+def x_element_bytes(named_args: dict) -> int:
+    """The activation's element size in a launch's arguments (x_ptr): 4 for float32 rows, else 2."""
+    x = named_args.get("x_ptr")
+    return x.element_size() if isinstance(x, torch.Tensor) else 2
+
+
 def shared_memory_prune(shared_bytes, default_block_m: int):
     """An autotune prune that drops K tiles wider than K itself (mostly masked zeros) and pipelines whose
     `shared_bytes(config, block_m, silu_mul)` overflow shared memory."""
@@ -139,8 +145,7 @@ def shared_memory_prune(shared_bytes, default_block_m: int):
         k = named_args["K"]
         block_m = kwargs.get("BLOCK_M", named_args.get("BLOCK_M", default_block_m))
         silu_mul = bool(kwargs.get("SILU_MUL", named_args.get("SILU_MUL", False)))
-        x = named_args.get("x_ptr")
-        x_bytes = {"x_bytes": x.element_size()} if isinstance(x, torch.Tensor) and x.dtype == torch.float32 else {}
+        x_bytes = {"x_bytes": 4} if x_element_bytes(named_args) == 4 else {}
         kept = [
             c for c in configs
             if c.kwargs["BLOCK_K"] <= max(k, 128) and shared_bytes(c, block_m, silu_mul, **x_bytes) <= SMEM_BYTES

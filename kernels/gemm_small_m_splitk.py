@@ -47,6 +47,7 @@ from sits.kernels.gemm_small_m import (
     small_m_rows_bucket,
     store_out,
     sumsq_slots,
+    x_element_bytes,
 )
 from sits.kernels.launch_utils import autotune, check_tensor, is_interpreter, require
 from sits.kernels.pdl import pdl_launch_options, pdl_wait
@@ -85,9 +86,7 @@ def _prune(configs, named_args, **kwargs):
     empty (BLOCK_K x SPLIT_K past K); where that leaves none, the fitting one with the fewest K elements a step."""
     k = named_args["K"]
     block_m = kwargs.get("BLOCK_M", named_args.get("BLOCK_M", 64))
-    x = named_args.get("x_ptr")
-    x_bytes = x.element_size() if isinstance(x, torch.Tensor) else 2
-    fitting = [c for c in configs if _smem(c, block_m, x_bytes) <= SMEM_BYTES] or configs[:1]
+    fitting = [c for c in configs if _smem(c, block_m, x_element_bytes(named_args)) <= SMEM_BYTES] or configs[:1]
     kept = [c for c in fitting if c.kwargs["BLOCK_K"] * c.kwargs["SPLIT_K"] <= max(k, 128)]
     return kept or [min(fitting, key=lambda c: c.kwargs["BLOCK_K"] * c.kwargs["SPLIT_K"])]
 

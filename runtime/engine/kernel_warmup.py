@@ -266,7 +266,7 @@ def run_small_m_plan(model: torch.nn.Module, rows: Iterable[int]) -> int:
     without a residual stream in the model's `residual_dtype`) on those of its norm buckets, and its folded-norm
     launch on those of its fold buckets; returns the launches. The first two take rows in the model's
     `activation_dtype` (float32 with --activation-dtype float32: the kernels' two-term launches), the others in
-    the weight's."""
+    the weight's; with float32 activations the fused norm is skipped, as no step runs it."""
     rows = sorted(rows)
     launches = 0
     for layer in small_m_layers(model) if rows else []:
@@ -280,7 +280,8 @@ def run_small_m_plan(model: torch.nn.Module, rows: Iterable[int]) -> int:
             if m_bucket(count) in layer.silu_mul_buckets:
                 layer.silu_mul(activations[:count])
                 launches += 1
-            launches += _run_norm_fused(layer, inputs[:count], stream_dtype)
+            if not getattr(model, "activation_dtype", None):  # float32 rows never fuse a norm (RMSNorm.fuses_into)
+                launches += _run_norm_fused(layer, inputs[:count], stream_dtype)
             launches += _run_folded(layer, inputs[:count])
     return launches
 

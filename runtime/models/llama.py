@@ -349,9 +349,10 @@ class LlamaForCausalLM(nn.Module):
 
         float32 in a bfloat16 / float16 model (--activation-dtype float32): every norm writes its row in
         float32 unrounded, so the projections get float32 inputs and multiply them in two half-precision
-        parts (`mixed_linear`, or the small-M kernels at their decode buckets) with float32 outputs; q, k and v, attention's output and SiLU·mul's stay
-        float32, and only the KV cache (and the weights) keep the model dtype. The residual stream is float32
-        already (`residual_dtype`). Greedy choices then follow a float32 model's closely (RESULTS.md)."""
+        parts (`mixed_linear`, or the small-M kernels at their decode buckets) with float32 outputs; q, k and v,
+        attention's output and SiLU·mul's stay float32, and only the KV cache (and the weights) keep the model
+        dtype. The residual stream is float32 already (`residual_dtype`). Greedy choices then follow a float32
+        model's closely (RESULTS.md)."""
         self.activation_dtype = None if dtype == self.model.embed_tokens.weight.dtype else dtype
         for module in self.modules():
             if isinstance(module, RMSNorm):

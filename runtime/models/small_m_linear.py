@@ -8,8 +8,9 @@ sits.kernels.gemm_small_m.small_m_gemm instead (or, at its `splitk_buckets`, the
 sits.kernels.gemm_small_m_splitk.small_m_gemm_splitk, with the layer's own zeroed counters; at buckets where
 the table pinned a config, that config without autotuning). A float32 input runs them too: the kernels take
 each of its tiles as two terms of the weight's dtype, one launch and one pass over the weight where
-`mixed_linear` makes three launches, autotuned (the pinned configs are for half-precision inputs). A gate_up projection (`gated`: gate rows first,
-then up, no bias) whose SiLU·mul bucket holds M computes silu(gate) * up in the same launch
+`mixed_linear` makes three launches, autotuned (the pinned configs are for half-precision inputs). A gate_up
+projection (`gated`: gate rows first, then up, no bias) whose SiLU·mul bucket holds M computes silu(gate) * up
+in the same launch
 (`small_m_gemm_silu_mul`, called by LlamaMLP). At the smallest batches the decoder norm that feeds a
 projection may run in the same launch too (`norm_buckets`: qkv_proj after input_layernorm;
 `norm_silu_mul_buckets`: gate_up_proj + SiLU·mul after post_attention_layernorm; sits.kernels.gemm_small_m_norm,
@@ -133,7 +134,7 @@ class DecodeLinear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, self.in_features)
         bucket = m_bucket(rows)
-        pinned = self._pinned(self.pinned, bucket, x)
+        pinned = self._config_for(self.pinned, bucket, x)
         if self.splitk_counters is not None and bucket in self.splitk_buckets:
             out = self._gemm_splitk(flat, self.weight, self.splitk_counters, config=pinned)
         else:
@@ -142,7 +143,7 @@ class DecodeLinear(nn.Linear):
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
 
-    def _pinned(self, configs: dict[int, dict[str, int]], bucket: int, x: torch.Tensor) -> dict[str, int] | None:
+    def _config_for(self, configs: dict[int, dict[str, int]], bucket: int, x: torch.Tensor) -> dict[str, int] | None:
         """The table's pinned config at `bucket` for a call on x: none for a float32 x (the table timed half-precision
         activations; a float32 one's tiles take more shared memory, so its launches autotune)."""
         return None if x.dtype == torch.float32 else configs.get(bucket)
@@ -158,7 +159,7 @@ class DecodeLinear(nn.Linear):
         """silu(gate) * up of x [..., in_features] -> [..., out_features / 2], one launch (see fuses_silu_mul)."""
         rows = x.numel() // self.in_features
         out = self._gemm_silu_mul(x.reshape(rows, self.in_features), self.weight,
-                                  config=self._pinned(self.silu_pinned, m_bucket(rows), x))
+                                  config=self._config_for(self.silu_pinned, m_bucket(rows), x))
         return out.reshape(*x.shape[:-1], self.out_features // 2)
 
     def fuses_norm(self, x: torch.Tensor, norm_weight: torch.Tensor, silu_mul: bool = False) -> bool:

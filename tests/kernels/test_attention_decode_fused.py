@@ -33,17 +33,20 @@ SEQ_LENS = [300, 0, 37, 128, 1, 256, 0, 129]
 
 
 @pytest.fixture
-def nan_empty(monkeypatch):
-    """torch.empty filled with NaN while the test runs: partials nobody wrote can never look right."""
+def nan_empty(monkeypatch) -> list[torch.Tensor]:
+    """torch.empty filled with NaN while the test runs: partials nobody wrote can never look right. Returns the
+    floating-point tensors so allocated, in order."""
     empty = torch.empty
+    allocated: list[torch.Tensor] = []
 
     def poisoned_empty(*args, **kwargs):
         tensor = empty(*args, **kwargs)
         if tensor.is_floating_point():
-            tensor.fill_(float("nan"))
+            allocated.append(tensor.fill_(float("nan")))
         return tensor
 
     monkeypatch.setattr(torch, "empty", poisoned_empty)
+    return allocated
 
 
 def _split_order(monkeypatch, order: str) -> None:
@@ -121,21 +124,12 @@ def test_fused_merge_under_a_wide_bound(nan_empty, monkeypatch):
         assert_close(fused, expected, torch.float16, scale=2.0)
 
 
-def test_each_row_writes_the_partials_of_the_splits_its_length_fills(monkeypatch):
+def test_each_row_writes_the_partials_of_the_splits_its_length_fills(nan_empty, monkeypatch):
     """Which splits write partials, read off the log-sum-exp buffer (allocated NaN): told 32,768 tokens on 132
     multiprocessors, a launch of 4 rows x 2 KV heads runs 64 splits of up to 512 tokens; a 300-token row fills
     two of 256 (the least a split keeps), a 37-token row one, a padding row none, a 2,000-token row eight."""
     monkeypatch.delenv(attention_decode.SPLIT_TOKENS_ENV, raising=False)
     monkeypatch.setattr(attention_decode, "num_sms", lambda device: 132)
-    allocated, empty = [], torch.empty
-
-    def recorded(*args, **kwargs):
-        tensor = empty(*args, **kwargs)
-        if tensor.is_floating_point():
-            allocated.append(tensor.fill_(float("nan")))
-        return tensor
-
-    monkeypatch.setattr(torch, "empty", recorded)
     torch.manual_seed(14)
     lengths = [300, 37, 0, 2000]
     cache = random_paged_cache(lengths, 2, 64, 16, torch.float16)
@@ -144,7 +138,7 @@ def test_each_row_writes_the_partials_of_the_splits_its_length_fills(monkeypatch
     assert (plan.num_splits, plan.tokens_per_split) == (64, 512)
     paged_decode_attention(q, cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens, 0.125,
                            out=poisoned(*q.shape, dtype=q.dtype), max_seq_len=1 << 15)
-    lse = next(t for t in allocated if t.shape == (4, 8, plan.num_splits))
+    lse = next(t for t in nan_empty if t.shape == (4, 8, plan.num_splits))
     written = [int((~lse[row, 0].isnan()).sum()) for row in range(4)]
     assert written == [2, 1, 0, 8]
     assert all((~lse[row].isnan()).sum(-1).eq(count).all() for row, count in enumerate(written))  # every head alike
