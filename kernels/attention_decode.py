@@ -296,23 +296,26 @@ def _rope_rows(row_ptrs, row_valid, cos_sin_row, HEAD_DIM: tl.constexpr, ROTARY_
 
 
 @triton.jit
-def _write_new_kv(k_new_ptr, v_new_ptr, slot_ptr, seq, kv_head, cos_sin_row, k_cache_ptr, v_cache_ptr,
-                  k_scale_ptr, v_scale_ptr, stride_kn_seq, stride_kn_head, stride_vn_seq, stride_vn_head,
+def _load_rows(row_ptrs, row_valid, HEAD_DIM: tl.constexpr):
+    """Rows [R, HEAD_DIM] at row_ptrs [R] (contiguous elements) as stored; invalid rows 0."""
+    dims = tl.arange(0, HEAD_DIM)[None, :]
+    return tl.load(row_ptrs[:, None] + dims, mask=row_valid[:, None], other=0.0)
+
+
+@triton.jit
+def _write_new_kv(k_new, v_new, slot, kv_head, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
                   stride_k_block, stride_k_slot, stride_k_head, stride_v_block, stride_v_slot, stride_v_head,
-                  HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                  FP8_KV: tl.constexpr):  # fmt: skip
-    """The sequence's new token, one KV head: k rotated, k and v stored into cache slot slot_ptr[seq]
-    (nothing for slot -1) as `_rope_cache_write_kernel` stores them (`store_cache`: from float32, an fp8
-    cache divided by the head's scale and saturated), then a barrier, so this program's own tile loads
-    after it read them back (global stores before bar.sync are visible to the whole CTA after it)."""
-    slot = tl.load(slot_ptr + seq).to(tl.int64)
+                  PAGE_SIZE: tl.constexpr, FP8_KV: tl.constexpr):  # fmt: skip
+    """The sequence's new token, one KV head: k_new (rotated, float32) and v_new (as loaded) [1, HEAD_DIM]
+    stored into cache slot `slot` (nothing for slot -1) as `_rope_cache_write_kernel` stores them
+    (`store_cache`: from float32, an fp8 cache divided by the head's scale and saturated), then a barrier,
+    so this program's own tile loads after it read them back (global stores before bar.sync are visible
+    to the whole CTA after it)."""
     if slot >= 0:
         row = tl.arange(0, 1)
         row_valid = row < 1
-        dims = tl.arange(0, HEAD_DIM)[None, :]
-        k = _rope_rows(k_new_ptr + seq * stride_kn_seq + kv_head * stride_kn_head + row, row_valid, cos_sin_row,
-                       HEAD_DIM, ROTARY_DIM)
-        v = tl.load(v_new_ptr + seq * stride_vn_seq + kv_head * stride_vn_head + row[:, None] + dims).to(tl.float32)
+        dims = tl.arange(0, k_new.shape[1])[None, :]
+        v = v_new.to(tl.float32)
         k_scale = 1.0
         v_scale = 1.0
         if FP8_KV:
@@ -322,7 +325,7 @@ def _write_new_kv(k_new_ptr, v_new_ptr, slot_ptr, seq, kv_head, cos_sin_row, k_c
         offset = slot % PAGE_SIZE
         k_dst = k_cache_ptr + block * stride_k_block + offset * stride_k_slot + kv_head * stride_k_head
         v_dst = v_cache_ptr + block * stride_v_block + offset * stride_v_slot + kv_head * stride_v_head
-        store_cache(k_dst + row[:, None] + dims, k, k_scale, row_valid[:, None], FP8_KV)
+        store_cache(k_dst + row[:, None] + dims, k_new, k_scale, row_valid[:, None], FP8_KV)
         store_cache(v_dst + row[:, None] + dims, v, v_scale, row_valid[:, None], FP8_KV)
         tl.debug_barrier()
 
@@ -561,19 +564,39 @@ def _decode_split_kernel(
     kv_head = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
+    # Every load of the prologue goes out before any loaded value is used (the cos / sin row after the position),
+    # so their round trips overlap: the query rows, and under the fused RoPE the new k / v (all programs load
+    # them; the writer stores them), above the early exit. Loaded after it, each waited for the one before
+    # (docs/engine-process.md, "The split kernel's first loads overlap").
     seq_len = tl.load(seq_lens_ptr + seq)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_heads = kv_head * group_size + offs_g
+    head_valid = offs_g < group_size
+    q_rows = q_ptr + seq * stride_q_seq + q_heads * stride_q_head
+    if ROTARY_DIM > 0:
+        new_row = tl.arange(0, 1)
+        slot = tl.load(slot_ptr + seq).to(tl.int64)
+        v_new = _load_rows(v_new_ptr + seq * stride_vn_seq + kv_head * stride_vn_head + new_row, new_row < 1,
+                           HEAD_DIM)
+        cos_sin_row = cos_sin_ptr + tl.load(positions_ptr + seq).to(tl.int64) * stride_cos_sin
+        k_new = _rope_rows(k_new_ptr + seq * stride_kn_seq + kv_head * stride_kn_head + new_row, new_row < 1,
+                           cos_sin_row, HEAD_DIM, ROTARY_DIM)
+        # rounded to q's dtype, as rope_and_cache_write stores it
+        q = _rope_rows(q_rows, head_valid, cos_sin_row, HEAD_DIM, ROTARY_DIM).to(q_ptr.dtype.element_ty)
+    else:
+        q = _load_rows(q_rows, head_valid, HEAD_DIM)
     tokens_per_split = _split_tokens(seq_len, tl.num_programs(2), min_split_tokens)
     start = split * tokens_per_split
     if ROTARY_DIM > 0:
-        cos_sin_row = cos_sin_ptr + tl.load(positions_ptr + seq).to(tl.int64) * stride_cos_sin
         # Exactly one program per (sequence, KV head) writes the new token, before any early return: the
         # split holding position seq_len - 1 (split 0 for a padding row; the last launched one past them).
         writer = tl.minimum(tl.maximum(seq_len - 1, 0) // tokens_per_split, tl.num_programs(2) - 1)
         if split == writer:
-            _write_new_kv(k_new_ptr, v_new_ptr, slot_ptr, seq, kv_head, cos_sin_row, k_cache_ptr, v_cache_ptr,
-                          k_scale_ptr, v_scale_ptr, stride_kn_seq, stride_kn_head, stride_vn_seq, stride_vn_head,
-                          stride_k_block, stride_k_slot, stride_k_head, stride_v_block, stride_v_slot, stride_v_head,
-                          HEAD_DIM, ROTARY_DIM, PAGE_SIZE, FP8_KV)  # fmt: skip
+            _write_new_kv(k_new, v_new, slot, kv_head, k_cache_ptr, v_cache_ptr,
+                          k_scale_ptr, v_scale_ptr, stride_k_block, stride_k_slot, stride_k_head,
+                          stride_v_block, stride_v_slot, stride_v_head,
+                          PAGE_SIZE, FP8_KV)  # fmt: skip
     if not SINGLE_SPLIT and start >= seq_len:
         if FUSED_MERGE and split == 0:  # nothing arrives for a padding row (seq_len 0): split 0 writes zeros
             _store_group_rows(out_ptr, seq, kv_head, group_size, stride_o_seq, stride_o_head,
@@ -581,19 +604,6 @@ def _decode_split_kernel(
         return  # an empty split: it never counts, and no merge reads it
     end = tl.minimum(start + tokens_per_split, seq_len)
 
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, HEAD_DIM)
-    q_heads = kv_head * group_size + offs_g
-    head_valid = offs_g < group_size
-    if ROTARY_DIM > 0:  # rounded to q's dtype, as rope_and_cache_write stores it
-        q = _rope_rows(q_ptr + seq * stride_q_seq + q_heads * stride_q_head, head_valid, cos_sin_row,
-                       HEAD_DIM, ROTARY_DIM).to(q_ptr.dtype.element_ty)
-    else:
-        q = tl.load(
-            q_ptr + seq * stride_q_seq + q_heads[:, None] * stride_q_head + offs_d[None, :],
-            mask=head_valid[:, None],
-            other=0.0,
-        )
     scale = qk_scale
     q_low = q  # F32_TERMS: what the dots' dtype leaves of a float32 q (rounded to that dtype)
     if FP8_KV:
