@@ -5,6 +5,7 @@ SmolLM2-135M-Instruct, the GPU parity prompts of tests/gpu/test_real_model_parit
     PYTHONSAFEPATH=1 python benchmarks/bench_bf16_drift_cpu.py --roundings  # our bf16 engine's roundings
     PYTHONSAFEPATH=1 python benchmarks/bench_bf16_drift_cpu.py --operands   # which bf16 operands cost it
     PYTHONSAFEPATH=1 python benchmarks/bench_bf16_drift_cpu.py --split-steps  # float32 activations at decode only
+    PYTHONSAFEPATH=1 python benchmarks/bench_bf16_drift_cpu.py --quantized    # fp8 / int8 weights, which half costs
 
 Greedy is the argmax of each system's own logits with EOS masked for 48 tokens, as in the GPU parity test
 (transformers' `generate` is not used: its processors may pick another token). Everything is compared with
@@ -34,6 +35,13 @@ would have to keep in float32 to reach 7/8. The groups:
   kv        the K and V the attention reads (the new ones and the cache) rounded to bf16: a bf16 KV cache
   q         the attention's queries rounded to bf16
 
+--quantized: what weight quantization costs on these weights, and whether its greedy misses come from the format
+or from our kernels: the engine with fp8 weights (w8a8: per-channel e4m3 weights times per-token e4m3 activations;
+weight-only), and int8 weight-only (group-wise), in bf16 and float32 activations (on the CPU the kernels' PyTorch
+references, which the kernel tests hold the GPU kernels to), beside the float32 engine with only its projections'
+inputs rounded to e4m3 per token (forward hooks: the activation half of w8a8 alone). Teacher-forced against the
+float32 engine, as --roundings reports.
+
 --split-steps: whether float32 activations could be kept where they are nearly free, in decode-only steps (the
 projections read the same weights; the small-M kernels take float32 rows in one launch), and bf16 activations where
 they cost twice the tensor-core work, in steps with prompt tokens. Our engine in bf16 three ways, batched: bf16
@@ -55,6 +63,7 @@ sys.path.insert(next(i for i, p in enumerate(sys.path) if "site-packages" in p),
 from benchmarks.bench_torch_bf16_cpu import prefill_logprobs  # noqa: E402
 from sits.runtime.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from sits.runtime.engine.engine import LLMEngine  # noqa: E402
+from sits.kernels.reference import quantize_fp8_per_token_reference  # noqa: E402
 from sits.runtime.models.kernel_ops import KernelOps  # noqa: E402
 from tests.gpu import test_real_model_parity as parity  # noqa: E402
 
@@ -298,6 +307,60 @@ def split_steps() -> None:
     engine.shutdown()
 
 
+# name: (engine dtype, --quantization, --fp8-mode); "activations" is the float32 engine with hooks (--quantized)
+QUANTIZED: dict[str, tuple[str, str, str]] = {
+    "fp8 w8a8, bf16 activations (the GPU parity step's configuration)": ("bfloat16", "fp8", "w8a8"),
+    "fp8 weight-only, bf16 activations": ("bfloat16", "fp8", "weight-only"),
+    "int8 weight-only, bf16 activations": ("bfloat16", "int8", "auto"),
+    "fp8 w8a8, float32 activations": ("float32", "fp8", "w8a8"),
+    "fp8 weight-only, float32 activations": ("float32", "fp8", "weight-only"),
+    "float32 engine, projection inputs rounded to e4m3 per token": ("float32", "activations", ""),
+}
+
+
+def quantized_engine(dtype: str, quantization: str, fp8_mode: str) -> LLMEngine:
+    """The parity engine on the CPU (torch back end, prefix caching off) with weights quantized at load; with
+    quantization "activations", the float32 engine whose projections (not lm_head, as fp8 skips it) read their input
+    rounded to e4m3 per token: x -> quantize -> dequantize, the activation half of w8a8 with float32 weights."""
+    activations = quantization == "activations"
+    config = EngineConfig(
+        model=ModelConfig(model=str(parity.gguf_path()), device="cpu", dtype=dtype,
+                          quantization="none" if activations else quantization, fp8_mode=fp8_mode or "auto",
+                          max_model_len=512),
+        cache=CacheConfig(block_size=16, num_blocks=512, enable_prefix_caching=False),
+        scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=1024),
+        attention_backend="torch", enforce_eager=True,
+    )
+    engine = LLMEngine.from_config(config, progress=False)
+    if activations:
+        def e4m3_per_token(_module, args):
+            rows = args[0].reshape(-1, args[0].shape[-1])
+            x_fp8, scale = quantize_fp8_per_token_reference(rows)
+            return ((x_fp8.float() * scale).to(args[0].dtype).reshape(args[0].shape), *args[1:])
+
+        for layer in engine.loaded_model.model.model.layers:
+            for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                           layer.mlp.down_proj):
+                linear.register_forward_pre_hook(e4m3_per_token)
+    return engine
+
+
+def quantized() -> None:
+    """Each QUANTIZED configuration against the float32 engine: identical answers, prefixes, teacher-forced."""
+    reference_engine = parity.engine("cpu", "float32", "torch", "none", True)
+    prompts = parity.prompts(reference_engine.tokenizer)
+    answers = [tokens for tokens, _ in parity.generate(reference_engine, prompts, one_at_a_time=False)]
+    float32 = answer_logprobs(reference_engine.loaded_model.model, prompts, answers)
+    reference_engine.shutdown()
+    print("| configuration | identical / 8 | mean common prefix | teacher-forced argmax | mean KL | answer \|Δ logprob\| "
+          "mean / max |")
+    print("|---|---|---|---|---|---|")
+    for name, (dtype, quantization, fp8_mode) in QUANTIZED.items():
+        engine = quantized_engine(dtype, quantization, fp8_mode)
+        print_row(name, engine, prompts, answers, float32, True)
+        engine.shutdown()
+
+
 def peers() -> None:
     reference_engine = parity.engine("cpu", "float32", "torch", "none", True)
     prompts = parity.prompts(reference_engine.tokenizer)
@@ -326,6 +389,8 @@ def main() -> int:
                         help="the float32 engine with bf16 weights, one group of bf16 operands at a time")
     parser.add_argument("--split-steps", action="store_true",
                         help="float32 activations in decode-only steps, bf16 where a step has prompt tokens")
+    parser.add_argument("--quantized", action="store_true",
+                        help="fp8 (w8a8, weight-only) and int8 weights, and e4m3 activations alone, against float32")
     parser.add_argument("--teacher-forced-only", action="store_true",
                         help="with --roundings or --operands: skip generation")
     parser.add_argument("--only", type=lambda text: [int(i) for i in text.split(",")],
@@ -337,6 +402,8 @@ def main() -> int:
         operands(free_running=not args.teacher_forced_only)
     elif args.split_steps:
         split_steps()
+    elif args.quantized:
+        quantized()
     else:
         peers()
     print(f"({time.perf_counter() - start:.0f} s)")
