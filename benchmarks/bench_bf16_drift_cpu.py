@@ -61,9 +61,9 @@ import torch.nn.functional as F
 sys.path.insert(next(i for i, p in enumerate(sys.path) if "site-packages" in p), str(Path(__file__).parents[1]))
 
 from benchmarks.bench_torch_bf16_cpu import prefill_logprobs  # noqa: E402
+from sits.kernels.reference import quantize_fp8_per_token_reference  # noqa: E402
 from sits.runtime.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from sits.runtime.engine.engine import LLMEngine  # noqa: E402
-from sits.kernels.reference import quantize_fp8_per_token_reference  # noqa: E402
 from sits.runtime.models.kernel_ops import KernelOps  # noqa: E402
 from tests.gpu import test_real_model_parity as parity  # noqa: E402
 
@@ -352,7 +352,7 @@ def quantized() -> None:
     answers = [tokens for tokens, _ in parity.generate(reference_engine, prompts, one_at_a_time=False)]
     float32 = answer_logprobs(reference_engine.loaded_model.model, prompts, answers)
     reference_engine.shutdown()
-    print("| configuration | identical / 8 | mean common prefix | teacher-forced argmax | mean KL | answer \|Δ logprob\| "
+    print("| configuration | identical / 8 | mean common prefix | teacher-forced argmax | mean KL | answer \\|Δ logprob\\| "
           "mean / max |")
     print("|---|---|---|---|---|---|")
     for name, (dtype, quantization, fp8_mode) in QUANTIZED.items():

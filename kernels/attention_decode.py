@@ -17,9 +17,9 @@ launch, the same bits; see `_last_arrival` for the memory ordering); FUSED_MERGE
 callers that own counters (the Triton attention back end) pass them.
 
 Given rope (`DecodeRope`), the kernel also does what rope_and_cache_write would have done for these
-tokens just before it: each program rotates its query heads as it loads them, and the program holding
-position seq_len - 1 of each (sequence, KV head) rotates the new k, stores k and v into their cache slot
-and reads them back in its own tiles after a barrier; the output and the cache are those of the two
+tokens just before it: each program rotates its query heads and the new k as it loads them (all of its
+first loads go out together), and the program holding position seq_len - 1 of each (sequence, KV head)
+stores k and v into their cache slot and reads them back in its own tiles after a barrier; the output and the cache are those of the two
 launches, bit for bit, at the same schedule (a fused launch runs the one tuned for the unfused launch).
 
 q may be float32 (float32 activations) over a half-precision or fp8 cache: q and the softmax weights P
@@ -844,8 +844,8 @@ class DecodeRope:
     rope=...)`) instead of by `rope_and_cache_write` in a launch of its own before it.
 
     q is then passed unrotated. Each program rotates its query heads as it loads them (rounded to q's
-    dtype, as rope_and_cache_write stores them); the program holding position seq_len - 1 of each
-    (sequence, KV head) rotates k, stores k and v into slot_mapping's slot exactly as
+    dtype, as rope_and_cache_write stores them), and the new k; the program holding position seq_len - 1
+    of each (sequence, KV head) stores k and v into slot_mapping's slot exactly as
     rope_and_cache_write does, and reads them back from the cache after a barrier, so the output and
     the cache come out bit for bit those of the two launches at the same schedule. Neither q nor k is
     written back rotated.
