@@ -37,7 +37,8 @@ Each case also times the chosen split count for a launch told its contexts reach
 CUDA graphs captured for that max_model_len launch it, against the launch told the real context (the peer), and the
 chosen count with SITS_DECODE_SPLIT_TOKENS at each of MIN_TOKENS_SWEEP (256 to 32: down to 64 splits of 32 tokens
 at batch 1 and 2,048 tokens, 512 programs; the fastest reads of bench_stream_floor.py ran 8 programs a multiprocessor),
-both merges, and over the bf16 cache with the decode RoPE + KV write fused in as the engine runs it.
+both merges, and over the bf16 cache with the decode RoPE + KV write fused in as the engine runs it. Over the bf16
+cache it also times the chosen count, RoPE fused, in each inner loop of HALF_VARIANT_SWEEP (SITS_DECODE_VARIANT).
 
 --rope times the decode RoPE + KV write fused into the kernel (rope=DecodeRope: one launch) against
 rope_and_cache_write followed by the kernel (two launches), as a decode layer runs them: CUDA graphs, batches
@@ -410,6 +411,7 @@ def small_batch_case(batch: int, context: int, fp8: bool) -> tuple[list[Measurem
     # count follows the bound, each sequence's split length its own context (`split_tokens`).
     wide_ms = time_ms(rotating(launch(None, False, bound=WIDE_BOUND), len(tables)))
     by_min_tokens = _min_tokens_sweep(launch, len(tables), rope=not fp8)
+    by_variant = {} if fp8 else _half_variants_sweep(launch, len(tables))
     # At one schedule: autotuned, the two variants may pick other tiles, hence other sums inside a split.
     identical = all(torch.equal(launch(s, False, SAME_SCHEDULE)(0).clone(), launch(s, True, SAME_SCHEDULE)(0))
                     for s in counts if s > 1)
@@ -426,6 +428,8 @@ def small_batch_case(batch: int, context: int, fp8: bool) -> tuple[list[Measurem
             f"two-launch / fused merge / RoPE fused (as the engine runs it) us: "
             + ", ".join(f"{n}: " + " / ".join("-" if t is None else f"{t * 1e3:.1f}" for t in times)
                         for n, times in by_min_tokens.items())
+            + ("; bf16 inner loops at the chosen count, RoPE fused, us: "
+               + ", ".join(f"{name}: {t * 1e3:.1f}" for name, t in by_variant.items()) if by_variant else "")
             + "; splits: two-launch / fused us (ratio): "
             + ", ".join(f"{s}: {ms[s] * 1e3:.1f} / {fused_ms[s] * 1e3:.1f} ({ms[s] / fused_ms[s]:.2f}x)" for s in counts))
     print(note, flush=True)
@@ -434,7 +438,8 @@ def small_batch_case(batch: int, context: int, fp8: bool) -> tuple[list[Measurem
              "fused_us_by_splits": {s: round(t * 1e3, 2) for s, t in fused_ms.items()},
              "wide_bound": WIDE_BOUND, "wide_bound_us": round(wide_ms * 1e3, 2),
              "min_tokens_us": {n: [None if t is None else round(t * 1e3, 2) for t in times]
-                               for n, times in by_min_tokens.items()}}
+                               for n, times in by_min_tokens.items()},
+             "half_variant_us": {name: round(t * 1e3, 2) for name, t in by_variant.items()}}
     rows = [Measurement(case, "GB/s", gbps(ms[best]), gbps(ms[chosen]), f"chosen ({chosen} splits)", ms[best],
                         ms[chosen], extra),
             Measurement(f"{case} fused merge", "GB/s", gbps(fused_ms[best_fused]), gbps(ms[best]),
@@ -471,6 +476,29 @@ def _min_tokens_sweep(launch, tables: int, rope: bool) -> dict[int, tuple[float,
             os.environ.pop(attention_decode.SPLIT_TOKENS_ENV, None)
         else:
             os.environ[attention_decode.SPLIT_TOKENS_ENV] = saved
+    return timed
+
+
+# The bf16 cache's inner loops timed at each --small-batch case (attention_decode.HALF_DECODE_VARIANTS; "base" is the
+# default): the masks only on a split's last partial tile (_f), the GQA group's rows instead of 16 (_g), the tokens as
+# the dots' M side (swap: wgmma from 64-token tiles at 4 warps).
+HALF_VARIANT_SWEEP = ("base", "base_f", "base_g_f", "swap_g_f", "k_t")
+
+
+def _half_variants_sweep(launch, tables: int) -> dict[str, float]:
+    """The chosen split count, RoPE fused (as the engine runs it), under each SITS_DECODE_VARIANT of
+    HALF_VARIANT_SWEEP: {name: ms}; the variable is restored."""
+    saved = os.environ.get(attention_decode.HALF_VARIANT_ENV)
+    timed = {}
+    try:
+        for name in HALF_VARIANT_SWEEP:
+            os.environ[attention_decode.HALF_VARIANT_ENV] = name
+            timed[name] = time_ms(rotating(launch(None, False, rope=True), tables))
+    finally:
+        if saved is None:
+            os.environ.pop(attention_decode.HALF_VARIANT_ENV, None)
+        else:
+            os.environ[attention_decode.HALF_VARIANT_ENV] = saved
     return timed
 
 

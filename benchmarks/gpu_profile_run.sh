@@ -70,6 +70,8 @@
 #                  the bound their decode attention is told) span N tokens while the context stays 2,048
 #                  -f32act (prof1-f32act, prof32-f32act): --activation-dtype float32, whose decode projections now
 #                  run the small-M kernels on float32 rows (two terms a tile) instead of mixed_linear's three launches
+#                  -hvNAME (prof1-hvswap_g_f, prof32-hvbase_f, ...): the bf16 cache's decode attention inner loop
+#                  NAME (SITS_DECODE_VARIANT, a key of attention_decode.HALF_DECODE_VARIANTS; default "base")
 #   f32xtests      tests/kernels/test_gemm_small_m_float32_x.py on the GPU: every config the autotuner keeps for a
 #                  float32 x compiles and gives the float32 product (bf16 weights)
 #   foldtests      the folded norms' kernels (tests/kernels/test_gemm_small_m_fold.py) and the split-K kernel
@@ -168,8 +170,9 @@ for step in $STEPS; do
       fold=""; case $step in *-fold0*) fold=0 ;; esac
       extra=""; case $step in *-mml*) extra=${step##*-mml}; extra="--max-model-len ${extra%%-*}" ;; esac
       case $step in *-f32act*) extra="$extra --activation-dtype float32" ;; esac
+      variant=""; case $step in *-hv*) variant=${step##*-hv}; variant=${variant%%-*} ;; esac
       SITS_SMALL_M_GEMM="$table" SITS_DECODE_FUSED_MERGE="$fused" SITS_PDL="$pdl" SITS_DECODE_SPLIT_TOKENS="$split" \
-      SITS_DECODE_FUSED_ROPE="$rope" SITS_FOLD_NORMS="$fold" timeout 200 \
+      SITS_DECODE_FUSED_ROPE="$rope" SITS_FOLD_NORMS="$fold" SITS_DECODE_VARIANT="$variant" timeout 200 \
       python3 benchmarks/profile_decode.py $COMMON --batch "$batch" --input-len 2048 $extra ;;
     trace256-cap*) budget=${step#trace256-cap}; cap=${budget%%-min*}; least=0
       [ "$budget" != "$cap" ] && least=${budget##*-min}

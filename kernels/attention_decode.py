@@ -43,6 +43,9 @@ The fp8 inner loop has variants (FP8_DECODE_VARIANTS, fp8_variant=): DEFAULT_FP8
 puts the tokens on the dots' M side, gives the dots exactly the GQA group's query heads and runs the
 tiles inside the context without masks; launches of one split with at most two programs per
 multiprocessor run SMALL_BATCH_FP8_VARIANT instead (choose_fp8_variant; SITS_FP8_DECODE_VARIANT forces one).
+A bf16 / fp16 cache may run those of the loops that take the tiles as stored (HALF_DECODE_VARIANTS, half_variant=
+or SITS_DECODE_VARIANT); it runs DEFAULT_HALF_VARIANT ("base", every tile masked, q padded to 16 rows) until
+another is measured faster on the H200.
 """
 
 from __future__ import annotations
@@ -83,13 +86,16 @@ from sits.kernels.rope_kv_write import rope_pair, store_cache
 
 __all__ = [
     "DEFAULT_FP8_VARIANT",
+    "DEFAULT_HALF_VARIANT",
     "FP8_DECODE_VARIANTS",
+    "HALF_DECODE_VARIANTS",
     "FUSED_MERGE_DEFAULT",
     "FUSED_ROPE_DEFAULT",
     "SMALL_BATCH_FP8_VARIANT",
     "DecodeRope",
     "DecodeSplitPlan",
     "choose_fp8_variant",
+    "choose_half_variant",
     "choose_num_splits",
     "paged_decode_attention",
     "paged_decode_attention_reference",
@@ -224,6 +230,13 @@ DEFAULT_FP8_VARIANT = "swap_g_f"
 SMALL_BATCH_FP8_VARIANT = "swap_q8x2_p_f"
 SMALL_BATCH_PROGRAMS_PER_SM = 2
 FP8_VARIANT_ENV = "SITS_FP8_DECODE_VARIANT"  # a key of FP8_DECODE_VARIANTS: every launch's default instead
+# The same loops over a bf16 / fp16 cache: those that take the tiles as stored (not the fp8 q's e4m3 terms).
+# DEFAULT_HALF_VARIANT ("base": q rows as the dots' M side padded to 16, every tile masked) is the loop the
+# half caches have always run; the others are there to be timed against it (bench_attention_decode.py
+# --small-batch, SITS_DECODE_VARIANT in gpu_profile_run.sh's -hv steps) before one becomes the default.
+HALF_DECODE_VARIANTS = {name: bits for name, bits in FP8_DECODE_VARIANTS.items() if not bits & (_Q8X2 | _PACKED)}
+DEFAULT_HALF_VARIANT = "base"
+HALF_VARIANT_ENV = "SITS_DECODE_VARIANT"  # a key of HALF_DECODE_VARIANTS: the half caches' loop instead
 
 
 @triton.jit
@@ -838,6 +851,17 @@ def choose_fp8_variant(plan: DecodeSplitPlan, num_seqs: int, num_kv_heads: int, 
     return DEFAULT_FP8_VARIANT
 
 
+def choose_half_variant() -> str:
+    """The inner loop a launch over a bf16 / fp16 cache runs unless its caller names one: SITS_DECODE_VARIANT
+    when set (a key of HALF_DECODE_VARIANTS), else DEFAULT_HALF_VARIANT."""
+    forced = os.environ.get(HALF_VARIANT_ENV, "").strip()
+    if forced:
+        require(forced in HALF_DECODE_VARIANTS,
+                f"{HALF_VARIANT_ENV} must be one of {sorted(HALF_DECODE_VARIANTS)}, got {forced!r}")
+        return forced
+    return DEFAULT_HALF_VARIANT
+
+
 @dataclass(frozen=True)
 class DecodeRope:
     """The decode tokens' RoPE and K/V-cache write, done inside the split kernel (`paged_decode_attention(
@@ -912,11 +936,13 @@ def _check_split_counters(split_counters: torch.Tensor, num_seqs: int, num_kv_he
             f"split_counters needs num_seqs x num_kv_heads = {need} entries, got {split_counters.numel()}")
 
 
-def _split_kernel_meta(fp8: bool, fp8_via_float16: bool, fp8_variant: str) -> dict:
+def _split_kernel_meta(fp8: bool, fp8_via_float16: bool, fp8_variant: str, half_variant: str) -> dict:
     """The split kernel's FP8_F16 / VARIANT constexprs, after checking the caller's choices."""
     require(fp8_variant in FP8_DECODE_VARIANTS,
             f"fp8_variant must be one of {sorted(FP8_DECODE_VARIANTS)}, got {fp8_variant!r}")
-    variant = FP8_DECODE_VARIANTS[fp8_variant] if fp8 else 0
+    require(half_variant in HALF_DECODE_VARIANTS,
+            f"half_variant must be one of {sorted(HALF_DECODE_VARIANTS)}, got {half_variant!r}")
+    variant = FP8_DECODE_VARIANTS[fp8_variant] if fp8 else HALF_DECODE_VARIANTS[half_variant]
     if not fp8_via_float16:  # the first implementation has one loop: the tiles upcast to q's dtype
         require(fp8_variant in ("base", DEFAULT_FP8_VARIANT), f"fp8_variant {fp8_variant!r} needs fp8_via_float16=True")
         variant = 0
@@ -972,6 +998,7 @@ def paged_decode_attention(
     v_scale: torch.Tensor | None = None,
     fp8_via_float16: bool = True,
     fp8_variant: str | None = None,
+    half_variant: str | None = None,
     schedule: tuple[int, ...] | None = None,
     compile_only: bool = False,
     split_counters: torch.Tensor | None = None,
@@ -996,6 +1023,8 @@ def paged_decode_attention(
             conversion; q clamped to +-65504) instead of upcasting the tiles to q's dtype.
         fp8_variant: with an fp8 cache and fp8_via_float16, the inner loop (a key of
             FP8_DECODE_VARIANTS; `choose_fp8_variant`'s when None); ignored for a bf16 / fp16 cache.
+        half_variant: with a bf16 / fp16 cache, the inner loop (a key of HALF_DECODE_VARIANTS;
+            `choose_half_variant`'s when None); ignored for an fp8 cache.
         schedule: (BLOCK_N, num_warps, num_stages[, maxnreg]) of the split kernel instead of
             autotuning (for benchmarks and tests; the pipeline keeps about (num_stages - 2) / 2 K/V
             tiles in flight; maxnreg caps the registers per thread).
@@ -1033,7 +1062,7 @@ def paged_decode_attention(
         chosen = chosen and q.dtype != torch.float32  # a float32 q: f16 terms, not q8x2's e4m3 ones
         fp8_variant = choose_fp8_variant(plan, num_seqs, num_kv_heads, sms) if chosen else DEFAULT_FP8_VARIANT
     require(q.dtype != torch.float32 or not fp8 or fp8_via_float16, "a float32 q over an fp8 cache needs fp8_via_float16")
-    meta = _split_kernel_meta(fp8, fp8_via_float16, fp8_variant)
+    meta = _split_kernel_meta(fp8, fp8_via_float16, fp8_variant, half_variant or choose_half_variant())
     num_splits, single = plan.num_splits, plan.single
     if split_counters is not None:
         _check_split_counters(split_counters, num_seqs, num_kv_heads, q.device)
