@@ -78,6 +78,8 @@
 #                  they extend, then the engine with and without them teacher-forced (tests/gpu/test_norm_fold.py)
 #   ropetests      the fused decode RoPE + KV write against the two launches, bit for bit (bf16 and fp8 caches,
 #                  autotuned and fixed schedules), through the engine, and captured in CUDA graphs
+#   hvtests        decode attention's inner loops over a bf16 cache (tests/kernels/test_attention_decode_half_variants.py:
+#                  each against the reference, and fused RoPE bit for bit at the Llama layout)
 #   l2pf           benchmarks/bench_l2_prefetch.py: a projection's weight prefetched into L2 during the small
 #                  kernels before it (attention + o_proj, norm + qkv, norm + gate_up), against the same chain
 #                  without (2026-12-03: a loss, the prefetch launch holds the stream; benchmarks/RESULTS.md), and
@@ -107,6 +109,8 @@ for step in $STEPS; do
     ropetests) PYTHONSAFEPATH=1 timeout 500 python3 -m pytest tests/kernels/test_attention_decode_rope.py \
       tests/runtime/test_decode_fused_rope.py tests/gpu/test_decode_fused_rope_graphs.py -q -s -p no:cacheprovider \
       --confcutdir=tests ;;
+    hvtests) PYTHONSAFEPATH=1 timeout 400 python3 -m pytest tests/kernels/test_attention_decode_half_variants.py -q \
+      -p no:cacheprovider --confcutdir=tests/kernels ;;
     pwtests) PYTHONSAFEPATH=1 timeout 240 python3 -m pytest tests/runtime/test_triton_backend.py -q -s \
       -p no:cacheprovider --confcutdir=tests -k "piecewise or padded" ;;
     prof448fp8) timeout 400 python3 benchmarks/profile_decode.py $COMMON --batch 448 --input-len 3072 \
