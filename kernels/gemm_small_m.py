@@ -170,7 +170,7 @@ def _k_mask(k, K, K_AXIS: tl.constexpr):
 
 @triton.jit
 def _load_w(ptrs, k, K, EVEN_K: tl.constexpr, K_AXIS: tl.constexpr):
-    """A weight tile along K (rows already wrapped into range): masked past K unless every K tile is whole."""
+    """A weight tile along K (rows already clamped into range): masked past K unless every K tile is whole."""
     if EVEN_K:
         tile = tl.load(ptrs)
     else:
@@ -190,13 +190,16 @@ def _load_x(ptrs, row_mask, k, K, EVEN_K: tl.constexpr, K_AXIS: tl.constexpr):
 
 @triton.jit
 def _weight_rows(N, BLOCK_N: tl.constexpr, SILU_MUL: tl.constexpr):
-    """The weight rows this program streams (int64): its BLOCK_N output columns wrapped into [0, N); with
-    SILU_MUL the gate rows of those columns, then their up rows (N + each): 2 BLOCK_N rows."""
+    """The weight rows this program streams (int64): its BLOCK_N output columns, those past N clamped to row
+    N - 1 (read, never stored: each output column sums its own row only); with SILU_MUL the gate rows of those
+    columns, then their up rows (N + each): 2 BLOCK_N rows. A clamp, not `% N`: a runtime modulo per element
+    (an integer division's dozen dependent instructions) held the split-K kernel's first weight load back by
+    some 200 instructions on sm_90a."""
     if SILU_MUL:
         r = tl.arange(0, 2 * BLOCK_N)
-        rows = (tl.program_id(0) * BLOCK_N + r % BLOCK_N) % N + (r // BLOCK_N) * N
+        rows = tl.minimum(tl.program_id(0) * BLOCK_N + r % BLOCK_N, N - 1) + (r // BLOCK_N) * N
     else:
-        rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+        rows = tl.minimum(tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
     return rows.to(tl.int64)
 
 
@@ -327,7 +330,7 @@ def _small_m_gemm_kernel(
     out = silu(x @ w[:N]^T) * (x @ w[N:]^T), rounded as the unfused GEMM + silu_mul round it.
     Each program sums the whole K for one [BLOCK_M, BLOCK_N] tile; with SILU_MUL its weight tile holds
     the gate rows and then the up rows of its columns (2 BLOCK_N rows, one load pipeline, one dot per
-    K tile), split apart in the epilogue. Columns past N are wrapped for the loads and masked at the
+    K tile), split apart in the epilogue. Columns past N load row N - 1 and are masked at the
     store; activation rows past M are masked at the load (a batch of 1 to 15 rows in a 16-row tile
     reads only its rows). USE_PDL: launched with programmatic dependent launch (sits.kernels.pdl).
 
