@@ -47,6 +47,7 @@ rope_and_cache_write followed by the kernel (two launches), as a decode layer ru
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -382,7 +383,6 @@ WIDE_BOUND = 131_072  # max_seq_len as CUDA graphs pass it when max_model_len is
 def small_batch_case(batch: int, context: int, fp8: bool) -> tuple[list[Measurement], str]:
     """One batch's split-count sweep (bf16 or fp8 cache): the fastest count against the chosen one, and
     at each count the fused merge (split_counters) beside the two launches (split kernel + merge kernel)."""
-    scale = HEAD_DIM**-0.5
     (k16, v16), (k8, v8), (ks, vs), tables = _fp8_caches(batch, context, 16)
     q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=DEVICE)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=DEVICE)
@@ -394,7 +394,7 @@ def small_batch_case(batch: int, context: int, fp8: bool) -> tuple[list[Measurem
     def launch(splits: int | None, fused: bool, schedule: tuple[int, ...] | None = None,
                bound: int | None = None, rope: bool = False) -> Callable[[int], torch.Tensor]:
         def call(i):
-            return paged_decode_attention(q, block_tables=tables[i], seq_lens=seq_lens, scale=scale, out=out,
+            return paged_decode_attention(q, block_tables=tables[i], seq_lens=seq_lens, scale=HEAD_DIM**-0.5, out=out,
                                           num_splits=splits, split_counters=counters if fused else None,
                                           schedule=schedule, max_seq_len=bound, rope=ropes[i] if rope else None,
                                           **cache)
@@ -424,12 +424,7 @@ def small_batch_case(batch: int, context: int, fp8: bool) -> tuple[list[Measurem
             f"{best} splits {ms[best] * 1e3:.1f} us ({ms[chosen] / ms[best]:.2f}x), best fused {best_fused} splits "
             f"{fused_ms[best_fused] * 1e3:.1f} us (two-launch best / fused best {ms[best] / fused_ms[best_fused]:.2f}x); "
             f"fused bit-identical: {identical}; told {WIDE_BOUND} tokens: {wide_ms * 1e3:.1f} us "
-            f"({wide_ms / ms[chosen]:.2f}x the chosen count told {context}); splits keeping at least N tokens, "
-            f"two-launch / fused merge / RoPE fused (as the engine runs it) us: "
-            + ", ".join(f"{n}: " + " / ".join("-" if t is None else f"{t * 1e3:.1f}" for t in times)
-                        for n, times in by_min_tokens.items())
-            + ("; bf16 inner loops at the chosen count, RoPE fused, us: "
-               + ", ".join(f"{name}: {t * 1e3:.1f}" for name, t in by_variant.items()) if by_variant else "")
+            f"({wide_ms / ms[chosen]:.2f}x the chosen count told {context}); " + _sweeps_text(by_min_tokens, by_variant)
             + "; splits: two-launch / fused us (ratio): "
             + ", ".join(f"{s}: {ms[s] * 1e3:.1f} / {fused_ms[s] * 1e3:.1f} ({ms[s] / fused_ms[s]:.2f}x)" for s in counts))
     print(note, flush=True)
@@ -437,9 +432,7 @@ def small_batch_case(batch: int, context: int, fp8: bool) -> tuple[list[Measurem
              "best_fused_splits": best_fused, "fused_bit_identical": identical,
              "fused_us_by_splits": {s: round(t * 1e3, 2) for s, t in fused_ms.items()},
              "wide_bound": WIDE_BOUND, "wide_bound_us": round(wide_ms * 1e3, 2),
-             "min_tokens_us": {n: [None if t is None else round(t * 1e3, 2) for t in times]
-                               for n, times in by_min_tokens.items()},
-             "half_variant_us": {name: round(t * 1e3, 2) for name, t in by_variant.items()}}
+             **_sweeps_extra(by_min_tokens, by_variant)}
     rows = [Measurement(case, "GB/s", gbps(ms[best]), gbps(ms[chosen]), f"chosen ({chosen} splits)", ms[best],
                         ms[chosen], extra),
             Measurement(f"{case} fused merge", "GB/s", gbps(fused_ms[best_fused]), gbps(ms[best]),
@@ -460,22 +453,29 @@ def _decode_ropes(tables: list[torch.Tensor], context: int) -> list[DecodeRope]:
             for t in tables]
 
 
+@contextlib.contextmanager
+def _environment(name: str, value: str):
+    """The environment variable `name` set to `value` inside the block, and as it was after it."""
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
+
+
 def _min_tokens_sweep(launch, tables: int, rope: bool) -> dict[int, tuple[float, float, float | None]]:
     """The chosen split count under each SITS_DECODE_SPLIT_TOKENS of MIN_TOKENS_SWEEP (the least tokens a split
     keeps, and under 128 the granule too): {N: (two-launch ms, fused-merge ms, two-launch with the RoPE + KV write
     fused in ms or None)}; the variable is restored."""
-    saved = os.environ.get(attention_decode.SPLIT_TOKENS_ENV)
     timed = {}
-    try:
-        for tokens in MIN_TOKENS_SWEEP:
-            os.environ[attention_decode.SPLIT_TOKENS_ENV] = str(tokens)
+    for tokens in MIN_TOKENS_SWEEP:
+        with _environment(attention_decode.SPLIT_TOKENS_ENV, str(tokens)):
             timed[tokens] = (time_ms(rotating(launch(None, False), tables)), time_ms(rotating(launch(None, True), tables)),
                              time_ms(rotating(launch(None, False, rope=True), tables)) if rope else None)
-    finally:
-        if saved is None:
-            os.environ.pop(attention_decode.SPLIT_TOKENS_ENV, None)
-        else:
-            os.environ[attention_decode.SPLIT_TOKENS_ENV] = saved
     return timed
 
 
@@ -488,18 +488,29 @@ HALF_VARIANT_SWEEP = ("base", "base_f", "base_g_f", "swap_g_f", "k_t")
 def _half_variants_sweep(launch, tables: int) -> dict[str, float]:
     """The chosen split count, RoPE fused (as the engine runs it), under each SITS_DECODE_VARIANT of
     HALF_VARIANT_SWEEP: {name: ms}; the variable is restored."""
-    saved = os.environ.get(attention_decode.HALF_VARIANT_ENV)
     timed = {}
-    try:
-        for name in HALF_VARIANT_SWEEP:
-            os.environ[attention_decode.HALF_VARIANT_ENV] = name
+    for name in HALF_VARIANT_SWEEP:
+        with _environment(attention_decode.HALF_VARIANT_ENV, name):
             timed[name] = time_ms(rotating(launch(None, False, rope=True), tables))
-    finally:
-        if saved is None:
-            os.environ.pop(attention_decode.HALF_VARIANT_ENV, None)
-        else:
-            os.environ[attention_decode.HALF_VARIANT_ENV] = saved
     return timed
+
+
+def _sweeps_text(by_min_tokens: dict, by_variant: dict) -> str:
+    """The two sweeps of a --small-batch case for its note (times in µs)."""
+    text = ("splits keeping at least N tokens, two-launch / fused merge / RoPE fused (as the engine runs it) us: "
+            + ", ".join(f"{n}: " + " / ".join("-" if t is None else f"{t * 1e3:.1f}" for t in times)
+                        for n, times in by_min_tokens.items()))
+    if by_variant:
+        text += "; bf16 inner loops at the chosen count, RoPE fused, us: " + ", ".join(
+            f"{name}: {t * 1e3:.1f}" for name, t in by_variant.items())
+    return text
+
+
+def _sweeps_extra(by_min_tokens: dict, by_variant: dict) -> dict:
+    """The two sweeps of a --small-batch case for its rows' extra fields (µs)."""
+    return {"min_tokens_us": {n: [None if t is None else round(t * 1e3, 2) for t in times]
+                              for n, times in by_min_tokens.items()},
+            "half_variant_us": {name: round(t * 1e3, 2) for name, t in by_variant.items()}}
 
 
 def small_batch_main(args, batches: tuple[int, ...] = SMALL_BATCHES, contexts: tuple[int, ...] = (2048,),
