@@ -20,8 +20,9 @@ callers that own counters (the Triton attention back end) pass them.
 Given rope (`DecodeRope`), the kernel also does what rope_and_cache_write would have done for these
 tokens just before it: each program rotates its query heads and the new k as it loads them (all of its
 first loads go out together), and the program holding position seq_len - 1 of each (sequence, KV head)
-stores k and v into their cache slot and reads them back in its own tiles after a barrier; the output and the cache are those of the two
-launches, bit for bit, at the same schedule (a fused launch runs the one tuned for the unfused launch).
+stores k and v into their cache slot and reads them back in its own tiles after a barrier; the output and
+the cache are those of the two launches, bit for bit, at the same schedule (a fused launch runs the one
+tuned for the unfused launch).
 
 q may be float32 (float32 activations) over a half-precision or fp8 cache: q and the softmax weights P
 enter the dots as two terms of the dots' dtype each (hi = the value rounded, lo = what hi leaves, rounded),
