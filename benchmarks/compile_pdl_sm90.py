@@ -69,7 +69,7 @@ def _bf16_launches() -> dict[str, tuple]:
         "decode split": (attention_decode._decode_split_kernel.fn, split_types, split_constexprs, (), split_config),
         "decode merge": (
             attention_decode._decode_merge_kernel,
-            {"partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32", "out_ptr": "*bf16"},
+            {"partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32", "seq_lens_ptr": "*i32", "out_ptr": "*bf16"},
             {"HEAD_DIM": HEAD_DIM, "BLOCK_S": 16}, (), triton.Config({}, num_warps=4)),
         "SiLU·mul": (
             silu_mul._silu_mul_kernel, {"gate_up_ptr": "*bf16", "out_ptr": "*bf16"}, {"BLOCK": silu_mul.BLOCK_F},

@@ -6,9 +6,8 @@
 Each program takes one (sequence, KV head, context split): it loads that KV head's keys and values
 once for all Hq / Hkv query heads that share it (the query heads are the rows of one tl.dot), runs
 an online softmax over its split, and writes a normalized partial result with its log-sum-exp.
-A second small kernel merges the splits (an empty split stores a log-sum-exp of -inf, which weighs it 0
-there). Splitting the context keeps every multiprocessor busy when batch x KV heads alone would not; with
-one split the first kernel writes the output directly.
+A second small kernel merges the splits. Splitting the context keeps every multiprocessor busy
+when batch x KV heads alone would not; with one split the first kernel writes the output directly.
 The host picks how many splits to launch from the shapes (`plan_decode_splits`); each sequence's split
 length comes from its own seq_len inside the kernels (`split_tokens`), so a short context under a wide
 block table (a CUDA graph's spans max_model_len) is still spread over the splits, not held by the first.
@@ -448,17 +447,13 @@ def _swap_tile(acc_t, m_i, l_i, q_t, q_hi_t, q_lo_t, scale, tile_start, end, blo
 
 @triton.jit
 def _merge_partials(po_rows, pl_rows, row_valid, stride_po_split, num_valid,
-                    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BYPASS_L1: tl.constexpr,
-                    BY_LSE: tl.constexpr = False):  # fmt: skip
+                    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BYPASS_L1: tl.constexpr):  # fmt: skip
     """Merged outputs [R, HEAD_DIM] float32 of R query heads from their splits' partials.
 
     po_rows [R] points at each head's partial output of split 0 (split s at + s * stride_po_split,
     HEAD_DIM float32 each), pl_rows [R] at its log-sum-exp of split 0 (split s at + s, log2 domain);
     row_valid [R] masks heads. Splits 0 .. num_valid - 1 count: out = sum_s w_s * o_s / sum_s w_s
-    with w_s = 2^(lse_s - max lse); zeros when num_valid is 0 (a padding row). BY_LSE: num_valid is the
-    launched split count and an empty split is the one whose log-sum-exp is -inf (the split kernel stores
-    that, and never its partial output): it adds exact zeros as a split past num_valid does otherwise, so
-    both modes give the same bits, and the loads need no seq_len first.
+    with w_s = 2^(lse_s - max lse); zeros when num_valid is 0 (a padding row).
 
     The splits are added one after another in split order, element by element (BLOCK_S unrolled,
     masked past num_valid: those add exact zeros), never through a tl.sum, whose order follows the
@@ -474,7 +469,7 @@ def _merge_partials(po_rows, pl_rows, row_valid, stride_po_split, num_valid,
         else:
             lse_s = tl.load(pl_rows + s, mask=valid, other=float("-inf"))
         lse_max = tl.maximum(lse_max, lse_s)
-    lse_max = tl.where(row_valid & (lse_max > float("-inf")), lse_max, 0.0)  # no inf - inf in empty rows
+    lse_max = tl.where(row_valid & (num_valid > 0), lse_max, 0.0)  # no inf - inf in empty rows
     acc = tl.zeros([po_rows.shape[0], HEAD_DIM], dtype=tl.float32)
     total = tl.zeros(po_rows.shape, dtype=tl.float32)
     for s in tl.static_range(BLOCK_S):
@@ -486,8 +481,6 @@ def _merge_partials(po_rows, pl_rows, row_valid, stride_po_split, num_valid,
         else:
             lse_s = tl.load(pl_rows + s, mask=valid, other=float("-inf"))
             partial = tl.load(rows, mask=valid[:, None], other=0.0)
-        if BY_LSE:  # an empty split's stale partial may hold anything: it must add 0, not 0 * it
-            partial = tl.where((lse_s > float("-inf"))[:, None], partial, 0.0)
         weight = tl.math.exp2(lse_s - lse_max)
         acc = acc + partial * weight[:, None]
         total = total + weight
@@ -619,14 +612,10 @@ def _decode_split_kernel(
                           stride_v_block, stride_v_slot, stride_v_head,
                           PAGE_SIZE, FP8_KV)  # fmt: skip
     if not SINGLE_SPLIT and start >= seq_len:
-        if FUSED_MERGE:
-            if split == 0:  # nothing arrives for a padding row (seq_len 0): split 0 writes zeros
-                _store_group_rows(out_ptr, seq, kv_head, group_size, stride_o_seq, stride_o_head,
-                                  tl.zeros([MERGE_G, HEAD_DIM], dtype=tl.float32), HEAD_DIM, MERGE_G)
-        else:  # the merge kernel reads every launched split: an empty one's -inf log-sum-exp weighs it 0
-            tl.store(partial_lse_ptr + seq * stride_pl_seq + q_heads * stride_pl_head + split,
-                     tl.full([BLOCK_G], float("-inf"), tl.float32), mask=head_valid)
-        return  # an empty split: it never counts, and its partial output is never read
+        if FUSED_MERGE and split == 0:  # nothing arrives for a padding row (seq_len 0): split 0 writes zeros
+            _store_group_rows(out_ptr, seq, kv_head, group_size, stride_o_seq, stride_o_head,
+                              tl.zeros([MERGE_G, HEAD_DIM], dtype=tl.float32), HEAD_DIM, MERGE_G)
+        return  # an empty split: it never counts, and no merge reads it
     end = tl.minimum(start + tokens_per_split, seq_len)
 
     scale = qk_scale
@@ -710,26 +699,28 @@ def _decode_split_kernel(
                          HEAD_DIM, MERGE_BLOCK, MERGE_G)  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["stride_pl_seq", "stride_pl_head", "num_splits"])
+@triton.jit(do_not_specialize=["stride_pl_seq", "stride_pl_head", "min_split_tokens", "num_splits"],
+            do_not_specialize_on_alignment=["seq_lens_ptr"])
 def _decode_merge_kernel(
-    partial_out_ptr, partial_lse_ptr, out_ptr,
+    partial_out_ptr, partial_lse_ptr, seq_lens_ptr, out_ptr,
     stride_po_seq, stride_po_head, stride_po_split,
     stride_pl_seq, stride_pl_head,
     stride_o_seq, stride_o_head,
-    num_splits,
+    min_split_tokens, num_splits,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """out = sum_s w_s * o_s / sum_s w_s with w_s = 2^(lse_s - max lse), over non-empty splits
-    (`_merge_partials` for one query head per program, BY_LSE: every launched split is read, the empty ones
-    weigh 0 by their -inf log-sum-exp, so no load waits for seq_len)."""
+    (`_merge_partials` for one query head per program)."""
     pdl_wait(USE_PDL)
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    num_valid = _filled_splits(seq_len, _split_tokens(seq_len, num_splits, min_split_tokens), num_splits)
     row = tl.arange(0, 1)
     merged = _merge_partials(
         partial_out_ptr + seq * stride_po_seq + head * stride_po_head + row,
         partial_lse_ptr + seq * stride_pl_seq + head * stride_pl_head + row,
-        row < 1, stride_po_split, num_splits, HEAD_DIM, BLOCK_S, False, True,
+        row < 1, stride_po_split, num_valid, HEAD_DIM, BLOCK_S, False,
     )  # fmt: skip
     offs_d = tl.arange(0, HEAD_DIM)
     dst = out_ptr + seq * stride_o_seq + head * stride_o_head + row[:, None] + offs_d[None, :]
@@ -1132,11 +1123,11 @@ def paged_decode_attention(
     kernel[grid](*args, **meta)
     if not single and not fused:
         _decode_merge_kernel[(num_seqs, num_q_heads)](
-            partial_out, partial_lse, out,
+            partial_out, partial_lse, seq_lens, out,
             partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
             partial_lse.stride(0), partial_lse.stride(1),
             out.stride(0), out.stride(1),
-            num_splits,
+            plan.min_tokens, num_splits,
             HEAD_DIM=head_dim, BLOCK_S=plan.merge_block,
             num_warps=4, **pdl,
         )  # fmt: skip
