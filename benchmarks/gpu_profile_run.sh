@@ -87,6 +87,11 @@
 #   floor          benchmarks/bench_stream_floor.py: a kernel that only reads a batch-1 decode layer's bytes (each
 #                  projection's weight, the live K / V, lm_head) against cuBLAS on the same weight, the fixed cost
 #                  per launch fitted, and a step's floor under one kernel per operation
+#   attn-l2        benchmarks/bench_attention_decode_l2.py: decode attention at batches 1 and 4 with its K / V cold against
+#                  already in L2, autotuned and at each bf16 schedule: the most a prefetch of K / V could take off
+#   ncu-attn       Nsight Compute on decode attention alone (ncu_decode_kernels.py --attention-only, batch $NCU_M,
+#                  default 1) with the warp-state samples per SASS instruction (SourceCounters, a sample every 32
+#                  cycles): LOG_DIR/ncu-attn.log, ncu-attn-source.csv (the source page), ncu-attn.ncu-rep
 #   pdltests       tests/kernels/test_pdl.py: the decode chain with and without PDL in a CUDA graph, bit for bit
 set -u
 cd "$(dirname "$0")/.."
@@ -157,6 +162,15 @@ for step in $STEPS; do
         python3 benchmarks/ncu_decode_kernels.py --m "${NCU_M:-1,32}" \
         && "$ncu_bin" --import "$LOG_DIR/ncu.ncu-rep" --page details \
         && "$ncu_bin" --import "$LOG_DIR/ncu.ncu-rep" --page details --csv >"$LOG_DIR/ncu.csv" ;;
+    attn-l2) timeout 300 python3 benchmarks/bench_attention_decode_l2.py --json "$LOG_DIR/attn-l2.json" ;;
+    ncu-attn) ncu_bin=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      timeout 300 "$ncu_bin" --profile-from-start off --clock-control none --cache-control all -f -o "$LOG_DIR/ncu-attn" \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section LaunchStats --section WarpStateStats \
+        --section SchedulerStats --section SourceCounters --warp-sampling-interval 0 \
+        python3 benchmarks/ncu_decode_kernels.py --m "${NCU_M:-1}" --attention-only \
+        && "$ncu_bin" --import "$LOG_DIR/ncu-attn.ncu-rep" --page details \
+        && "$ncu_bin" --import "$LOG_DIR/ncu-attn.ncu-rep" --page source --csv --print-source sass \
+          >"$LOG_DIR/ncu-attn-source.csv" ;;
     foldtests) PYTHONSAFEPATH=1 timeout 400 python3 -m pytest tests/kernels/test_gemm_small_m_fold.py \
       tests/kernels/test_gemm_small_m_splitk.py -q -p no:cacheprovider \
       --confcutdir=tests/kernels && PYTHONSAFEPATH=1 timeout 300 python3 -m pytest tests/gpu/test_norm_fold.py -q -s \

@@ -24,9 +24,10 @@ import torch.nn.functional as F
 from bench_gemm_small_m import LLAMA3_8B
 from bench_gemm_small_m_streamk import table_launch
 
-from sits.kernels.attention_decode import paged_decode_attention
+from sits.kernels.attention_decode import DecodeRope, paged_decode_attention
 from sits.kernels.gemm_small_m import small_m_gemm_silu_mul
 from sits.kernels.gemm_small_m_splitk import counters_needed
+from sits.kernels.rope_kv_write import build_cos_sin_cache
 from sits.kernels.small_m_table import load_small_m_table, m_bucket
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -50,25 +51,35 @@ def projection_launch(name: str, m: int, table) -> tuple[str, Callable[[], objec
 
 
 def attention_launch(m: int) -> tuple[str, Callable[[], object]]:
-    """Decode attention of M sequences over CONTEXT tokens each (the split plan the kernel picks)."""
+    """Decode attention of M sequences over CONTEXT tokens each (the split plan the kernel picks), with the
+    decode RoPE + KV write fused in as the engine launches it (the new token at position CONTEXT - 1)."""
     blocks = CONTEXT // BLOCK
     k_cache = torch.randn(m * blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
     v_cache = torch.randn_like(k_cache)
     tables = torch.randperm(m * blocks, device="cuda").to(torch.int32).view(m, blocks)
     seq_lens = torch.full((m,), CONTEXT, dtype=torch.int32, device="cuda")
     q = torch.randn(m, HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-    return "decode attention", lambda: paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, HEAD_DIM**-0.5,
-                                                              max_seq_len=CONTEXT)  # fmt: skip
+    k_new, v_new = (torch.randn(m, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    positions = torch.full((m,), CONTEXT - 1, dtype=torch.int64, device="cuda")
+    slots = tables[:, (CONTEXT - 1) // BLOCK].long() * BLOCK + (CONTEXT - 1) % BLOCK
+    rope = DecodeRope(
+        k_new, v_new, positions, build_cos_sin_cache(HEAD_DIM, CONTEXT + BLOCK, device="cuda"), slots
+    )
+    return "decode attention + RoPE", lambda: paged_decode_attention(
+        q, k_cache, v_cache, tables, seq_lens, HEAD_DIM**-0.5, max_seq_len=CONTEXT, rope=rope
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--m", default="1,32", help="comma-separated batch sizes")
+    parser.add_argument("--attention-only", action="store_true", help="decode attention's launches only")
     args = parser.parse_args()
     table = load_small_m_table(device_name=torch.cuda.get_device_name())
     launches = []
     for m in (int(v) for v in args.m.split(",")):
-        launches += [(f"M{m} {name}", *projection_launch(name, m, table)) for name in LLAMA3_8B]
+        if not args.attention_only:
+            launches += [(f"M{m} {name}", *projection_launch(name, m, table)) for name in LLAMA3_8B]
         launches.append((f"M{m} attention", *attention_launch(m)))
     for _, _, launch in launches:  # compile and autotune before profiling
         launch()
