@@ -575,7 +575,7 @@ def _prefetch_split_kv(seq_lens_ptr, block_table_row, k_base, v_base, seq, split
     v_lines = v_base + (blocks * stride_v_block + slots * stride_v_slot)[:, None] + lines
     wanted = (valid[:, None] & (lines >= 0)).to(tl.int32)
     tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.s32 p, $3, 0; @p prefetch.global.L2 [$1]; @p prefetch.global.L2 [$2]; "
+        "{ .reg .pred p; setp.ne.s32 p, $3, 0; @p prefetch.global.L2::evict_last [$1]; @p prefetch.global.L2::evict_last [$2]; "
         "mov.u32 $0, 0; }",
         "=r,l,l,r", [k_lines, v_lines, wanted], dtype=tl.int32, is_pure=False, pack=1,
     )  # fmt: skip
