@@ -73,7 +73,8 @@
 #                  -hvNAME (prof1-hvswap_g_f, prof32-hvbase_f, ...): the bf16 cache's decode attention inner loop
 #                  NAME (SITS_DECODE_VARIANT, a key of attention_decode.HALF_DECODE_VARIANTS; default "base")
 #                  -kvpf / -kvpf0 (prof1-kvpf, prof32-kvpf0, ...): decode attention queues its split's K / V for L2
-#                  before its PDL wait, during the qkv projection (SITS_DECODE_KV_PREFETCH=1 / 0; sits.kernels.pdl)
+#                  before its PDL wait, during the qkv projection (SITS_DECODE_KV_PREFETCH=1 / 0; sits.kernels.pdl);
+#                  -kvpfN (prof1-kvpf2048): with an N-KiB budget a launch (SITS_DECODE_KV_PREFETCH_KIB)
 #   kvpftests      the K / V prefetch on the GPU: tests/kernels/test_attention_decode_kv_prefetch.py (the qkv GEMM +
 #                  attention chain with and without it, eager and in CUDA graphs, bit for bit) and the engine with
 #                  and without it (tests/gpu/test_decode_kv_prefetch.py)
@@ -197,10 +198,10 @@ for step in $STEPS; do
       extra=""; case $step in *-mml*) extra=${step##*-mml}; extra="--max-model-len ${extra%%-*}" ;; esac
       case $step in *-f32act*) extra="$extra --activation-dtype float32" ;; esac
       variant=""; case $step in *-hv*) variant=${step##*-hv}; variant=${variant%%-*} ;; esac
-      kvpf=""; case $step in *-kvpf0*) kvpf=0 ;; *-kvpf*) kvpf=1 ;; esac
+      kvpf=""; kib=""; case $step in *-kvpf0*) kvpf=0 ;; *-kvpf*) kvpf=1; kib=${step##*-kvpf}; kib=${kib%%-*} ;; esac
       SITS_SMALL_M_GEMM="$table" SITS_DECODE_FUSED_MERGE="$fused" SITS_PDL="$pdl" SITS_DECODE_SPLIT_TOKENS="$split" \
       SITS_DECODE_FUSED_ROPE="$rope" SITS_FOLD_NORMS="$fold" SITS_DECODE_VARIANT="$variant" \
-      SITS_DECODE_KV_PREFETCH="$kvpf" timeout 200 \
+      SITS_DECODE_KV_PREFETCH="$kvpf" SITS_DECODE_KV_PREFETCH_KIB="$kib" timeout 200 \
       python3 benchmarks/profile_decode.py $COMMON --batch "$batch" --input-len 2048 $extra ;;
     trace256-cap*) budget=${step#trace256-cap}; cap=${budget%%-min*}; least=0
       [ "$budget" != "$cap" ] && least=${budget##*-min}

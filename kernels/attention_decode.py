@@ -120,6 +120,7 @@ MAX_SPLITS = 64
 # The K / V prefetch of kv_prefetch launches: the bytes a launch may queue for L2 (a third of the H200's 50 MiB
 # L2), and the most tokens a program queues (the length of its arange).
 KV_PREFETCH_L2_BYTES = 16 << 20
+KV_PREFETCH_KIB_ENV = "SITS_DECODE_KV_PREFETCH_KIB"  # another budget than KV_PREFETCH_L2_BYTES, in KiB (A/B runs)
 KV_PREFETCH_MAX_TOKENS = 1024
 MAX_GRID_Y = 65535  # CUDA's limit on the grid's second dimension (sequences)
 # Whether callers that own split counters (the Triton attention back end) pass them, so split launches
@@ -885,9 +886,13 @@ def kv_prefetch_tokens(plan: DecodeSplitPlan, num_seqs: int, num_kv_heads: int, 
                        element_size: int) -> int:
     """Tokens from each split's start a kv_prefetch launch queues for L2: the split's length rounded up to a power
     of two, at most KV_PREFETCH_MAX_TOKENS and what keeps the launch's prefetched K and V within
-    KV_PREFETCH_L2_BYTES (rounded down to a power of two); 0 (no prefetch) where that leaves under 16 tokens."""
+    KV_PREFETCH_L2_BYTES (SITS_DECODE_KV_PREFETCH_KIB when set; rounded down to a power of two); 0 (no prefetch)
+    where that leaves under 16 tokens."""
     programs = num_seqs * num_kv_heads * plan.num_splits
-    fits = KV_PREFETCH_L2_BYTES // max(1, programs * 2 * head_dim * element_size)
+    forced = os.environ.get(KV_PREFETCH_KIB_ENV, "").strip()
+    require(not forced or forced.isdigit(), f"{KV_PREFETCH_KIB_ENV} must be a whole number of KiB, got {forced!r}")
+    budget = int(forced) << 10 if forced else KV_PREFETCH_L2_BYTES
+    fits = budget // max(1, programs * 2 * head_dim * element_size)
     if fits < SPLIT_TOKENS_QUANTUM:
         return 0
     fits = 1 << (fits.bit_length() - 1)

@@ -53,6 +53,16 @@ def test_the_budget_bounds_what_a_launch_queues():
     assert _tokens(448, 3072) == 0  # 3,584 programs: under 16 tokens each, so none
 
 
+def test_another_budget_from_the_environment(monkeypatch):
+    monkeypatch.setenv("SITS_DECODE_KV_PREFETCH_KIB", "1024")  # 1 MiB: 32 tokens (16 KiB of K and V) for 64 programs
+    assert _tokens(1, 2048) == 32
+    monkeypatch.setenv("SITS_DECODE_KV_PREFETCH_KIB", "256")  # 8 tokens each: under a page, so none
+    assert _tokens(1, 2048) == 0
+    monkeypatch.setenv("SITS_DECODE_KV_PREFETCH_KIB", "2MB")
+    with pytest.raises(ValueError, match="SITS_DECODE_KV_PREFETCH_KIB"):
+        _tokens(1, 2048)
+
+
 def test_a_short_split_is_not_padded_past_a_power_of_two():
     assert _tokens(1, 100) == 128  # one split of the whole 100-token context, rounded up to the arange
 
