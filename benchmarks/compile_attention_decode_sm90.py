@@ -1,8 +1,7 @@
 """Compile the decode split kernel for the H200 (sm_90a) without a GPU, with and without the fused merge.
 
     python benchmarks/compile_attention_decode_sm90.py [--merge-blocks 16,64] [--queries plain,rope,f32-rope]
-                                                       [--half-variants base,swap_g_f] [--prefetch 256] [--quick]
-                                                       [--json out.json]
+                                                       [--half-variants base,swap_g_f] [--quick] [--json out.json]
 
 For each shipped bf16 config (sits.kernels.attention_decode._BF16_CONFIGS) and the fp8 default schedule
 (_FP8_CONFIGS, DEFAULT_FP8_VARIANT), the split kernel is compiled as a Llama-3-8B launch specializes it
@@ -12,9 +11,8 @@ splits), for each query kind: "plain" (bf16 q, rotated before), "rope" (the RoPE
 DecodeRope) and "f32-rope" (float32 q and output, fused RoPE: the float32-activation mode); the bf16 configs
 at each of --half-variants (the bf16 cache's inner loops, HALF_DECODE_VARIANTS; "base" by default). The bundled
 ptxas assembles the PTX for sm_90a and reports registers and spill bytes (CompiledKernel.n_regs needs a
-GPU, hence ptxas); shared memory comes from Triton's metadata. --prefetch N: each launch as kv_prefetch compiles
-it (PDL, N tokens of K / V queued for L2 before the wait; rows say whether the prefetches precede the wait).
---quick: the fp8 default and the first bf16 config only. Run it without TRITON_INTERPRET: the interpreter's
+GPU, hence ptxas); shared memory comes from Triton's metadata. --quick: the fp8 default and the first
+bf16 config only. Run it without TRITON_INTERPRET: the interpreter's
 kernels cannot be compiled.
 """
 
@@ -26,7 +24,6 @@ import triton
 from sm90_compile import compile_sm90, report_rows
 
 from sits.kernels import attention_decode as ad
-from sits.kernels.pdl import PDL_AT_EXIT
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE = 32, 8, 128, 16
 GROUP = NUM_Q_HEADS // NUM_KV_HEADS
@@ -63,22 +60,18 @@ def split_kernel_launch(config: triton.Config, fp8: bool, merge_block: int, quer
 
 
 def compile_one(config: triton.Config, fp8: bool, merge_block: int, query: str = "plain",
-                half_variant: str = ad.DEFAULT_HALF_VARIANT, prefetch: int = 0) -> dict:
-    """The split kernel at one config: fused merge of BLOCK_S merge_block, or (0) the two-launch variant;
-    prefetch > 0: launched with PDL, queueing that many tokens of K / V for L2 before its wait (kv_prefetch)."""
+                half_variant: str = ad.DEFAULT_HALF_VARIANT) -> dict:
+    """The split kernel at one config: fused merge of BLOCK_S merge_block, or (0) the two-launch variant."""
     types, constexprs = split_kernel_launch(config, fp8, merge_block, query, half_variant)
-    if prefetch:
-        constexprs |= {"PREFETCH_KV": prefetch, "USE_PDL": PDL_AT_EXIT}
     figures = compile_sm90(ad._decode_split_kernel.fn, types, constexprs, _ALIGNED, config)
     figures.pop("wgmma")
     return figures
 
 
 def _describe(config: triton.Config, fp8: bool, merge_block: int, query: str = "plain",
-              half_variant: str = ad.DEFAULT_HALF_VARIANT, prefetch: int = 0) -> dict:
+              half_variant: str = ad.DEFAULT_HALF_VARIANT) -> dict:
     return {"cache": "fp8" if fp8 else "bf16", "schedule": "/".join(map(str, ad._schedule(config))),
-            "fused_merge_block": merge_block, "query": query, "variant": ad.DEFAULT_FP8_VARIANT if fp8 else half_variant,
-            "prefetch": prefetch}
+            "fused_merge_block": merge_block, "query": query, "variant": ad.DEFAULT_FP8_VARIANT if fp8 else half_variant}
 
 
 def main() -> None:
@@ -88,8 +81,6 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="the fp8 default and the first bf16 config only")
     parser.add_argument("--half-variants", default=ad.DEFAULT_HALF_VARIANT,
                         help=f"comma-separated bf16-cache inner loops, of {', '.join(sorted(ad.HALF_DECODE_VARIANTS))}")
-    parser.add_argument("--prefetch", type=int, default=0,
-                        help="tokens of K / V each program queues for L2 before its PDL wait (kv_prefetch; 0: none)")
     parser.add_argument("--json", help="also write the rows to this JSON file")
     args = parser.parse_args()
     half_variants = args.half_variants.split(",")
@@ -99,8 +90,8 @@ def main() -> None:
         launches = [launches[0], launches[-1]]
     blocks = [0] + [int(v) for v in args.merge_blocks.split(",")]
     queries = args.queries.split(",")
-    report_rows([(config, fp8, block, query, variant, args.prefetch) for config, fp8, variant in launches
-                 for block in blocks for query in queries], _describe, compile_one, args.json)
+    report_rows([(config, fp8, block, query, variant) for config, fp8, variant in launches for block in blocks
+                 for query in queries], _describe, compile_one, args.json)
 
 
 if __name__ == "__main__":

@@ -72,12 +72,6 @@
 #                  run the small-M kernels on float32 rows (two terms a tile) instead of mixed_linear's three launches
 #                  -hvNAME (prof1-hvswap_g_f, prof32-hvbase_f, ...): the bf16 cache's decode attention inner loop
 #                  NAME (SITS_DECODE_VARIANT, a key of attention_decode.HALF_DECODE_VARIANTS; default "base")
-#                  -kvpf / -kvpf0 (prof1-kvpf, prof32-kvpf0, ...): decode attention queues its split's K / V for L2
-#                  before its PDL wait, during the qkv projection (SITS_DECODE_KV_PREFETCH=1 / 0; sits.kernels.pdl);
-#                  -kvpfN (prof1-kvpf2048): with an N-KiB budget a launch (SITS_DECODE_KV_PREFETCH_KIB)
-#   kvpftests      the K / V prefetch on the GPU: tests/kernels/test_attention_decode_kv_prefetch.py (the qkv GEMM +
-#                  attention chain with and without it, eager and in CUDA graphs, bit for bit) and the engine with
-#                  and without it (tests/gpu/test_decode_kv_prefetch.py)
 #   f32xtests      tests/kernels/test_gemm_small_m_float32_x.py on the GPU: every config the autotuner keeps for a
 #                  float32 x compiles and gives the float32 product (bf16 weights)
 #   foldtests      the folded norms' kernels (tests/kernels/test_gemm_small_m_fold.py) and the split-K kernel
@@ -168,9 +162,6 @@ for step in $STEPS; do
         python3 benchmarks/ncu_decode_kernels.py --m "${NCU_M:-1,32}" \
         && "$ncu_bin" --import "$LOG_DIR/ncu.ncu-rep" --page details \
         && "$ncu_bin" --import "$LOG_DIR/ncu.ncu-rep" --page details --csv >"$LOG_DIR/ncu.csv" ;;
-    kvpftests) PYTHONSAFEPATH=1 timeout 300 python3 -m pytest tests/kernels/test_attention_decode_kv_prefetch.py -q \
-      -p no:cacheprovider --confcutdir=tests/kernels && PYTHONSAFEPATH=1 timeout 300 python3 -m pytest \
-      tests/gpu/test_decode_kv_prefetch.py -q -s -p no:cacheprovider --confcutdir=tests/gpu ;;
     attn-l2) timeout 300 python3 benchmarks/bench_attention_decode_l2.py --json "$LOG_DIR/attn-l2.json" ;;
     ncu-attn) ncu_bin=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
       timeout 300 "$ncu_bin" --profile-from-start off --clock-control none --cache-control all -f -o "$LOG_DIR/ncu-attn" \
@@ -198,10 +189,8 @@ for step in $STEPS; do
       extra=""; case $step in *-mml*) extra=${step##*-mml}; extra="--max-model-len ${extra%%-*}" ;; esac
       case $step in *-f32act*) extra="$extra --activation-dtype float32" ;; esac
       variant=""; case $step in *-hv*) variant=${step##*-hv}; variant=${variant%%-*} ;; esac
-      kvpf=""; kib=""; case $step in *-kvpf0*) kvpf=0 ;; *-kvpf*) kvpf=1; kib=${step##*-kvpf}; kib=${kib%%-*} ;; esac
       SITS_SMALL_M_GEMM="$table" SITS_DECODE_FUSED_MERGE="$fused" SITS_PDL="$pdl" SITS_DECODE_SPLIT_TOKENS="$split" \
-      SITS_DECODE_FUSED_ROPE="$rope" SITS_FOLD_NORMS="$fold" SITS_DECODE_VARIANT="$variant" \
-      SITS_DECODE_KV_PREFETCH="$kvpf" SITS_DECODE_KV_PREFETCH_KIB="$kib" timeout 200 \
+      SITS_DECODE_FUSED_ROPE="$rope" SITS_FOLD_NORMS="$fold" SITS_DECODE_VARIANT="$variant" timeout 200 \
       python3 benchmarks/profile_decode.py $COMMON --batch "$batch" --input-len 2048 $extra ;;
     trace256-cap*) budget=${step#trace256-cap}; cap=${budget%%-min*}; least=0
       [ "$budget" != "$cap" ] && least=${budget##*-min}

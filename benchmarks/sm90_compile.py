@@ -50,8 +50,7 @@ def compile_sm90(fn, types: dict[str, str], constexprs: dict, aligned: Iterable[
         aligned: arguments specialized as multiples of 16.
     Returns:
         shared_bytes, wgmma, griddepcontrol (how many grid-dependency instructions the PTX holds: programmatic
-        dependent launch, sits.kernels.pdl), l2_prefetches (`prefetch.global.L2` instructions in the PTX),
-        prefetch_before_wait (the first of them comes before the PDL wait), regs, spill_stores, spill_loads.
+        dependent launch, sits.kernels.pdl), regs, spill_stores, spill_loads.
     """
     constexprs = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default} | dict(constexprs)
     signature = {name: types.get(name, "i32") for name in fn.arg_names if name not in constexprs}
@@ -64,10 +63,8 @@ def compile_sm90(fn, types: dict[str, str], constexprs: dict, aligned: Iterable[
                               target=GPUTarget("cuda", capability, 32), options=options)
     ptx = compiled.asm["ptx"]
     arch = "sm_90a" if capability == 90 else f"sm_{capability}"
-    prefetch, wait = ptx.find("prefetch.global.L2"), ptx.find("griddepcontrol.wait")
     return {"shared_bytes": compiled.metadata.shared, "wgmma": "wgmma" in ptx,
-            "griddepcontrol": ptx.count("griddepcontrol."), "l2_prefetches": ptx.count("prefetch.global.L2"),
-            "prefetch_before_wait": 0 <= prefetch < wait, **ptxas_report(ptx, arch)}
+            "griddepcontrol": ptx.count("griddepcontrol."), **ptxas_report(ptx, arch)}
 
 
 def report_rows(launches: Sequence, describe: Callable[..., dict], compile_launch: Callable[..., dict],

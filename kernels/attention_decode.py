@@ -81,7 +81,7 @@ from sits.kernels.launch_utils import (
     require,
 )
 from sits.kernels.paged_kv import paged_tile_blocks
-from sits.kernels.pdl import PDL_AT_EXIT, pdl_launch_options, pdl_supported, pdl_wait
+from sits.kernels.pdl import pdl_launch_options, pdl_wait
 from sits.kernels.reference import paged_decode_attention_reference
 from sits.kernels.rope_kv_write import rope_pair, store_cache
 
@@ -98,7 +98,6 @@ __all__ = [
     "choose_fp8_variant",
     "choose_half_variant",
     "choose_num_splits",
-    "kv_prefetch_tokens",
     "paged_decode_attention",
     "paged_decode_attention_reference",
     "plan_decode_splits",
@@ -117,11 +116,6 @@ MIN_TOKENS_PER_SPLIT = 256
 SPLIT_TOKENS_ENV = "SITS_DECODE_SPLIT_TOKENS"
 SPLIT_TOKENS_QUANTUM = 16  # the smallest tile (BLOCK_N) and the default page: split starts stay on both
 MAX_SPLITS = 64
-# The K / V prefetch of kv_prefetch launches: the bytes a launch may queue for L2 (a third of the H200's 50 MiB
-# L2), and the most tokens a program queues (the length of its arange).
-KV_PREFETCH_L2_BYTES = 16 << 20
-KV_PREFETCH_KIB_ENV = "SITS_DECODE_KV_PREFETCH_KIB"  # another budget than KV_PREFETCH_L2_BYTES, in KiB (A/B runs)
-KV_PREFETCH_MAX_TOKENS = 1024
 MAX_GRID_Y = 65535  # CUDA's limit on the grid's second dimension (sequences)
 # Whether callers that own split counters (the Triton attention back end) pass them, so split launches
 # merge inside the split kernel (one launch) instead of in _decode_merge_kernel (two). Off until timed
@@ -553,35 +547,6 @@ def _fused_merge(partial_out_ptr, partial_lse_ptr, out_ptr, split_counters_ptr, 
         _store_group_rows(out_ptr, seq, kv_head, group_size, stride_o_seq, stride_o_head, merged, HEAD_DIM, MERGE_G)
 
 
-@triton.jit
-def _prefetch_split_kv(seq_lens_ptr, block_table_row, k_base, v_base, seq, split, min_split_tokens,
-                       stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
-                       HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, TOKENS: tl.constexpr):  # fmt: skip
-    """Queue the first TOKENS tokens of this program's split (fewer where the split is shorter; none for an
-    empty split) for L2: `prefetch.global.L2` (a hint, nothing waited for) of every 128-byte line of this KV
-    head's K and V rows. Reads only the sequence length and the block table, which no kernel of a decode step
-    writes, so it may run before the kernel's PDL wait (kv_prefetch). A per-thread prefetch, not the bulk one:
-    the bulk prefetch takes a warp-uniform address, which costs a loop over the lanes."""
-    LINE_ELEMENTS: tl.constexpr = 128 * 8 // k_base.dtype.element_ty.primitive_bitwidth
-    LINES: tl.constexpr = (HEAD_DIM + LINE_ELEMENTS - 1) // LINE_ELEMENTS
-    seq_len = tl.load(seq_lens_ptr + seq)
-    tokens_per_split = _split_tokens(seq_len, tl.num_programs(2), min_split_tokens)
-    start = split * tokens_per_split
-    tokens = start + tl.arange(0, TOKENS)
-    valid = tokens < tl.minimum(start + tokens_per_split, seq_len)
-    blocks = tl.load(block_table_row + tokens // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
-    slots = (tokens % PAGE_SIZE).to(tl.int64)
-    lines = (tl.arange(0, LINES) * LINE_ELEMENTS)[None, :]
-    k_lines = k_base + (blocks * stride_k_block + slots * stride_k_slot)[:, None] + lines
-    v_lines = v_base + (blocks * stride_v_block + slots * stride_v_slot)[:, None] + lines
-    wanted = (valid[:, None] & (lines >= 0)).to(tl.int32)
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.s32 p, $3, 0; @p prefetch.global.L2::evict_last [$1]; @p prefetch.global.L2::evict_last [$2]; "
-        "mov.u32 $0, 0; }",
-        "=r,l,l,r", [k_lines, v_lines, wanted], dtype=tl.int32, is_pure=False, pack=1,
-    )  # fmt: skip
-
-
 @autotune(_GPU_CONFIGS, _INTERPRETER_CONFIG, ["HEAD_DIM", "PAGE_SIZE", "BLOCK_G", "FP8_KV", "FP8_F16", "VARIANT",
            "SINGLE_SPLIT", "FUSED_MERGE", "MERGE_BLOCK", "split_bucket"],
           _prune_configs)
@@ -604,24 +569,16 @@ def _decode_split_kernel(
     SINGLE_SPLIT: tl.constexpr, FP8_KV: tl.constexpr, FP8_F16: tl.constexpr, VARIANT: tl.constexpr,
     FUSED_MERGE: tl.constexpr, MERGE_BLOCK: tl.constexpr, MERGE_G: tl.constexpr,
     BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr = False, ROTARY_DIM: tl.constexpr = 0, F32_TERMS: tl.constexpr = False,
-    PREFETCH_KV: tl.constexpr = 0,
 ):  # fmt: skip
     """One (KV head, sequence, split) program; see the module docstring and, for FUSED_MERGE,
     `_fused_merge` (MERGE_BLOCK: the merge's BLOCK_S; MERGE_G: the GQA group as a power of two).
     USE_PDL: launched with programmatic dependent launch (sits.kernels.pdl). ROTARY_DIM > 0: the fused
     RoPE + KV write (`DecodeRope`; k_new / v_new / positions / cos_sin / slot and their strides are read
-    only then). F32_TERMS: q is float32; q and P enter the dots as two terms (hi + lo) of their dtype.
-    PREFETCH_KV > 0 (kv_prefetch): before the PDL wait, the split's first PREFETCH_KV tokens of K and V are
-    queued for L2 (`_prefetch_split_kv`); nothing else changes."""
+    only then). F32_TERMS: q is float32; q and P enter the dots as two terms (hi + lo) of their dtype."""
+    pdl_wait(USE_PDL)
     kv_head = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
-    if PREFETCH_KV > 0:
-        _prefetch_split_kv(seq_lens_ptr, block_tables_ptr + seq * stride_block_table,
-                           k_cache_ptr + kv_head * stride_k_head, v_cache_ptr + kv_head * stride_v_head, seq, split,
-                           min_split_tokens, stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
-                           HEAD_DIM, PAGE_SIZE, PREFETCH_KV)  # fmt: skip
-    pdl_wait(USE_PDL)
     # Every load of the prologue goes out before any loaded value is used (the cos / sin row after the position),
     # so their round trips overlap: the query rows, and under the fused RoPE the new k / v (all programs load
     # them; the writer stores them), above the early exit. Loaded after it, each waited for the one before
@@ -882,23 +839,6 @@ def split_tokens(seq_len: int, num_splits: int, min_tokens: int) -> int:
     return max(cdiv(cdiv(seq_len, num_splits), granule) * granule, min_tokens)
 
 
-def kv_prefetch_tokens(plan: DecodeSplitPlan, num_seqs: int, num_kv_heads: int, head_dim: int,
-                       element_size: int) -> int:
-    """Tokens from each split's start a kv_prefetch launch queues for L2: the split's length rounded up to a power
-    of two, at most KV_PREFETCH_MAX_TOKENS and what keeps the launch's prefetched K and V within
-    KV_PREFETCH_L2_BYTES (SITS_DECODE_KV_PREFETCH_KIB when set; rounded down to a power of two); 0 (no prefetch)
-    where that leaves under 16 tokens."""
-    programs = num_seqs * num_kv_heads * plan.num_splits
-    forced = os.environ.get(KV_PREFETCH_KIB_ENV, "").strip()
-    require(not forced or forced.isdigit(), f"{KV_PREFETCH_KIB_ENV} must be a whole number of KiB, got {forced!r}")
-    budget = int(forced) << 10 if forced else KV_PREFETCH_L2_BYTES
-    fits = budget // max(1, programs * 2 * head_dim * element_size)
-    if fits < SPLIT_TOKENS_QUANTUM:
-        return 0
-    fits = 1 << (fits.bit_length() - 1)
-    return min(next_power_of_2(max(plan.tokens_per_split, 1)), KV_PREFETCH_MAX_TOKENS, fits)
-
-
 def choose_fp8_variant(plan: DecodeSplitPlan, num_seqs: int, num_kv_heads: int, sms: int) -> str:
     """The fp8 inner loop a launch runs unless its caller names one: SITS_FP8_DECODE_VARIANT when set,
     else SMALL_BATCH_FP8_VARIANT for a single-split launch of at most SMALL_BATCH_PROGRAMS_PER_SM programs
@@ -1065,7 +1005,6 @@ def paged_decode_attention(
     compile_only: bool = False,
     split_counters: torch.Tensor | None = None,
     rope: DecodeRope | None = None,
-    kv_prefetch: bool = False,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its paged context.
 
@@ -1101,12 +1040,6 @@ def paged_decode_attention(
         rope: the new tokens' RoPE and cache write, fused (`DecodeRope`; q is then unrotated and the
             caches do not yet hold the new tokens). The split kernel runs the schedule the autotuner
             picked for the same launch without it (`_followed_schedule`) unless `schedule` is given.
-        kv_prefetch: launch the split kernel with programmatic dependent launch (sits.kernels.pdl) and have each
-            program queue its split's first `kv_prefetch_tokens` tokens of K and V for L2 before it waits for
-            the kernel before it, so they move while that kernel runs (a GEMM that lets its dependents launch
-            early: `pdl.gemm_pdl_options`). The caller guarantees that the kernel just before writes neither
-            seq_lens, block_tables nor the cache's pages. Ignored where PDL is not supported (before sm_90,
-            Triton's interpreter); the output is the same bits either way.
     Returns:
         out [B, Hq, D].
     """
@@ -1167,13 +1100,10 @@ def paged_decode_attention(
     elif meta["VARIANT"] & _PACKED:
         group_rows = max(8, next_power_of_2(group))  # hi and lo fill the dot's 16 columns
     pdl = pdl_launch_options(q.device)
-    prefetch = kv_prefetch_tokens(plan, num_seqs, num_kv_heads, head_dim, k_cache.element_size()) if (
-        kv_prefetch and pdl_supported(q.device)) else 0  # fmt: skip
-    split_pdl = {"USE_PDL": pdl.get("USE_PDL", PDL_AT_EXIT), "launch_pdl": True} if prefetch else pdl
     meta |= {"HEAD_DIM": head_dim, "BLOCK_G": group_rows, "PAGE_SIZE": page_size,
              "SINGLE_SPLIT": single, "FP8_KV": fp8, "FUSED_MERGE": fused,
              "MERGE_BLOCK": plan.merge_block if fused else 1, "MERGE_G": next_power_of_2(group) if fused else 1,
-             "F32_TERMS": q.dtype == torch.float32, "PREFETCH_KV": prefetch, **split_pdl}  # fmt: skip
+             "F32_TERMS": q.dtype == torch.float32, **pdl}  # fmt: skip
     if rope is None:
         kernel = _decode_split_kernel if schedule is None else _decode_split_kernel.fn
         args += no_rope

@@ -48,7 +48,7 @@ from sits.kernels.launch_utils import (
     length_bucket,
     require,
 )
-from sits.kernels.pdl import gemm_pdl_options, pdl_wait
+from sits.kernels.pdl import pdl_launch_options, pdl_wait
 from sits.kernels.reference import small_m_gemm_reference, small_m_gemm_silu_mul_reference
 from sits.kernels.small_m_table import CONFIG_KEYS
 
@@ -419,7 +419,7 @@ def launch(kernel, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, silu_mul
     kernel[grid](
         x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0), small_m_rows_bucket(m), *fold_args,
         BLOCK_M=block_m, SILU_MUL=silu_mul, DOT_FP32=is_interpreter(),
-        **{**gemm_pdl_options(x.device), **fold_meta, **meta},
+        **{**pdl_launch_options(x.device), **fold_meta, **meta},
     )  # fmt: skip
 
 

@@ -50,7 +50,7 @@ from sits.kernels.gemm_small_m import (
     x_element_bytes,
 )
 from sits.kernels.launch_utils import autotune, check_tensor, is_interpreter, require
-from sits.kernels.pdl import gemm_pdl_options, pdl_wait
+from sits.kernels.pdl import pdl_launch_options, pdl_wait
 from sits.kernels.reference import small_m_gemm_reference
 from sits.kernels.small_m_table import SPLITK_CONFIG_KEYS
 
@@ -159,7 +159,7 @@ def launch(kernel, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, counters
     fold_args, fold_meta = fold_arguments(x, stream, sumsq, 0.0, scale_rows=False)
     kernel[grid](
         x, w, out, ws, counters, m, n, k, x.stride(0), w.stride(0), out.stride(0), small_m_rows_bucket(m),
-        *fold_args, BLOCK_M=block_m, DOT_FP32=is_interpreter(), **{**gemm_pdl_options(x.device), **fold_meta, **meta},
+        *fold_args, BLOCK_M=block_m, DOT_FP32=is_interpreter(), **{**pdl_launch_options(x.device), **fold_meta, **meta},
     )  # fmt: skip
 
 

@@ -23,13 +23,6 @@ When the next grid may launch (SITS_PDL's value):
     programs are resident and waiting while this one runs. Measured on an H200 (2026-12-02, batch 1,
     Llama-3-8B shape): the decode step went from 4.77 to 5.56 ms; kept for measurement only.
 
-The decode attention's K / V prefetch (SITS_DECODE_KV_PREFETCH=1, `kv_prefetch_requested`; off by default
-until measured) uses PDL on its own, with SITS_PDL unset: the decode split kernel is launched with PDL and queues
-its split's K / V pages for L2 before its wait (`sits.kernels.attention_decode`, kv_prefetch=), and the small-M
-GEMMs (the qkv projection before it) let the next grid launch right after their own wait
-(`gemm_pdl_options`), so those K / V bytes move while the qkv projection runs. Every other kernel launches as
-before, so no grid but the attention's ever waits resident.
-
 Off unless SITS_PDL is set. Measured on an H200 (2026-12-02), neither mode shortened a decode step: inside a
 replayed CUDA graph the kernels already follow each other within a microsecond (docs/cuda-graphs.md; the GPU
 profile steps `prof1-pdl`, `prof1-pdlearly`, `prof32-pdl` of benchmarks/gpu_profile_run.sh measure it again).
@@ -49,8 +42,6 @@ import triton.language as tl
 from sits.kernels.launch_utils import is_interpreter
 
 PDL_ENV = "SITS_PDL"
-KV_PREFETCH_ENV = "SITS_DECODE_KV_PREFETCH"
-KV_PREFETCH_DEFAULT = False  # whether the Triton attention back end asks decode attention for the K / V prefetch
 PDL_MIN_CAPABILITY = (9, 0)
 PDL_OFF, PDL_AT_EXIT, PDL_EARLY = 0, 1, 2  # the kernels' USE_PDL constexpr
 _ON_VALUES = ("1", "true", "on", "yes")
@@ -87,30 +78,11 @@ def pdl_launch_options(device: torch.device) -> dict:
     return {}
 
 
-def kv_prefetch_requested() -> bool:
-    """Whether decode attention queues its K / V for L2 before waiting on the kernel before it (see the module
-    docstring): SITS_DECODE_KV_PREFETCH=1 / 0 when set, else KV_PREFETCH_DEFAULT."""
-    value = os.environ.get(KV_PREFETCH_ENV, "").strip().lower()
-    return KV_PREFETCH_DEFAULT if not value else value not in ("0", "off", "false", "no")
-
-
-def gemm_pdl_options(device: torch.device) -> dict:
-    """A small-M GEMM launch's extra keywords: `pdl_launch_options` when SITS_PDL is set; else, where the K / V
-    prefetch is requested and PDL supported, USE_PDL=PDL_EARLY without launch_pdl (the GEMM launches as before,
-    its wait returns at once, and a PDL launch after it, the decode attention, may start right away); else none."""
-    if pdl_requested():
-        return pdl_launch_options(device)
-    if kv_prefetch_requested() and pdl_supported(device):
-        return {"USE_PDL": PDL_EARLY}
-    return {}
-
-
 @triton.jit
 def pdl_wait(USE_PDL: tl.constexpr):
-    """Wait for the grid before this one to finish and flush (no-op when USE_PDL is false: PDL_OFF, or when the
-    launch had no launch_pdl); with PDL_EARLY, then let the next grid launch at once. The first statement of a
-    kernel: nothing may be read or written before it, except what no kernel of the stream writes (the decode
-    attention's K / V prefetch reads the sequence lengths and block tables before it)."""
+    """Wait for the grid before this one to finish and flush (no-op when USE_PDL is false: PDL_OFF); with
+    PDL_EARLY, then let the next grid launch at once. The first statement of a kernel: nothing may be read
+    or written before it."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         if USE_PDL == 2:  # PDL_EARLY

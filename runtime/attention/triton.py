@@ -29,11 +29,6 @@ instead of in a launch of its own before it: at decode that is one launch a laye
 power-of-two query groups (both kernels rotate through `rope_kv_write.rope_pair`; the kernel runs the
 schedule tuned for the unfused launch). It is on by default (docs/engine-process.md gives the measurements);
 on a CPU with an fp8 cache (the interpreter's fp8 cast) it is rope_and_cache_write then forward.
-
-With the K / V prefetch asked for (SITS_DECODE_KV_PREFETCH=1, else `pdl.KV_PREFETCH_DEFAULT`), decode launches
-pass kv_prefetch: the split kernel starts during the qkv projection (programmatic dependent launch) and queues
-its split's K / V for L2 before it waits for that projection's output. A decode step writes neither the
-sequence lengths, the block tables nor the cached pages before its attention, which is what that needs.
 """
 
 from __future__ import annotations
@@ -47,7 +42,6 @@ import torch
 from sits.kernels import attention_decode
 from sits.kernels.attention_decode import DecodeRope, paged_decode_attention
 from sits.kernels.attention_prefill import paged_prefill_attention
-from sits.kernels.pdl import kv_prefetch_requested
 from sits.kernels.rope_kv_write import rope_and_cache_write
 from sits.runtime.attention.backend import AttentionBackend, AttentionMetadata
 from sits.runtime.attention.registry import register_backend
@@ -98,7 +92,6 @@ class TritonAttentionBackend(AttentionBackend):
         self.split_counters = SplitCounters()
         self._fused_merge_env = fused_merge_env()  # read once, not per launch
         self._fused_rope_env = fused_rope_env()
-        self.kv_prefetch = kv_prefetch_requested()  # decode attention's K / V prefetch (sits.kernels.pdl)
 
     @property
     def fused_merge(self) -> bool:
@@ -210,5 +203,5 @@ class TritonAttentionBackend(AttentionBackend):
             metadata.block_tables[prefills: prefills + metadata.num_decodes],
             metadata.seq_lens[prefills: prefills + metadata.num_decodes], scale,
             out=out[rows], max_seq_len=metadata.max_seq_len, k_scale=k_scale, v_scale=v_scale,
-            split_counters=counters, rope=rope, kv_prefetch=self.kv_prefetch,
+            split_counters=counters, rope=rope,
         )  # fmt: skip
