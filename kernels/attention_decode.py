@@ -47,6 +47,12 @@ multiprocessor run SMALL_BATCH_FP8_VARIANT instead (choose_fp8_variant; SITS_FP8
 A bf16 / fp16 cache may run those of the loops that take the tiles as stored (HALF_DECODE_VARIANTS, half_variant=
 or SITS_DECODE_VARIANT); it runs DEFAULT_HALF_VARIANT ("base", every tile masked, q padded to 16 rows), which
 no other loop beat on the H200 (2026-12-05).
+
+At batch 1 (Llama-3-8B, 2,048 tokens: 64 programs) the kernel is bound by each program's own chain of work, not by
+HBM: on the H200 (2026-12-05) it took 10.4 µs with the split kernel and its merge with K / V cold and 9.1 µs with them
+already in L2, and Nsight Compute put a fifth of its warps' stalls on the wait for the K / V tiles
+(benchmarks/RESULTS.md). A prefetch of K / V into L2 ahead of it therefore has little to win (one was measured
+and withdrawn).
 """
 
 from __future__ import annotations
