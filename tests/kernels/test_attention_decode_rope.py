@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from sits.kernels import attention_decode as ad
 from sits.kernels.attention_decode import (
     DEFAULT_FP8_VARIANT,
     SMALL_BATCH_FP8_VARIANT,
@@ -103,7 +104,8 @@ def fused(step: DecodeStep, out_dtype=None, **kwargs):
 def assert_same_bits(got, expected, step: DecodeStep):
     out, k_cache, v_cache = got
     ref_out, ref_k_cache, ref_v_cache = expected
-    assert not out.isnan().any(), "output rows left unwritten"
+    nan_rows = out.isnan().flatten(1).any(1).nonzero().flatten().tolist()
+    assert not nan_rows, f"output rows left unwritten: {nan_rows[:12]} of {out.shape[0]}"
     for name, a, b in (("out", out, ref_out), ("k_cache", k_cache, ref_k_cache), ("v_cache", v_cache, ref_v_cache)):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"{name} differs from the two launches"
     written = k_cache.view(torch.uint8) != step.cache.k_cache.view(torch.uint8)  # padding slots untouched
@@ -150,12 +152,19 @@ def test_partial_rotary_dims_pass_through():
     assert_same_bits(fused(step), two_launches(step), step)
 
 
+# Autotuned, then every shipped bf16 schedule pinned: on the H200 the autotuned bf16 case left NaN output rows in the
+# fused launch on 2026-12-05 (and failed once on 2026-12-03) while 64 / 4 / 4 passed; each schedule alone says
+# which tiles do it.
+GPU_CASES = [(torch.bfloat16, schedule) for schedule in [None, *sorted({ad._schedule(c) for c in ad._BF16_CONFIGS})]]
+GPU_CASES += [(FP8, None), (FP8, (64, 4, 4))]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("schedule", [None, (64, 4, 4)], ids=["autotuned", "fixed"])
+@pytest.mark.parametrize(("cache_dtype", "schedule"), GPU_CASES, ids=[
+    f"{'fp8' if dtype == FP8 else 'bf16'}-{'autotuned' if s is None else '-'.join(map(str, s))}" for dtype, s in GPU_CASES])
 def test_fused_rope_is_bit_identical_bf16_on_gpu(cache_dtype, schedule):
     """The served dtypes at a Llama-3-8B head layout: autotuned (the fused launch follows the unfused one's
-    choice), and at one fixed schedule, over batches that take one split and several."""
+    choice), and at each shipped schedule, over batches that take one split and several."""
     torch.manual_seed(5)
     for seq_lens in ([2049], [300, 0, 4097, 17, 64, 1] * 6):
         step = decode_step(seq_lens, 32, 8, 16, torch.bfloat16, cache_dtype)
