@@ -89,6 +89,9 @@
 #                  per launch fitted, and a step's floor under one kernel per operation
 #   attn-l2        benchmarks/bench_attention_decode_l2.py: decode attention at batches 1 and 4 with its K / V cold against
 #                  already in L2, autotuned and at each bf16 schedule: the most a prefetch of K / V could take off
+#   attn-bound     benchmarks/bench_attention_decode_bound.py: decode attention at batches 1 and 4 told a 131,072-token
+#                  bound (a CUDA graph's max_model_len) against the context's, autotuned, at the tight launch's
+#                  tiles and with the fused merge: what the long bound's extra 2.7 µs a layer at batch 1 comes from
 #   ncu-attn       Nsight Compute on decode attention alone (ncu_decode_kernels.py --attention-only, batch $NCU_M,
 #                  default 1) with the warp-state samples per SASS instruction (SourceCounters, a sample every 32
 #                  cycles): LOG_DIR/ncu-attn.log, ncu-attn-source.csv (the source page), ncu-attn.ncu-rep
@@ -162,6 +165,7 @@ for step in $STEPS; do
         python3 benchmarks/ncu_decode_kernels.py --m "${NCU_M:-1,32}" \
         && "$ncu_bin" --import "$LOG_DIR/ncu.ncu-rep" --page details \
         && "$ncu_bin" --import "$LOG_DIR/ncu.ncu-rep" --page details --csv >"$LOG_DIR/ncu.csv" ;;
+    attn-bound) timeout 300 python3 benchmarks/bench_attention_decode_bound.py --json "$LOG_DIR/attn-bound.json" ;;
     attn-l2) timeout 300 python3 benchmarks/bench_attention_decode_l2.py --json "$LOG_DIR/attn-l2.json" ;;
     ncu-attn) ncu_bin=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
       timeout 300 "$ncu_bin" --profile-from-start off --clock-control none --cache-control all -f -o "$LOG_DIR/ncu-attn" \
