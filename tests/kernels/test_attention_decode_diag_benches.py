@@ -15,8 +15,7 @@ pytestmark = pytest.mark.skipif(ON_GPU, reason="the CPU run of the scripts; on t
 @pytest.fixture
 def shared(monkeypatch):
     """bench_attention_decode (whose cache and RoPE builders both scripts use) on the CPU, at a toy size."""
-    for module in bench_script(monkeypatch, "bench_attention_decode", DEVICE="cpu", MIN_ROTATED_FP8_BYTES=1):
-        yield module
+    yield from bench_script(monkeypatch, "bench_attention_decode", DEVICE="cpu", MIN_ROTATED_FP8_BYTES=1)
 
 
 def _fake_timer(timed: list):
