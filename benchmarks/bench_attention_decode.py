@@ -453,6 +453,29 @@ def _decode_ropes(tables: list[torch.Tensor], context: int) -> list[DecodeRope]:
             for t in tables]
 
 
+@dataclass
+class RopeStep:
+    """A bf16 decode step of `batch` sequences at `context` tokens, as the engine launches it (the RoPE + KV write
+    fused): the caches (K, V), block tables rotated past L2 (`_fp8_caches`), q [B, 32, 128], seq_lens, an output
+    buffer, and each table's `DecodeRope`."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    tables: list[torch.Tensor]
+    q: torch.Tensor
+    seq_lens: torch.Tensor
+    out: torch.Tensor
+    ropes: list[DecodeRope]
+
+
+def rope_step(batch: int, context: int) -> RopeStep:
+    """A `RopeStep` with random values (the bf16 caches of `_fp8_caches`)."""
+    (k16, v16), _, _, tables = _fp8_caches(batch, context, 16)
+    q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=DEVICE)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=DEVICE)
+    return RopeStep(k16, v16, tables, q, seq_lens, torch.empty_like(q), _decode_ropes(tables, context))
+
+
 @contextlib.contextmanager
 def _environment(name: str, value: str):
     """The environment variable `name` set to `value` inside the block, and as it was after it."""

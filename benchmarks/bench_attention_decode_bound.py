@@ -23,14 +23,7 @@ from __future__ import annotations
 import sys
 
 import torch
-from bench_attention_decode import (
-    HEAD_DIM,
-    NUM_HEADS,
-    NUM_KV_HEADS,
-    _decode_ropes,
-    _fp8_caches,
-    _int_list_flag,
-)
+from bench_attention_decode import NUM_KV_HEADS, _int_list_flag, rope_step
 from kernel_bench_utils import Measurement, parse_args, report, rotating, time_ms
 
 from sits.kernels import attention_decode
@@ -38,7 +31,6 @@ from sits.kernels.attention_decode import paged_decode_attention, plan_decode_sp
 from sits.kernels.launch_utils import num_sms
 
 CONTEXT = 2048
-DEVICE = "cuda"
 
 
 def _followed(split_bucket: int) -> tuple[int, ...]:
@@ -50,32 +42,28 @@ def _followed(split_bucket: int) -> tuple[int, ...]:
 
 def bound_case(batch: int, bound: int) -> list[Measurement]:
     """The four launches of the module docstring at one batch."""
-    (k16, v16), _, _, tables = _fp8_caches(batch, CONTEXT, 16)
-    q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=DEVICE)
-    seq_lens = torch.full((batch,), CONTEXT, dtype=torch.int32, device=DEVICE)
-    out = torch.empty_like(q)
-    ropes = _decode_ropes(tables, CONTEXT)
-    counters = torch.zeros(batch * NUM_KV_HEADS, dtype=torch.int32, device=DEVICE)
+    step = rope_step(batch, CONTEXT)
+    counters = torch.zeros(batch * NUM_KV_HEADS, dtype=torch.int32, device=step.q.device)
 
     def launch(max_seq_len: int, schedule=None, fused: bool = False):
         def call(i):
             return paged_decode_attention(
-                q,
-                k16,
-                v16,
-                tables[i],
-                seq_lens,
-                HEAD_DIM**-0.5,
-                out=out,
+                step.q,
+                step.k_cache,
+                step.v_cache,
+                step.tables[i],
+                step.seq_lens,
+                step.q.shape[-1] ** -0.5,
+                out=step.out,
                 max_seq_len=max_seq_len,
                 schedule=schedule,
-                rope=ropes[i],
+                rope=step.ropes[i],
                 split_counters=counters if fused else None,
             )
 
-        return rotating(call, len(tables))
+        return rotating(call, len(step.tables))
 
-    sms = num_sms(q.device)
+    sms = num_sms(step.q.device)
     tight_plan, wide_plan = (plan_decode_splits(batch, NUM_KV_HEADS, n, sms) for n in (CONTEXT, bound))
     tight_us = time_ms(launch(CONTEXT)) * 1e3
     tight_tiles = _followed(tight_plan.split_bucket)

@@ -17,22 +17,13 @@ from __future__ import annotations
 
 import sys
 
-import torch
-from bench_attention_decode import (
-    HEAD_DIM,
-    NUM_HEADS,
-    NUM_KV_HEADS,
-    _decode_ropes,
-    _fp8_caches,
-    _int_list_flag,
-)
+from bench_attention_decode import NUM_KV_HEADS, _int_list_flag, rope_step
 from kernel_bench_utils import Measurement, parse_args, report, rotating, time_ms
 
 from sits.kernels import attention_decode
 from sits.kernels.attention_decode import choose_num_splits, paged_decode_attention
 
 CONTEXT = 2048
-DEVICE = "cuda"
 
 
 def _schedules() -> list[tuple[int, ...] | None]:
@@ -42,21 +33,26 @@ def _schedules() -> list[tuple[int, ...] | None]:
 
 def l2_case(batch: int) -> list[Measurement]:
     """Cold against hot at one batch, for each schedule."""
-    (k16, v16), _, _, tables = _fp8_caches(batch, CONTEXT, 16)
-    q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=DEVICE)
-    seq_lens = torch.full((batch,), CONTEXT, dtype=torch.int32, device=DEVICE)
-    out = torch.empty_like(q)
-    ropes = _decode_ropes(tables, CONTEXT)
+    step = rope_step(batch, CONTEXT)
+    tables = step.tables
 
     def launch(schedule):
         def call(i):
             return paged_decode_attention(
-                q, k16, v16, tables[i], seq_lens, HEAD_DIM**-0.5, out=out, schedule=schedule, rope=ropes[i]
+                step.q,
+                step.k_cache,
+                step.v_cache,
+                tables[i],
+                step.seq_lens,
+                step.q.shape[-1] ** -0.5,
+                out=step.out,
+                schedule=schedule,
+                rope=step.ropes[i],
             )
 
         return call
 
-    splits = choose_num_splits(batch, NUM_KV_HEADS, CONTEXT, q.device)
+    splits = choose_num_splits(batch, NUM_KV_HEADS, CONTEXT, step.q.device)
     rows = []
     for schedule in _schedules():
         call = launch(schedule)

@@ -28,7 +28,7 @@ def _fake_timer(timed: list):
 
 
 def test_l2_bench_times_each_schedule_cold_then_hot(shared, monkeypatch):
-    for bench in bench_script(monkeypatch, "bench_attention_decode_l2", DEVICE="cpu", CONTEXT=256):
+    for bench in bench_script(monkeypatch, "bench_attention_decode_l2", CONTEXT=256):
         timed: list = []
         monkeypatch.setattr(bench, "time_ms", _fake_timer(timed))
         rows = bench.l2_case(1)
@@ -45,7 +45,7 @@ def test_bound_bench_times_the_tight_launch_then_the_bound_three_ways(shared, mo
 
     monkeypatch.setattr(attention_decode, "num_sms", lambda device: 132)  # an H200's count, so the launches split
     monkeypatch.delenv(attention_decode.SPLIT_TOKENS_ENV, raising=False)
-    for bench in bench_script(monkeypatch, "bench_attention_decode_bound", DEVICE="cpu", CONTEXT=512,
+    for bench in bench_script(monkeypatch, "bench_attention_decode_bound", CONTEXT=512,
                               num_sms=lambda device: 132):
         timed: list = []
         monkeypatch.setattr(bench, "time_ms", _fake_timer(timed))
