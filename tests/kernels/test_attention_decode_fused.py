@@ -273,7 +273,7 @@ def test_fused_merge_bit_identical_gpu(kv_dtype, batch):
         scales = {"k_scale": torch.full((8,), 0.01, device=DEVICE), "v_scale": torch.full((8,), 0.02, device=DEVICE)}
     q = randn(batch, 32, 128, dtype=torch.bfloat16)
     counters = torch.zeros(batch * 8, dtype=torch.int32, device=DEVICE)
-    # One schedule for both: autotuned, each variant (FUSED_MERGE is in the autotune key) may pick another BLOCK_N,
+    # One schedule for both (GPU_SCHEDULE, which _both pins): autotuned, each variant (FUSED_MERGE is in the autotune key) may pick another BLOCK_N,
     # and with it another summation order inside a split (the 2026-12-03 bench run saw that on the bf16 cache).
     for splits in (None, 2, 16, 64):
         for _ in range(20):
