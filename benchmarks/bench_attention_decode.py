@@ -60,7 +60,7 @@ import torch.nn.functional as F
 from kernel_bench_utils import Measurement, best_peer, hbm_copy_gbps, parse_args, report, rotating, time_ms
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from sits.kernels import attention_decode
+from sits.kernels import attention_decode, decode_schedules, decode_splits
 from sits.kernels.attention_decode import (
     DEFAULT_FP8_VARIANT,
     FP8_DECODE_VARIANTS,
@@ -496,7 +496,7 @@ def _min_tokens_sweep(launch, tables: int, rope: bool) -> dict[int, tuple[float,
     fused in ms or None)}; the variable is restored."""
     timed = {}
     for tokens in MIN_TOKENS_SWEEP:
-        with _environment(attention_decode.SPLIT_TOKENS_ENV, str(tokens)):
+        with _environment(decode_splits.SPLIT_TOKENS_ENV, str(tokens)):
             timed[tokens] = (time_ms(rotating(launch(None, False), tables)), time_ms(rotating(launch(None, True), tables)),
                              time_ms(rotating(launch(None, False, rope=True), tables)) if rope else None)
     return timed
@@ -513,7 +513,7 @@ def _half_variants_sweep(launch, tables: int) -> dict[str, float]:
     HALF_VARIANT_SWEEP: {name: ms}; the variable is restored."""
     timed = {}
     for name in HALF_VARIANT_SWEEP:
-        with _environment(attention_decode.HALF_VARIANT_ENV, name):
+        with _environment(decode_schedules.HALF_VARIANT_ENV, name):
             timed[name] = time_ms(rotating(launch(None, False, rope=True), tables))
     return timed
 

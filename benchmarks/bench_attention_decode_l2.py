@@ -20,7 +20,7 @@ import sys
 from bench_attention_decode import NUM_KV_HEADS, _int_list_flag, rope_step
 from kernel_bench_utils import Measurement, parse_args, report, rotating, time_ms
 
-from sits.kernels import attention_decode
+from sits.kernels import decode_schedules
 from sits.kernels.attention_decode import choose_num_splits, paged_decode_attention
 
 CONTEXT = 2048
@@ -28,7 +28,7 @@ CONTEXT = 2048
 
 def _schedules() -> list[tuple[int, ...] | None]:
     """None (autotuned), then every shipped bf16 schedule."""
-    return [None, *sorted(attention_decode._BF16_SCHEDULES)]
+    return [None, *sorted(decode_schedules.BF16_SCHEDULES)]
 
 
 def l2_case(batch: int) -> list[Measurement]:

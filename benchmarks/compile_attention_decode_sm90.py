@@ -3,7 +3,7 @@
     python benchmarks/compile_attention_decode_sm90.py [--merge-blocks 16,64] [--queries plain,rope,f32-rope]
                                                        [--half-variants base,swap_g_f] [--quick] [--json out.json]
 
-For each shipped bf16 config (sits.kernels.attention_decode._BF16_CONFIGS) and the fp8 default schedule
+For each shipped bf16 config (sits.kernels.decode_schedules.BF16_CONFIGS) and the fp8 default schedule
 (_FP8_CONFIGS, DEFAULT_FP8_VARIANT), the split kernel is compiled as a Llama-3-8B launch specializes it
 (32 query / 8 KV heads, head_dim 128, 16-token pages, several splits): the two-launch variant (partials
 only) and the fused-merge variant at each merge size (BLOCK_S 16: batch 1 at a 4k context; 64: the most
@@ -24,6 +24,8 @@ import triton
 from sm90_compile import compile_sm90, report_rows
 
 from sits.kernels import attention_decode as ad
+from sits.kernels import decode_schedules as schedules
+from sits.kernels.launch_utils import next_power_of_2
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE = 32, 8, 128, 16
 GROUP = NUM_Q_HEADS // NUM_KV_HEADS
@@ -37,7 +39,7 @@ QUERIES = ("plain", "rope", "f32-rope")
 
 
 def split_kernel_launch(config: triton.Config, fp8: bool, merge_block: int, query: str = "plain",
-                        half_variant: str = ad.DEFAULT_HALF_VARIANT) -> tuple[dict, dict]:
+                        half_variant: str = schedules.DEFAULT_HALF_VARIANT) -> tuple[dict, dict]:
     """(types, constexprs) of the split kernel's Llama-3-8B launch at one config (merge_block: see compile_one;
     query: one of QUERIES; half_variant: the bf16 cache's inner loop, a key of HALF_DECODE_VARIANTS)."""
     cache = "*fp8e4nv" if fp8 else "*bf16"
@@ -50,17 +52,17 @@ def split_kernel_launch(config: triton.Config, fp8: bool, merge_block: int, quer
              "positions_ptr": "*i64" if query.endswith("rope") else "*i32",
              "cos_sin_ptr": "*fp32" if query.endswith("rope") else "*i32",
              "slot_ptr": "*i64" if query.endswith("rope") else "*i32"}
-    variant = ad.FP8_DECODE_VARIANTS[ad.DEFAULT_FP8_VARIANT] if fp8 else ad.HALF_DECODE_VARIANTS[half_variant]
-    group_rows = ad.next_power_of_2(GROUP) if variant & ad._GROUP_ROWS else max(16, ad.next_power_of_2(GROUP))
+    variant = schedules.FP8_DECODE_VARIANTS[schedules.DEFAULT_FP8_VARIANT] if fp8 else schedules.HALF_DECODE_VARIANTS[half_variant]
+    group_rows = next_power_of_2(GROUP) if variant & schedules.GROUP_ROWS else max(16, next_power_of_2(GROUP))
     constexprs = dict(config.kwargs, HEAD_DIM=HEAD_DIM, BLOCK_G=group_rows, PAGE_SIZE=PAGE_SIZE, SINGLE_SPLIT=False,
                       FP8_KV=fp8, FP8_F16=fp8, VARIANT=variant, FUSED_MERGE=merge_block > 0,
-                      MERGE_BLOCK=merge_block or 1, MERGE_G=ad.next_power_of_2(GROUP) if merge_block else 1,
+                      MERGE_BLOCK=merge_block or 1, MERGE_G=next_power_of_2(GROUP) if merge_block else 1,
                       ROTARY_DIM=HEAD_DIM if query.endswith("rope") else 0, F32_TERMS=query.startswith("f32"))
     return types, constexprs
 
 
 def compile_one(config: triton.Config, fp8: bool, merge_block: int, query: str = "plain",
-                half_variant: str = ad.DEFAULT_HALF_VARIANT) -> dict:
+                half_variant: str = schedules.DEFAULT_HALF_VARIANT) -> dict:
     """The split kernel at one config: fused merge of BLOCK_S merge_block, or (0) the two-launch variant."""
     types, constexprs = split_kernel_launch(config, fp8, merge_block, query, half_variant)
     figures = compile_sm90(ad._decode_split_kernel.fn, types, constexprs, _ALIGNED, config)
@@ -69,9 +71,9 @@ def compile_one(config: triton.Config, fp8: bool, merge_block: int, query: str =
 
 
 def _describe(config: triton.Config, fp8: bool, merge_block: int, query: str = "plain",
-              half_variant: str = ad.DEFAULT_HALF_VARIANT) -> dict:
-    return {"cache": "fp8" if fp8 else "bf16", "schedule": "/".join(map(str, ad._schedule(config))),
-            "fused_merge_block": merge_block, "query": query, "variant": ad.DEFAULT_FP8_VARIANT if fp8 else half_variant}
+              half_variant: str = schedules.DEFAULT_HALF_VARIANT) -> dict:
+    return {"cache": "fp8" if fp8 else "bf16", "schedule": "/".join(map(str, schedules.schedule_of(config))),
+            "fused_merge_block": merge_block, "query": query, "variant": schedules.DEFAULT_FP8_VARIANT if fp8 else half_variant}
 
 
 def main() -> None:
@@ -79,13 +81,13 @@ def main() -> None:
     parser.add_argument("--merge-blocks", default="16,64", help="comma-separated fused-merge BLOCK_S values")
     parser.add_argument("--queries", default=",".join(QUERIES), help=f"comma-separated, of {', '.join(QUERIES)}")
     parser.add_argument("--quick", action="store_true", help="the fp8 default and the first bf16 config only")
-    parser.add_argument("--half-variants", default=ad.DEFAULT_HALF_VARIANT,
-                        help=f"comma-separated bf16-cache inner loops, of {', '.join(sorted(ad.HALF_DECODE_VARIANTS))}")
+    parser.add_argument("--half-variants", default=schedules.DEFAULT_HALF_VARIANT,
+                        help=f"comma-separated bf16-cache inner loops, of {', '.join(sorted(schedules.HALF_DECODE_VARIANTS))}")
     parser.add_argument("--json", help="also write the rows to this JSON file")
     args = parser.parse_args()
     half_variants = args.half_variants.split(",")
-    launches = [(c, False, v) for c in ad._BF16_CONFIGS for v in half_variants]
-    launches += [(c, True, ad.DEFAULT_HALF_VARIANT) for c in ad._FP8_CONFIGS]
+    launches = [(c, False, v) for c in schedules.BF16_CONFIGS for v in half_variants]
+    launches += [(c, True, schedules.DEFAULT_HALF_VARIANT) for c in schedules.FP8_CONFIGS]
     if args.quick:
         launches = [launches[0], launches[-1]]
     blocks = [0] + [int(v) for v in args.merge_blocks.split(",")]

@@ -22,6 +22,8 @@ from sm90_compile import compile_sm90, report_rows
 from sits.kernels import (
     argmax,
     attention_decode,
+    decode_merge,
+    decode_schedules,
     fp8_gemm,
     fp8_quantize,
     gemm_small_m,
@@ -43,7 +45,7 @@ def _launches() -> dict[str, tuple]:
 def _bf16_launches() -> dict[str, tuple]:
     """The bf16 decode path's kernels (see _launches)."""
     small_m = gemm_small_m.GPU_CONFIGS[0]
-    split_config = attention_decode._BF16_CONFIGS[0]
+    split_config = decode_schedules.BF16_CONFIGS[0]
     split_types, split_constexprs = split_kernel_launch(split_config, False, 0)
     half = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16"}
     return {
@@ -68,7 +70,7 @@ def _bf16_launches() -> dict[str, tuple]:
             (), triton.Config({}, num_warps=4)),
         "decode split": (attention_decode._decode_split_kernel.fn, split_types, split_constexprs, (), split_config),
         "decode merge": (
-            attention_decode._decode_merge_kernel,
+            decode_merge.decode_merge_kernel,
             {"partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32", "seq_lens_ptr": "*i32", "out_ptr": "*bf16"},
             {"HEAD_DIM": HEAD_DIM, "BLOCK_S": 16}, (), triton.Config({}, num_warps=4)),
         "SiLU·mul": (

@@ -71,7 +71,7 @@
 #                  -f32act (prof1-f32act, prof32-f32act): --activation-dtype float32, whose decode projections now
 #                  run the small-M kernels on float32 rows (two terms a tile) instead of mixed_linear's three launches
 #                  -hvNAME (prof1-hvswap_g_f, prof32-hvbase_f, ...): the bf16 cache's decode attention inner loop
-#                  NAME (SITS_DECODE_VARIANT, a key of attention_decode.HALF_DECODE_VARIANTS; default "base")
+#                  NAME (SITS_DECODE_VARIANT, a key of decode_schedules.HALF_DECODE_VARIANTS; default "base")
 #   f32xtests      tests/kernels/test_gemm_small_m_float32_x.py on the GPU: every config the autotuner keeps for a
 #                  float32 x compiles and gives the float32 product (bf16 weights)
 #   foldtests      the folded norms' kernels (tests/kernels/test_gemm_small_m_fold.py) and the split-K kernel

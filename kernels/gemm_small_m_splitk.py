@@ -13,7 +13,7 @@ the same launch:
 1. each program stores its float32 partial [M, BLOCK_N] into a workspace slot of its own
    (ws[split, m, n], allocated per call: no launch);
 2. it counts itself on its column tile's int32 counter (`counters`, zero before the launch: the
-   release / acquire protocol of the decode attention's fused merge, sits.kernels.attention_decode);
+   release / acquire protocol of the decode attention's fused merge, sits.kernels.last_arrival);
 3. the last of the tile's SPLIT_K programs to arrive adds the partials in split order 0, 1, ... (the same
    sums whatever order the programs ran in), writes out in x's dtype and sets the counter back to 0.
 
@@ -31,7 +31,6 @@ import torch
 import triton
 import triton.language as tl
 
-from sits.kernels.attention_decode import _last_arrival
 from sits.kernels.gemm_small_m import (
     SMEM_BYTES,
     _block_m,
@@ -49,6 +48,7 @@ from sits.kernels.gemm_small_m import (
     sumsq_slots,
     x_element_bytes,
 )
+from sits.kernels.last_arrival import last_arrival
 from sits.kernels.launch_utils import autotune, check_tensor, is_interpreter, require
 from sits.kernels.pdl import pdl_launch_options, pdl_wait
 from sits.kernels.reference import small_m_gemm_reference
@@ -124,7 +124,7 @@ def _splitk_kernel(
     tile = offs_m[:, None] * N + offs_n[None, :]
     mask = in_m[:, None] & (offs_n[None, :] < N)
     tl.store(ws_ptr + split * BLOCK_M * N + tile, sums, mask=mask)
-    if _last_arrival(counters_ptr + pid_n, SPLIT_K):
+    if last_arrival(counters_ptr + pid_n, SPLIT_K):
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for s in tl.static_range(SPLIT_K):
             acc += tl.load(ws_ptr + s * BLOCK_M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")

@@ -42,7 +42,6 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from sits.kernels.attention_decode import _last_arrival
 from sits.kernels.gemm_small_m import (
     _block_m,
     _row_sums,
@@ -59,6 +58,7 @@ from sits.kernels.gemm_small_m import (
     sumsq_slots,
 )
 from sits.kernels.gemm_small_m_splitk import check_counters, counters_needed
+from sits.kernels.last_arrival import last_arrival
 from sits.kernels.launch_utils import is_interpreter, num_sms, require
 from sits.kernels.reference import small_m_gemm_reference
 
@@ -165,7 +165,7 @@ def _streamk_kernel(
         else:
             slots = ws_ptr + (tile * max_segments).to(tl.int64) * (BLOCK_M * BLOCK_N)
             tl.store(slots + (pid - first) * (BLOCK_M * BLOCK_N) + local, sums)
-            if _last_arrival(counters_ptr + tile, segments):
+            if last_arrival(counters_ptr + tile, segments):
                 acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
                 for s in range(segments):  # in segment order: the same sums whatever order they arrived in
                     acc += tl.load(slots + s * (BLOCK_M * BLOCK_N) + local, cache_modifier=".cg")

@@ -40,8 +40,9 @@ import torch
 # The kernels import triton: on a machine without it this module raises ImportError, which the
 # registry logs and skips.
 from sits.kernels import attention_decode
-from sits.kernels.attention_decode import DecodeRope, paged_decode_attention
+from sits.kernels.attention_decode import paged_decode_attention
 from sits.kernels.attention_prefill import paged_prefill_attention
+from sits.kernels.decode_rope import DecodeRope
 from sits.kernels.rope_kv_write import rope_and_cache_write
 from sits.runtime.attention.backend import AttentionBackend, AttentionMetadata
 from sits.runtime.attention.registry import register_backend

@@ -20,8 +20,8 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from sits.kernels.attention_decode import DecodeSplitPlan, plan_decode_splits, split_count
 from sits.kernels.attention_prefill import prefill_len_bucket
+from sits.kernels.decode_splits import DecodeSplitPlan, plan_decode_splits, split_count
 from sits.kernels.launch_utils import cdiv, length_bucket
 
 GEMM_ROWS_BUCKET_CAP = 1 << 16  # the GEMM launchers' length_bucket(m, cap=1 << 16) of their M_BUCKET

@@ -11,18 +11,16 @@ from sits.kernels import attention_decode
 from sits.kernels.attention_decode import (
     DEFAULT_FP8_VARIANT,
     FP8_DECODE_VARIANTS,
-    FP8_VARIANT_ENV,
     SMALL_BATCH_FP8_VARIANT,
-    SPLIT_GRANULE,
-    SPLIT_TOKENS_ENV,
-    _round_to_e4m3,
-    _split_tokens,
     choose_fp8_variant,
     paged_decode_attention,
     paged_decode_attention_reference,
     plan_decode_splits,
     split_tokens,
 )
+from sits.kernels.decode_schedules import FP8_VARIANT_ENV
+from sits.kernels.decode_splits import SPLIT_GRANULE, SPLIT_TOKENS_ENV, kernel_split_tokens
+from sits.kernels.decode_tiles import _round_to_e4m3
 from sits.kernels.launch_utils import num_sms
 from tests.kernels.helpers import DEVICE, HALF_DTYPES, assert_close, poisoned, randn
 from tests.kernels.paged import random_paged_cache
@@ -170,11 +168,11 @@ def test_split_tokens_follow_the_environment(monkeypatch):
 @triton.jit
 def _split_tokens_kernel(seq_lens_ptr, out_ptr, num_splits, min_tokens, N: tl.constexpr):
     offs = tl.arange(0, N)
-    tl.store(out_ptr + offs, _split_tokens(tl.load(seq_lens_ptr + offs), num_splits, min_tokens))
+    tl.store(out_ptr + offs, kernel_split_tokens(tl.load(seq_lens_ptr + offs), num_splits, min_tokens))
 
 
 def test_the_kernels_size_splits_as_the_host_says():
-    """The kernels' split length per sequence (`_split_tokens`) is `split_tokens`: its context over the launched
+    """The kernels' split length per sequence (`kernel_split_tokens`) is `split_tokens`: its context over the launched
     splits, rounded up to the granule (128, or a shorter minimum), at least the minimum."""
     seq_lens = torch.tensor([0, 1, 127, 128, 129, 255, 256, 1000, 2048, 2049, 5000, 70_000, 131_072, 9, 300, 4096],
                             dtype=torch.int32, device=DEVICE)

@@ -42,9 +42,10 @@ def test_l2_bench_times_each_schedule_cold_then_hot(shared, monkeypatch):
 
 def test_bound_bench_times_the_tight_launch_then_the_bound_three_ways(shared, monkeypatch):
     from sits.kernels import attention_decode
+    from sits.kernels.decode_splits import SPLIT_TOKENS_ENV
 
     monkeypatch.setattr(attention_decode, "num_sms", lambda device: 132)  # an H200's count, so the launches split
-    monkeypatch.delenv(attention_decode.SPLIT_TOKENS_ENV, raising=False)
+    monkeypatch.delenv(SPLIT_TOKENS_ENV, raising=False)
     for bench in bench_script(monkeypatch, "bench_attention_decode_bound", CONTEXT=512,
                               num_sms=lambda device: 132):
         timed: list = []

@@ -18,11 +18,9 @@ import triton.language as tl
 from triton.runtime import interpreter
 
 from sits.kernels import attention_decode
-from sits.kernels.attention_decode import (
-    _last_arrival,
-    paged_decode_attention,
-    paged_decode_attention_reference,
-)
+from sits.kernels.attention_decode import paged_decode_attention, paged_decode_attention_reference
+from sits.kernels.decode_splits import SPLIT_TOKENS_ENV
+from sits.kernels.last_arrival import last_arrival
 from tests.kernels.helpers import DEVICE, ON_GPU, assert_close, poisoned, randn
 from tests.kernels.paged import random_paged_cache
 
@@ -119,7 +117,7 @@ def test_fused_merge_under_a_wide_bound(nan_empty, monkeypatch):
     """max_seq_len far past every context (a CUDA graph's table width): many launched splits (chosen ones on 132
     multiprocessors, and 16), a few filled per row, each row's count of them its own; the fused merge waits for
     exactly those, bit for bit the two launches."""
-    monkeypatch.delenv(attention_decode.SPLIT_TOKENS_ENV, raising=False)
+    monkeypatch.delenv(SPLIT_TOKENS_ENV, raising=False)
     monkeypatch.setattr(attention_decode, "num_sms", lambda device: 132)
     torch.manual_seed(13)
     cache = random_paged_cache([300, 0, 37, 129], 2, 64, 16, torch.float16)
@@ -137,7 +135,7 @@ def test_each_row_writes_the_partials_of_the_splits_its_length_fills(nan_empty, 
     """Which splits write partials, read off the log-sum-exp buffer (allocated NaN): told 32,768 tokens on 132
     multiprocessors, a launch of 4 rows x 2 KV heads runs 64 splits of up to 512 tokens; a 300-token row fills
     two of 256 (the least a split keeps), a 37-token row one, a padding row none, a 2,000-token row eight."""
-    monkeypatch.delenv(attention_decode.SPLIT_TOKENS_ENV, raising=False)
+    monkeypatch.delenv(SPLIT_TOKENS_ENV, raising=False)
     monkeypatch.setattr(attention_decode, "num_sms", lambda device: 132)
     torch.manual_seed(14)
     lengths = [300, 37, 0, 2000]
@@ -196,7 +194,7 @@ def _arrival_kernel(counter_ptr, winner_ptr, calls_ptr, num_valid):
     split = tl.program_id(2)
     if split < num_valid:  # the others are empty splits: they never arrive
         tl.atomic_add(calls_ptr, 1)
-        if _last_arrival(counter_ptr, num_valid):
+        if last_arrival(counter_ptr, num_valid):
             tl.atomic_add(winner_ptr + split, 1)
 
 

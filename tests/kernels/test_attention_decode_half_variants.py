@@ -15,11 +15,11 @@ from sits.kernels.attention_decode import (
     DEFAULT_HALF_VARIANT,
     FP8_DECODE_VARIANTS,
     HALF_DECODE_VARIANTS,
-    HALF_VARIANT_ENV,
     choose_half_variant,
     paged_decode_attention,
     paged_decode_attention_reference,
 )
+from sits.kernels.decode_schedules import HALF_VARIANT_ENV
 from tests.kernels.helpers import DEVICE, assert_close, poisoned, randn
 from tests.kernels.paged import random_paged_cache
 from tests.kernels.test_attention_decode_rope import assert_same_bits, decode_step, fused, two_launches

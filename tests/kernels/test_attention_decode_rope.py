@@ -14,13 +14,13 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from sits.kernels import attention_decode as ad
 from sits.kernels.attention_decode import (
     DEFAULT_FP8_VARIANT,
     SMALL_BATCH_FP8_VARIANT,
     DecodeRope,
     paged_decode_attention,
 )
+from sits.kernels.decode_schedules import BF16_SCHEDULES
 from sits.kernels.reference import apply_rope_reference, rope_and_cache_write_reference
 from sits.kernels.rope_kv_write import build_cos_sin_cache, rope_and_cache_write
 from tests.kernels.bench_scripts import bench_script
@@ -155,7 +155,7 @@ def test_partial_rotary_dims_pass_through():
 # Autotuned, then every shipped bf16 schedule pinned: on the H200 the autotuned bf16 case left NaN output rows in the
 # fused launch on 2026-12-05 (and failed once on 2026-12-03) while 64 / 4 / 4 passed; each schedule alone says
 # which tiles do it.
-GPU_CASES = [(torch.bfloat16, schedule) for schedule in [None, *sorted(ad._BF16_SCHEDULES)]]
+GPU_CASES = [(torch.bfloat16, schedule) for schedule in [None, *sorted(BF16_SCHEDULES)]]
 GPU_CASES += [(FP8, None), (FP8, (64, 4, 4))]
 
 

@@ -10,7 +10,7 @@ from sits.runtime.attention.backend import AttentionMetadata
 from sits.runtime.attention.split_counters import SplitCounters
 
 pytest.importorskip("triton")
-from sits.kernels import attention_decode  # noqa: E402
+from sits.kernels import attention_decode, decode_splits  # noqa: E402
 from sits.runtime.attention.triton import FUSED_MERGE_ENV, TritonAttentionBackend  # noqa: E402
 from tests.kernels.paged import random_paged_cache  # noqa: E402
 
@@ -86,7 +86,7 @@ def test_engine_tokens_are_the_same_with_the_fused_merge(monkeypatch):
     with the fused merge as with the merge kernel."""
     from tests.runtime.test_triton_backend import prompt, tiny_model
 
-    monkeypatch.setattr(attention_decode, "MIN_TOKENS_PER_SPLIT", 64)
+    monkeypatch.setattr(decode_splits, "MIN_TOKENS_PER_SPLIT", 64)
     monkeypatch.setattr(attention_decode, "num_sms", lambda device: 16)  # 4 x 2 programs still split
     loaded = tiny_model("triton")
     waves = [[("x", prompt(6, 140), 7), ("y", prompt(7, 20), 3), ("z", prompt(8, 129), 5)]]
@@ -108,9 +108,9 @@ def test_engine_tokens_are_the_same_under_a_wide_graph_table(monkeypatch):
     from sits.runtime.models.random_model import random_loaded_model
     from tests.runtime.test_triton_backend import TINY, prompt
 
-    monkeypatch.setattr(attention_decode, "MIN_TOKENS_PER_SPLIT", 64)
+    monkeypatch.setattr(decode_splits, "MIN_TOKENS_PER_SPLIT", 64)
     monkeypatch.setattr(attention_decode, "num_sms", lambda device: 16)  # 4 x 2 programs still split
-    monkeypatch.delenv(attention_decode.SPLIT_TOKENS_ENV, raising=False)
+    monkeypatch.delenv(decode_splits.SPLIT_TOKENS_ENV, raising=False)
     loaded = random_loaded_model(TINY, TritonAttentionBackend(), "cpu", torch.float32, seed=3, max_positions=1024)
     with torch.no_grad():
         loaded.model.lm_head.weight.mul_(8.0)  # sharp logits, as tiny_model's
