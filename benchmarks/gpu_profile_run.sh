@@ -68,6 +68,9 @@
 #                  (SITS_FOLD_NORMS=0; by default they are folded into the projections, runtime/models/norm_fold.py)
 #                  -mmlN (prof1-mml131072, prof4-mml32768): --max-model-len N, so the CUDA graphs' block tables (and
 #                  the bound their decode attention is told) span N tokens while the context stays 2,048
+#                  -gb1 / -gb0 (prof1-mml131072-gb1, ...): decode graphs of batch sizes that split contexts captured
+#                  at several context bounds, a step replaying the smallest that holds its contexts / at
+#                  max_model_len alone (SITS_DECODE_GRAPH_BOUNDS; default: attention/triton.py GRAPH_BOUNDS_DEFAULT)
 #                  -f32act (prof1-f32act, prof32-f32act): --activation-dtype float32, whose decode projections now
 #                  run the small-M kernels on float32 rows (two terms a tile) instead of mixed_linear's three launches
 #                  -hvNAME (prof1-hvswap_g_f, prof32-hvbase_f, ...): the bf16 cache's decode attention inner loop
@@ -190,11 +193,13 @@ for step in $STEPS; do
       case $step in *-pdlearly*) pdl=early ;; *-pdl*) pdl=1 ;; esac
       case $step in *-rope0*) rope=0 ;; *-rope1*) rope=1 ;; esac
       fold=""; case $step in *-fold0*) fold=0 ;; esac
+      bounds=""; case $step in *-gb0*) bounds=0 ;; *-gb1*) bounds=1 ;; esac
       extra=""; case $step in *-mml*) extra=${step##*-mml}; extra="--max-model-len ${extra%%-*}" ;; esac
       case $step in *-f32act*) extra="$extra --activation-dtype float32" ;; esac
       variant=""; case $step in *-hv*) variant=${step##*-hv}; variant=${variant%%-*} ;; esac
       SITS_SMALL_M_GEMM="$table" SITS_DECODE_FUSED_MERGE="$fused" SITS_PDL="$pdl" SITS_DECODE_SPLIT_TOKENS="$split" \
-      SITS_DECODE_FUSED_ROPE="$rope" SITS_FOLD_NORMS="$fold" SITS_DECODE_VARIANT="$variant" timeout 200 \
+      SITS_DECODE_FUSED_ROPE="$rope" SITS_FOLD_NORMS="$fold" SITS_DECODE_VARIANT="$variant" \
+      SITS_DECODE_GRAPH_BOUNDS="$bounds" timeout 200 \
       python3 benchmarks/profile_decode.py $COMMON --batch "$batch" --input-len 2048 $extra ;;
     trace256-cap*) budget=${step#trace256-cap}; cap=${budget%%-min*}; least=0
       [ "$budget" != "$cap" ] && least=${budget##*-min}

@@ -23,6 +23,8 @@ import triton.language as tl
 from sits.kernels.launch_utils import cdiv, length_bucket, next_power_of_2, num_sms, require
 
 __all__ = [
+    "GRAPH_BOUND_BASE",
+    "GRAPH_BOUND_FACTOR",
     "MAX_SPLITS",
     "MIN_TOKENS_PER_SPLIT",
     "SPLIT_GRANULE",
@@ -30,6 +32,7 @@ __all__ = [
     "SPLIT_TOKENS_QUANTUM",
     "DecodeSplitPlan",
     "choose_num_splits",
+    "graph_context_bounds",
     "kernel_filled_splits",
     "kernel_split_tokens",
     "min_split_tokens",
@@ -178,3 +181,38 @@ def split_tokens(seq_len: int, num_splits: int, min_tokens: int) -> int:
     min_tokens. The sequence fills ceil(seq_len / that) of the splits (none for seq_len 0); the rest return at once."""
     granule = split_granule(min_tokens)
     return max(cdiv(cdiv(seq_len, num_splits), granule) * granule, min_tokens)
+
+
+# Decode CUDA graphs of a batch size that splits contexts are captured at several context bounds, not only at
+# max_model_len: a graph's launch is planned for its bound (the grid, the merge's size and the autotune bucket are
+# fixed at capture), and a step replays the graph of the smallest bound that holds its longest context. These are
+# the bounds below max_model_len that may get a graph of their own: GRAPH_BOUND_BASE tokens, then each
+# GRAPH_BOUND_FACTOR times the one before.
+GRAPH_BOUND_BASE = 4096
+GRAPH_BOUND_FACTOR = 4
+
+
+def graph_context_bounds(num_seqs: int, num_kv_heads: int, width: int, sms: int) -> list[int]:
+    """The context bounds (tokens, ascending, the last one `width`) at which a decode CUDA graph of num_seqs rows
+    is captured, on a GPU of `sms` multiprocessors.
+
+    Only `width` (the graphs' block-table span, max_model_len in whole blocks) when one split serves every context
+    at that width: then a bound changes nothing but the autotune bucket. Else also each of GRAPH_BOUND_BASE,
+    x GRAPH_BOUND_FACTOR, ... under `width` whose plan (`plan_decode_splits`: splits launched, split bucket, merge
+    block) differs from that of the next larger bound kept, so no two of the graphs launch the same attention."""
+    def plan_of(bound: int) -> tuple:
+        plan = plan_decode_splits(num_seqs, num_kv_heads, bound, sms)
+        return plan.num_splits, plan.key
+
+    if plan_decode_splits(num_seqs, num_kv_heads, width, sms).single:
+        return [width]
+    candidates = []
+    bound = GRAPH_BOUND_BASE
+    while bound < width:
+        candidates.append(bound)
+        bound *= GRAPH_BOUND_FACTOR
+    kept = [width]
+    for bound in reversed(candidates):
+        if plan_of(bound) != plan_of(kept[0]):
+            kept.insert(0, bound)
+    return kept

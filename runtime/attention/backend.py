@@ -145,6 +145,13 @@ class AttentionBackend(ABC):
         return (f"{cls.name} v{cls.version} (interface {cls.interface_version}; {'/'.join(cls.devices)}; "
                 f"{dtypes}; head_dim {dims}; {cls.kv_layout}; cuda graphs {'yes' if cls.supports_cuda_graphs else 'no'})")
 
+    def decode_graph_bounds(self, num_seqs: int, width: int, num_kv_heads: int, device: torch.device) -> list[int]:
+        """The context bounds (tokens, ascending, the last one `width`) at which the engine captures a decode CUDA
+        graph of num_seqs rows; a step replays the graph of the smallest bound that holds its longest context
+        (`engine/cuda_graphs.py`), so its metadata's max_seq_len is that bound. `width`: the graphs' block-table
+        span in tokens (max_model_len in whole blocks). The default, [width]: one graph per batch size."""
+        return [width]
+
     def kernel_ops(self) -> KernelOps:
         """The RMSNorm / SiLU·mul implementation the model should use with this back end."""
         return TORCH_OPS

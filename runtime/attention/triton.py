@@ -29,6 +29,12 @@ instead of in a launch of its own before it: at decode that is one launch a laye
 power-of-two query groups (both kernels rotate through `rope_kv_write.rope_pair`; the kernel runs the
 schedule tuned for the unfused launch). It is on by default (docs/engine-process.md gives the measurements);
 on a CPU with an fp8 cache (the interpreter's fp8 cast) it is rope_and_cache_write then forward.
+
+With context-bounded decode graphs on (`GRAPH_BOUNDS_DEFAULT`, or SITS_DECODE_GRAPH_BOUNDS=1 / 0 to measure both
+ways), the decode graphs of a batch size whose launches split contexts are captured at several context bounds
+(`decode_splits.graph_context_bounds`: 4,096 tokens, x4, ... up to max_model_len), each launch planned for its
+bound, and a step replays the smallest that holds its longest context: a short context under a long max_model_len
+then runs the split count, merge and schedule of its own bound instead of max_model_len's.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from sits.kernels import attention_decode
 from sits.kernels.attention_decode import paged_decode_attention
 from sits.kernels.attention_prefill import paged_prefill_attention
 from sits.kernels.decode_rope import DecodeRope
+from sits.kernels.decode_splits import graph_context_bounds
 from sits.kernels.rope_kv_write import rope_and_cache_write
 from sits.runtime.attention.backend import AttentionBackend, AttentionMetadata
 from sits.runtime.attention.registry import register_backend
@@ -57,6 +64,12 @@ HEAD_DIMS = (16, 32, 64, 128, 256)  # the paged kernels' tl.arange over a head n
 
 FUSED_MERGE_ENV = "SITS_DECODE_FUSED_MERGE"
 FUSED_ROPE_ENV = "SITS_DECODE_FUSED_ROPE"
+GRAPH_BOUNDS_ENV = "SITS_DECODE_GRAPH_BOUNDS"
+# Whether decode CUDA graphs of batch sizes that split contexts are captured at several context bounds
+# (decode_graph_bounds) instead of at max_model_len alone. Off until timed on an H200: with max_model_len
+# 131,072 a batch-1 step over a 2,048-token context took 4.417 ms against 4.28-4.33 ms with the graphs sized for
+# the run (2026-12-05, other machines; benchmarks/RESULTS.md); `prof1-mml131072-gb1` measures it.
+GRAPH_BOUNDS_DEFAULT = False
 
 
 def _interpreter_on() -> bool:
@@ -67,6 +80,12 @@ def fused_merge_env() -> bool | None:
     """SITS_DECODE_FUSED_MERGE=1 / 0 (a benchmark measuring both ways): whether decode launches merge inside
     the split kernel whatever attention_decode.FUSED_MERGE_DEFAULT says; None when unset."""
     return env_switch(FUSED_MERGE_ENV)
+
+
+def graph_bounds_env() -> bool | None:
+    """SITS_DECODE_GRAPH_BOUNDS=1 / 0 (a benchmark measuring both ways): whether decode graphs are captured at
+    several context bounds whatever GRAPH_BOUNDS_DEFAULT says; None when unset."""
+    return env_switch(GRAPH_BOUNDS_ENV)
 
 
 def fused_rope_env() -> bool | None:
@@ -93,6 +112,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.split_counters = SplitCounters()
         self._fused_merge_env = fused_merge_env()  # read once, not per launch
         self._fused_rope_env = fused_rope_env()
+        self._graph_bounds_env = graph_bounds_env()
 
     @property
     def fused_merge(self) -> bool:
@@ -106,6 +126,20 @@ class TritonAttentionBackend(AttentionBackend):
         environment's choice, else the default)."""
         env = self._fused_rope_env
         return attention_decode.FUSED_ROPE_DEFAULT if env is None else env
+
+    @property
+    def graph_bounds(self) -> bool:
+        """Whether decode graphs get context bounds below max_model_len (the environment's choice, else the
+        default)."""
+        env = self._graph_bounds_env
+        return GRAPH_BOUNDS_DEFAULT if env is None else env
+
+    def decode_graph_bounds(self, num_seqs: int, width: int, num_kv_heads: int, device: torch.device) -> list[int]:
+        """See AttentionBackend.decode_graph_bounds: `graph_context_bounds` on the device's multiprocessors (as
+        the decode launches count them) when graph_bounds is on, else [width]."""
+        if not self.graph_bounds:
+            return [width]
+        return graph_context_bounds(num_seqs, num_kv_heads, width, attention_decode.num_sms(device))
 
     @classmethod
     def unsupported_reason(cls, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:

@@ -123,9 +123,15 @@ class ModelRunner:
         """
         if not self.kv_caches:
             raise RuntimeError("allocate the KV cache before capturing CUDA graphs")
-        graphs = DecodeGraphs(self.model, self.kv_caches, batch_sizes, max_model_len, self.block_size, capture)
+        bounds_for = self._decode_graph_bounds if hasattr(self.model, "backend") else None
+        graphs = DecodeGraphs(self.model, self.kv_caches, batch_sizes, max_model_len, self.block_size, capture,
+                              bounds_for)
         graphs.capture()
         self.decode_graphs = graphs
+
+    def _decode_graph_bounds(self, size: int, width: int) -> list[int]:
+        """The context bounds of the decode graphs of `size` rows: the attention back end's choice."""
+        return self.model.backend.decode_graph_bounds(size, width, self.kv_shape.num_kv_heads, self.device)
 
     def setup_piecewise_graphs(self, token_sizes: list[int], capture: bool = True) -> None:
         """Capture the forward's pieces between attention calls for steps of up to max(token_sizes) tokens

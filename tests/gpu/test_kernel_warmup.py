@@ -36,8 +36,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 MAX_MODEL_LEN = 2048
 DUMMY_SHAPE = "smollm2-135m"  # the embedded model's shape, for random weights where no GGUF is reachable
-PRETUNED_MODULES = ("attention_prefill.", "attention_decode.", "fp8_gemm.", "int8_gemm.", "fp8_quantize.",
-                    "gemm_small_m.", "gemm_small_m_norm.", "gemm_small_m_splitk.")
+PRETUNED_MODULES = ("attention_prefill.", "attention_decode.", "decode_merge.", "fp8_gemm.", "int8_gemm.",
+                    "fp8_quantize.", "gemm_small_m.", "gemm_small_m_norm.", "gemm_small_m_splitk.")
 CONFIGS = {  # name: (quantization, enforce_eager, a small-M table naming the direct kernel everywhere)
     "bf16, CUDA graphs": ("none", False, False),
     "bf16 small-M direct GEMM and fused norms, CUDA graphs": ("none", False, True),
