@@ -77,8 +77,8 @@ def test_short_contexts_replay_their_own_bounds_and_give_the_same_tokens(monkeyp
     """A 1,024-token width with bounds from 256 tokens, doubling (64-token splits, 16 multiprocessors, so batches
     of 1 to 4 split): the steps over a 300-token context replay the 512 bound's graphs, those over the shorter
     ones the 256 bound's, and every request gets the tokens of graphs at the width alone."""
-    from sits.runtime.models.random_model import random_loaded_model
-    from tests.runtime.test_triton_backend import TINY, prompt
+    from tests.runtime.test_triton_backend import prompt
+    from tests.runtime.test_triton_split_counters import graph_engine, greedy_tokens, long_context_model
 
     monkeypatch.setattr(decode_splits, "MIN_TOKENS_PER_SPLIT", 64)
     monkeypatch.setattr(decode_splits, "GRAPH_BOUND_BASE", 256)
@@ -89,33 +89,18 @@ def test_short_contexts_replay_their_own_bounds_and_give_the_same_tokens(monkeyp
     results, replayed = {}, {}
     for switch in ("0", "1"):
         monkeypatch.setenv(GRAPH_BOUNDS_ENV, switch)
-        loaded = random_loaded_model(TINY, TritonAttentionBackend(), "cpu", torch.float32, seed=3, max_positions=1024)
-        with torch.no_grad():
-            loaded.model.lm_head.weight.mul_(8.0)  # sharp logits, as tiny_model's
-        loaded.model.to(device=DEVICE, dtype=torch.float16)
-        loaded.device, loaded.dtype = DEVICE, torch.float16
-        results[switch], replayed[switch] = _graph_run(loaded, requests, max_model_len=1024)
+        engine = graph_engine(long_context_model(), max_model_len=1024, num_blocks=80, max_batched=1024)
+        replayed[switch] = _record_graph_keys(engine.runner.decode_graphs)
+        results[switch] = greedy_tokens(engine, requests)
     assert results["1"] == results["0"] and sorted(len(t) for t in results["1"].values()) == [3, 4, 6]
     assert {bound for _, _, bound in replayed["0"]} == {1024}
     assert {bound for _, _, bound in replayed["1"]} == {256, 512}  # x's steps (over 300 tokens), then z's alone
     assert all(longest <= bound and (bound == 256 or longest > bound // 2) for longest, _, bound in replayed["1"])
 
 
-def _graph_run(loaded, requests: list[tuple[str, list[int], int]], max_model_len: int):
-    """An engine over `loaded` whose decode steps run the graphs of batches 1, 2 and 4, its table max_model_len
-    wide: its greedy tokens per request id, and (longest context, batch size, bound) of each step's graph."""
-    from sits.runtime.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-    from sits.runtime.engine.engine import LLMEngine
-    from tests.runtime.test_triton_backend import greedy
-
-    config = EngineConfig(model=ModelConfig(device=DEVICE.type, dtype="float16", max_model_len=max_model_len),
-                          cache=CacheConfig(block_size=16, num_blocks=80),
-                          scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=1024),
-                          enforce_eager=True)
-    engine = LLMEngine.from_loaded(loaded, config)
-    engine.runner.setup_cuda_graphs([1, 2, 4], max_model_len=max_model_len, capture=torch.cuda.is_available())
-    graphs = engine.runner.decode_graphs
-    replayed: list[tuple[int, int, int]] = []  # (longest context, batch size, bound) of each replay
+def _record_graph_keys(graphs: DecodeGraphs) -> list[tuple[int, int, int]]:
+    """A list that gets (longest context, batch size, bound) of each graph `graphs` replays from now on."""
+    replayed: list[tuple[int, int, int]] = []
     choose = graphs.graph_key
 
     def graph_key(num_seqs: int, max_seq_len: int) -> tuple[int, int]:
@@ -124,11 +109,4 @@ def _graph_run(loaded, requests: list[tuple[str, list[int], int]], max_model_len
         return key
 
     graphs.graph_key = graph_key
-    results: dict[str, list[int]] = {}
-    for request_id, ids, count in requests:
-        engine.add_request(request_id, ids, greedy(count))
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                results[output.request_id] = output.outputs[0].token_ids
-    return results, replayed
+    return replayed

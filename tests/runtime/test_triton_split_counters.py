@@ -105,17 +105,12 @@ def test_engine_tokens_are_the_same_under_a_wide_graph_table(monkeypatch):
     """The graphs' static buffers tell decode attention that contexts reach the table's width, max_model_len.
     Under 1,024 tokens (8 splits launched of up to 128) and under 256 (4 of up to 64), each sequence's splits are
     sized from its own length (64 tokens each here), so the engine gives the same greedy tokens either way."""
-    from sits.runtime.models.random_model import random_loaded_model
-    from tests.runtime.test_triton_backend import TINY, prompt
+    from tests.runtime.test_triton_backend import prompt
 
     monkeypatch.setattr(decode_splits, "MIN_TOKENS_PER_SPLIT", 64)
     monkeypatch.setattr(attention_decode, "num_sms", lambda device: 16)  # 4 x 2 programs still split
     monkeypatch.delenv(decode_splits.SPLIT_TOKENS_ENV, raising=False)
-    loaded = random_loaded_model(TINY, TritonAttentionBackend(), "cpu", torch.float32, seed=3, max_positions=1024)
-    with torch.no_grad():
-        loaded.model.lm_head.weight.mul_(8.0)  # sharp logits, as tiny_model's
-    loaded.model.to(device=DEVICE, dtype=torch.float16)
-    loaded.device, loaded.dtype = torch.device(DEVICE), torch.float16
+    loaded = long_context_model()
     requests = [("x", prompt(6, 140), 7), ("y", prompt(7, 20), 3), ("z", prompt(8, 129), 5)]
     assert [attention_decode.plan_decode_splits(4, 2, bound, 16).num_splits for bound in (1024, 256)] == [8, 4]
 
@@ -124,14 +119,25 @@ def test_engine_tokens_are_the_same_under_a_wide_graph_table(monkeypatch):
     assert wide == tight and sorted(len(t) for t in wide.values()) == [3, 5, 7]
 
 
-def _graph_buffer_tokens(loaded, requests: list[tuple[str, list[int], int]], max_model_len: int, num_blocks: int,
-                         max_batched: int) -> dict[str, list[int]]:
-    """Greedy tokens per request id of an engine over `loaded` whose decode steps run the CUDA graphs' static,
-    padded buffers for batches 1, 2 and 4 (captured on a GPU, eager under the interpreter), the table as wide as
-    max_model_len needs."""
+def long_context_model():
+    """The tiny Llama with random weights (seed 3) for contexts of up to 1,024 tokens, float16 on DEVICE, on the
+    Triton back end (made now: it reads the environment's switches)."""
+    from sits.runtime.models.random_model import random_loaded_model
+    from tests.runtime.test_triton_backend import TINY
+
+    loaded = random_loaded_model(TINY, TritonAttentionBackend(), "cpu", torch.float32, seed=3, max_positions=1024)
+    with torch.no_grad():
+        loaded.model.lm_head.weight.mul_(8.0)  # sharp logits, as tiny_model's
+    loaded.model.to(device=DEVICE, dtype=torch.float16)
+    loaded.device, loaded.dtype = torch.device(DEVICE), torch.float16
+    return loaded
+
+
+def graph_engine(loaded, max_model_len: int, num_blocks: int, max_batched: int):
+    """An engine over `loaded` whose decode steps run the CUDA graphs' static, padded buffers for batches 1, 2 and
+    4 (captured on a GPU, eager under the interpreter), the table as wide as max_model_len needs."""
     from sits.runtime.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
     from sits.runtime.engine.engine import LLMEngine
-    from tests.runtime.test_triton_backend import greedy
 
     config = EngineConfig(model=ModelConfig(device=DEVICE.type, dtype="float16", max_model_len=max_model_len),
                           cache=CacheConfig(block_size=16, num_blocks=num_blocks),
@@ -139,6 +145,13 @@ def _graph_buffer_tokens(loaded, requests: list[tuple[str, list[int], int]], max
                           enforce_eager=True)
     engine = LLMEngine.from_loaded(loaded, config)
     engine.runner.setup_cuda_graphs([1, 2, 4], max_model_len=max_model_len, capture=torch.cuda.is_available())
+    return engine
+
+
+def greedy_tokens(engine, requests: list[tuple[str, list[int], int]]) -> dict[str, list[int]]:
+    """Greedy tokens per request id of (id, prompt, tokens) requests, all added at once, run to the end."""
+    from tests.runtime.test_triton_backend import greedy
+
     results: dict[str, list[int]] = {}
     for request_id, ids, count in requests:
         engine.add_request(request_id, ids, greedy(count))
@@ -147,3 +160,9 @@ def _graph_buffer_tokens(loaded, requests: list[tuple[str, list[int], int]], max
             if output.finished:
                 results[output.request_id] = output.outputs[0].token_ids
     return results
+
+
+def _graph_buffer_tokens(loaded, requests: list[tuple[str, list[int], int]], max_model_len: int, num_blocks: int,
+                         max_batched: int) -> dict[str, list[int]]:
+    """greedy_tokens of a graph_engine."""
+    return greedy_tokens(graph_engine(loaded, max_model_len, num_blocks, max_batched), requests)
