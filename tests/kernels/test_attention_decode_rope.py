@@ -55,6 +55,10 @@ class DecodeStep:
 
 
 def decode_step(seq_lens, num_q_heads, num_kv_heads, block_size, dtype, cache_dtype, rotary_dim=HEAD_DIM):
+    """The cos / sin table has a row for every position (DecodeRope's contract: the kernels read row `position`
+    unchecked). Before 2026-12-05 it had 512 rows while the GPU cases reach position 4,096: those read past the
+    table, and the NaN output rows the autotuned bf16 case showed on the H200 (and the interpreter at BLOCK_N 32)
+    were what lay there."""
     cache = random_paged_cache(seq_lens, num_kv_heads, HEAD_DIM, block_size, torch.float16)
     scales = {}
     if cache_dtype == FP8:
@@ -75,7 +79,7 @@ def decode_step(seq_lens, num_q_heads, num_kv_heads, block_size, dtype, cache_dt
         v=v.view(batch, num_kv_heads, HEAD_DIM),
         positions=torch.tensor([max(n - 1, 0) for n in seq_lens], dtype=torch.int64, device=DEVICE),
         slots=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
-        table=build_cos_sin_cache(rotary_dim, 512, device=DEVICE), cache=cache, scales=scales,
+        table=build_cos_sin_cache(rotary_dim, max(512, *seq_lens), device=DEVICE), cache=cache, scales=scales,
     )  # fmt: skip
 
 
@@ -152,9 +156,8 @@ def test_partial_rotary_dims_pass_through():
     assert_same_bits(fused(step), two_launches(step), step)
 
 
-# Autotuned, then every shipped bf16 schedule pinned: on the H200 the autotuned bf16 case left NaN output rows in the
-# fused launch on 2026-12-05 (and failed once on 2026-12-03) while 64 / 4 / 4 passed; each schedule alone says
-# which tiles do it.
+# Autotuned, then every shipped bf16 schedule pinned. (On the H200 the autotuned bf16 case had NaN output rows on
+# 2026-12-03 and 2026-12-05: positions past the end of the test's own cos / sin table, see decode_step.)
 GPU_CASES = [(torch.bfloat16, schedule) for schedule in [None, *sorted(BF16_SCHEDULES)]]
 GPU_CASES += [(FP8, None), (FP8, (64, 4, 4))]
 
