@@ -83,6 +83,8 @@
 #                  autotuned and fixed schedules), through the engine, and captured in CUDA graphs
 #   hvtests        decode attention's inner loops over a bf16 cache (tests/kernels/test_attention_decode_half_variants.py:
 #                  each against the reference, and fused RoPE bit for bit at the Llama layout)
+#   attntests      every decode attention test module on the GPU (the split kernel, fused RoPE, fused merge, inner
+#                  loops) and the engine's decode graphs (split counters, context bounds), failures listed (-rf)
 #   l2pf           benchmarks/bench_l2_prefetch.py: a projection's weight prefetched into L2 during the small
 #                  kernels before it (attention + o_proj, norm + qkv, norm + gate_up), against the same chain
 #                  without (2026-12-03: a loss, the prefetch launch holds the stream; benchmarks/RESULTS.md), and
@@ -120,6 +122,10 @@ for step in $STEPS; do
     ropetests) PYTHONSAFEPATH=1 timeout 500 python3 -m pytest tests/kernels/test_attention_decode_rope.py \
       tests/runtime/test_decode_fused_rope.py tests/gpu/test_decode_fused_rope_graphs.py -q -s -p no:cacheprovider \
       --confcutdir=tests ;;
+    attntests) PYTHONSAFEPATH=1 timeout 590 python3 -m pytest tests/kernels/test_attention_decode.py \
+      tests/kernels/test_attention_decode_rope.py tests/kernels/test_attention_decode_fused.py \
+      tests/kernels/test_attention_decode_half_variants.py tests/runtime/test_triton_split_counters.py \
+      tests/runtime/test_decode_graph_bounds.py -q -rf -p no:cacheprovider --confcutdir=tests ;;
     hvtests) PYTHONSAFEPATH=1 timeout 400 python3 -m pytest tests/kernels/test_attention_decode_half_variants.py -q \
       -p no:cacheprovider --confcutdir=tests/kernels ;;
     pwtests) PYTHONSAFEPATH=1 timeout 240 python3 -m pytest tests/runtime/test_triton_backend.py -q -s \
