@@ -19,6 +19,7 @@ import triton.language as tl
 
 from sits.kernels.attention_decode import plan_decode_splits
 from sits.kernels.attention_prefill import prefill_len_bucket
+from sits.kernels.decode_splits import graph_context_bounds
 from sits.runtime.engine.cuda_graphs import decode_batch_sizes
 from sits.runtime.engine.kernel_warmup import (
     AUTOTUNE_CACHE_ENV,
@@ -98,6 +99,9 @@ def test_every_step_the_scheduler_can_build_maps_to_a_listed_key(name):
         assert _gemm_key(sum(chunk for chunk, _ in prefills) + len(decodes)) in gemm_keys
     for size in decode_batch_sizes(limits.max_num_seqs):  # CUDA-graph decodes: the tables' whole width
         assert _decode_key(limits, size, limits.context_limit) in decode_keys
+        # and each context bound their graphs may be captured at (SITS_DECODE_GRAPH_BOUNDS=1)
+        for bound in graph_context_bounds(size, limits.num_kv_heads, limits.context_limit, limits.num_sms):
+            assert _decode_key(limits, size, bound) in decode_keys, (size, bound)
 
 
 @pytest.mark.parametrize("name", ["small GPU, odd lengths", "tiny"])
