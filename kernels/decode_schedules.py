@@ -45,7 +45,12 @@ def _config(block_n, warps, stages, maxnreg=None):
 
 
 # Paged loads spend pipeline stages on the block-table read, so deep pipelines keep enough K/V bytes
-# in flight per multiprocessor to stream at HBM speed.
+# in flight per multiprocessor to stream at HBM speed. The K / V tiles a pipeline keeps in shared memory (Triton
+# 3.9's sm_90a compile, the fused-RoPE launch at Llama-3-8B's layout): one at 4 stages, two at 5 or 6, three at 8.
+# (128, 8, 5) double-buffers the batch-1 winner's 128-token tiles (139 KB of shared memory, 88 registers): both
+# tiles of a 256-token split in flight at once, where (128, 8, 4) loads the second after the first is used (on
+# the H200, 2026-12-05, a fifth of that kernel's stalls waited on the tiles). Added without a GPU run yet; the
+# autotuner times it beside the others.
 BF16_CONFIGS = [
     _config(16, 4, 8),
     _config(32, 2, 8),
@@ -55,6 +60,7 @@ BF16_CONFIGS = [
     _config(64, 4, 6),
     _config(64, 8, 6),
     _config(128, 8, 4),
+    _config(128, 8, 5),
 ]
 # The fp8 config, for DEFAULT_FP8_VARIANT, measured on an H200 (swap_g_f, GB/s at batch 448 / 256 / 32):
 # (64, 4, 8) 3,786 / 3,601 / 2,804 is within 5 % of the best at every batch >= 32, where (32, 2, 10)
