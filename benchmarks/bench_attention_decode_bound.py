@@ -15,7 +15,9 @@ launches it), K / V cold (rotated block tables), CUDA graphs; µs per layer (spl
   * "bound": bound = --bound, autotuned (its split bucket is another autotune key: it may pick other tiles);
   * "bound, tight's tiles": the same launch at the schedule "tight" picked (what the empty splits and the wider
     merge cost alone);
-  * "bound, fused merge": that, merged inside the split kernel (no merge launch; the empty splits never count).
+  * "bound, fused merge": that, merged inside the split kernel (no merge launch; the empty splits never count);
+  * "graph bound": bound = the smallest of the decode graphs' context bounds (`graph_context_bounds`) that holds
+    the context, autotuned: what a step replays with SITS_DECODE_GRAPH_BOUNDS=1.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from kernel_bench_utils import Measurement, parse_args, report, rotating, time_m
 
 from sits.kernels import attention_decode
 from sits.kernels.attention_decode import paged_decode_attention, plan_decode_splits
+from sits.kernels.decode_splits import graph_context_bounds
 from sits.kernels.launch_utils import num_sms
 
 CONTEXT = 2048
@@ -71,17 +74,23 @@ def bound_case(batch: int, bound: int) -> list[Measurement]:
     wide_tiles = _followed(wide_plan.split_bucket)
     pinned_us = time_ms(launch(bound, tight_tiles)) * 1e3
     fused_us = time_ms(launch(bound, tight_tiles, fused=True)) * 1e3
+    graph_bound = min(b for b in graph_context_bounds(batch, NUM_KV_HEADS, bound, sms) if b >= CONTEXT)
+    graph_plan = plan_decode_splits(batch, NUM_KV_HEADS, graph_bound, sms)
+    graph_us = time_ms(launch(graph_bound)) * 1e3
+    graph_tiles = _followed(graph_plan.split_bucket)
     print(
         f"B{batch}: tight {tight_plan.num_splits} splits, tiles {tight_tiles}: {tight_us:.2f} µs; bound {bound}: "
         f"{wide_plan.num_splits} splits (merge block {wide_plan.merge_block}), tiles {wide_tiles}: {wide_us:.2f} µs; "
-        f"at tight's tiles {pinned_us:.2f}; fused merge {fused_us:.2f}",
+        f"at tight's tiles {pinned_us:.2f}; fused merge {fused_us:.2f}; graph bound {graph_bound}: "
+        f"{graph_plan.num_splits} splits, tiles {graph_tiles}: {graph_us:.2f} µs",
         flush=True,
     )
     rows = []
-    for name, us, tiles in (
-        ("bound", wide_us, wide_tiles),
-        ("bound, tight's tiles", pinned_us, tight_tiles),
-        ("bound, fused merge", fused_us, tight_tiles),
+    for name, us, tiles, plan in (
+        ("bound", wide_us, wide_tiles, wide_plan),
+        ("bound, tight's tiles", pinned_us, tight_tiles, wide_plan),
+        ("bound, fused merge", fused_us, tight_tiles, wide_plan),
+        (f"graph bound {graph_bound}", graph_us, graph_tiles, graph_plan),
     ):
         rows.append(
             Measurement(
@@ -92,7 +101,7 @@ def bound_case(batch: int, bound: int) -> list[Measurement]:
                 f"tight ({tight_plan.num_splits} splits)",
                 us * 1e-3,
                 tight_us * 1e-3,
-                {"schedule": tiles, "splits": wide_plan.num_splits},
+                {"schedule": tiles, "splits": plan.num_splits},
             )
         )
     return rows

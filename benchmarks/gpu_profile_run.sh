@@ -96,7 +96,8 @@
 #                  already in L2, autotuned and at each bf16 schedule: the most a prefetch of K / V could take off
 #   attn-bound     benchmarks/bench_attention_decode_bound.py: decode attention at batches 1 and 4 told a 131,072-token
 #                  bound (a CUDA graph's max_model_len) against the context's, autotuned, at the tight launch's
-#                  tiles and with the fused merge: what the long bound's extra 2.7 µs a layer at batch 1 comes from
+#                  tiles and with the fused merge: what the long bound's extra 2.7 µs a layer at batch 1 comes from;
+#                  and at the decode graphs' smallest context bound that holds the context (SITS_DECODE_GRAPH_BOUNDS=1)
 #   ncu-attn       Nsight Compute on decode attention alone (ncu_decode_kernels.py --attention-only, batch $NCU_M,
 #                  default 1) with the warp-state samples per SASS instruction (SourceCounters, a sample every 32
 #                  cycles): LOG_DIR/ncu-attn.log, ncu-attn-source.csv (the source page), ncu-attn.ncu-rep

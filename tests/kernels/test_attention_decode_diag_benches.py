@@ -40,19 +40,22 @@ def test_l2_bench_times_each_schedule_cold_then_hot(shared, monkeypatch):
         assert all(row.peer_name == "cold (rotated)" and row.peer < row.ours for row in rows)  # cold timed first
 
 
-def test_bound_bench_times_the_tight_launch_then_the_bound_three_ways(shared, monkeypatch):
-    from sits.kernels import attention_decode
+def test_bound_bench_times_the_tight_launch_then_the_bound_four_ways(shared, monkeypatch):
+    from sits.kernels import attention_decode, decode_splits
     from sits.kernels.decode_splits import SPLIT_TOKENS_ENV
 
     monkeypatch.setattr(attention_decode, "num_sms", lambda device: 132)  # an H200's count, so the launches split
+    monkeypatch.setattr(decode_splits, "GRAPH_BOUND_BASE", 1024)  # graph bounds 1,024 and 4,096
     monkeypatch.delenv(SPLIT_TOKENS_ENV, raising=False)
     for bench in bench_script(monkeypatch, "bench_attention_decode_bound", CONTEXT=512,
                               num_sms=lambda device: 132):
         timed: list = []
         monkeypatch.setattr(bench, "time_ms", _fake_timer(timed))
         rows = bench.bound_case(1, 4096)
-        assert len(timed) == 4
-        assert [row.case for row in rows] == ["B1 bound", "B1 bound, tight's tiles", "B1 bound, fused merge"]
+        assert len(timed) == 5
+        assert [row.case for row in rows] == ["B1 bound", "B1 bound, tight's tiles", "B1 bound, fused merge",
+                                              "B1 graph bound 1024"]
+        assert rows[0].extra["splits"] == 16 and rows[3].extra["splits"] == 4  # the graph bound splits as 1,024 does
         tight = rows[0].peer
         assert all(row.peer == tight and row.peer_name.startswith("tight (") for row in rows)
         assert rows[0].extra["splits"] > int(rows[0].peer_name.split("(")[1].split()[0])  # the bound splits more
