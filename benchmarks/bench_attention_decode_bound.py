@@ -85,26 +85,12 @@ def bound_case(batch: int, bound: int) -> list[Measurement]:
         f"{graph_plan.num_splits} splits, tiles {graph_tiles}: {graph_us:.2f} µs",
         flush=True,
     )
-    rows = []
-    for name, us, tiles, plan in (
-        ("bound", wide_us, wide_tiles, wide_plan),
-        ("bound, tight's tiles", pinned_us, tight_tiles, wide_plan),
-        ("bound, fused merge", fused_us, tight_tiles, wide_plan),
-        (f"graph bound {graph_bound}", graph_us, graph_tiles, graph_plan),
-    ):
-        rows.append(
-            Measurement(
-                f"B{batch} {name}",
-                "µs",
-                us,
-                tight_us,
-                f"tight ({tight_plan.num_splits} splits)",
-                us * 1e-3,
-                tight_us * 1e-3,
-                {"schedule": tiles, "splits": plan.num_splits},
-            )
-        )
-    return rows
+    cases = (("bound", wide_us, wide_tiles, wide_plan), ("bound, tight's tiles", pinned_us, tight_tiles, wide_plan),
+             ("bound, fused merge", fused_us, tight_tiles, wide_plan),
+             (f"graph bound {graph_bound}", graph_us, graph_tiles, graph_plan))
+    return [Measurement(f"B{batch} {name}", "µs", us, tight_us, f"tight ({tight_plan.num_splits} splits)", us * 1e-3,
+                        tight_us * 1e-3, {"schedule": tiles, "splits": plan.num_splits})
+            for name, us, tiles, plan in cases]
 
 
 def main() -> None:
