@@ -11,9 +11,9 @@ splits), for each query kind: "plain" (bf16 q, rotated before), "rope" (the RoPE
 DecodeRope) and "f32-rope" (float32 q and output, fused RoPE: the float32-activation mode); the bf16 configs
 at each of --half-variants (the bf16 cache's inner loops, HALF_DECODE_VARIANTS; "base" by default). The bundled
 ptxas assembles the PTX for sm_90a and reports registers and spill bytes (CompiledKernel.n_regs needs a
-GPU, hence ptxas); shared memory comes from Triton's metadata. --quick: the fp8 default and the first
-bf16 config only. Run it without TRITON_INTERPRET: the interpreter's
-kernels cannot be compiled.
+GPU, hence ptxas); shared memory comes from Triton's metadata. --quick: the fp8 default and the first and
+last bf16 configs (the last holds the most shared memory). Run it without TRITON_INTERPRET: the
+interpreter's kernels cannot be compiled.
 """
 
 from __future__ import annotations
@@ -80,7 +80,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--merge-blocks", default="16,64", help="comma-separated fused-merge BLOCK_S values")
     parser.add_argument("--queries", default=",".join(QUERIES), help=f"comma-separated, of {', '.join(QUERIES)}")
-    parser.add_argument("--quick", action="store_true", help="the fp8 default and the first bf16 config only")
+    parser.add_argument("--quick", action="store_true",
+                        help="the fp8 default and the first and last bf16 configs only (the last: the most shared memory)")
     parser.add_argument("--half-variants", default=schedules.DEFAULT_HALF_VARIANT,
                         help=f"comma-separated bf16-cache inner loops, of {', '.join(sorted(schedules.HALF_DECODE_VARIANTS))}")
     parser.add_argument("--json", help="also write the rows to this JSON file")
@@ -89,7 +90,7 @@ def main() -> None:
     launches = [(c, False, v) for c in schedules.BF16_CONFIGS for v in half_variants]
     launches += [(c, True, schedules.DEFAULT_HALF_VARIANT) for c in schedules.FP8_CONFIGS]
     if args.quick:
-        launches = [launches[0], launches[-1]]
+        launches = [launches[0], launches[len(schedules.BF16_CONFIGS) * len(half_variants) - 1], launches[-1]]
     blocks = [0] + [int(v) for v in args.merge_blocks.split(",")]
     queries = args.queries.split(",")
     report_rows([(config, fp8, block, query, variant) for config, fp8, variant in launches for block in blocks

@@ -14,8 +14,9 @@ ptxas-blackwell.
 * The fp8 weight-only GEMM (quick list), both decodings: native e4m3 for sm_90a, integer decoding for sm_80.
 * The kernels that take USE_PDL (programmatic dependent launch): the wait (and the early trigger) only when asked.
 * The decode split kernel with its fused merge at the largest merge size (BLOCK_S 64) and without it, for
-  the first bf16 config and the fp8 default schedule (the full list: the script without --quick), each with
-  q rotated before, with the RoPE + KV write fused in, and with a float32 q and output (fused RoPE).
+  the first and the last bf16 config (the most shared memory) and the fp8 default schedule (the full list: the
+  script without --quick), each with q rotated before, with the RoPE + KV write fused in, and with a float32 q
+  and output (fused RoPE); all within the multiprocessor's shared memory.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import pytest
 import triton
 
 from sits.kernels import gemm_small_m, gemm_small_m_norm, pdl
+from sits.kernels.decode_schedules import BF16_CONFIGS, schedule_of
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas-blackwell"
@@ -79,6 +81,9 @@ def test_split_kernel_with_fused_merge_compiles_without_spills(tmp_path):
         (cache, block, query) for cache in ("bf16", "fp8") for block in (0, 64) for query in ("plain", "rope", "f32-rope")}
     for row in rows:
         assert row["spill_stores"] == 0 and row["spill_loads"] == 0, row
+    assert {row["schedule"] for row in rows if row["cache"] == "bf16"} == {
+        "/".join(map(str, schedule_of(config))) for config in (BF16_CONFIGS[0], BF16_CONFIGS[-1])}
+    assert all(row["shared_bytes"] <= gemm_small_m.SMEM_BYTES for row in rows)
 
 
 def test_rmsnorm_quant_launches_compile_without_spills(tmp_path):
