@@ -4,7 +4,7 @@
                                                        [--half-variants base,swap_g_f] [--quick] [--json out.json]
 
 For each shipped bf16 config (sits.kernels.decode_schedules.BF16_CONFIGS) and the fp8 default schedule
-(_FP8_CONFIGS, DEFAULT_FP8_VARIANT), the split kernel is compiled as a Llama-3-8B launch specializes it
+(FP8_CONFIGS, DEFAULT_FP8_VARIANT), the split kernel is compiled as a Llama-3-8B launch specializes it
 (32 query / 8 KV heads, head_dim 128, 16-token pages, several splits): the two-launch variant (partials
 only) and the fused-merge variant at each merge size (BLOCK_S 16: batch 1 at a 4k context; 64: the most
 splits), for each query kind: "plain" (bf16 q, rotated before), "rope" (the RoPE + KV write fused in,
