@@ -1,6 +1,6 @@
 """Does prefetching a projection's weight into L2 during the small kernels before it shorten a batch-1 step?
 
-    python benchmarks/bench_l2_prefetch.py [--json out.json]
+    python benchmarks/bench_l2_prefetch.py [--quick] [--json out.json]
 
 Llama-3-8B shapes, bf16, batch 1, one NVIDIA GPU of sm_90. Each case is a short chain of a decode layer's
 kernels, timed in CUDA graphs (kernel_bench_utils.time_ms), rotating over weight and KV copies of >= 256 MB
@@ -11,7 +11,13 @@ together so nothing is read from L2 that the chain itself did not bring there:
     or on a stream beside it (forked before the attention, joined before o_proj or after it);
   * qkv: the decoder's add + RMSNorm then qkv_proj (6,144 x 4,096); prefetches of 8 / 16 MiB of the weight
     queued before the norm;
-  * gate_up: add + RMSNorm then gate_up + SiLU·mul (28,672 x 4,096); prefetches of 8 / 16 MiB before the norm.
+  * gate_up: add + RMSNorm then gate_up + SiLU·mul (28,672 x 4,096); prefetches of 8 / 16 MiB before the norm;
+  * gate_up beside: decode attention, o_proj, then gate_up + SiLU·mul, with sits.kernels.l2_prefetch_rows of
+    the first 512 or 1,024 bytes of each of gate_up's 28,672 weight rows (14 / 28 MiB) on a stream beside,
+    forked before the attention (or after it) and joined before gate_up. The GEMM streams every row from its
+    first column, so the prefetched bytes come off every program's HBM read. Also the row prefetch alone
+    and followed by gate_up on one stream (the prefetch's grid retires once its lines landed), against
+    gate_up alone: what a landed prefix saves the GEMM. `--quick` runs this case alone.
 
 The peer of each variant is the same chain without the prefetch, in the same run; the ratio is the variant's
 time over the peer's (< 1: the prefetch pays, its own launch included). Also printed: each GEMM alone with a cold
@@ -26,7 +32,7 @@ from kernel_bench_utils import Measurement, parse_args, report, rotating, time_m
 
 from sits.kernels.attention_decode import paged_decode_attention
 from sits.kernels.gemm_small_m import small_m_gemm, small_m_gemm_silu_mul
-from sits.kernels.l2_prefetch import l2_prefetch
+from sits.kernels.l2_prefetch import l2_prefetch, l2_prefetch_rows
 from sits.kernels.rmsnorm import rms_norm
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM = 4096, 14336, 32, 8, 128
@@ -133,11 +139,68 @@ def norm_gemm_case(name: str, rows: int, silu: bool) -> tuple[list[Measurement],
     return rows_out, note
 
 
+def gate_up_beside_case() -> tuple[list[Measurement], str]:
+    gate_up = _copies(2 * INTERMEDIATE, HIDDEN)
+    o_weights = _copies(HIDDEN, HIDDEN)
+    q, sets = _attention_inputs(len(o_weights))
+    seq_lens = torch.full((1,), CONTEXT, dtype=torch.int32, device="cuda")
+    attn_out = torch.empty_like(q)
+    o_out = torch.empty(1, HIDDEN, dtype=torch.bfloat16, device="cuda")
+    mlp_out = torch.empty(1, INTERMEDIATE, dtype=torch.bfloat16, device="cuda")
+    side = torch.cuda.Stream()
+
+    def chain(row_bytes: int, fork: str = "before"):
+        def call(i):
+            stream, w = torch.cuda.current_stream(), gate_up[i % len(gate_up)]
+
+            def fork_prefetch():
+                side.wait_stream(stream)
+                with torch.cuda.stream(side):
+                    l2_prefetch_rows(w, row_bytes)
+            if row_bytes and fork == "before":
+                fork_prefetch()
+            k, v, table = sets[i]
+            paged_decode_attention(q, k, v, table, seq_lens, HEAD_DIM**-0.5, out=attn_out)
+            if row_bytes and fork == "after":
+                fork_prefetch()
+            small_m_gemm(attn_out.view(1, HIDDEN), o_weights[i], out=o_out)
+            if row_bytes:
+                stream.wait_stream(side)
+            return small_m_gemm_silu_mul(o_out, w, out=mlp_out)
+        return rotating(call, len(o_weights))
+
+    base = time_ms(chain(0))
+    rows, parts = [], [f"attention + o_proj + gate_up {base * 1e3:.1f} us"]
+    for row_bytes, fork in ((512, "before"), (1024, "before"), (1024, "after")):
+        ms = time_ms(chain(row_bytes, fork))
+        mib = 2 * INTERMEDIATE * row_bytes / MIB
+        parts.append(f"{row_bytes} B a row ({mib:.0f} MiB) beside, forked {fork} the attention {ms * 1e3:.1f} us")
+        rows.append(_row(f"attention + o_proj + gate_up, {row_bytes} B a row beside, forked {fork} the attention",
+                         ms, base, "no prefetch", {"prefetch_mib": mib}))
+    alone = time_ms(rotating(lambda i: small_m_gemm_silu_mul(o_out, gate_up[i % len(gate_up)], out=mlp_out),
+                             len(gate_up)))
+    for row_bytes in (512, 1024, 2048):
+        def prefetch(i, n=row_bytes):
+            l2_prefetch_rows(gate_up[i % len(gate_up)], n)
+
+        def prefetch_then_gate_up(i, n=row_bytes):
+            l2_prefetch_rows(gate_up[i % len(gate_up)], n)
+            return small_m_gemm_silu_mul(o_out, gate_up[i % len(gate_up)], out=mlp_out)
+        fetch = time_ms(rotating(prefetch, len(gate_up)))
+        both = time_ms(rotating(prefetch_then_gate_up, len(gate_up)))
+        parts.append(f"{row_bytes} B a row: prefetch alone {fetch * 1e3:.1f} us, then gate_up {both * 1e3:.1f} us "
+                     f"(gate_up after it: {(both - fetch) * 1e3:.1f} us)")
+        rows.append(_row(f"gate_up after its landed {row_bytes} B row prefixes (prefetch time taken off)",
+                         both - fetch, alone, "gate_up cold", {"prefetch_us": fetch * 1e3, "chain_us": both * 1e3}))
+    return rows, "gate_up beside: " + "; ".join(parts) + f"; gate_up alone, cold {alone * 1e3:.1f} us"
+
+
 def main() -> None:
     args = parse_args(__doc__)
     rows, notes = [], []
-    for case in (o_case, lambda: norm_gemm_case("qkv_proj", HEADS * HEAD_DIM + 2 * KV_HEADS * HEAD_DIM, False),
-                 lambda: norm_gemm_case("gate_up + SiLU·mul", 2 * INTERMEDIATE, True)):
+    cases = (o_case, lambda: norm_gemm_case("qkv_proj", HEADS * HEAD_DIM + 2 * KV_HEADS * HEAD_DIM, False),
+             lambda: norm_gemm_case("gate_up + SiLU·mul", 2 * INTERMEDIATE, True), gate_up_beside_case)
+    for case in cases[-1:] if args.quick else cases:  # --quick: the gate_up-beside case alone
         case_rows, note = case()
         print(note, flush=True)
         rows += case_rows

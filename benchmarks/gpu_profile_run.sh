@@ -89,6 +89,9 @@
 #                  kernels before it (attention + o_proj, norm + qkv, norm + gate_up), against the same chain
 #                  without (2026-12-03: a loss, the prefetch launch holds the stream; benchmarks/RESULTS.md), and
 #                  the prefetch on a stream beside the attention (2026-12-04: a loss too)
+#   l2rows         bench_l2_prefetch.py --quick: gate_up's weight-row prefixes prefetched into L2 on a stream
+#                  beside the attention and o_proj, against the same chain without; and what a landed prefix
+#                  saves gate_up alone (with tests/kernels/test_l2_prefetch.py on the GPU first)
 #   floor          benchmarks/bench_stream_floor.py: a kernel that only reads a batch-1 decode layer's bytes (each
 #                  projection's weight, the live K / V, lm_head) against cuBLAS on the same weight, the fixed cost
 #                  per launch fitted, and a step's floor under one kernel per operation
@@ -150,6 +153,9 @@ for step in $STEPS; do
     attn-small) timeout 600 python3 benchmarks/bench_attention_decode.py --small-batch --json "$LOG_DIR/attn-small.json" \
       ${ATTN_ARGS:-} ;;
     l2pf) timeout 300 python3 benchmarks/bench_l2_prefetch.py --json "$LOG_DIR/l2pf.json" ;;
+    l2rows) PYTHONSAFEPATH=1 timeout 60 python3 -m pytest tests/kernels/test_l2_prefetch.py -q -p no:cacheprovider \
+      --confcutdir=tests/kernels -rf
+      timeout 240 python3 benchmarks/bench_l2_prefetch.py --quick --json "$LOG_DIR/l2rows.json" ;;
     floor) timeout 300 python3 benchmarks/bench_stream_floor.py --json "$LOG_DIR/floor.json" ;;
     argmax) timeout 120 python3 benchmarks/bench_argmax.py --json "$LOG_DIR/argmax.json" ;;
     trace448fp8) timeout 400 python3 benchmarks/bench_step_trace.py $COMMON --batch 448 --input-len 2048 \

@@ -1,6 +1,7 @@
 """Prefetch a tensor's bytes from HBM into the GPU's L2 cache, without waiting for them.
 
     l2_prefetch(t, nbytes=None)   queue the first nbytes of t's storage (all of it by default) for L2
+    l2_prefetch_rows(w, row_bytes) queue the first row_bytes of every row of a 2-D w [N, K] for L2
 
 At batch 1 a decode step's small kernels (the norms, RoPE + KV write, decode attention and its merge) leave
 HBM mostly idle for ~15 µs a layer: attention reads 8 MiB of K/V at ~1 TB/s, the others almost nothing. A
@@ -20,6 +21,13 @@ prefetches have landed), while the o_proj it warms went from 12.1 µs (cold) to 
 launch beside the stream was measured too (2026-12-04: a second stream in the CUDA graph, forked before the
 attention and joined before or after o_proj). That chain took 25.5 µs against 22.9 without the prefetch. On that
 machine o_proj was barely faster hot than cold (13.2 against 14.1 µs), so there was little for the prefetch to win.
+
+`l2_prefetch_rows` aims at the one projection that sits at the HBM roof, gate_up + SiLU·mul (235 MB, ~56 µs a
+call at batch 1, its read alone 56.4 µs), from a stream beside the decode attention and o_proj, where HBM runs at
+a fraction of its rate. Every program of the GEMM starts its K loop at column 0, so queuing each weight row's
+first bytes takes the same share off every program's HBM read, where a prefix of the storage (the 8-16 MiB
+measured above, on the decode stream) spares the first programs only, and the kernel still waits for the others.
+Not timed yet (`bench_l2_prefetch.py`'s gate_up-beside case); the engine does not call it.
 """
 
 from __future__ import annotations
@@ -30,11 +38,12 @@ import triton.language as tl
 
 from sits.kernels.launch_utils import is_interpreter, require
 
-__all__ = ["CHUNK_BYTES", "l2_prefetch", "l2_prefetch_supported"]
+__all__ = ["CHUNK_BYTES", "l2_prefetch", "l2_prefetch_rows", "l2_prefetch_supported"]
 
 CHUNK_BYTES = 64 * 1024  # bytes per bulk prefetch (a multiple of 16)
 _CHUNKS_PER_PROGRAM = 32  # one per thread of a one-warp program: 2 MiB a program
 _ALIGN = 16  # the bulk prefetch's address and size granule
+_ROWS_PER_PROGRAM = 256  # l2_prefetch_rows: rows a program queues, one bulk prefetch each
 
 
 @triton.jit
@@ -43,6 +52,19 @@ def _l2_prefetch_kernel(ptr, nbytes, CHUNK: tl.constexpr, CHUNKS: tl.constexpr):
     multiple of 16, as ptr's address) for L2, one bulk prefetch of up to CHUNK bytes per lane."""
     offsets = (tl.program_id(0) * CHUNKS + tl.arange(0, CHUNKS)).to(tl.int64) * CHUNK
     sizes = tl.minimum(tl.maximum(nbytes - offsets, 0), CHUNK).to(tl.int32)
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [ptr + offsets, sizes], dtype=tl.int32, is_pure=False, pack=1,
+    )
+
+
+@triton.jit
+def _l2_prefetch_rows_kernel(ptr, rows, row_stride, nbytes, ROWS: tl.constexpr):
+    """Program p queues bytes [0, nbytes) of rows p * ROWS .. + ROWS of ptr (row r at r * row_stride bytes;
+    both 16-byte multiples) for L2, one bulk prefetch per row."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    sizes = tl.where(r < rows, nbytes, 0).to(tl.int32)
+    offsets = tl.minimum(r, rows - 1).to(tl.int64) * row_stride
     tl.inline_asm_elementwise(
         "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
         "=r,l,r", [ptr + offsets, sizes], dtype=tl.int32, is_pure=False, pack=1,
@@ -79,3 +101,33 @@ def l2_prefetch(t: torch.Tensor, nbytes: int | None = None) -> None:
     base = t.view(-1).view(torch.uint8)[skip:]
     grid = (triton.cdiv(nbytes, CHUNK_BYTES * _CHUNKS_PER_PROGRAM),)
     _l2_prefetch_kernel[grid](base, nbytes, CHUNK=CHUNK_BYTES, CHUNKS=_CHUNKS_PER_PROGRAM, num_warps=1)
+
+
+def l2_prefetch_rows(w: torch.Tensor, row_bytes: int) -> None:
+    """Queue the first `row_bytes` bytes of every row of w (rounded down to 16; at most a row) for the L2 cache.
+
+    A GEMM that streams each weight row from its first column (sits.kernels.gemm_small_m: every program runs
+    K from 0) then finds the start of every program's K loop in L2: the prefetch takes the same share of
+    HBM bytes off every program, where a prefix of the storage (`l2_prefetch`) would only spare the first
+    programs theirs.
+
+    Args:
+        w: [N, K] on a CUDA device, its rows contiguous (stride(1) == 1), its address and row stride in
+            bytes multiples of 16 (as an allocated weight's are).
+        row_bytes: bytes from the start of each row, >= 0.
+    Raises:
+        ValueError: w is not 2-D with contiguous rows, its address or row stride is not 16-byte aligned,
+            or row_bytes is negative.
+    A no-op where `l2_prefetch_supported` is false. Capturable in CUDA graphs (one kernel node).
+    """
+    require(w.dim() == 2 and w.stride(1) == 1, "l2_prefetch_rows needs a 2-D tensor with contiguous rows")
+    stride = w.stride(0) * w.element_size()
+    require(w.data_ptr() % _ALIGN == 0 and stride % _ALIGN == 0,
+            "l2_prefetch_rows needs a 16-byte aligned address and row stride")
+    require(row_bytes >= 0, f"row_bytes must be >= 0, got {row_bytes}")
+    nbytes = min(int(row_bytes), w.shape[1] * w.element_size()) // _ALIGN * _ALIGN
+    if nbytes == 0 or w.shape[0] == 0 or not l2_prefetch_supported(w.device):
+        return
+    grid = (triton.cdiv(w.shape[0], _ROWS_PER_PROGRAM),)
+    _l2_prefetch_rows_kernel[grid](w.view(torch.uint8), w.shape[0], stride, nbytes, ROWS=_ROWS_PER_PROGRAM,
+                                   num_warps=2)

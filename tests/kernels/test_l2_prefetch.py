@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sits.kernels.l2_prefetch import CHUNK_BYTES, l2_prefetch, l2_prefetch_supported
+from sits.kernels.l2_prefetch import CHUNK_BYTES, l2_prefetch, l2_prefetch_rows, l2_prefetch_supported
 from tests.kernels.helpers import DEVICE
 
 
@@ -19,11 +19,28 @@ def test_bad_input_is_refused():
         l2_prefetch(t, -1)
 
 
+def test_bad_input_to_the_row_prefetch_is_refused():
+    w = torch.zeros(64, 64, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        l2_prefetch_rows(w.t(), 64)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        l2_prefetch_rows(w.view(-1), 64)
+    with pytest.raises(ValueError, match="aligned"):
+        l2_prefetch_rows(w[:, 1:], 64)  # rows start 2 bytes in
+    with pytest.raises(ValueError, match="aligned"):
+        l2_prefetch_rows(torch.zeros(8, 12, dtype=torch.bfloat16, device=DEVICE), 16)  # 24-byte rows
+    with pytest.raises(ValueError, match="row_bytes must be"):
+        l2_prefetch_rows(w, -16)
+
+
 def test_off_a_gpu_it_is_a_no_op():
     assert not l2_prefetch_supported(torch.device("cpu"))
     t = torch.arange(1000, dtype=torch.float32)
     l2_prefetch(t)
     assert torch.equal(t, torch.arange(1000, dtype=torch.float32))
+    w = torch.arange(64 * 32, dtype=torch.float32).view(64, 32)
+    l2_prefetch_rows(w, 64)
+    assert torch.equal(w, torch.arange(64 * 32, dtype=torch.float32).view(64, 32))
 
 
 @pytest.mark.gpu
@@ -41,6 +58,25 @@ def test_prefetches_leave_every_byte_as_it_was_eager_and_in_a_cuda_graph(offset)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         l2_prefetch(view)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(base, before)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="needs a CUDA GPU")
+def test_row_prefetches_leave_every_byte_as_it_was_eager_and_in_a_cuda_graph():
+    """More rows than a program queues (a partial last program), a row prefix not a multiple of 16 bytes, one
+    longer than a row, and rows of a wider tensor (a row stride past the row): nothing changes."""
+    base = torch.randn(600, 4096 + 64, dtype=torch.bfloat16, device=DEVICE)
+    before = base.clone()
+    w = base[:, :4096]
+    l2_prefetch_rows(w, 1000)
+    l2_prefetch_rows(w, 1 << 20)
+    l2_prefetch_rows(w, 0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        l2_prefetch_rows(w, 512)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(base, before)
