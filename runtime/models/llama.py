@@ -24,6 +24,7 @@ into the projections instead (norm_fold.py, `LlamaForCausalLM.forward_folded`): 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -35,6 +36,9 @@ from sits.runtime.models.config import LlamaConfig
 from sits.runtime.models.kernel_ops import TORCH_OPS, KernelOps, logits_float32
 from sits.runtime.models.rotary import build_cos_sin_cache
 from sits.runtime.models.small_m_linear import DecodeLinear
+
+if TYPE_CHECKING:
+    from sits.runtime.models.gate_up_prefetch import GateUpPrefetch
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blocks, block_size, kv_heads, head_dim]
 
@@ -258,6 +262,7 @@ class LlamaDecoderLayer(nn.Module):
         cos_sin_cache: torch.Tensor,
         kv_cache: KVCache,
         metadata: AttentionMetadata,
+        prefetch: GateUpPrefetch | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer of a decode step with its norms folded into the projections (runtime/models/norm_fold.py).
 
@@ -267,13 +272,18 @@ class LlamaDecoderLayer(nn.Module):
             sumsq: [num_tokens, cdiv(hidden_size, 32)] float32, the stream's sums of squares, or None.
             stream: [num_tokens, hidden_size] float32, the residual stream, updated in place (this layer's
                 attention and MLP outputs added).
+            prefetch: queues gate_up's weight-row prefixes for L2 beside the attention and o_proj, or None.
         Returns:
             (x, sumsq) for the next layer (or, after the last, the stream's rounded copy and sums).
         """
         attn, mlp = self.self_attn, self.mlp
         qkv = attn.qkv_proj(x) if sumsq is None else attn.qkv_proj.scaled(x, sumsq, self.input_layernorm.eps)
+        if prefetch is not None:
+            prefetch.fork(mlp.gate_up_proj.weight)
         heads = attn.attend_heads(qkv, positions, cos_sin_cache, kv_cache, metadata)
         x, sumsq = attn.o_proj.to_stream(heads, stream)
+        if prefetch is not None:
+            prefetch.join()
         activated = mlp.gate_up_proj.scaled_silu_mul(x, sumsq, self.post_attention_layernorm.eps)
         return mlp.down_proj.to_stream(activated, stream)
 
@@ -310,11 +320,14 @@ class LlamaForCausalLM(nn.Module):
             in a half-precision model with --activation-dtype float32 (`use_activation_dtype`).
         fold_buckets: the M buckets (row counts up to 64) whose steps run with the decoder norms folded into the
             projections (`forward_folded`; set at start-up by norm_fold.fold_decoder_norms; empty: none).
+        gate_up_prefetch: queues gate_up's weight-row prefixes for L2 beside the attention of small folded
+            decode steps (gate_up_prefetch.py; set at start-up under SITS_GATE_UP_PREFETCH; None: off).
     """
 
     residual_dtype: torch.dtype | None = torch.float32
     activation_dtype: torch.dtype | None = None
     fold_buckets: frozenset[int] = frozenset()
+    gate_up_prefetch: GateUpPrefetch | None = None
 
     def __init__(self, config: LlamaConfig, backend: AttentionBackend, max_positions: int | None = None) -> None:
         super().__init__()
@@ -411,8 +424,12 @@ class LlamaForCausalLM(nn.Module):
         layers = self.model.layers
         x, stream = layers[0].input_layernorm(hidden, stream_dtype=torch.float32)
         sumsq = None
+        prefetch = self.gate_up_prefetch
+        if prefetch is not None and not prefetch.applies(input_ids.shape[0]):
+            prefetch = None
         for layer, kv_cache in zip(layers, kv_caches, strict=True):
-            x, sumsq = layer.forward_folded(x, sumsq, stream, positions, self.cos_sin_cache, kv_cache, metadata)
+            x, sumsq = layer.forward_folded(x, sumsq, stream, positions, self.cos_sin_cache, kv_cache, metadata,
+                                            prefetch)
         norm = self.model.norm
         return norm.ops.rms_norm(stream, norm.weight, norm.eps)
 
