@@ -1,6 +1,6 @@
 """Compile the decode path's kernels for the H200 (sm_90a) with and without programmatic dependent launch.
 
-    python benchmarks/compile_pdl_sm90.py [--json out.json]
+    python benchmarks/compile_pdl_sm90.py [--only TEXT] [--json out.json]
 
 Each kernel that takes USE_PDL (sits.kernels.pdl), at a Llama-3-8B decode launch: the fused add + RMSNorm,
 the small-M GEMM (plain and with SiLU·mul), RoPE + KV write, the decode split kernel and its merge, SiLU·mul,
@@ -8,7 +8,8 @@ greedy argmax's two kernels, and the fp8 path's (the fused add + RMSNorm + e4m3 
 per-token e4m3, the direct and the split-K fp8 GEMMs), each compiled with USE_PDL in each of its three modes
 (PDL_OFF, PDL_AT_EXIT, PDL_EARLY). Rows give how many grid-dependency instructions (`griddepcontrol.*`) the PTX
 holds: none off, the wait at exit-trigger, the wait and the early trigger with PDL_EARLY, and registers and
-spills each way (the wait must not cost registers). Run it without TRITON_INTERPRET.
+spills each way (the wait must not cost registers). --only TEXT: the kernels whose name contains TEXT. Run it
+without TRITON_INTERPRET.
 """
 
 from __future__ import annotations
@@ -128,8 +129,10 @@ def _describe(name: str, use_pdl: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="also write the rows to this JSON file")
+    parser.add_argument("--only", help="the kernels whose name contains this text (default: all)")
     args = parser.parse_args()
-    report_rows([(name, pdl_mode) for name in _launches() for pdl_mode in PDL_MODES], _describe, compile_one, args.json)
+    names = [name for name in _launches() if args.only is None or args.only in name]
+    report_rows([(name, pdl_mode) for name in names for pdl_mode in PDL_MODES], _describe, compile_one, args.json)
 
 
 if __name__ == "__main__":

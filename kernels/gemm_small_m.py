@@ -34,6 +34,8 @@ rows), whatever the batch. Configs are autotuned per (N, K, bucket of M) and dty
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -72,6 +74,12 @@ _GROUP = tl.constexpr(SUMSQ_GROUP)  # the same, for the jit functions
 # weight stream) up to this many values a program, else reduces them to 1 / rms first.
 _EARLY_RSTD_VALUES = tl.constexpr(4096)
 SMEM_BYTES = 227 * 1024  # shared memory one program may use on an H100 / H200 (sm_90)
+# A weight tile is read once a step. With SITS_WEIGHT_EVICT_FIRST=1 (read when this module is imported) its L2 lines
+# are the first to go, so lines queued ahead of a later kernel (runtime/models/gate_up_prefetch.py: gate_up's row
+# prefixes, queued before o_proj streams its 33.6 MB) outlive the stream. Unset: the default policy. Not timed yet.
+WEIGHT_EVICT_ENV = "SITS_WEIGHT_EVICT_FIRST"
+_W_EVICTION = tl.constexpr(
+    "evict_first" if os.environ.get(WEIGHT_EVICT_ENV, "").strip().lower() in ("1", "true", "on", "yes") else "")
 
 
 def small_m_rows_bucket(m: int) -> int:
@@ -172,9 +180,9 @@ def _k_mask(k, K, K_AXIS: tl.constexpr):
 def _load_w(ptrs, k, K, EVEN_K: tl.constexpr, K_AXIS: tl.constexpr):
     """A weight tile along K (rows already clamped into range): masked past K unless every K tile is whole."""
     if EVEN_K:
-        tile = tl.load(ptrs)
+        tile = tl.load(ptrs, eviction_policy=_W_EVICTION)
     else:
-        tile = tl.load(ptrs, mask=_k_mask(k, K, K_AXIS), other=0.0)
+        tile = tl.load(ptrs, mask=_k_mask(k, K, K_AXIS), other=0.0, eviction_policy=_W_EVICTION)
     return tile
 
 

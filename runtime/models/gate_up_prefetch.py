@@ -17,7 +17,9 @@ Correctness never depends on it: the prefetch changes no memory, and a line evic
 
 Off unless SITS_GATE_UP_PREFETCH gives the bytes a row (a positive multiple of 16, e.g. 512: 14 MiB for
 Llama-3-8B's 28,672 rows); only on a GPU that runs bulk L2 prefetches (sm_90 and later). Not yet timed in
-the decode step: `STEPS="l2rows prof1 prof1-gup512" benchmarks/gpu_profile_run.sh` measures it.
+the decode step: `STEPS="l2rows prof1 prof1-gup512 prof1-gup1024-ef" benchmarks/gpu_profile_run.sh` measures it
+(`-ef`: SITS_WEIGHT_EVICT_FIRST=1, the small-M GEMMs' weight lines leave L2 first, so o_proj's stream spares
+the prefetched ones; kernels/gemm_small_m.py).
 """
 
 from __future__ import annotations
