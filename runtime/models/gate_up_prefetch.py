@@ -11,8 +11,9 @@ program then finds its first tiles in L2 and reads that much less from HBM (`l2_
     ...                     # attention and o_proj on the current stream
     prefetch.join()         # the current stream waits for it: gate_up next
 
-A decode step with folded norms (`LlamaForCausalLM.forward_folded`) of at most `max_tokens` rows forks after
-qkv_proj and joins before gate_up, in every layer; inside a CUDA graph that is a branch beside the attention.
+A decode-only step with folded norms (`LlamaForCausalLM.forward_folded`) of at most `max_tokens` rows forks after
+qkv_proj and joins before gate_up, in every layer; inside a CUDA graph that is a branch beside the attention. (A
+step with prompt tokens never forks: a piecewise graph's pieces end at each attention, before the join.)
 Correctness never depends on it: the prefetch changes no memory, and a line evicted again is read from HBM.
 
 Off unless SITS_GATE_UP_PREFETCH gives the bytes a row (a positive multiple of 16, e.g. 512: 14 MiB for

@@ -424,8 +424,8 @@ class LlamaForCausalLM(nn.Module):
         layers = self.model.layers
         x, stream = layers[0].input_layernorm(hidden, stream_dtype=torch.float32)
         sumsq = None
-        prefetch = self.gate_up_prefetch
-        if prefetch is not None and not prefetch.applies(input_ids.shape[0]):
+        prefetch = self.gate_up_prefetch  # decode-only steps: a piecewise graph's piece ends at each attention
+        if prefetch is not None and (metadata.num_prefills or not prefetch.applies(input_ids.shape[0])):
             prefetch = None
         for layer, kv_cache in zip(layers, kv_caches, strict=True):
             x, sumsq = layer.forward_folded(x, sumsq, stream, positions, self.cos_sin_cache, kv_cache, metadata,
