@@ -392,3 +392,45 @@ def test_decode_rows_after_prefills_reuse_the_decode_only_binary(rope):
     launch(slice(1, 5))  # the decodes of a step with one prefill before them
     torch.cuda.synchronize()
     assert binaries() == compiled
+
+
+def test_the_one_tile_schedule_is_tuned_only_where_a_split_fits_it():
+    """(256, 8, 3) reads a 256-token split as one tile: the autotuner times it for splits of at most 256 tokens (batch
+    1's at 2,048) and not for longer ones (a batch whose sequences keep one split each), nor over an fp8 cache."""
+    from sits.kernels.decode_schedules import (
+        BF16_CONFIGS,
+        GPU_CONFIGS,
+        LONG_TILE_MAX_SPLIT,
+        prune_configs,
+        schedule_of,
+    )
+
+    assert (256, 8, 3) in {schedule_of(c) for c in BF16_CONFIGS}
+
+    def kept(split_bucket, fp8=False):
+        args = {"HEAD_DIM": 128, "FP8_KV": fp8, "split_bucket": split_bucket}
+        return {schedule_of(c) for c in prune_configs(GPU_CONFIGS, args)}
+
+    assert (256, 8, 3) in kept(LONG_TILE_MAX_SPLIT) and (256, 8, 3) in kept(128)
+    assert (256, 8, 3) not in kept(2 * LONG_TILE_MAX_SPLIT) and (128, 8, 5) in kept(2048)
+    assert kept(2048) == {schedule_of(c) for c in BF16_CONFIGS} - {(256, 8, 3)}
+    assert not any(block_n > 128 for block_n, *_ in kept(256, fp8=True))
+
+
+@pytest.mark.parametrize("rope", [False, True], ids=["q-rotated", "rope-fused"])
+def test_the_one_tile_schedule_matches_the_reference(monkeypatch, rope):
+    """(256, 8, 3) over 256-token splits (one whole tile each), a partial last split, a context shorter than a tile
+    and a padding row; with the RoPE + KV write fused too, bit for bit against the two launches at that schedule.
+    float16: the interpreter multiplies bf16 tiles as raw bits."""
+    monkeypatch.delenv(SPLIT_TOKENS_ENV, raising=False)
+    torch.manual_seed(21)
+    cache = random_paged_cache([700, 256, 37, 0], 2, 128, 16, torch.float16)
+    q = randn(4, 8, 128, dtype=torch.float16)
+    kwargs = {"num_splits": 3, "schedule": (256, 8, 3)}  # 700 tokens: splits of 256, 256, 188; 256: 128 each
+    if not rope:
+        _check(cache, q, 128**-0.5, torch.float16, **kwargs)
+        return
+    from tests.kernels.test_attention_decode_rope import assert_same_bits, decode_step, fused, two_launches
+
+    step = decode_step([700, 256, 37, 0], 8, 2, 16, torch.float16, torch.float16)
+    assert_same_bits(fused(step, **kwargs), two_launches(step, **kwargs), step)
