@@ -76,7 +76,9 @@
 #                  -hvNAME (prof1-hvswap_g_f, prof32-hvbase_f, ...): the bf16 cache's decode attention inner loop
 #                  NAME (SITS_DECODE_VARIANT, a key of decode_schedules.HALF_DECODE_VARIANTS; default "base")
 #                  -gupN (prof1-gup512, prof4-gup1024): gate_up's first N bytes a weight row prefetched into L2
-#                  beside each layer's attention (SITS_GATE_UP_PREFETCH, runtime/models/gate_up_prefetch.py; off)
+#                  beside each layer's attention (SITS_GATE_UP_PREFETCH, runtime/models/decode_prefetch.py; off)
+#                  -kv (prof1-gup512-kv-ef, prof1-kv-ef): the next layer's K / V pages prefetched there too
+#                  (SITS_KV_PREFETCH=1; off)
 #                  -ef (prof1-gup1024-ef, prof1-ef): the small-M GEMMs' weight loads evict first from L2
 #                  (SITS_WEIGHT_EVICT_FIRST=1, kernels/gemm_small_m.py; off)
 #   f32xtests      tests/kernels/test_gemm_small_m_float32_x.py on the GPU: every config the autotuner keeps for a
@@ -159,7 +161,7 @@ for step in $STEPS; do
       ${ATTN_ARGS:-} ;;
     l2pf) timeout 300 python3 benchmarks/bench_l2_prefetch.py --json "$LOG_DIR/l2pf.json" ;;
     l2rows) PYTHONSAFEPATH=1 timeout 150 python3 -m pytest tests/kernels/test_l2_prefetch.py \
-      tests/gpu/test_gate_up_prefetch.py -q -p no:cacheprovider --confcutdir=tests -rf
+      tests/gpu/test_decode_prefetch.py -q -p no:cacheprovider --confcutdir=tests -rf
       timeout 240 python3 benchmarks/bench_l2_prefetch.py --quick --json "$LOG_DIR/l2rows.json"
       echo "== with SITS_WEIGHT_EVICT_FIRST=1 (the GEMMs' weight lines leave L2 first)"
       SITS_WEIGHT_EVICT_FIRST=1 timeout 240 python3 benchmarks/bench_l2_prefetch.py --quick \
@@ -220,9 +222,11 @@ for step in $STEPS; do
       variant=""; case $step in *-hv*) variant=${step##*-hv}; variant=${variant%%-*} ;; esac
       gup=""; case $step in *-gup*) gup=${step##*-gup}; gup=${gup%%-*} ;; esac
       evict=""; case $step in *-ef*) evict=1 ;; esac
+      kvpf=""; case $step in *-kv*) kvpf=1 ;; esac
       SITS_SMALL_M_GEMM="$table" SITS_DECODE_FUSED_MERGE="$fused" SITS_PDL="$pdl" SITS_DECODE_SPLIT_TOKENS="$split" \
       SITS_DECODE_FUSED_ROPE="$rope" SITS_FOLD_NORMS="$fold" SITS_DECODE_VARIANT="$variant" \
-      SITS_DECODE_GRAPH_BOUNDS="$bounds" SITS_GATE_UP_PREFETCH="$gup" SITS_WEIGHT_EVICT_FIRST="$evict" timeout 200 \
+      SITS_DECODE_GRAPH_BOUNDS="$bounds" SITS_GATE_UP_PREFETCH="$gup" SITS_WEIGHT_EVICT_FIRST="$evict" \
+      SITS_KV_PREFETCH="$kvpf" timeout 200 \
       python3 benchmarks/profile_decode.py $COMMON --batch "$batch" --input-len 2048 $extra ;;
     trace256-cap*) budget=${step#trace256-cap}; cap=${budget%%-min*}; least=0
       [ "$budget" != "$cap" ] && least=${budget##*-min}

@@ -75,7 +75,7 @@ _GROUP = tl.constexpr(SUMSQ_GROUP)  # the same, for the jit functions
 _EARLY_RSTD_VALUES = tl.constexpr(4096)
 SMEM_BYTES = 227 * 1024  # shared memory one program may use on an H100 / H200 (sm_90)
 # A weight tile is read once a step. With SITS_WEIGHT_EVICT_FIRST=1 (read when this module is imported) its L2 lines
-# are the first to go, so lines queued ahead of a later kernel (runtime/models/gate_up_prefetch.py: gate_up's row
+# are the first to go, so lines queued ahead of a later kernel (runtime/models/decode_prefetch.py: gate_up's row
 # prefixes, queued before o_proj streams its 33.6 MB) outlive the stream. Unset: the default policy. Not timed yet.
 WEIGHT_EVICT_ENV = "SITS_WEIGHT_EVICT_FIRST"
 _W_EVICTION = tl.constexpr(

@@ -38,7 +38,7 @@ from sits.runtime.models.rotary import build_cos_sin_cache
 from sits.runtime.models.small_m_linear import DecodeLinear
 
 if TYPE_CHECKING:
-    from sits.runtime.models.gate_up_prefetch import GateUpPrefetch
+    from sits.runtime.models.decode_prefetch import DecodePrefetch
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blocks, block_size, kv_heads, head_dim]
 
@@ -262,7 +262,8 @@ class LlamaDecoderLayer(nn.Module):
         cos_sin_cache: torch.Tensor,
         kv_cache: KVCache,
         metadata: AttentionMetadata,
-        prefetch: GateUpPrefetch | None = None,
+        prefetch: DecodePrefetch | None = None,
+        next_kv_cache: KVCache | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer of a decode step with its norms folded into the projections (runtime/models/norm_fold.py).
 
@@ -272,14 +273,15 @@ class LlamaDecoderLayer(nn.Module):
             sumsq: [num_tokens, cdiv(hidden_size, 32)] float32, the stream's sums of squares, or None.
             stream: [num_tokens, hidden_size] float32, the residual stream, updated in place (this layer's
                 attention and MLP outputs added).
-            prefetch: queues gate_up's weight-row prefixes for L2 beside the attention and o_proj, or None.
+            prefetch: queues gate_up's weight-row prefixes and next_kv_cache's pages (the next layer's; None
+                after the last) for L2 beside the attention and o_proj, or None.
         Returns:
             (x, sumsq) for the next layer (or, after the last, the stream's rounded copy and sums).
         """
         attn, mlp = self.self_attn, self.mlp
         qkv = attn.qkv_proj(x) if sumsq is None else attn.qkv_proj.scaled(x, sumsq, self.input_layernorm.eps)
         if prefetch is not None:
-            prefetch.fork(mlp.gate_up_proj.weight)
+            prefetch.fork(mlp.gate_up_proj.weight, next_kv_cache, metadata.block_tables, metadata.seq_lens)
         heads = attn.attend_heads(qkv, positions, cos_sin_cache, kv_cache, metadata)
         x, sumsq = attn.o_proj.to_stream(heads, stream)
         if prefetch is not None:
@@ -320,14 +322,15 @@ class LlamaForCausalLM(nn.Module):
             in a half-precision model with --activation-dtype float32 (`use_activation_dtype`).
         fold_buckets: the M buckets (row counts up to 64) whose steps run with the decoder norms folded into the
             projections (`forward_folded`; set at start-up by norm_fold.fold_decoder_norms; empty: none).
-        gate_up_prefetch: queues gate_up's weight-row prefixes for L2 beside the attention of small folded
-            decode steps (gate_up_prefetch.py; set at start-up under SITS_GATE_UP_PREFETCH; None: off).
+        decode_prefetch: queues gate_up's weight-row prefixes and the next layer's K / V pages for L2 beside
+            the attention of small folded decode steps (decode_prefetch.py; set at start-up under
+            SITS_GATE_UP_PREFETCH / SITS_KV_PREFETCH; None: off).
     """
 
     residual_dtype: torch.dtype | None = torch.float32
     activation_dtype: torch.dtype | None = None
     fold_buckets: frozenset[int] = frozenset()
-    gate_up_prefetch: GateUpPrefetch | None = None
+    decode_prefetch: DecodePrefetch | None = None
 
     def __init__(self, config: LlamaConfig, backend: AttentionBackend, max_positions: int | None = None) -> None:
         super().__init__()
@@ -424,12 +427,13 @@ class LlamaForCausalLM(nn.Module):
         layers = self.model.layers
         x, stream = layers[0].input_layernorm(hidden, stream_dtype=torch.float32)
         sumsq = None
-        prefetch = self.gate_up_prefetch  # decode-only steps: a piecewise graph's piece ends at each attention
+        prefetch = self.decode_prefetch  # decode-only steps: a piecewise graph's piece ends at each attention
         if prefetch is not None and (metadata.num_prefills or not prefetch.applies(input_ids.shape[0])):
             prefetch = None
-        for layer, kv_cache in zip(layers, kv_caches, strict=True):
+        for index, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
+            next_kv = kv_caches[index + 1] if index + 1 < len(kv_caches) else None
             x, sumsq = layer.forward_folded(x, sumsq, stream, positions, self.cos_sin_cache, kv_cache, metadata,
-                                            prefetch)
+                                            prefetch, next_kv)
         norm = self.model.norm
         return norm.ops.rms_norm(stream, norm.weight, norm.eps)
 
