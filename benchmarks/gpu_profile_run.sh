@@ -160,7 +160,7 @@ for step in $STEPS; do
     attn-small) timeout 600 python3 benchmarks/bench_attention_decode.py --small-batch --json "$LOG_DIR/attn-small.json" \
       ${ATTN_ARGS:-} ;;
     l2pf) timeout 300 python3 benchmarks/bench_l2_prefetch.py --json "$LOG_DIR/l2pf.json" ;;
-    l2rows) PYTHONSAFEPATH=1 timeout 150 python3 -m pytest tests/kernels/test_l2_prefetch.py \
+    l2rows) PYTHONSAFEPATH=1 timeout 300 python3 -m pytest tests/kernels/test_l2_prefetch.py \
       tests/gpu/test_decode_prefetch.py -q -p no:cacheprovider --confcutdir=tests -rf
       timeout 240 python3 benchmarks/bench_l2_prefetch.py --quick --json "$LOG_DIR/l2rows.json"
       echo "== with SITS_WEIGHT_EVICT_FIRST=1 (the GEMMs' weight lines leave L2 first)"
