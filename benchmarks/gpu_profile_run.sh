@@ -76,9 +76,8 @@
 #                  -hvNAME (prof1-hvswap_g_f, prof32-hvbase_f, ...): the bf16 cache's decode attention inner loop
 #                  NAME (SITS_DECODE_VARIANT, a key of decode_schedules.HALF_DECODE_VARIANTS; default "base")
 #                  -gupN (prof1-gup512, prof4-gup1024): gate_up's first N bytes a weight row prefetched into L2
-#                  beside each layer's attention (SITS_GATE_UP_PREFETCH, runtime/models/decode_prefetch.py; off)
-#                  -kv (prof1-gup512-kv-ef, prof1-kv-ef): the next layer's K / V pages prefetched there too
-#                  (SITS_KV_PREFETCH=1; off)
+#                  beside each layer's attention; -qkvN: the next layer's qkv_proj rows' too; -kv: the next layer's
+#                  K / V pages (SITS_DECODE_PREFETCH="gate_up=N,qkv=N,kv", runtime/models/decode_prefetch.py; off)
 #                  -ef (prof1-gup1024-ef, prof1-ef): the small-M GEMMs' weight loads evict first from L2
 #                  (SITS_WEIGHT_EVICT_FIRST=1, kernels/gemm_small_m.py; off)
 #   f32xtests      tests/kernels/test_gemm_small_m_float32_x.py on the GPU: every config the autotuner keeps for a
@@ -220,13 +219,14 @@ for step in $STEPS; do
       extra=""; case $step in *-mml*) extra=${step##*-mml}; extra="--max-model-len ${extra%%-*}" ;; esac
       case $step in *-f32act*) extra="$extra --activation-dtype float32" ;; esac
       variant=""; case $step in *-hv*) variant=${step##*-hv}; variant=${variant%%-*} ;; esac
-      gup=""; case $step in *-gup*) gup=${step##*-gup}; gup=${gup%%-*} ;; esac
+      prefetch=""; case $step in *-gup*) v=${step##*-gup}; prefetch="gate_up=${v%%-*}" ;; esac
+      case $step in *-qkv*) v=${step##*-qkv}; prefetch="${prefetch:+$prefetch,}qkv=${v%%-*}" ;; esac
+      case $step in *-kv|*-kv-*) prefetch="${prefetch:+$prefetch,}kv" ;; esac
       evict=""; case $step in *-ef*) evict=1 ;; esac
-      kvpf=""; case $step in *-kv*) kvpf=1 ;; esac
       SITS_SMALL_M_GEMM="$table" SITS_DECODE_FUSED_MERGE="$fused" SITS_PDL="$pdl" SITS_DECODE_SPLIT_TOKENS="$split" \
       SITS_DECODE_FUSED_ROPE="$rope" SITS_FOLD_NORMS="$fold" SITS_DECODE_VARIANT="$variant" \
-      SITS_DECODE_GRAPH_BOUNDS="$bounds" SITS_GATE_UP_PREFETCH="$gup" SITS_WEIGHT_EVICT_FIRST="$evict" \
-      SITS_KV_PREFETCH="$kvpf" timeout 200 \
+      SITS_DECODE_GRAPH_BOUNDS="$bounds" SITS_DECODE_PREFETCH="$prefetch" SITS_WEIGHT_EVICT_FIRST="$evict" \
+      timeout 200 \
       python3 benchmarks/profile_decode.py $COMMON --batch "$batch" --input-len 2048 $extra ;;
     trace256-cap*) budget=${step#trace256-cap}; cap=${budget%%-min*}; least=0
       [ "$budget" != "$cap" ] && least=${budget##*-min}

@@ -31,7 +31,7 @@ first bytes takes the same share off every program's HBM read, where a prefix of
 measured above, on the decode stream) spares the first programs only, and the kernel still waits for the others.
 Not timed yet (`bench_l2_prefetch.py`'s gate_up-beside case). `l2_prefetch_pages` queues the K / V pages a
 decode attention will read (each sequence's filled block-table entries) for the same branch
-(runtime/models/decode_prefetch.py, which calls both when SITS_GATE_UP_PREFETCH / SITS_KV_PREFETCH ask).
+(runtime/models/decode_prefetch.py calls both where SITS_DECODE_PREFETCH asks).
 """
 
 from __future__ import annotations

@@ -263,7 +263,7 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: KVCache,
         metadata: AttentionMetadata,
         prefetch: DecodePrefetch | None = None,
-        next_kv_cache: KVCache | None = None,
+        next_layer: tuple[LlamaDecoderLayer, KVCache] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer of a decode step with its norms folded into the projections (runtime/models/norm_fold.py).
 
@@ -273,15 +273,18 @@ class LlamaDecoderLayer(nn.Module):
             sumsq: [num_tokens, cdiv(hidden_size, 32)] float32, the stream's sums of squares, or None.
             stream: [num_tokens, hidden_size] float32, the residual stream, updated in place (this layer's
                 attention and MLP outputs added).
-            prefetch: queues gate_up's weight-row prefixes and next_kv_cache's pages (the next layer's; None
-                after the last) for L2 beside the attention and o_proj, or None.
+            prefetch: queues what its plan names of this layer's gate_up and of next_layer (the next layer and its
+                KV cache; None after the last) for L2 beside the attention and o_proj (decode_prefetch.py), or None.
         Returns:
             (x, sumsq) for the next layer (or, after the last, the stream's rounded copy and sums).
         """
         attn, mlp = self.self_attn, self.mlp
         qkv = attn.qkv_proj(x) if sumsq is None else attn.qkv_proj.scaled(x, sumsq, self.input_layernorm.eps)
         if prefetch is not None:
-            prefetch.fork(mlp.gate_up_proj.weight, next_kv_cache, metadata.block_tables, metadata.seq_lens)
+            following, following_kv = next_layer if next_layer is not None else (None, None)
+            following_qkv = following.self_attn.qkv_proj.weight if following is not None else None
+            prefetch.fork(mlp.gate_up_proj.weight, following_qkv, following_kv, metadata.block_tables,
+                          metadata.seq_lens)
         heads = attn.attend_heads(qkv, positions, cos_sin_cache, kv_cache, metadata)
         x, sumsq = attn.o_proj.to_stream(heads, stream)
         if prefetch is not None:
@@ -322,9 +325,8 @@ class LlamaForCausalLM(nn.Module):
             in a half-precision model with --activation-dtype float32 (`use_activation_dtype`).
         fold_buckets: the M buckets (row counts up to 64) whose steps run with the decoder norms folded into the
             projections (`forward_folded`; set at start-up by norm_fold.fold_decoder_norms; empty: none).
-        decode_prefetch: queues gate_up's weight-row prefixes and the next layer's K / V pages for L2 beside
-            the attention of small folded decode steps (decode_prefetch.py; set at start-up under
-            SITS_GATE_UP_PREFETCH / SITS_KV_PREFETCH; None: off).
+        decode_prefetch: queues weight-row prefixes and the next layer's K / V pages for L2 beside the attention
+            of small folded decode steps (decode_prefetch.py; set at start-up under SITS_DECODE_PREFETCH; None: off).
     """
 
     residual_dtype: torch.dtype | None = torch.float32
@@ -431,9 +433,9 @@ class LlamaForCausalLM(nn.Module):
         if prefetch is not None and (metadata.num_prefills or not prefetch.applies(input_ids.shape[0])):
             prefetch = None
         for index, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
-            next_kv = kv_caches[index + 1] if index + 1 < len(kv_caches) else None
+            following = (layers[index + 1], kv_caches[index + 1]) if index + 1 < len(layers) else None
             x, sumsq = layer.forward_folded(x, sumsq, stream, positions, self.cos_sin_cache, kv_cache, metadata,
-                                            prefetch, next_kv)
+                                            prefetch, following)
         norm = self.model.norm
         return norm.ops.rms_norm(stream, norm.weight, norm.eps)
 

@@ -1,5 +1,5 @@
-"""gate_up's weight-row prefixes and the next layer's K / V pages prefetched into L2 beside the attention
-(SITS_GATE_UP_PREFETCH, SITS_KV_PREFETCH: runtime/models/decode_prefetch.py) on the GPU: prefetches are hints, so an
+"""gate_up's and the next qkv_proj's weight-row prefixes and the next layer's K / V pages prefetched into L2 beside the
+attention (SITS_DECODE_PREFETCH: runtime/models/decode_prefetch.py) on the GPU: prefetches are hints, so an
 engine with them gives the tokens of an engine without them, bit for bit, eagerly and from CUDA graphs (where the
 prefetch is a branch of each captured step).
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sits.runtime.models.decode_prefetch import KV_ENV, PREFETCH_MAX_TOKENS, ROWS_ENV
+from sits.runtime.models.decode_prefetch import PREFETCH_ENV, PREFETCH_MAX_TOKENS, PrefetchPlan
 from tests.gpu.test_norm_fold import small_m_table  # noqa: F401 (a fixture)
 from tests.runtime.test_gpu_engine import engine, generate, model
 
@@ -24,17 +24,15 @@ LENGTHS = (5, 37, 60, 129)
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "cuda-graphs"])
 def test_the_prefetches_change_no_token(small_m_table, monkeypatch, enforce_eager):  # noqa: F811
     assert len(LENGTHS) <= PREFETCH_MAX_TOKENS
-    monkeypatch.delenv(ROWS_ENV, raising=False)
-    monkeypatch.delenv(KV_ENV, raising=False)
+    monkeypatch.delenv(PREFETCH_ENV, raising=False)
     plain = engine(model("triton"), enforce_eager=enforce_eager, max_model_len=256)
     assert plain.runner.model.fold_buckets and plain.runner.model.decode_prefetch is None
     expected = generate(plain, 120, LENGTHS)
     del plain
-    monkeypatch.setenv(ROWS_ENV, "512")
-    monkeypatch.setenv(KV_ENV, "1")
+    monkeypatch.setenv(PREFETCH_ENV, "gate_up=512,qkv=512,kv")
     fetched = engine(model("triton"), enforce_eager=enforce_eager, max_model_len=256)
     prefetch = fetched.runner.model.decode_prefetch
-    assert prefetch is not None and prefetch.row_bytes == 512 and prefetch.kv_pages
+    assert prefetch is not None and prefetch.plan == PrefetchPlan(512, 512, True)
     assert (fetched.runner.decode_graphs is not None) == (not enforce_eager)
     assert generate(fetched, 120, LENGTHS) == expected
     torch.cuda.synchronize()

@@ -1,5 +1,5 @@
-"""SITS_GATE_UP_PREFETCH and SITS_KV_PREFETCH (runtime/models/decode_prefetch.py): what they ask for, refused by name
-when malformed, and nothing attached where no GPU runs bulk L2 prefetches. The engine's tokens with them on a GPU:
+"""SITS_DECODE_PREFETCH (runtime/models/decode_prefetch.py): the plan it names, refused by name when malformed, and
+nothing attached where no GPU runs bulk L2 prefetches. The engine's tokens with it on a GPU:
 tests/gpu/test_decode_prefetch.py."""
 
 from __future__ import annotations
@@ -9,53 +9,55 @@ import torch
 
 pytest.importorskip("triton")
 from sits.runtime.models.decode_prefetch import (  # noqa: E402
-    KV_ENV,
-    ROWS_ENV,
+    PREFETCH_ENV,
+    PrefetchPlan,
     attach_decode_prefetch,
-    prefetch_kv_pages,
-    prefetch_row_bytes,
+    prefetch_plan,
 )
 
 
-@pytest.mark.parametrize(("value", "expected"), [("", 0), ("0", 0), ("512", 512), (" 1024 ", 1024)])
-def test_the_bytes_a_row_it_asks_for(monkeypatch, value, expected):
-    monkeypatch.setenv(ROWS_ENV, value)
-    assert prefetch_row_bytes() == expected
+@pytest.mark.parametrize(("value", "expected"), [
+    ("", PrefetchPlan()),
+    (" , ", PrefetchPlan()),
+    ("gate_up=512", PrefetchPlan(gate_up_row_bytes=512)),
+    ("gate_up=0", PrefetchPlan()),
+    ("kv", PrefetchPlan(kv_pages=True)),
+    (" gate_up=512 , qkv=1024, kv ", PrefetchPlan(gate_up_row_bytes=512, qkv_row_bytes=1024, kv_pages=True)),
+])
+def test_the_plan_it_names(monkeypatch, value, expected):
+    monkeypatch.setenv(PREFETCH_ENV, value)
+    assert prefetch_plan() == expected
+    assert bool(prefetch_plan()) == bool(expected.gate_up_row_bytes or expected.qkv_row_bytes or expected.kv_pages)
 
 
-@pytest.mark.parametrize(("value", "expected"), [("", False), ("0", False), ("off", False), ("1", True),
-                                                 ("ON", True), ("yes", True)])
-def test_the_pages_switch(monkeypatch, value, expected):
-    monkeypatch.setenv(KV_ENV, value)
-    assert prefetch_kv_pages() is expected
+def test_unset_it_plans_nothing(monkeypatch):
+    monkeypatch.delenv(PREFETCH_ENV, raising=False)
+    assert not prefetch_plan() and prefetch_plan().describe() == "nothing"
 
 
-def test_unset_both_are_off(monkeypatch):
-    monkeypatch.delenv(ROWS_ENV, raising=False)
-    monkeypatch.delenv(KV_ENV, raising=False)
-    assert prefetch_row_bytes() == 0 and prefetch_kv_pages() is False
+def test_the_plan_describes_itself():
+    plan = PrefetchPlan(gate_up_row_bytes=512, kv_pages=True)
+    assert plan.describe() == "gate_up's first 512 bytes a row, the next layer's K / V pages"
 
 
-@pytest.mark.parametrize("value", ["100", "-16", "512B", "half"])
-def test_a_malformed_row_size_is_refused_by_name(monkeypatch, value):
-    monkeypatch.setenv(ROWS_ENV, value)
-    with pytest.raises(ValueError, match=f"{ROWS_ENV} must be a non-negative multiple of 16"):
-        prefetch_row_bytes()
+@pytest.mark.parametrize("value", ["gate_up=100", "gate_up=-16", "gate_up", "qkv=1k", "down=512", "kv=1", "all"])
+def test_a_malformed_item_is_refused_by_name(monkeypatch, value):
+    monkeypatch.setenv(PREFETCH_ENV, value)
+    with pytest.raises(ValueError, match=f"{PREFETCH_ENV}: .* is not one of gate_up=<bytes>, qkv=<bytes>"):
+        prefetch_plan()
 
 
-@pytest.mark.parametrize("value", ["2", "maybe", "-1"])
-def test_a_malformed_pages_switch_is_refused_by_name(monkeypatch, value):
-    monkeypatch.setenv(KV_ENV, value)
-    with pytest.raises(ValueError, match=f"{KV_ENV} must be 1 or 0"):
-        prefetch_kv_pages()
+def test_an_item_given_twice_is_refused(monkeypatch):
+    monkeypatch.setenv(PREFETCH_ENV, "gate_up=512,kv,gate_up=1024")
+    with pytest.raises(ValueError, match="'gate_up' is given twice"):
+        prefetch_plan()
 
 
 def test_nothing_is_attached_off_a_gpu(monkeypatch):
-    """A model that folds its norms, on the CPU: both switches set, but nothing there runs bulk L2 prefetches."""
+    """A model that folds its norms, on the CPU: a plan is set, but nothing there runs bulk L2 prefetches."""
     from sits.runtime.models.llama import LlamaForCausalLM
 
-    monkeypatch.setenv(ROWS_ENV, "512")
-    monkeypatch.setenv(KV_ENV, "1")
+    monkeypatch.setenv(PREFETCH_ENV, "gate_up=512,qkv=512,kv")
 
     class Folding(torch.nn.Module):
         fold_buckets = frozenset({1, 2, 4})
