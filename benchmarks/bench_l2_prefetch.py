@@ -14,7 +14,8 @@ together so nothing is read from L2 that the chain itself did not bring there:
   * gate_up: add + RMSNorm then gate_up + SiLU·mul (28,672 x 4,096); prefetches of 8 / 16 MiB before the norm;
   * gate_up beside: decode attention, o_proj, then gate_up + SiLU·mul, with sits.kernels.l2_prefetch_rows of
     the first 512 or 1,024 bytes of each of gate_up's 28,672 weight rows (14 / 28 MiB) on a stream beside,
-    forked before the attention (or after it) and joined before gate_up. The GEMM streams every row from its
+    forked before the attention (or after it) and joined before gate_up; and 1,024 / 2,048 bytes with the lines
+    marked evict-last (so o_proj's stream passes them by). The GEMM streams every row from its
     first column, so the prefetched bytes come off every program's HBM read. Also the row prefetch alone
     and followed by gate_up on one stream (the prefetch's grid retires once its lines landed), against
     gate_up alone: what a landed prefix saves the GEMM. `--quick` runs this case alone.
@@ -149,14 +150,14 @@ def gate_up_beside_case() -> tuple[list[Measurement], str]:
     mlp_out = torch.empty(1, INTERMEDIATE, dtype=torch.bfloat16, device="cuda")
     side = torch.cuda.Stream()
 
-    def chain(row_bytes: int, fork: str = "before"):
+    def chain(row_bytes: int, fork: str = "before", evict_last: bool = False):
         def call(i):
             stream, w = torch.cuda.current_stream(), gate_up[i % len(gate_up)]
 
             def fork_prefetch():
                 side.wait_stream(stream)
                 with torch.cuda.stream(side):
-                    l2_prefetch_rows(w, row_bytes)
+                    l2_prefetch_rows(w, row_bytes, evict_last)
             if row_bytes and fork == "before":
                 fork_prefetch()
             k, v, table = sets[i]
@@ -171,12 +172,13 @@ def gate_up_beside_case() -> tuple[list[Measurement], str]:
 
     base = time_ms(chain(0))
     rows, parts = [], [f"attention + o_proj + gate_up {base * 1e3:.1f} us"]
-    for row_bytes, fork in ((512, "before"), (1024, "before"), (1024, "after")):
-        ms = time_ms(chain(row_bytes, fork))
+    for row_bytes, fork, last in ((512, "before", False), (1024, "before", False), (1024, "after", False),
+                                  (1024, "before", True), (2048, "before", True)):
+        ms = time_ms(chain(row_bytes, fork, last))
         mib = 2 * INTERMEDIATE * row_bytes / MIB
-        parts.append(f"{row_bytes} B a row ({mib:.0f} MiB) beside, forked {fork} the attention {ms * 1e3:.1f} us")
-        rows.append(_row(f"attention + o_proj + gate_up, {row_bytes} B a row beside, forked {fork} the attention",
-                         ms, base, "no prefetch", {"prefetch_mib": mib}))
+        how = f"{row_bytes} B a row beside{', evict-last' if last else ''}, forked {fork} the attention"
+        parts.append(f"{how} ({mib:.0f} MiB) {ms * 1e3:.1f} us")
+        rows.append(_row(f"attention + o_proj + gate_up, {how}", ms, base, "no prefetch", {"prefetch_mib": mib}))
     alone = time_ms(rotating(lambda i: small_m_gemm_silu_mul(o_out, gate_up[i % len(gate_up)], out=mlp_out),
                              len(gate_up)))
     for row_bytes in (512, 1024, 2048):

@@ -51,34 +51,46 @@ _ROWS_PER_PROGRAM = 256  # l2_prefetch_rows: rows a program queues, one bulk pre
 _PAGES_PER_PROGRAM = 64  # l2_prefetch_pages: block-table entries a program reads, two bulk prefetches each
 
 
+_PREFETCH = tl.constexpr(
+    "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }")
+_PREFETCH_EVICT_LAST = tl.constexpr(
+    "{ .reg .pred p; .reg .b64 pol; setp.gt.s32 p, $2, 0; createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
+    "@p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, pol; mov.u32 $0, 0; }")
+
+
+@triton.jit
+def _bulk_prefetch(addresses, sizes, EVICT_LAST: tl.constexpr):
+    """One bulk L2 prefetch per element: sizes[i] bytes (a multiple of 16; <= 0: none) from addresses[i]; with
+    EVICT_LAST the lines are marked to leave L2 after evict-normal and evict-first ones."""
+    if EVICT_LAST:
+        tl.inline_asm_elementwise(_PREFETCH_EVICT_LAST, "=r,l,r", [addresses, sizes], dtype=tl.int32, is_pure=False,
+                                  pack=1)
+    else:
+        tl.inline_asm_elementwise(_PREFETCH, "=r,l,r", [addresses, sizes], dtype=tl.int32, is_pure=False, pack=1)
+
+
 @triton.jit
 def _l2_prefetch_kernel(ptr, nbytes, CHUNK: tl.constexpr, CHUNKS: tl.constexpr):
     """Program p queues bytes [p * CHUNKS * CHUNK, (p + 1) * CHUNKS * CHUNK) of ptr's first nbytes (a
     multiple of 16, as ptr's address) for L2, one bulk prefetch of up to CHUNK bytes per lane."""
     offsets = (tl.program_id(0) * CHUNKS + tl.arange(0, CHUNKS)).to(tl.int64) * CHUNK
     sizes = tl.minimum(tl.maximum(nbytes - offsets, 0), CHUNK).to(tl.int32)
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [ptr + offsets, sizes], dtype=tl.int32, is_pure=False, pack=1,
-    )
+    _bulk_prefetch(ptr + offsets, sizes, False)
 
 
 @triton.jit
-def _l2_prefetch_rows_kernel(ptr, rows, row_stride, nbytes, ROWS: tl.constexpr):
+def _l2_prefetch_rows_kernel(ptr, rows, row_stride, nbytes, ROWS: tl.constexpr, EVICT_LAST: tl.constexpr):
     """Program p queues bytes [0, nbytes) of rows p * ROWS .. + ROWS of ptr (row r at r * row_stride bytes;
     both 16-byte multiples) for L2, one bulk prefetch per row."""
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     sizes = tl.where(r < rows, nbytes, 0).to(tl.int32)
     offsets = tl.minimum(r, rows - 1).to(tl.int64) * row_stride
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [ptr + offsets, sizes], dtype=tl.int32, is_pure=False, pack=1,
-    )
+    _bulk_prefetch(ptr + offsets, sizes, EVICT_LAST)
 
 
 @triton.jit(do_not_specialize=["stride_table", "width"])  # one binary whatever the table's width
 def _l2_prefetch_pages_kernel(k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, stride_table, width, page_stride,
-                              page_bytes, PAGE_SIZE: tl.constexpr, PAGES: tl.constexpr):
+                              page_bytes, PAGE_SIZE: tl.constexpr, PAGES: tl.constexpr, EVICT_LAST: tl.constexpr):
     """Program (s, c) queues the K and V pages of block-table entries c * PAGES .. + PAGES of sequence s that its
     context fills (page p at p * page_stride bytes of k_ptr / v_ptr, page_bytes from there) for L2."""
     seq_len = tl.load(seq_lens_ptr + tl.program_id(0))
@@ -88,10 +100,7 @@ def _l2_prefetch_pages_kernel(k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, stri
     offsets = page.to(tl.int64) * page_stride
     sizes = tl.where(used, page_bytes, 0).to(tl.int32)
     for base in tl.static_range(2):
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r", [(k_ptr if base == 0 else v_ptr) + offsets, sizes], dtype=tl.int32, is_pure=False, pack=1,
-        )
+        _bulk_prefetch((k_ptr if base == 0 else v_ptr) + offsets, sizes, EVICT_LAST)
 
 
 def l2_prefetch_supported(device: torch.device) -> bool:
@@ -126,7 +135,7 @@ def l2_prefetch(t: torch.Tensor, nbytes: int | None = None) -> None:
     _l2_prefetch_kernel[grid](base, nbytes, CHUNK=CHUNK_BYTES, CHUNKS=_CHUNKS_PER_PROGRAM, num_warps=1)
 
 
-def l2_prefetch_rows(w: torch.Tensor, row_bytes: int) -> None:
+def l2_prefetch_rows(w: torch.Tensor, row_bytes: int, evict_last: bool = False) -> None:
     """Queue the first `row_bytes` bytes of every row of w (rounded down to 16; at most a row) for the L2 cache.
 
     A GEMM that streams each weight row from its first column (sits.kernels.gemm_small_m: every program runs
@@ -138,6 +147,8 @@ def l2_prefetch_rows(w: torch.Tensor, row_bytes: int) -> None:
         w: [N, K] on a CUDA device, its rows contiguous (stride(1) == 1), its address and row stride in
             bytes multiples of 16 (as an allocated weight's are).
         row_bytes: bytes from the start of each row, >= 0.
+        evict_last: mark the lines to leave L2 after evict-normal and evict-first ones (`createpolicy`
+            `L2::evict_last` on the prefetch), so streams of other data pass them by.
     Raises:
         ValueError: w is not 2-D with contiguous rows, its address or row stride is not 16-byte aligned,
             or row_bytes is negative.
@@ -153,11 +164,11 @@ def l2_prefetch_rows(w: torch.Tensor, row_bytes: int) -> None:
         return
     grid = (triton.cdiv(w.shape[0], _ROWS_PER_PROGRAM),)
     _l2_prefetch_rows_kernel[grid](w.view(torch.uint8), w.shape[0], stride, nbytes, ROWS=_ROWS_PER_PROGRAM,
-                                   num_warps=2)
+                                   EVICT_LAST=evict_last, num_warps=2)
 
 
 def l2_prefetch_pages(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                      seq_lens: torch.Tensor) -> None:
+                      seq_lens: torch.Tensor, evict_last: bool = False) -> None:
     """Queue for L2 the K and V pages that each sequence's context fills (its first cdiv(seq_len, page size)
     block-table entries): a paged cache's pages for a decode attention that has yet to run.
 
@@ -165,6 +176,7 @@ def l2_prefetch_pages(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables
         k_cache, v_cache: [num_blocks, page_size, ...] on a CUDA device, each page contiguous, its bytes and the
             caches' addresses multiples of 16.
         block_tables: [num_seqs, width] int32 page ids; seq_lens: [num_seqs] int32 tokens (0: none).
+        evict_last: as `l2_prefetch_rows`'.
     Raises:
         ValueError: the caches differ in shape or dtype, a page is not contiguous or 16-byte aligned, or the tables
             are not [num_seqs, width] int32 beside [num_seqs] int32 lengths.
@@ -188,5 +200,5 @@ def l2_prefetch_pages(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables
     _l2_prefetch_pages_kernel[grid](
         k_cache.view(torch.uint8), v_cache.view(torch.uint8), block_tables, seq_lens, block_tables.stride(0),
         block_tables.shape[1], k_cache.stride(0) * k_cache.element_size(), page_bytes,
-        PAGE_SIZE=k_cache.shape[1], PAGES=_PAGES_PER_PROGRAM, num_warps=2,
+        PAGE_SIZE=k_cache.shape[1], PAGES=_PAGES_PER_PROGRAM, EVICT_LAST=evict_last, num_warps=2,
     )

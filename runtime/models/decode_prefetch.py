@@ -16,8 +16,13 @@ SITS_DECODE_PREFETCH, comma-separated items:
   `l2_prefetch_pages`). On an H200 (2026-12-05) that attention took 9.1 µs with its pages in L2 against 10.4 µs
   from HBM.
 
-What is queued for the next layer must outlive this layer's gate_up and down_proj streams (~350 MB) first, so `qkv`
-and `kv` pair with SITS_WEIGHT_EVICT_FIRST=1 (kernels/gemm_small_m.py: the weight lines leave L2 first).
+- `evict_last`: every prefetch above marks its lines to leave L2 after evict-normal ones (`createpolicy`
+  `L2::evict_last`), so the weight streams in between pass them by.
+
+What is queued must outlive other streams first: o_proj's 33.6 MB before gate_up, and this layer's gate_up and
+down_proj (~350 MB) before the next layer's qkv_proj and attention. Hence `evict_last`, or SITS_WEIGHT_EVICT_FIRST=1
+(kernels/gemm_small_m.py: the weight lines leave L2 first; with Triton 3.9 and later only, which carry the policy onto
+the pipelined loads: not the H200 image's 3.6).
 
     prefetch = DecodePrefetch(PrefetchPlan(gate_up_row_bytes=512), max_tokens=4, device=device)
     prefetch.fork(gate_up_weight, next_qkv_weight, next_kv, block_tables, seq_lens)  # beside, after qkv_proj
@@ -30,8 +35,8 @@ step with prompt tokens never forks: a piecewise graph's pieces end at each atte
 Correctness never depends on it: a prefetch changes no memory, and a line evicted again is read from HBM.
 
 Off by default; only on a GPU that runs bulk L2 prefetches (sm_90 and later). Not yet timed in the decode step:
-`STEPS="l2rows prof1 prof1-gup512 prof1-gup1024-ef prof1-gup512-qkv1024-kv-ef" benchmarks/gpu_profile_run.sh`
-measures it (`-ef`: SITS_WEIGHT_EVICT_FIRST=1).
+`STEPS="l2rows prof1 prof1-gup512 prof1-gup1024-el prof1-gup512-qkv1024-kv-el" benchmarks/gpu_profile_run.sh`
+measures it (`-el`: evict_last).
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ PREFETCH_ENV = "SITS_DECODE_PREFETCH"
 PREFETCH_MAX_TOKENS = 4  # decode rows a step may have: past a few sequences their K / V reads fill HBM
 _GRANULE = 16  # the bulk prefetch's size granule, bytes
 _ROW_ITEMS = {"gate_up": "gate_up_row_bytes", "qkv": "qkv_row_bytes"}
+_FLAG_ITEMS = {"kv": "kv_pages", "evict_last": "evict_last"}
 
 
 @dataclass(frozen=True)
@@ -61,11 +67,13 @@ class PrefetchPlan:
         gate_up_row_bytes: bytes from the start of each of this layer's gate_up weight rows.
         qkv_row_bytes: bytes from the start of each of the next layer's qkv_proj weight rows.
         kv_pages: the next layer's K / V pages that the step's sequences fill.
+        evict_last: the prefetched lines leave L2 after evict-normal ones.
     """
 
     gate_up_row_bytes: int = 0
     qkv_row_bytes: int = 0
     kv_pages: bool = False
+    evict_last: bool = False
 
     def __bool__(self) -> bool:
         return bool(self.gate_up_row_bytes or self.qkv_row_bytes or self.kv_pages)
@@ -74,12 +82,13 @@ class PrefetchPlan:
         parts = [f"gate_up's first {self.gate_up_row_bytes} bytes a row" if self.gate_up_row_bytes else "",
                  f"the next qkv_proj's first {self.qkv_row_bytes} bytes a row" if self.qkv_row_bytes else "",
                  "the next layer's K / V pages" if self.kv_pages else ""]
-        return ", ".join(filter(None, parts)) or "nothing"
+        described = ", ".join(filter(None, parts))
+        return (described + (" (evict last)" if self.evict_last else "")) if described else "nothing"
 
 
 def prefetch_plan() -> PrefetchPlan:
-    """SITS_DECODE_PREFETCH's plan: `gate_up=<bytes>`, `qkv=<bytes>` (multiples of 16) and `kv`, comma-separated;
-    unset or empty: nothing.
+    """SITS_DECODE_PREFETCH's plan: `gate_up=<bytes>`, `qkv=<bytes>` (multiples of 16), `kv` and `evict_last`,
+    comma-separated; unset or empty: nothing.
 
     Raises:
         ValueError: an item that is none of these, a size that is not a non-negative multiple of 16, or an item
@@ -89,13 +98,13 @@ def prefetch_plan() -> PrefetchPlan:
     fields: dict[str, int | bool] = {}
     for item in filter(None, (part.strip() for part in value.split(","))):
         name, _, size = item.partition("=")
-        field = "kv_pages" if item == "kv" else _ROW_ITEMS.get(name)
-        if field is None or (field != "kv_pages" and (not size.isdigit() or int(size) % _GRANULE)):
+        field = _FLAG_ITEMS.get(item) or _ROW_ITEMS.get(name)
+        if field is None or (field in _ROW_ITEMS.values() and (not size.isdigit() or int(size) % _GRANULE)):
             raise ValueError(f"{PREFETCH_ENV}: {item!r} is not one of gate_up=<bytes>, qkv=<bytes> (non-negative "
-                             f"multiples of {_GRANULE}) or kv")
+                             f"multiples of {_GRANULE}), kv or evict_last")
         if field in fields:
             raise ValueError(f"{PREFETCH_ENV}: {name!r} is given twice")
-        fields[field] = True if field == "kv_pages" else int(size)
+        fields[field] = True if field in _FLAG_ITEMS.values() else int(size)
     return PrefetchPlan(**fields)
 
 
@@ -121,11 +130,11 @@ class DecodePrefetch:
         self.stream.wait_stream(torch.cuda.current_stream(gate_up_weight.device))
         with torch.cuda.stream(self.stream):
             if plan.gate_up_row_bytes:
-                l2_prefetch_rows(gate_up_weight, plan.gate_up_row_bytes)
+                l2_prefetch_rows(gate_up_weight, plan.gate_up_row_bytes, plan.evict_last)
             if plan.qkv_row_bytes and next_qkv_weight is not None:
-                l2_prefetch_rows(next_qkv_weight, plan.qkv_row_bytes)
+                l2_prefetch_rows(next_qkv_weight, plan.qkv_row_bytes, plan.evict_last)
             if plan.kv_pages and next_kv is not None:
-                l2_prefetch_pages(next_kv[0], next_kv[1], block_tables, seq_lens)
+                l2_prefetch_pages(next_kv[0], next_kv[1], block_tables, seq_lens, plan.evict_last)
 
     def join(self) -> None:
         """Make the current stream wait for the prefetch forked last (it must join before a graph's capture ends)."""

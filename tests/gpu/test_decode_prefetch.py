@@ -29,10 +29,10 @@ def test_the_prefetches_change_no_token(small_m_table, monkeypatch, enforce_eage
     assert plain.runner.model.fold_buckets and plain.runner.model.decode_prefetch is None
     expected = generate(plain, 120, LENGTHS)
     del plain
-    monkeypatch.setenv(PREFETCH_ENV, "gate_up=512,qkv=512,kv")
+    monkeypatch.setenv(PREFETCH_ENV, "gate_up=512,qkv=512,kv,evict_last")
     fetched = engine(model("triton"), enforce_eager=enforce_eager, max_model_len=256)
     prefetch = fetched.runner.model.decode_prefetch
-    assert prefetch is not None and prefetch.plan == PrefetchPlan(512, 512, True)
+    assert prefetch is not None and prefetch.plan == PrefetchPlan(512, 512, True, True)
     assert (fetched.runner.decode_graphs is not None) == (not enforce_eager)
     assert generate(fetched, 120, LENGTHS) == expected
     torch.cuda.synchronize()

@@ -106,9 +106,11 @@ def test_row_prefetches_leave_every_byte_as_it_was_eager_and_in_a_cuda_graph():
     l2_prefetch_rows(w, 1000)
     l2_prefetch_rows(w, 1 << 20)
     l2_prefetch_rows(w, 0)
+    l2_prefetch_rows(w, 512, evict_last=True)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         l2_prefetch_rows(w, 512)
+        l2_prefetch_rows(w, 256, evict_last=True)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(base, before)
@@ -121,9 +123,11 @@ def test_page_prefetches_leave_every_byte_as_it_was_eager_and_in_a_cuda_graph():
     k, v, tables, lens = _paged(num_blocks=300, width=150)
     before = (k.clone(), v.clone(), tables.clone(), lens.clone())
     l2_prefetch_pages(k, v, tables, lens)
+    l2_prefetch_pages(k, v, tables, lens, evict_last=True)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         l2_prefetch_pages(k, v, tables, lens)
+        l2_prefetch_pages(k, v, tables, lens, evict_last=True)
     graph.replay()
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip((k, v, tables, lens), before, strict=True))

@@ -23,6 +23,8 @@ from sits.runtime.models.decode_prefetch import (  # noqa: E402
     ("gate_up=0", PrefetchPlan()),
     ("kv", PrefetchPlan(kv_pages=True)),
     (" gate_up=512 , qkv=1024, kv ", PrefetchPlan(gate_up_row_bytes=512, qkv_row_bytes=1024, kv_pages=True)),
+    ("kv,evict_last", PrefetchPlan(kv_pages=True, evict_last=True)),
+    ("evict_last", PrefetchPlan(evict_last=True)),  # a policy for nothing: nothing is queued
 ])
 def test_the_plan_it_names(monkeypatch, value, expected):
     monkeypatch.setenv(PREFETCH_ENV, value)
@@ -38,12 +40,17 @@ def test_unset_it_plans_nothing(monkeypatch):
 def test_the_plan_describes_itself():
     plan = PrefetchPlan(gate_up_row_bytes=512, kv_pages=True)
     assert plan.describe() == "gate_up's first 512 bytes a row, the next layer's K / V pages"
+    assert PrefetchPlan(qkv_row_bytes=64, evict_last=True).describe() == (
+        "the next qkv_proj's first 64 bytes a row (evict last)")
+    assert not PrefetchPlan(evict_last=True) and PrefetchPlan(evict_last=True).describe() == "nothing"
 
 
-@pytest.mark.parametrize("value", ["gate_up=100", "gate_up=-16", "gate_up", "qkv=1k", "down=512", "kv=1", "all"])
+@pytest.mark.parametrize("value", ["gate_up=100", "gate_up=-16", "gate_up", "qkv=1k", "down=512", "kv=1", "all",
+                                   "evict_last=1"])
 def test_a_malformed_item_is_refused_by_name(monkeypatch, value):
     monkeypatch.setenv(PREFETCH_ENV, value)
-    with pytest.raises(ValueError, match=f"{PREFETCH_ENV}: .* is not one of gate_up=<bytes>, qkv=<bytes>"):
+    with pytest.raises(ValueError, match=f"{PREFETCH_ENV}: .* is not one of gate_up=<bytes>, qkv=<bytes> .*, kv or "
+                                         "evict_last"):
         prefetch_plan()
 
 
