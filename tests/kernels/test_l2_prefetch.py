@@ -75,6 +75,18 @@ def test_off_a_gpu_it_is_a_no_op():
     assert torch.equal(k, before)
 
 
+def _leave_every_byte(tensors, eager, captured) -> None:
+    """Run `eager` (a callable), then capture `captured` in a CUDA graph and replay it: every tensor keeps its bytes."""
+    before = [t.clone() for t in tensors]
+    eager()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(t, b) for t, b in zip(tensors, before, strict=True))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="needs a CUDA GPU")
 @pytest.mark.parametrize("offset", [0, 1, 3], ids=["aligned", "offset-1", "offset-3"])
@@ -83,51 +95,42 @@ def test_prefetches_leave_every_byte_as_it_was_eager_and_in_a_cuda_graph(offset)
     granule (a bf16 view starting 1 or 3 elements in) and a prefix: nothing changes, in a graph too."""
     base = torch.randn(3 * 32 * CHUNK_BYTES // 2 + 1000, dtype=torch.bfloat16, device=DEVICE)
     view = base[offset:]
-    before = base.clone()
-    l2_prefetch(view)
-    l2_prefetch(view, 4096 + 6)
-    l2_prefetch(view, 0)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def eager():
         l2_prefetch(view)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(base, before)
+        l2_prefetch(view, 4096 + 6)
+        l2_prefetch(view, 0)
+    _leave_every_byte([base], eager, lambda: l2_prefetch(view))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="needs a CUDA GPU")
 def test_row_prefetches_leave_every_byte_as_it_was_eager_and_in_a_cuda_graph():
     """More rows than a program queues (a partial last program), a row prefix not a multiple of 16 bytes, one
-    longer than a row, and rows of a wider tensor (a row stride past the row): nothing changes."""
+    longer than a row, rows of a wider tensor (a row stride past the row), lines marked evict-last: nothing
+    changes."""
     base = torch.randn(600, 4096 + 64, dtype=torch.bfloat16, device=DEVICE)
-    before = base.clone()
     w = base[:, :4096]
-    l2_prefetch_rows(w, 1000)
-    l2_prefetch_rows(w, 1 << 20)
-    l2_prefetch_rows(w, 0)
-    l2_prefetch_rows(w, 512, evict_last=True)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def eager():
+        for row_bytes in (1000, 1 << 20, 0):
+            l2_prefetch_rows(w, row_bytes)
+        l2_prefetch_rows(w, 512, evict_last=True)
+
+    def captured():
         l2_prefetch_rows(w, 512)
         l2_prefetch_rows(w, 256, evict_last=True)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(base, before)
+    _leave_every_byte([base], eager, captured)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="needs a CUDA GPU")
 def test_page_prefetches_leave_every_byte_as_it_was_eager_and_in_a_cuda_graph():
-    """Tables wider than a program's share of entries, a full row, an empty one and a short one: nothing changes."""
+    """Tables wider than a program's share of entries, a full row, an empty one and a short one, lines marked
+    evict-last: nothing changes."""
     k, v, tables, lens = _paged(num_blocks=300, width=150)
-    before = (k.clone(), v.clone(), tables.clone(), lens.clone())
-    l2_prefetch_pages(k, v, tables, lens)
-    l2_prefetch_pages(k, v, tables, lens, evict_last=True)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def both():
         l2_prefetch_pages(k, v, tables, lens)
         l2_prefetch_pages(k, v, tables, lens, evict_last=True)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert all(torch.equal(a, b) for a, b in zip((k, v, tables, lens), before, strict=True))
+    _leave_every_byte([k, v, tables, lens], both, both)
