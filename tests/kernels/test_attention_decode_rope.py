@@ -228,11 +228,15 @@ def test_float32_query_keeps_float32_accuracy(cache_dtype, splits):
 
 @pytest.mark.parametrize("splits", [1, 3])
 def test_float32_output_is_the_unrounded_half_output(splits):
-    """fp16 q with a float32 out buffer: the same result, stored before the rounding to fp16."""
+    """fp16 q with a float32 out buffer: the same result, stored before the rounding to fp16. On a GPU both run one
+    schedule: autotuned, each output dtype is tuned on its own and may pick another tile, hence another summation
+    order inside a split (the autotuned 3-split case failed on an H100 on 2026-12-05). The interpreter has one
+    schedule."""
     torch.manual_seed(8)
     step = decode_step(SEQ_LENS, 8, 2, 16, torch.float16, torch.float16)
-    wide, _, _ = fused(step, out_dtype=torch.float32, num_splits=splits)
-    narrow, _, _ = fused(step, num_splits=splits)
+    pinned = {"schedule": (64, 4, 4)} if ON_GPU else {}
+    wide, _, _ = fused(step, out_dtype=torch.float32, num_splits=splits, **pinned)
+    narrow, _, _ = fused(step, num_splits=splits, **pinned)
     assert wide.dtype == torch.float32 and not torch.equal(wide, wide.half().float())
     assert torch.equal(wide.half(), narrow)
 
