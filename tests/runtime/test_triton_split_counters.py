@@ -62,7 +62,10 @@ def test_the_environment_overrides_the_fused_merge_default(monkeypatch, env, def
 
 @pytest.mark.skipif(DEVICE.type == "cpu" and not attention_decode.is_interpreter(), reason="needs the interpreter")
 def test_back_end_passes_counters_only_when_the_fused_merge_is_on(monkeypatch):
-    """Decodes long enough for several splits: the same bits either way; counters allocated and zero after."""
+    """Decodes long enough for several splits: the same result either way (the same bits under the interpreter's one
+    schedule; on a GPU each variant is tuned on its own, FUSED_MERGE being in the autotune key, and may pick another
+    tile, hence another summation order: an H100 differed in the last bit on 2026-12-05. Bit for bit at one pinned
+    schedule: tests/kernels/test_attention_decode_fused.py); counters allocated and zero after."""
     torch.manual_seed(3)
     cache = random_paged_cache([700, 0, 300], 2, 64, 16, torch.float16)
     q = torch.randn(3, 4, 64).to(device=DEVICE, dtype=torch.float16)
@@ -73,7 +76,10 @@ def test_back_end_passes_counters_only_when_the_fused_merge_is_on(monkeypatch):
     assert backend.split_counters.size(DEVICE) == 0
     monkeypatch.setattr(attention_decode, "FUSED_MERGE_DEFAULT", True)
     fused = backend.forward(*args)
-    assert torch.equal(fused, two_launches)
+    if attention_decode.is_interpreter():
+        assert torch.equal(fused, two_launches)
+    else:
+        torch.testing.assert_close(fused, two_launches, rtol=2.0**-9, atol=2.0**-14)
     assert backend.split_counters.size(DEVICE) == 3 * 2
     assert backend.split_counters.get(DEVICE, 3, 2).count_nonzero() == 0
 
