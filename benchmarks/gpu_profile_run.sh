@@ -75,12 +75,6 @@
 #                  run the small-M kernels on float32 rows (two terms a tile) instead of mixed_linear's three launches
 #                  -hvNAME (prof1-hvswap_g_f, prof32-hvbase_f, ...): the bf16 cache's decode attention inner loop
 #                  NAME (SITS_DECODE_VARIANT, a key of decode_schedules.HALF_DECODE_VARIANTS; default "base")
-#                  -gupN (prof1-gup512, prof4-gup1024): gate_up's first N bytes a weight row prefetched into L2
-#                  beside each layer's attention; -qkvN: the next layer's qkv_proj rows' too; -kv: the next layer's
-#                  K / V pages; -el: the prefetched lines marked evict-last (SITS_DECODE_PREFETCH=
-#                  "gate_up=N,qkv=N,kv,evict_last", runtime/models/decode_prefetch.py; off)
-#                  -ef (prof1-gup1024-ef, prof1-ef): the small-M GEMMs' weight loads evict first from L2
-#                  (SITS_WEIGHT_EVICT_FIRST=1, kernels/gemm_small_m.py; off; pipelined loads need Triton >= 3.9)
 #   f32xtests      tests/kernels/test_gemm_small_m_float32_x.py on the GPU: every config the autotuner keeps for a
 #                  float32 x compiles and gives the float32 product (bf16 weights)
 #   foldtests      the folded norms' kernels (tests/kernels/test_gemm_small_m_fold.py) and the split-K kernel
@@ -97,8 +91,8 @@
 #                  the prefetch on a stream beside the attention (2026-12-04: a loss too)
 #   l2rows         bench_l2_prefetch.py --quick: gate_up's weight-row prefixes prefetched into L2 on a stream
 #                  beside the attention and o_proj, against the same chain without; and what a landed prefix
-#                  saves gate_up alone, and the prefixes marked evict-last (first the prefetch's GPU tests: bytes
-#                  unchanged, the engine's tokens unchanged)
+#                  saves gate_up alone, and the prefixes marked evict-last (first the prefetch kernels' GPU tests);
+#                  2026-12-05 on an H100: a loss (benchmarks/RESULTS.md)
 #   floor          benchmarks/bench_stream_floor.py: a kernel that only reads a batch-1 decode layer's bytes (each
 #                  projection's weight, the live K / V, lm_head) against cuBLAS on the same weight, the fixed cost
 #                  per launch fitted, and a step's floor under one kernel per operation
@@ -160,8 +154,8 @@ for step in $STEPS; do
     attn-small) timeout 600 python3 benchmarks/bench_attention_decode.py --small-batch --json "$LOG_DIR/attn-small.json" \
       ${ATTN_ARGS:-} ;;
     l2pf) timeout 300 python3 benchmarks/bench_l2_prefetch.py --json "$LOG_DIR/l2pf.json" ;;
-    l2rows) PYTHONSAFEPATH=1 timeout 300 python3 -m pytest tests/kernels/test_l2_prefetch.py \
-      tests/gpu/test_decode_prefetch.py -q -p no:cacheprovider --confcutdir=tests -rf
+    l2rows) PYTHONSAFEPATH=1 timeout 120 python3 -m pytest tests/kernels/test_l2_prefetch.py -q -p no:cacheprovider \
+      --confcutdir=tests/kernels -rf
       timeout 300 python3 benchmarks/bench_l2_prefetch.py --quick --json "$LOG_DIR/l2rows.json" ;;
     floor) timeout 300 python3 benchmarks/bench_stream_floor.py --json "$LOG_DIR/floor.json" ;;
     argmax) timeout 120 python3 benchmarks/bench_argmax.py --json "$LOG_DIR/argmax.json" ;;
@@ -217,15 +211,9 @@ for step in $STEPS; do
       extra=""; case $step in *-mml*) extra=${step##*-mml}; extra="--max-model-len ${extra%%-*}" ;; esac
       case $step in *-f32act*) extra="$extra --activation-dtype float32" ;; esac
       variant=""; case $step in *-hv*) variant=${step##*-hv}; variant=${variant%%-*} ;; esac
-      prefetch=""; case $step in *-gup*) v=${step##*-gup}; prefetch="gate_up=${v%%-*}" ;; esac
-      case $step in *-qkv*) v=${step##*-qkv}; prefetch="${prefetch:+$prefetch,}qkv=${v%%-*}" ;; esac
-      case $step in *-kv|*-kv-*) prefetch="${prefetch:+$prefetch,}kv" ;; esac
-      case $step in *-el|*-el-*) prefetch="${prefetch:+$prefetch,}evict_last" ;; esac
-      evict=""; case $step in *-ef*) evict=1 ;; esac
       SITS_SMALL_M_GEMM="$table" SITS_DECODE_FUSED_MERGE="$fused" SITS_PDL="$pdl" SITS_DECODE_SPLIT_TOKENS="$split" \
       SITS_DECODE_FUSED_ROPE="$rope" SITS_FOLD_NORMS="$fold" SITS_DECODE_VARIANT="$variant" \
-      SITS_DECODE_GRAPH_BOUNDS="$bounds" SITS_DECODE_PREFETCH="$prefetch" SITS_WEIGHT_EVICT_FIRST="$evict" \
-      timeout 200 \
+      SITS_DECODE_GRAPH_BOUNDS="$bounds" timeout 200 \
       python3 benchmarks/profile_decode.py $COMMON --batch "$batch" --input-len 2048 $extra ;;
     trace256-cap*) budget=${step#trace256-cap}; cap=${budget%%-min*}; least=0
       [ "$budget" != "$cap" ] && least=${budget##*-min}

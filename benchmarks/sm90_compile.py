@@ -51,8 +51,7 @@ def compile_sm90(fn, types: dict[str, str], constexprs: dict, aligned: Iterable[
     Returns:
         shared_bytes, wgmma, griddepcontrol (how many grid-dependency instructions the PTX holds: programmatic
         dependent launch, sits.kernels.pdl), evict_first / evict_last (how many L2 evict-first / evict-last cache
-        policies it creates: gemm_small_m's SITS_WEIGHT_EVICT_FIRST, l2_prefetch's evict_last), regs, spill_stores,
-        spill_loads.
+        policies it creates: a load's eviction_policy, l2_prefetch's evict_last), regs, spill_stores, spill_loads.
     """
     constexprs = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default} | dict(constexprs)
     signature = {name: types.get(name, "i32") for name in fn.arg_names if name not in constexprs}

@@ -49,11 +49,8 @@ def _config(block_n, warps, stages, maxnreg=None):
 # 3.9's sm_90a compile, the fused-RoPE launch at Llama-3-8B's layout): one at 4 stages, two at 5 or 6, three at 8.
 # (128, 8, 5) double-buffers the batch-1 winner's 128-token tiles (139 KB of shared memory, 88 registers): both
 # tiles of a 256-token split in flight at once, where (128, 8, 4) loads the second after the first is used (on
-# the H200, 2026-12-05, a fifth of that kernel's stalls waited on the tiles). (256, 8, 3) loads such a split as one
-# tile, K and V together (143 KB, 207 registers, no spill); it is timed only where a split holds at most
-# LONG_TILE_MAX_SPLIT tokens (`prune_configs`), so batches whose sequences keep one long split never tune it. Both
-# added without a GPU run yet; the autotuner times them beside the others.
-LONG_TILE_MAX_SPLIT = 256
+# the H200, 2026-12-05, a fifth of that kernel's stalls waited on the tiles). Added without a GPU run yet; the
+# autotuner times it beside the others.
 BF16_CONFIGS = [
     _config(16, 4, 8),
     _config(32, 2, 8),
@@ -64,7 +61,6 @@ BF16_CONFIGS = [
     _config(64, 8, 6),
     _config(128, 8, 4),
     _config(128, 8, 5),
-    _config(256, 8, 3),
 ]
 # The fp8 config, for DEFAULT_FP8_VARIANT, measured on an H200 (swap_g_f, GB/s at batch 448 / 256 / 32):
 # (64, 4, 8) 3,786 / 3,601 / 2,804 is within 5 % of the best at every batch >= 32, where (32, 2, 10)
@@ -90,16 +86,12 @@ INTERPRETER_CONFIG = _config(32, 4, 1)  # block 16: gathered pages; block 64: on
 
 
 def prune_configs(configs, named_args, **kwargs):
-    """The bf16 list for bf16 caches, the fp8 list for fp8 ones; BLOCK_N <= 64 at head_dim 256; BLOCK_N 256 only
-    where a split holds at most LONG_TILE_MAX_SPLIT tokens (the key's split_bucket)."""
+    """The bf16 list for bf16 caches, the fp8 list for fp8 ones; BLOCK_N <= 64 at head_dim 256."""
     head_dim = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM"))
     fp8 = kwargs.get("FP8_KV", named_args.get("FP8_KV"))
-    split_bucket = kwargs.get("split_bucket", named_args.get("split_bucket"))
     own = FP8_SCHEDULES if fp8 else BF16_SCHEDULES
     kept = [c for c in configs if schedule_of(c) in own or len(configs) == 1]
     kept = [c for c in kept if not (head_dim >= 256 and c.kwargs["BLOCK_N"] > 64)]
-    if split_bucket is not None and split_bucket > LONG_TILE_MAX_SPLIT:
-        kept = [c for c in kept if c.kwargs["BLOCK_N"] <= 128]
     return kept or configs[:1]
 
 

@@ -34,9 +34,6 @@ rows), whatever the batch. Configs are autotuned per (N, K, bucket of M) and dty
 
 from __future__ import annotations
 
-import logging
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -75,20 +72,6 @@ _GROUP = tl.constexpr(SUMSQ_GROUP)  # the same, for the jit functions
 # weight stream) up to this many values a program, else reduces them to 1 / rms first.
 _EARLY_RSTD_VALUES = tl.constexpr(4096)
 SMEM_BYTES = 227 * 1024  # shared memory one program may use on an H100 / H200 (sm_90)
-# A weight tile is read once a step. With SITS_WEIGHT_EVICT_FIRST=1 (read when this module is imported) its L2 lines
-# are the first to go, so lines queued ahead of a later kernel (runtime/models/decode_prefetch.py: gate_up's row
-# prefixes, queued before o_proj streams its 33.6 MB) outlive the stream. Unset: the default policy. Not timed yet.
-# Triton carries the policy onto pipelined (cp.async) loads from 3.9 on; 3.6 and 3.8 drop it there (their PTX, checked
-# 2026-12-05), and every shipped config pipelines its weight tiles at Llama-3-8B's shapes, so with them it does nothing
-# there (a launch whose loads stay unpipelined keeps it).
-WEIGHT_EVICT_ENV = "SITS_WEIGHT_EVICT_FIRST"
-WEIGHT_EVICT_MIN_TRITON = (3, 9)
-_W_EVICTION = tl.constexpr(
-    "evict_first" if os.environ.get(WEIGHT_EVICT_ENV, "").strip().lower() in ("1", "true", "on", "yes") else "")
-if _W_EVICTION.value and tuple(int(part) for part in triton.__version__.split(".")[:2]) < WEIGHT_EVICT_MIN_TRITON:
-    logging.getLogger(__name__).warning(
-        "%s=1 has no effect on pipelined weight loads with Triton %s (it needs %d.%d or later)", WEIGHT_EVICT_ENV,
-        triton.__version__, *WEIGHT_EVICT_MIN_TRITON)
 
 
 def small_m_rows_bucket(m: int) -> int:
@@ -189,9 +172,9 @@ def _k_mask(k, K, K_AXIS: tl.constexpr):
 def _load_w(ptrs, k, K, EVEN_K: tl.constexpr, K_AXIS: tl.constexpr):
     """A weight tile along K (rows already clamped into range): masked past K unless every K tile is whole."""
     if EVEN_K:
-        tile = tl.load(ptrs, eviction_policy=_W_EVICTION)
+        tile = tl.load(ptrs)
     else:
-        tile = tl.load(ptrs, mask=_k_mask(k, K, K_AXIS), other=0.0, eviction_policy=_W_EVICTION)
+        tile = tl.load(ptrs, mask=_k_mask(k, K, K_AXIS), other=0.0)
     return tile
 
 

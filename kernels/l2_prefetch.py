@@ -24,14 +24,12 @@ launch beside the stream was measured too (2026-12-04: a second stream in the CU
 attention and joined before or after o_proj). That chain took 25.5 µs against 22.9 without the prefetch. On that
 machine o_proj was barely faster hot than cold (13.2 against 14.1 µs), so there was little for the prefetch to win.
 
-`l2_prefetch_rows` aims at the one projection that sits at the HBM roof, gate_up + SiLU·mul (235 MB, ~56 µs a
-call at batch 1, its read alone 56.4 µs), from a stream beside the decode attention and o_proj, where HBM runs at
-a fraction of its rate. Every program of the GEMM starts its K loop at column 0, so queuing each weight row's
-first bytes takes the same share off every program's HBM read, where a prefix of the storage (the 8-16 MiB
-measured above, on the decode stream) spares the first programs only, and the kernel still waits for the others.
-Not timed yet (`bench_l2_prefetch.py`'s gate_up-beside case). `l2_prefetch_pages` queues the K / V pages a
-decode attention will read (each sequence's filled block-table entries) for the same branch
-(runtime/models/decode_prefetch.py calls both where SITS_DECODE_PREFETCH asks).
+`l2_prefetch_rows` (each weight row's first bytes: every program of a GEMM that starts its K loop at column 0 gets
+its first tiles from L2) and `l2_prefetch_pages` (the K / V pages a decode attention will read) were built for a
+stream beside the batch-1 attention, aimed at gate_up + SiLU·mul (235 MB at the HBM roof). Measured on an H100
+(2026-12-05, `bench_l2_prefetch.py --quick`): gate_up after 14-56 MiB of its row prefixes had landed took 77.8-78.2
+µs against 78.8 cold, while the prefetch beside attention + o_proj + gate_up made that chain 7-8 µs slower
+(103.6 -> 110.7-112.4 µs; evict-last lines, 112.0). The engine does not call them.
 """
 
 from __future__ import annotations

@@ -24,7 +24,6 @@ into the projections instead (norm_fold.py, `LlamaForCausalLM.forward_folded`): 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -36,9 +35,6 @@ from sits.runtime.models.config import LlamaConfig
 from sits.runtime.models.kernel_ops import TORCH_OPS, KernelOps, logits_float32
 from sits.runtime.models.rotary import build_cos_sin_cache
 from sits.runtime.models.small_m_linear import DecodeLinear
-
-if TYPE_CHECKING:
-    from sits.runtime.models.decode_prefetch import DecodePrefetch
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blocks, block_size, kv_heads, head_dim]
 
@@ -262,8 +258,6 @@ class LlamaDecoderLayer(nn.Module):
         cos_sin_cache: torch.Tensor,
         kv_cache: KVCache,
         metadata: AttentionMetadata,
-        prefetch: DecodePrefetch | None = None,
-        next_layer: tuple[LlamaDecoderLayer, KVCache] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer of a decode step with its norms folded into the projections (runtime/models/norm_fold.py).
 
@@ -273,22 +267,13 @@ class LlamaDecoderLayer(nn.Module):
             sumsq: [num_tokens, cdiv(hidden_size, 32)] float32, the stream's sums of squares, or None.
             stream: [num_tokens, hidden_size] float32, the residual stream, updated in place (this layer's
                 attention and MLP outputs added).
-            prefetch: queues what its plan names of this layer's gate_up and of next_layer (the next layer and its
-                KV cache; None after the last) for L2 beside the attention and o_proj (decode_prefetch.py), or None.
         Returns:
             (x, sumsq) for the next layer (or, after the last, the stream's rounded copy and sums).
         """
         attn, mlp = self.self_attn, self.mlp
         qkv = attn.qkv_proj(x) if sumsq is None else attn.qkv_proj.scaled(x, sumsq, self.input_layernorm.eps)
-        if prefetch is not None:
-            following, following_kv = next_layer if next_layer is not None else (None, None)
-            following_qkv = following.self_attn.qkv_proj.weight if following is not None else None
-            prefetch.fork(mlp.gate_up_proj.weight, following_qkv, following_kv, metadata.block_tables,
-                          metadata.seq_lens)
         heads = attn.attend_heads(qkv, positions, cos_sin_cache, kv_cache, metadata)
         x, sumsq = attn.o_proj.to_stream(heads, stream)
-        if prefetch is not None:
-            prefetch.join()
         activated = mlp.gate_up_proj.scaled_silu_mul(x, sumsq, self.post_attention_layernorm.eps)
         return mlp.down_proj.to_stream(activated, stream)
 
@@ -325,14 +310,11 @@ class LlamaForCausalLM(nn.Module):
             in a half-precision model with --activation-dtype float32 (`use_activation_dtype`).
         fold_buckets: the M buckets (row counts up to 64) whose steps run with the decoder norms folded into the
             projections (`forward_folded`; set at start-up by norm_fold.fold_decoder_norms; empty: none).
-        decode_prefetch: queues weight-row prefixes and the next layer's K / V pages for L2 beside the attention
-            of small folded decode steps (decode_prefetch.py; set at start-up under SITS_DECODE_PREFETCH; None: off).
     """
 
     residual_dtype: torch.dtype | None = torch.float32
     activation_dtype: torch.dtype | None = None
     fold_buckets: frozenset[int] = frozenset()
-    decode_prefetch: DecodePrefetch | None = None
 
     def __init__(self, config: LlamaConfig, backend: AttentionBackend, max_positions: int | None = None) -> None:
         super().__init__()
@@ -429,13 +411,8 @@ class LlamaForCausalLM(nn.Module):
         layers = self.model.layers
         x, stream = layers[0].input_layernorm(hidden, stream_dtype=torch.float32)
         sumsq = None
-        prefetch = self.decode_prefetch  # decode-only steps: a piecewise graph's piece ends at each attention
-        if prefetch is not None and (metadata.num_prefills or not prefetch.applies(input_ids.shape[0])):
-            prefetch = None
-        for index, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
-            following = (layers[index + 1], kv_caches[index + 1]) if index + 1 < len(layers) else None
-            x, sumsq = layer.forward_folded(x, sumsq, stream, positions, self.cos_sin_cache, kv_cache, metadata,
-                                            prefetch, following)
+        for layer, kv_cache in zip(layers, kv_caches, strict=True):
+            x, sumsq = layer.forward_folded(x, sumsq, stream, positions, self.cos_sin_cache, kv_cache, metadata)
         norm = self.model.norm
         return norm.ops.rms_norm(stream, norm.weight, norm.eps)
 

@@ -13,8 +13,7 @@ ptxas-blackwell.
   row), each stream case.
 * The fp8 weight-only GEMM (quick list), both decodings: native e4m3 for sm_90a, integer decoding for sm_80.
 * The kernels that take USE_PDL (programmatic dependent launch): the wait (and the early trigger) only when asked.
-* The small-M GEMM's weight loads: an L2 evict-first policy only under SITS_WEIGHT_EVICT_FIRST=1; the L2 prefetch
-  kernels' evict-last policy only when asked.
+* The L2 prefetch kernels: an evict-last policy only when asked.
 * The decode split kernel with its fused merge at the largest merge size (BLOCK_S 64) and without it, for
   the first and the last bf16 config (the most shared memory) and the fp8 default schedule (the full list: the
   script without --quick), each with q rotated before, with the RoPE + KV write fused in, and with a float32 q
@@ -40,12 +39,10 @@ PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas-bl
 pytestmark = pytest.mark.skipif(not os.access(PTXAS, os.X_OK), reason="Triton's bundled ptxas-blackwell is missing")
 
 
-def compile_rows(tmp_path: Path, script: str, *args: str, env_extra: dict[str, str] | None = None) -> list[dict]:
-    """The rows `benchmarks/<script> *args --json` writes, run without the interpreter (env_extra: more of its
-    environment)."""
+def compile_rows(tmp_path: Path, script: str, *args: str) -> list[dict]:
+    """The rows `benchmarks/<script> *args --json` writes, run without the interpreter."""
     out = tmp_path / "sm90.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", gemm_small_m.WEIGHT_EVICT_ENV)}
-    env.update(env_extra or {})
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BENCHMARKS), env.get("PYTHONPATH")]))  # sibling imports
     done = subprocess.run([sys.executable, str(BENCHMARKS / script), *args, "--json", str(out)], capture_output=True,
@@ -124,22 +121,6 @@ def test_pdl_kernels_hold_the_wait_and_the_trigger_only_when_asked(tmp_path):
         assert (off["griddepcontrol"], at_exit["griddepcontrol"], early["griddepcontrol"]) == (0, 1, 2), kernel
         assert off["regs"] == at_exit["regs"] == early["regs"], kernel
         assert off["spill_stores"] == at_exit["spill_stores"] == early["spill_stores"] == 0, kernel
-
-
-def test_weight_tiles_evict_first_only_when_asked(tmp_path):
-    """gemm_small_m's weight loads with SITS_WEIGHT_EVICT_FIRST=1: an L2 evict-first policy on them (the plain and
-    the SiLU·mul launch, every PDL mode; pipelined loads take it from Triton 3.9 on), none without it, and the same
-    registers either way."""
-    plain = compile_rows(tmp_path, "compile_pdl_sm90.py", "--only", "small-M GEMM")
-    evicting = compile_rows(tmp_path, "compile_pdl_sm90.py", "--only", "small-M GEMM",
-                            env_extra={gemm_small_m.WEIGHT_EVICT_ENV: "1"})
-    carried = tuple(int(part) for part in triton.__version__.split(".")[:2]) >= gemm_small_m.WEIGHT_EVICT_MIN_TRITON
-    assert len(plain) == len(evicting) == 6
-    for before, after in zip(plain, evicting, strict=True):
-        assert (before["kernel"], before["use_pdl"]) == (after["kernel"], after["use_pdl"])
-        assert before["evict_first"] == 0, before
-        assert after["evict_first"] > 0 or not carried, after  # older Triton: unpipelined loads only
-        assert before["regs"] == after["regs"] and after["spill_stores"] == 0, (before, after)
 
 
 def test_prefetches_mark_their_lines_evict_last_only_when_asked(tmp_path):
