@@ -392,4 +392,3 @@ def test_decode_rows_after_prefills_reuse_the_decode_only_binary(rope):
     launch(slice(1, 5))  # the decodes of a step with one prefill before them
     torch.cuda.synchronize()
     assert binaries() == compiled
-
