@@ -1,8 +1,8 @@
-"""Compile sits.kernels.l2_prefetch's row and page kernels for the H200 (sm_90a), with and without evict_last.
+"""Compile sits.kernels.l2_prefetch's row kernel for the H200 (sm_90a), with and without evict_last.
 
     python benchmarks/compile_l2_prefetch_sm90.py [--json out.json]
 
-Each kernel as its launcher specializes it (byte pointers, 16-byte aligned), with EVICT_LAST off and on. Rows give
+The kernel as its launcher specializes it (byte pointers, 16-byte aligned), with EVICT_LAST off and on. Rows give
 how many L2 evict-last cache policies the PTX creates (`createpolicy ... L2::evict_last`: none off, one per
 prefetch on), registers and spills. Run it without TRITON_INTERPRET.
 """
@@ -19,10 +19,6 @@ from sits.kernels import l2_prefetch
 _KERNELS = {
     "rows": (l2_prefetch._l2_prefetch_rows_kernel,
              {"ptr": "*u8", "rows": "i32", "row_stride": "i32", "nbytes": "i32"}, {"ROWS": 256}, ("ptr", "row_stride")),
-    "pages": (l2_prefetch._l2_prefetch_pages_kernel,
-              {"k_ptr": "*u8", "v_ptr": "*u8", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
-               "stride_table": "i32", "width": "i32", "page_stride": "i32", "page_bytes": "i32"},
-              {"PAGE_SIZE": 16, "PAGES": 64}, ("k_ptr", "v_ptr", "block_tables_ptr", "seq_lens_ptr")),
 }
 
 

@@ -47,10 +47,11 @@ def _config(block_n, warps, stages, maxnreg=None):
 # Paged loads spend pipeline stages on the block-table read, so deep pipelines keep enough K/V bytes
 # in flight per multiprocessor to stream at HBM speed. The K / V tiles a pipeline keeps in shared memory (Triton
 # 3.9's sm_90a compile, the fused-RoPE launch at Llama-3-8B's layout): one at 4 stages, two at 5 or 6, three at 8.
-# (128, 8, 5) double-buffers the batch-1 winner's 128-token tiles (139 KB of shared memory, 88 registers): both
-# tiles of a 256-token split in flight at once, where (128, 8, 4) loads the second after the first is used (on
-# the H200, 2026-12-05, a fifth of that kernel's stalls waited on the tiles). Added without a GPU run yet; the
-# autotuner times it beside the others.
+# (128, 8, 5) double-buffers the batch-1 winner's 128-token tiles (139 KB of shared memory, 100 registers under
+# Triton 3.6): both tiles of a 256-token split in flight at once, where (128, 8, 4) loads the second after the first
+# is used. On an H100 (2026-12-05, bench_attention_decode_l2.py) that took batch 1's split kernel + merge from 12.01
+# to 11.48 µs with K / V cold (9.3 µs hot either way) and lost 4 µs at batch 4; the autotuner times it beside the
+# others.
 BF16_CONFIGS = [
     _config(16, 4, 8),
     _config(32, 2, 8),

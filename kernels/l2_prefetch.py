@@ -2,8 +2,6 @@
 
     l2_prefetch(t, nbytes=None)   queue the first nbytes of t's storage (all of it by default) for L2
     l2_prefetch_rows(w, row_bytes) queue the first row_bytes of every row of a 2-D w [N, K] for L2
-    l2_prefetch_pages(k_cache, v_cache, block_tables, seq_lens)
-                                  queue the K / V pages that each sequence's context fills for L2
 
 At batch 1 a decode step's small kernels (the norms, RoPE + KV write, decode attention and its merge) leave
 HBM mostly idle for ~15 µs a layer: attention reads 8 MiB of K/V at ~1 TB/s, the others almost nothing. A
@@ -25,11 +23,11 @@ attention and joined before or after o_proj). That chain took 25.5 µs against 2
 machine o_proj was barely faster hot than cold (13.2 against 14.1 µs), so there was little for the prefetch to win.
 
 `l2_prefetch_rows` (each weight row's first bytes: every program of a GEMM that starts its K loop at column 0 gets
-its first tiles from L2) and `l2_prefetch_pages` (the K / V pages a decode attention will read) were built for a
-stream beside the batch-1 attention, aimed at gate_up + SiLU·mul (235 MB at the HBM roof). Measured on an H100
+its first tiles from L2) was built for a stream beside the batch-1 attention, aimed at gate_up + SiLU·mul (235 MB
+at the HBM roof). Measured on an H100
 (2026-12-05, `bench_l2_prefetch.py --quick`): gate_up after 14-56 MiB of its row prefixes had landed took 77.8-78.2
 µs against 78.8 cold, while the prefetch beside attention + o_proj + gate_up made that chain 7-8 µs slower
-(103.6 -> 110.7-112.4 µs; evict-last lines, 112.0). The engine does not call them.
+(103.6 -> 110.7-112.4 µs; evict-last lines, 112.0). The engine does not call it.
 """
 
 from __future__ import annotations
@@ -40,13 +38,12 @@ import triton.language as tl
 
 from sits.kernels.launch_utils import is_interpreter, require
 
-__all__ = ["CHUNK_BYTES", "l2_prefetch", "l2_prefetch_pages", "l2_prefetch_rows", "l2_prefetch_supported"]
+__all__ = ["CHUNK_BYTES", "l2_prefetch", "l2_prefetch_rows", "l2_prefetch_supported"]
 
 CHUNK_BYTES = 64 * 1024  # bytes per bulk prefetch (a multiple of 16)
 _CHUNKS_PER_PROGRAM = 32  # one per thread of a one-warp program: 2 MiB a program
 _ALIGN = 16  # the bulk prefetch's address and size granule
 _ROWS_PER_PROGRAM = 256  # l2_prefetch_rows: rows a program queues, one bulk prefetch each
-_PAGES_PER_PROGRAM = 64  # l2_prefetch_pages: block-table entries a program reads, two bulk prefetches each
 
 
 _PREFETCH = tl.constexpr(
@@ -84,21 +81,6 @@ def _l2_prefetch_rows_kernel(ptr, rows, row_stride, nbytes, ROWS: tl.constexpr, 
     sizes = tl.where(r < rows, nbytes, 0).to(tl.int32)
     offsets = tl.minimum(r, rows - 1).to(tl.int64) * row_stride
     _bulk_prefetch(ptr + offsets, sizes, EVICT_LAST)
-
-
-@triton.jit(do_not_specialize=["stride_table", "width"])  # one binary whatever the table's width
-def _l2_prefetch_pages_kernel(k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, stride_table, width, page_stride,
-                              page_bytes, PAGE_SIZE: tl.constexpr, PAGES: tl.constexpr, EVICT_LAST: tl.constexpr):
-    """Program (s, c) queues the K and V pages of block-table entries c * PAGES .. + PAGES of sequence s that its
-    context fills (page p at p * page_stride bytes of k_ptr / v_ptr, page_bytes from there) for L2."""
-    seq_len = tl.load(seq_lens_ptr + tl.program_id(0))
-    j = tl.program_id(1) * PAGES + tl.arange(0, PAGES)
-    used = (j < tl.cdiv(seq_len, PAGE_SIZE)) & (j < width)
-    page = tl.load(block_tables_ptr + tl.program_id(0).to(tl.int64) * stride_table + j, mask=used, other=0)
-    offsets = page.to(tl.int64) * page_stride
-    sizes = tl.where(used, page_bytes, 0).to(tl.int32)
-    for base in tl.static_range(2):
-        _bulk_prefetch((k_ptr if base == 0 else v_ptr) + offsets, sizes, EVICT_LAST)
 
 
 def l2_prefetch_supported(device: torch.device) -> bool:
@@ -164,39 +146,3 @@ def l2_prefetch_rows(w: torch.Tensor, row_bytes: int, evict_last: bool = False) 
     _l2_prefetch_rows_kernel[grid](w.view(torch.uint8), w.shape[0], stride, nbytes, ROWS=_ROWS_PER_PROGRAM,
                                    EVICT_LAST=evict_last, num_warps=2)
 
-
-def l2_prefetch_pages(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                      seq_lens: torch.Tensor, evict_last: bool = False) -> None:
-    """Queue for L2 the K and V pages that each sequence's context fills (its first cdiv(seq_len, page size)
-    block-table entries): a paged cache's pages for a decode attention that has yet to run.
-
-    Args:
-        k_cache, v_cache: [num_blocks, page_size, ...] on a CUDA device, each page contiguous, its bytes and the
-            caches' addresses multiples of 16.
-        block_tables: [num_seqs, width] int32 page ids; seq_lens: [num_seqs] int32 tokens (0: none).
-        evict_last: as `l2_prefetch_rows`'.
-    Raises:
-        ValueError: the caches differ in shape or dtype, a page is not contiguous or 16-byte aligned, or the tables
-            are not [num_seqs, width] int32 beside [num_seqs] int32 lengths.
-    A no-op where `l2_prefetch_supported` is false. Capturable in CUDA graphs (one kernel node).
-    """
-    require(k_cache.shape == v_cache.shape and k_cache.dtype == v_cache.dtype and k_cache.dim() >= 2
-            and k_cache.shape[0] > 0, "l2_prefetch_pages needs K and V caches of one shape and dtype, "
-            "[num_blocks, page_size, ...]")
-    page_bytes = k_cache[0].numel() * k_cache.element_size()
-    for cache in (k_cache, v_cache):
-        require(cache[0].is_contiguous() and cache.stride(0) * cache.element_size() % _ALIGN == 0
-                and page_bytes % _ALIGN == 0 and cache.data_ptr() % _ALIGN == 0,
-                "l2_prefetch_pages needs contiguous, 16-byte aligned pages")
-    require(block_tables.dim() == 2 and block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
-            and seq_lens.dtype == torch.int32 and seq_lens.shape == (block_tables.shape[0],),
-            "l2_prefetch_pages needs [num_seqs, width] int32 block tables (rows contiguous) and [num_seqs] int32 "
-            "lengths")
-    if 0 in block_tables.shape or not l2_prefetch_supported(k_cache.device):
-        return
-    grid = (block_tables.shape[0], triton.cdiv(block_tables.shape[1], _PAGES_PER_PROGRAM))
-    _l2_prefetch_pages_kernel[grid](
-        k_cache.view(torch.uint8), v_cache.view(torch.uint8), block_tables, seq_lens, block_tables.stride(0),
-        block_tables.shape[1], k_cache.stride(0) * k_cache.element_size(), page_bytes,
-        PAGE_SIZE=k_cache.shape[1], PAGES=_PAGES_PER_PROGRAM, EVICT_LAST=evict_last, num_warps=2,
-    )

@@ -8,7 +8,6 @@ import torch
 from sits.kernels.l2_prefetch import (
     CHUNK_BYTES,
     l2_prefetch,
-    l2_prefetch_pages,
     l2_prefetch_rows,
     l2_prefetch_supported,
 )
@@ -39,28 +38,6 @@ def test_bad_input_to_the_row_prefetch_is_refused():
         l2_prefetch_rows(w, -16)
 
 
-def _paged(num_blocks: int = 40, num_seqs: int = 3, width: int = 10):
-    """(k_cache, v_cache, block_tables, seq_lens) of a bf16 cache of 16-token pages, 2 KV heads x 64."""
-    k = torch.randn(num_blocks, 16, 2, 64, dtype=torch.bfloat16, device=DEVICE)
-    tables = torch.randint(0, num_blocks, (num_seqs, width), dtype=torch.int32, device=DEVICE)
-    lens = torch.tensor([width * 16, 0, 17][:num_seqs], dtype=torch.int32, device=DEVICE)
-    return k, torch.randn_like(k), tables, lens
-
-
-def test_bad_input_to_the_page_prefetch_is_refused():
-    k, v, tables, lens = _paged()
-    with pytest.raises(ValueError, match="one shape and dtype"):
-        l2_prefetch_pages(k, v[:, :8], tables, lens)
-    with pytest.raises(ValueError, match="one shape and dtype"):
-        l2_prefetch_pages(k, v.half(), tables, lens)
-    with pytest.raises(ValueError, match="aligned pages"):
-        l2_prefetch_pages(k[:, :, :, 1:], v[:, :, :, 1:], tables, lens)
-    with pytest.raises(ValueError, match="int32 block tables"):
-        l2_prefetch_pages(k, v, tables.long(), lens)
-    with pytest.raises(ValueError, match="int32 block tables"):
-        l2_prefetch_pages(k, v, tables, lens[:2])
-
-
 def test_off_a_gpu_it_is_a_no_op():
     assert not l2_prefetch_supported(torch.device("cpu"))
     t = torch.arange(1000, dtype=torch.float32)
@@ -69,10 +46,6 @@ def test_off_a_gpu_it_is_a_no_op():
     w = torch.arange(64 * 32, dtype=torch.float32).view(64, 32)
     l2_prefetch_rows(w, 64)
     assert torch.equal(w, torch.arange(64 * 32, dtype=torch.float32).view(64, 32))
-    k, v, tables, lens = (t.cpu() for t in _paged())
-    before = k.clone()
-    l2_prefetch_pages(k, v, tables, lens)
-    assert torch.equal(k, before)
 
 
 def _leave_every_byte(tensors, eager, captured) -> None:
@@ -122,15 +95,3 @@ def test_row_prefetches_leave_every_byte_as_it_was_eager_and_in_a_cuda_graph():
         l2_prefetch_rows(w, 256, evict_last=True)
     _leave_every_byte([base], eager, captured)
 
-
-@pytest.mark.gpu
-@pytest.mark.skipif(DEVICE.type != "cuda", reason="needs a CUDA GPU")
-def test_page_prefetches_leave_every_byte_as_it_was_eager_and_in_a_cuda_graph():
-    """Tables wider than a program's share of entries, a full row, an empty one and a short one, lines marked
-    evict-last: nothing changes."""
-    k, v, tables, lens = _paged(num_blocks=300, width=150)
-
-    def both():
-        l2_prefetch_pages(k, v, tables, lens)
-        l2_prefetch_pages(k, v, tables, lens, evict_last=True)
-    _leave_every_byte([k, v, tables, lens], both, both)

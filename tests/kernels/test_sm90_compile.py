@@ -13,7 +13,7 @@ ptxas-blackwell.
   row), each stream case.
 * The fp8 weight-only GEMM (quick list), both decodings: native e4m3 for sm_90a, integer decoding for sm_80.
 * The kernels that take USE_PDL (programmatic dependent launch): the wait (and the early trigger) only when asked.
-* The L2 prefetch kernels: an evict-last policy only when asked.
+* The L2 row prefetch: an evict-last policy only when asked.
 * The decode split kernel with its fused merge at the largest merge size (BLOCK_S 64) and without it, for
   the first and the last bf16 config (the most shared memory) and the fp8 default schedule (the full list: the
   script without --quick), each with q rotated before, with the RoPE + KV write fused in, and with a float32 q
@@ -124,11 +124,11 @@ def test_pdl_kernels_hold_the_wait_and_the_trigger_only_when_asked(tmp_path):
 
 
 def test_prefetches_mark_their_lines_evict_last_only_when_asked(tmp_path):
-    """sits.kernels.l2_prefetch's row and page kernels: an L2 evict-last policy on the bulk prefetches with
-    evict_last, none without it (their own PTX: any Triton), no spill."""
+    """sits.kernels.l2_prefetch's row kernel: an L2 evict-last policy on the bulk prefetches with evict_last, none
+    without it (its own PTX: any Triton), no spill."""
     rows = compile_rows(tmp_path, "compile_l2_prefetch_sm90.py")
     assert {(row["kernel"], row["evict_last_asked"]) for row in rows} == {
-        (kernel, asked) for kernel in ("rows", "pages") for asked in (False, True)}
+        (kernel, asked) for kernel in ("rows",) for asked in (False, True)}
     for row in rows:
         assert (row["evict_last"] > 0) == row["evict_last_asked"], row
         assert row["spill_stores"] == 0, row
