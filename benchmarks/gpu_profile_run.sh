@@ -96,6 +96,9 @@
 #   floor          benchmarks/bench_stream_floor.py: a kernel that only reads a batch-1 decode layer's bytes (each
 #                  projection's weight, the live K / V, lm_head) against cuBLAS on the same weight, the fixed cost
 #                  per launch fitted, and a step's floor under one kernel per operation
+#   fused-floor    benchmarks/bench_fused_floor.py: a decode layer's five reads in one persistent launch with grid
+#                  barriers between them (the next phase's first tiles loaded before each wait), against five kernels
+#                  back to back and one read of the same bytes: what one launch a layer could save at batch 1
 #   attn-l2        benchmarks/bench_attention_decode_l2.py: decode attention at batches 1 and 4 with its K / V cold against
 #                  already in L2, autotuned and at each bf16 schedule: the most a prefetch of K / V could take off
 #   attn-bound     benchmarks/bench_attention_decode_bound.py: decode attention at batches 1 and 4 told a 131,072-token
@@ -158,6 +161,7 @@ for step in $STEPS; do
       --confcutdir=tests/kernels -rf
       timeout 300 python3 benchmarks/bench_l2_prefetch.py --quick --json "$LOG_DIR/l2rows.json" ;;
     floor) timeout 300 python3 benchmarks/bench_stream_floor.py --json "$LOG_DIR/floor.json" ;;
+    fused-floor) timeout 240 python3 benchmarks/bench_fused_floor.py --json "$LOG_DIR/fused-floor.json" ;;
     argmax) timeout 120 python3 benchmarks/bench_argmax.py --json "$LOG_DIR/argmax.json" ;;
     trace448fp8) timeout 400 python3 benchmarks/bench_step_trace.py $COMMON --batch 448 --input-len 2048 \
       --output-len "${TRACE448_OUTPUT_LEN:-2048}" --prompts 448 --quantization fp8 --kv-cache-dtype fp8 \
