@@ -207,7 +207,8 @@ def test_gpu_configuration_matches_the_float32_cpu_engine(name, reference):
     llm.shutdown()
     print(f"\nRESULT parity {name}: {identical}/{len(answers)} identical over {NEW_TOKENS} tokens, mean common prefix "
           f"{sum(prefixes) / len(prefixes):.1f}, teacher-forced agreement {forced:.1%} ({decisive}/{positions} where "
-          f"float32's top-2 margin >= {NEAR_TIE}), max |dlogprob| vs transformers fp32 {worst:.4f}")
+          f"float32's top-2 margin >= {NEAR_TIE}), max |dlogprob| vs transformers fp32 {worst:.4f}; tokens before the "
+          f"first divergence per prompt {prefixes}")
     assert forced >= MIN_TEACHER_FORCED[quantization], f"{name}: teacher-forced agreement {forced:.1%}"
     if quantization == "none":
         assert decisive >= MIN_DECISIVE * positions, f"{name}: {decisive} of {positions} decisive positions agree"
