@@ -99,6 +99,8 @@
 #   fused-floor    benchmarks/bench_fused_floor.py: a decode layer's five reads in one persistent launch with grid
 #                  barriers between them (the next phase's first tiles loaded before each wait), against five kernels
 #                  back to back and one read of the same bytes: what one launch a layer could save at batch 1
+#   fused-mlp      benchmarks/bench_fused_mlp.py: the batch-1 MLP (gate_up + SiLU·mul, down_proj) in one persistent
+#                  launch with a grid barrier, against the engine's two launches at the table's configs
 #   attn-l2        benchmarks/bench_attention_decode_l2.py: decode attention at batches 1 and 4 with its K / V cold against
 #                  already in L2, autotuned and at each bf16 schedule: the most a prefetch of K / V could take off
 #   attn-bound     benchmarks/bench_attention_decode_bound.py: decode attention at batches 1 and 4 told a 131,072-token
@@ -162,6 +164,7 @@ for step in $STEPS; do
       timeout 300 python3 benchmarks/bench_l2_prefetch.py --quick --json "$LOG_DIR/l2rows.json" ;;
     floor) timeout 300 python3 benchmarks/bench_stream_floor.py --json "$LOG_DIR/floor.json" ;;
     fused-floor) timeout 240 python3 benchmarks/bench_fused_floor.py --json "$LOG_DIR/fused-floor.json" ;;
+    fused-mlp) timeout 240 python3 benchmarks/bench_fused_mlp.py --json "$LOG_DIR/fused-mlp.json" ;;
     argmax) timeout 120 python3 benchmarks/bench_argmax.py --json "$LOG_DIR/argmax.json" ;;
     trace448fp8) timeout 400 python3 benchmarks/bench_step_trace.py $COMMON --batch 448 --input-len 2048 \
       --output-len "${TRACE448_OUTPUT_LEN:-2048}" --prompts 448 --quantization fp8 --kv-cache-dtype fp8 \

@@ -1,0 +1,199 @@
+"""A batch-1 MLP (gate_up + SiLU·mul, then down_proj) in one persistent launch with a grid barrier between the two
+GEMMs, against the two launches the engine runs (the committed small-M table's pinned configs).
+
+    python benchmarks/bench_fused_mlp.py [--json rows.json]
+
+`bench_fused_floor.py` asks whether one launch with grid barriers reads a layer's bytes faster than one launch per
+operation. This is the same question with the real work of the layer's two largest operations (352 MB of its 436):
+P programs, all resident at once, each owns units of work that cost the same, and runs them with the engine's own
+small-M loop (`gemm_small_m._row_sums`: swapped dots over a 16-row x tile, the weight tiles pipelined by cp.async).
+  * gate_up + SiLU·mul: a unit is BLOCK_I intermediate columns (their gate and up rows, the whole K of 4,096), h
+    rounded as the engine's launch stores it (`gemm_small_m.store_out`);
+  * a barrier: every h column is written;
+  * down_proj: a unit is BLOCK_N output rows over a K_SPLIT-th of the 14,336 intermediate columns; each unit adds its
+    float32 partial sums into out with atomics (so the sum order is not fixed: this measures speed; the engine's
+    split-K reduces in a fixed order).
+With PREFETCH bytes, a program queues the first bytes of each weight row of its first down unit for L2 (bulk
+prefetches, sm_90) before it waits at the barrier, so HBM keeps streaming while the last gate_up units finish. The
+out buffer is zeroed by the gate_up phase (it is not read before the barrier). A configuration whose programs cannot
+all be resident would wait forever; the polls give up after SPIN_LIMIT and flag the launch, and it is skipped.
+
+The peer, in the same run and CUDA graphs, over the same two rotated copies of the weights (704 MB, nothing read from
+L2): `small_m_gemm_silu_mul` then `small_m_gemm_splitk` at the table's batch-1 configs, the engine's two launches.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from bench_fused_floor import _barrier
+from kernel_bench_utils import Measurement, parse_args, report, time_ms
+
+from sits.kernels.gemm_small_m import _row_sums, small_m_gemm_silu_mul, store_out
+from sits.kernels.gemm_small_m_splitk import counters_needed, small_m_gemm_splitk
+from sits.kernels.l2_prefetch import _bulk_prefetch
+from sits.kernels.launch_utils import is_interpreter
+from sits.kernels.small_m_table import load_small_m_table
+
+DEVICE = "cuda"
+DTYPE = torch.bfloat16
+HIDDEN, INTERMEDIATE = 4096, 14336
+COPIES = 2
+SPIN_LIMIT = 1 << 22
+# (BLOCK_I, BLOCK_N, K_SPLIT, BLOCK_K, num_warps, num_stages, PREFETCH bytes a down row, programs): every program
+# gets the same number of units of each phase (14,336 / BLOCK_I gate_up units, 4,096 / BLOCK_N x 7 down units), and
+# all programs must fit at once: 448 programs are 4 an SM (132 SMs), 224 are 2.
+CONFIGS = [(32, 64, 7, 64, 4, 4, 0, 448), (32, 64, 7, 64, 4, 4, 256, 448), (32, 64, 7, 64, 4, 4, 1024, 448),
+           (64, 128, 7, 128, 8, 3, 0, 224), (64, 128, 7, 128, 8, 3, 512, 224)]
+
+
+@triton.jit
+def _gate_up_unit(x_ptr, w_ptr, h_ptr, unit, K, INTER, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
+                  DOT_FP32: tl.constexpr):
+    """h[unit's BLOCK_I columns] = silu(x @ gate^T) * (x @ up^T) for one row x [K]; w: [2I, K] (gate rows, then up).
+    The engine's direct kernel's own loop (`_row_sums`, swapped dots over a 16-row x tile) and epilogue."""
+    offs_m = tl.arange(0, 16)
+    in_m = offs_m < 1
+    r = tl.arange(0, 2 * BLOCK_I)
+    rows_w = (unit * BLOCK_I + r % BLOCK_I + (r // BLOCK_I) * INTER).to(tl.int64)
+    sums = _row_sums(x_ptr, w_ptr, offs_m.to(tl.int64), in_m, rows_w, K, K, K, 16, 2 * BLOCK_I, BLOCK_K, True, True,
+                     DOT_FP32)
+    store_out(h_ptr, sums, offs_m, unit * BLOCK_I + tl.arange(0, BLOCK_I), in_m, INTER, INTER, 16, BLOCK_I, True)
+
+
+@triton.jit
+def _down_unit(h_ptr, w_ptr, out_ptr, unit, tiles, span, INTER, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               DOT_FP32: tl.constexpr):
+    """out[unit's BLOCK_N rows] += w[rows, k0:k0 + span] @ h[k0:k0 + span] (float32 atomics)."""
+    offs_m = tl.arange(0, 16)
+    in_m = offs_m < 1
+    rows_w = ((unit % tiles) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    k0 = (unit // tiles) * span
+    sums = _row_sums(h_ptr + k0, w_ptr + k0, offs_m.to(tl.int64), in_m, rows_w, span, INTER, INTER, 16, BLOCK_N, BLOCK_K,
+                     True, True, DOT_FP32)
+    tl.atomic_add(out_ptr + rows_w[None, :] + offs_m[:, None] * 0, sums, mask=in_m[:, None], sem="relaxed")
+
+
+@triton.jit
+def _prefetch_down_unit(w_ptr, unit, tiles, span, INTER, PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Queue the first PREFETCH bytes of each of a down unit's BLOCK_N weight rows for L2 (sm_90 bulk prefetches)."""
+    rows = ((unit % tiles) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    starts = w_ptr + rows * INTER + (unit // tiles) * span
+    _bulk_prefetch(starts, tl.full([BLOCK_N], PREFETCH, tl.int32), False)
+
+
+@triton.jit
+def _fused_mlp_kernel(x_ptr, w_gate_up_ptr, w_down_ptr, h_ptr, out_ptr, counter, flag, spin_limit, N, INTER, K,
+                      BLOCK_I: tl.constexpr, BLOCK_N: tl.constexpr, K_SPLIT: tl.constexpr, BLOCK_K: tl.constexpr,
+                      PREFETCH: tl.constexpr, DOT_FP32: tl.constexpr):
+    """Grid (P,): gate_up + SiLU·mul units pid, pid + P, ...; the barrier; down units likewise. x: [K]; h: [INTER];
+    out: [N] float32 (zeroed here before the barrier). PREFETCH > 0: the bytes of each weight row of a program's
+    first down unit queued for L2 before it waits."""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    for unit in range(pid, tl.cdiv(N, 1024), programs):
+        offs = unit * 1024 + tl.arange(0, 1024)
+        tl.store(out_ptr + offs, tl.zeros([1024], dtype=tl.float32), mask=offs < N)
+    for unit in range(pid, INTER // BLOCK_I, programs):
+        _gate_up_unit(x_ptr, w_gate_up_ptr, h_ptr, unit, K, INTER, BLOCK_I, BLOCK_K, DOT_FP32)
+    tiles = N // BLOCK_N
+    span = INTER // K_SPLIT
+    if PREFETCH > 0:
+        _prefetch_down_unit(w_down_ptr, pid, tiles, span, INTER, PREFETCH, BLOCK_N)
+    _barrier(counter, programs, flag, spin_limit)
+    for unit in range(pid, tiles * K_SPLIT, programs):
+        _down_unit(h_ptr, w_down_ptr, out_ptr, unit, tiles, span, INTER, BLOCK_N, BLOCK_K, DOT_FP32)
+    if tl.atomic_add(counter, 1, sem="acq_rel") == 2 * programs - 1:  # the last one out resets the counter
+        tl.atomic_xchg(counter, 0)
+
+
+def units(config: tuple[int, ...]) -> tuple[int, int]:
+    """(gate_up units, down units) of a config at HIDDEN x INTERMEDIATE."""
+    block_i, block_n, k_split = config[:3]
+    return INTERMEDIATE // block_i, HIDDEN // block_n * k_split
+
+
+def fused_mlp(x, w_gate_up, w_down, h, out, counter, flag, config, programs: int | None = None,
+              spin_limit: int | None = None) -> torch.Tensor:
+    """out = down(silu(gate(x)) * up(x)) for x [K] in one launch of `programs` (default: the config's)."""
+    block_i, block_n, k_split, block_k, warps, stages, prefetch, default_programs = config
+    n, i = w_down.shape
+    grid = programs or default_programs
+    assert grid <= units(config)[1], "a program's first down unit is its id: at most one program a down unit"
+    limit = SPIN_LIMIT if spin_limit is None else spin_limit
+    _fused_mlp_kernel[(grid,)](x, w_gate_up, w_down, h, out, counter, flag, limit, n, i, x.numel(),
+                               BLOCK_I=block_i, BLOCK_N=block_n, K_SPLIT=k_split, BLOCK_K=block_k,
+                               PREFETCH=0 if is_interpreter() else prefetch, DOT_FP32=False, num_warps=warps,
+                               num_stages=stages)
+    return out
+
+
+def reference(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """The same MLP in float32 from the h the kernel stores (rounded as the engine's launch rounds it: gate and up
+    to x's dtype, silu(gate) to it, their product to it): [N] float32."""
+    gate, up = (w_gate_up.float() @ x.float()).to(x.dtype).float().chunk(2)
+    h = ((gate * torch.sigmoid(gate)).to(x.dtype).float() * up).to(x.dtype)
+    return w_down.float() @ h.float()
+
+
+def engine_mlp(x2d, w_gate_up, w_down, counters, configs) -> torch.Tensor:
+    """The engine's two launches at the table's batch-1 configs: [1, N] bf16."""
+    h = small_m_gemm_silu_mul(x2d, w_gate_up, config=configs[0])
+    return small_m_gemm_splitk(h, w_down, counters, config=configs[1])
+
+
+def table_configs() -> tuple[dict, dict]:
+    """The committed table's batch-1 configs of gate_up + SiLU·mul and of down_proj (measured on an H200)."""
+    table = load_small_m_table()
+    return (table.pinned_configs("silu_mul", 2 * INTERMEDIATE, HIDDEN)[1],
+            table.pinned_configs("linear", HIDDEN, INTERMEDIATE)[1])
+
+
+def _rotate(fn, count: int):
+    state = {"i": 0}
+
+    def call():
+        i = state["i"]
+        state["i"] = (i + 1) % count
+        fn(i)
+    return call
+
+
+def main() -> None:
+    args = parse_args(__doc__)
+    weights = [(torch.randn(2 * INTERMEDIATE, HIDDEN, dtype=DTYPE, device=DEVICE) * 0.02,
+                torch.randn(HIDDEN, INTERMEDIATE, dtype=DTYPE, device=DEVICE) * 0.02) for _ in range(COPIES)]
+    x = torch.randn(HIDDEN, dtype=DTYPE, device=DEVICE)
+    h = torch.zeros(INTERMEDIATE, dtype=DTYPE, device=DEVICE)
+    out = torch.empty(HIDDEN, dtype=torch.float32, device=DEVICE)
+    counter, flag = (torch.zeros(1, dtype=torch.int32, device=DEVICE) for _ in range(2))
+    counters = torch.zeros(counters_needed(HIDDEN), dtype=torch.int32, device=DEVICE)
+    configs = table_configs()
+    expected = reference(x, *weights[0])
+    scale = float(expected.abs().max())
+    peer = engine_mlp(x[None], *weights[0], counters, configs)[0].float()
+    peer_us = time_ms(_rotate(lambda i: engine_mlp(x[None], *weights[i], counters, configs), COPIES)) * 1e3
+    rows, notes = [], [f"the engine's two launches {peer_us:.2f} us (max |err| {float((peer - expected).abs().max()) / scale:.1e})"]
+    print(notes[0], flush=True)
+    for config in CONFIGS:
+        flag.zero_()
+        got = fused_mlp(x, *weights[0], h, out, counter, flag, config)
+        if int(flag.item()):
+            counter.zero_()
+            print(f"fused {config}: not every program resident (the barrier gave up); skipped", flush=True)
+            continue
+        err = float((got - expected).abs().max()) / scale
+        us = time_ms(_rotate(lambda i, c=config: fused_mlp(x, *weights[i], h, out, counter, flag, c), COPIES)) * 1e3
+        note = f"fused {config} units {units(config)}: {us:.2f} us, the engine's / this {peer_us / us:.3f}x (max |err| {err:.1e})"
+        print(note, flush=True)
+        notes.append(note)
+        assert err < 2e-2, note
+        rows.append(Measurement(f"MLP at batch 1, fused {config}", "us", us, peer_us, "two launches", us / 1e3,
+                                peer_us / 1e3, {"units": list(units(config))}))
+    report("Batch-1 MLP in one launch with a grid barrier against the engine's two launches (Llama-3-8B)", rows,
+           args.json, notes)
+
+
+if __name__ == "__main__":
+    main()
