@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 from bench_stream_floor import sizes, stream_read
-from kernel_bench_utils import Measurement, parse_args, report, time_ms
+from kernel_bench_utils import Measurement, parse_args, report, rotating, time_ms
 
 from sits.kernels.launch_utils import num_sms
 
@@ -155,27 +155,17 @@ def check_fused(layer, out, counter, flag, config) -> bool:
     return True
 
 
-def _rotate(fn, count: int):
-    state = {"i": 0}
-
-    def call():
-        i = state["i"]
-        state["i"] = (i + 1) % count
-        fn(i)
-    return call
-
-
 def time_variants(layers, out, counter, flag) -> dict[str, float]:
     """µs per layer of the chain, the one-buffer read and every fused config that completes its barriers."""
-    timings = {"chain": time_ms(_rotate(lambda i: [stream_read(src, out, CHAIN_CONFIG) for src in layers[i]],
+    timings = {"chain": time_ms(rotating(lambda i: [stream_read(src, out, CHAIN_CONFIG) for src in layers[i]],
                                         len(layers))) * 1e3}
     whole = [torch.cat(layer) for layer in layers]
-    timings["one buffer"] = time_ms(_rotate(lambda i: stream_read(whole[i], out, CHAIN_CONFIG), len(whole))) * 1e3
+    timings["one buffer"] = time_ms(rotating(lambda i: stream_read(whole[i], out, CHAIN_CONFIG), len(whole))) * 1e3
     for config in CONFIGS:
         if not check_fused(layers[0], out, counter, flag, config):
             print(f"fused {config}: not every program resident (a barrier gave up); skipped", flush=True)
             continue
-        timings[f"fused {config}"] = time_ms(_rotate(lambda i, c=config: fused_read(layers[i], out, counter, flag, c),
+        timings[f"fused {config}"] = time_ms(rotating(lambda i, c=config: fused_read(layers[i], out, counter, flag, c),
                                                      len(layers))) * 1e3
         if int(flag.item()):
             raise RuntimeError(f"fused {config}: a barrier gave up inside the timed graph")
@@ -208,7 +198,7 @@ def main() -> None:
 def stream_read_us(nbytes: int, out: torch.Tensor) -> float:
     """lm_head's read alone (one buffer, two copies rotated), µs."""
     copies = [torch.randn(nbytes // 2, dtype=DTYPE, device=DEVICE) for _ in range(COPIES)]
-    return time_ms(_rotate(lambda i: stream_read(copies[i], out, CHAIN_CONFIG), len(copies))) * 1e3
+    return time_ms(rotating(lambda i: stream_read(copies[i], out, CHAIN_CONFIG), len(copies))) * 1e3
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 from bench_fused_floor import _barrier
-from kernel_bench_utils import Measurement, parse_args, report, time_ms
+from kernel_bench_utils import Measurement, parse_args, report, rotating, time_ms
 
 from sits.kernels.gemm_small_m import _row_sums, small_m_gemm_silu_mul, store_out
 from sits.kernels.gemm_small_m_splitk import counters_needed, small_m_gemm_splitk
@@ -150,16 +150,6 @@ def table_configs() -> tuple[dict, dict]:
             table.pinned_configs("linear", HIDDEN, INTERMEDIATE)[1])
 
 
-def _rotate(fn, count: int):
-    state = {"i": 0}
-
-    def call():
-        i = state["i"]
-        state["i"] = (i + 1) % count
-        fn(i)
-    return call
-
-
 def main() -> None:
     args = parse_args(__doc__)
     weights = [(torch.randn(2 * INTERMEDIATE, HIDDEN, dtype=DTYPE, device=DEVICE) * 0.02,
@@ -173,7 +163,7 @@ def main() -> None:
     expected = reference(x, *weights[0])
     scale = float(expected.abs().max())
     peer = engine_mlp(x[None], *weights[0], counters, configs)[0].float()
-    peer_us = time_ms(_rotate(lambda i: engine_mlp(x[None], *weights[i], counters, configs), COPIES)) * 1e3
+    peer_us = time_ms(rotating(lambda i: engine_mlp(x[None], *weights[i], counters, configs), COPIES)) * 1e3
     rows, notes = [], [f"the engine's two launches {peer_us:.2f} us (max |err| {float((peer - expected).abs().max()) / scale:.1e})"]
     print(notes[0], flush=True)
     for config in CONFIGS:
@@ -184,7 +174,9 @@ def main() -> None:
             print(f"fused {config}: not every program resident (the barrier gave up); skipped", flush=True)
             continue
         err = float((got - expected).abs().max()) / scale
-        us = time_ms(_rotate(lambda i, c=config: fused_mlp(x, *weights[i], h, out, counter, flag, c), COPIES)) * 1e3
+        us = time_ms(rotating(lambda i, c=config: fused_mlp(x, *weights[i], h, out, counter, flag, c), COPIES)) * 1e3
+        if int(flag.item()):
+            raise RuntimeError(f"fused {config}: the barrier gave up inside the timed graph")
         note = f"fused {config} units {units(config)}: {us:.2f} us, the engine's / this {peer_us / us:.3f}x (max |err| {err:.1e})"
         print(note, flush=True)
         notes.append(note)
