@@ -76,13 +76,17 @@ def _stream(src, start, end, acc, BLOCK: tl.constexpr):
 
 @triton.jit
 def _barrier(counter, target, flag, spin_limit):
-    """Arrive, then poll until `target` programs have arrived (or spin_limit polls: flag set)."""
-    tl.atomic_add(counter, 1, sem="release")
-    seen = tl.atomic_add(counter, 0, sem="acquire")
+    """Arrive, then poll until `target` programs have arrived (or spin_limit polls: flag set). The CTA barriers
+    order every thread's stores before the arrival's release and every thread's later loads after the acquire
+    (Triton runs a scalar atomic in one thread; sits.kernels.last_arrival gives the same argument)."""
+    tl.debug_barrier()
+    tl.atomic_add(counter, 1, sem="release", scope="gpu")
+    seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
     spins = 0
     while (seen < target) & (spins < spin_limit):
-        seen = tl.atomic_add(counter, 0, sem="acquire")
+        seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
         spins += 1
+    tl.debug_barrier()
     if spins >= spin_limit:
         tl.store(flag, 1)
 

@@ -24,6 +24,8 @@ L2): `small_m_gemm_silu_mul` then `small_m_gemm_splitk` at the table's batch-1 c
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -33,6 +35,7 @@ from kernel_bench_utils import Measurement, parse_args, report, rotating, time_m
 from sits.kernels.gemm_small_m import _row_sums, small_m_gemm_silu_mul, store_out
 from sits.kernels.gemm_small_m_splitk import counters_needed, small_m_gemm_splitk
 from sits.kernels.l2_prefetch import _bulk_prefetch
+from sits.kernels.last_arrival import last_arrival
 from sits.kernels.launch_utils import is_interpreter
 from sits.kernels.small_m_table import load_small_m_table
 
@@ -63,16 +66,24 @@ def _gate_up_unit(x_ptr, w_ptr, h_ptr, unit, K, INTER, BLOCK_I: tl.constexpr, BL
 
 
 @triton.jit
-def _down_unit(h_ptr, w_ptr, out_ptr, unit, tiles, span, INTER, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               DOT_FP32: tl.constexpr):
-    """out[unit's BLOCK_N rows] += w[rows, k0:k0 + span] @ h[k0:k0 + span] (float32 atomics)."""
+def _down_unit(h_ptr, w_ptr, out_ptr, ws_ptr, counters_ptr, unit, tiles, span, N, INTER, BLOCK_N: tl.constexpr,
+               K_SPLIT: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
+    """ws[split, rows] = w[rows, k0:k0 + span] @ h[k0:k0 + span] for the unit's BLOCK_N rows; the last of a row tile's
+    K_SPLIT units to arrive adds them in split order and stores out[rows] (the engine's split-K reduction)."""
     offs_m = tl.arange(0, 16)
     in_m = offs_m < 1
-    rows_w = ((unit % tiles) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    tile = unit % tiles
+    rows_w = (tile * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     k0 = (unit // tiles) * span
-    sums = _row_sums(h_ptr + k0, w_ptr + k0, offs_m.to(tl.int64), in_m, rows_w, span, INTER, INTER, 16, BLOCK_N, BLOCK_K,
-                     True, True, DOT_FP32)
-    tl.atomic_add(out_ptr + rows_w[None, :] + offs_m[:, None] * 0, sums, mask=in_m[:, None], sem="relaxed")
+    sums = _row_sums(h_ptr + k0, w_ptr + k0, offs_m.to(tl.int64), in_m, rows_w, span, INTER, INTER, 16, BLOCK_N,
+                     BLOCK_K, True, True, DOT_FP32)
+    slot = offs_m[:, None] * N + rows_w[None, :]
+    tl.store(ws_ptr + (unit // tiles) * N + slot, sums, mask=in_m[:, None])
+    if last_arrival(counters_ptr + tile, K_SPLIT):
+        acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+        for s in tl.static_range(K_SPLIT):
+            acc += tl.load(ws_ptr + s * N + slot, mask=in_m[:, None], other=0.0, cache_modifier=".cg")
+        store_out(out_ptr, acc, offs_m, rows_w, in_m, N, N, 16, BLOCK_N, False)
 
 
 @triton.jit
@@ -84,17 +95,15 @@ def _prefetch_down_unit(w_ptr, unit, tiles, span, INTER, PREFETCH: tl.constexpr,
 
 
 @triton.jit
-def _fused_mlp_kernel(x_ptr, w_gate_up_ptr, w_down_ptr, h_ptr, out_ptr, counter, flag, spin_limit, N, INTER, K,
+def _fused_mlp_kernel(x_ptr, w_gate_up_ptr, w_down_ptr, h_ptr, out_ptr, ws_ptr, counters_ptr, counter, flag,
+                      spin_limit, N, INTER, K,
                       BLOCK_I: tl.constexpr, BLOCK_N: tl.constexpr, K_SPLIT: tl.constexpr, BLOCK_K: tl.constexpr,
                       PREFETCH: tl.constexpr, DOT_FP32: tl.constexpr):
     """Grid (P,): gate_up + SiLU·mul units pid, pid + P, ...; the barrier; down units likewise. x: [K]; h: [INTER];
-    out: [N] float32 (zeroed here before the barrier). PREFETCH > 0: the bytes of each weight row of a program's
-    first down unit queued for L2 before it waits."""
+    out: [N] in x's dtype; ws: [K_SPLIT, N] float32; counters_ptr: [N / BLOCK_N] int32, zero (and zero again after).
+    PREFETCH > 0: the bytes of each weight row of a program's first down unit queued for L2 before it waits."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    for unit in range(pid, tl.cdiv(N, 1024), programs):
-        offs = unit * 1024 + tl.arange(0, 1024)
-        tl.store(out_ptr + offs, tl.zeros([1024], dtype=tl.float32), mask=offs < N)
     for unit in range(pid, INTER // BLOCK_I, programs):
         _gate_up_unit(x_ptr, w_gate_up_ptr, h_ptr, unit, K, INTER, BLOCK_I, BLOCK_K, DOT_FP32)
     tiles = N // BLOCK_N
@@ -103,7 +112,8 @@ def _fused_mlp_kernel(x_ptr, w_gate_up_ptr, w_down_ptr, h_ptr, out_ptr, counter,
         _prefetch_down_unit(w_down_ptr, pid, tiles, span, INTER, PREFETCH, BLOCK_N)
     _barrier(counter, programs, flag, spin_limit)
     for unit in range(pid, tiles * K_SPLIT, programs):
-        _down_unit(h_ptr, w_down_ptr, out_ptr, unit, tiles, span, INTER, BLOCK_N, BLOCK_K, DOT_FP32)
+        _down_unit(h_ptr, w_down_ptr, out_ptr, ws_ptr, counters_ptr, unit, tiles, span, N, INTER, BLOCK_N, K_SPLIT,
+                   BLOCK_K, DOT_FP32)
     if tl.atomic_add(counter, 1, sem="acq_rel") == 2 * programs - 1:  # the last one out resets the counter
         tl.atomic_xchg(counter, 0)
 
@@ -114,19 +124,41 @@ def units(config: tuple[int, ...]) -> tuple[int, int]:
     return INTERMEDIATE // block_i, HIDDEN // block_n * k_split
 
 
-def fused_mlp(x, w_gate_up, w_down, h, out, counter, flag, config, programs: int | None = None,
+@dataclass
+class Buffers:
+    """What a fused launch writes besides its weights: h [INTER] and out [N] in x's dtype; ws [8, N] float32 (the
+    down units' partials); tiles [N / 16] int32 (a counter per down row tile); counter, flag [1] int32 (the
+    barrier's count and its gave-up flag). The counters are zero before a launch and after it."""
+
+    h: torch.Tensor
+    out: torch.Tensor
+    ws: torch.Tensor
+    tiles: torch.Tensor
+    counter: torch.Tensor
+    flag: torch.Tensor
+
+    @classmethod
+    def new(cls, hidden: int, inter: int, dtype: torch.dtype, device: str) -> Buffers:
+        ints = {"dtype": torch.int32, "device": device}
+        return cls(torch.zeros(inter, dtype=dtype, device=device), torch.zeros(hidden, dtype=dtype, device=device),
+                   torch.zeros(8 * hidden, dtype=torch.float32, device=device), torch.zeros(hidden // 16, **ints),
+                   torch.zeros(1, **ints), torch.zeros(1, **ints))
+
+
+def fused_mlp(x, w_gate_up, w_down, bufs: Buffers, config, programs: int | None = None,
               spin_limit: int | None = None) -> torch.Tensor:
-    """out = down(silu(gate(x)) * up(x)) for x [K] in one launch of `programs` (default: the config's)."""
+    """bufs.out = down(silu(gate(x)) * up(x)) for x [K] in one launch of `programs` (default: the config's)."""
     block_i, block_n, k_split, block_k, warps, stages, prefetch, default_programs = config
     n, i = w_down.shape
     grid = programs or default_programs
     assert grid <= units(config)[1], "a program's first down unit is its id: at most one program a down unit"
+    assert k_split <= 8 and block_n >= 16, "bufs.ws holds 8 splits, bufs.tiles a counter per 16 rows"
     limit = SPIN_LIMIT if spin_limit is None else spin_limit
-    _fused_mlp_kernel[(grid,)](x, w_gate_up, w_down, h, out, counter, flag, limit, n, i, x.numel(),
-                               BLOCK_I=block_i, BLOCK_N=block_n, K_SPLIT=k_split, BLOCK_K=block_k,
-                               PREFETCH=0 if is_interpreter() else prefetch, DOT_FP32=False, num_warps=warps,
-                               num_stages=stages)
-    return out
+    _fused_mlp_kernel[(grid,)](x, w_gate_up, w_down, bufs.h, bufs.out, bufs.ws, bufs.tiles, bufs.counter, bufs.flag,
+                               limit, n, i, x.numel(), BLOCK_I=block_i, BLOCK_N=block_n, K_SPLIT=k_split,
+                               BLOCK_K=block_k, PREFETCH=0 if is_interpreter() else prefetch, DOT_FP32=False,
+                               num_warps=warps, num_stages=stages)
+    return bufs.out
 
 
 def reference(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
@@ -155,9 +187,7 @@ def main() -> None:
     weights = [(torch.randn(2 * INTERMEDIATE, HIDDEN, dtype=DTYPE, device=DEVICE) * 0.02,
                 torch.randn(HIDDEN, INTERMEDIATE, dtype=DTYPE, device=DEVICE) * 0.02) for _ in range(COPIES)]
     x = torch.randn(HIDDEN, dtype=DTYPE, device=DEVICE)
-    h = torch.zeros(INTERMEDIATE, dtype=DTYPE, device=DEVICE)
-    out = torch.empty(HIDDEN, dtype=torch.float32, device=DEVICE)
-    counter, flag = (torch.zeros(1, dtype=torch.int32, device=DEVICE) for _ in range(2))
+    bufs = Buffers.new(HIDDEN, INTERMEDIATE, DTYPE, DEVICE)
     counters = torch.zeros(counters_needed(HIDDEN), dtype=torch.int32, device=DEVICE)
     configs = table_configs()
     expected = reference(x, *weights[0])
@@ -167,15 +197,15 @@ def main() -> None:
     rows, notes = [], [f"the engine's two launches {peer_us:.2f} us (max |err| {float((peer - expected).abs().max()) / scale:.1e})"]
     print(notes[0], flush=True)
     for config in CONFIGS:
-        flag.zero_()
-        got = fused_mlp(x, *weights[0], h, out, counter, flag, config)
-        if int(flag.item()):
-            counter.zero_()
+        bufs.flag.zero_()
+        got = fused_mlp(x, *weights[0], bufs, config).float()
+        if int(bufs.flag.item()):
+            bufs.counter.zero_()
             print(f"fused {config}: not every program resident (the barrier gave up); skipped", flush=True)
             continue
         err = float((got - expected).abs().max()) / scale
-        us = time_ms(rotating(lambda i, c=config: fused_mlp(x, *weights[i], h, out, counter, flag, c), COPIES)) * 1e3
-        if int(flag.item()):
+        us = time_ms(rotating(lambda i, c=config: fused_mlp(x, *weights[i], bufs, c), COPIES)) * 1e3
+        if int(bufs.flag.item()):
             raise RuntimeError(f"fused {config}: the barrier gave up inside the timed graph")
         note = f"fused {config} units {units(config)}: {us:.2f} us, the engine's / this {peer_us / us:.3f}x (max |err| {err:.1e})"
         print(note, flush=True)
