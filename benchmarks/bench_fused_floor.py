@@ -42,9 +42,11 @@ COPIES = 2
 PHASES = ("qkv", "attention", "o", "gate_up", "down")
 CHAIN_CONFIG = (8, 2048, 8)  # (programs per SM, BLOCK, warps) of each read in the chain
 BLOCK = 2048
-# (programs per SM, num_warps, PRELOAD)
-# 8 programs an SM of 8 warps would not all be resident (64 warps of 40 registers): its barriers would give up.
+# (programs per SM, num_warps, PRELOAD[, NARROW])
+# 8 programs an SM of 8 warps would not all be resident (64 warps of 40 registers): its barriers would give up. The
+# last three read attention's K / V with 64 programs, as the decode attention does at batch 1 (8 KV heads x 8 splits).
 CONFIGS = [(pps, warps, preload) for pps, warps in ((2, 8), (4, 4), (4, 8), (8, 4)) for preload in (0, 2, 8)]
+CONFIGS += [(8, 4, 0, 64), (8, 4, 8, 64), (4, 8, 8, 64)]
 SPIN_LIMIT = 1 << 22  # polls before a program gives up on a barrier (flags the launch)
 
 
@@ -92,11 +94,12 @@ def _barrier(counter, target, flag, spin_limit):
 
 
 @triton.jit
-def _phase(src, n, carry, out, counter, flag, phase, pid, programs, spin_limit,
+def _phase(src, n, carry, out, counter, flag, phase, pid, programs, parts, spin_limit,
            PRELOAD: tl.constexpr, BLOCK: tl.constexpr):
     """Wait at the barrier after phase - 1 (with this phase's first tiles in flight), load the float32 another
-    program stored in it, stream the rest of this phase's share; returns the program's running sum."""
-    start, end = _share(n, pid, programs, BLOCK)
+    program stored in it, stream the rest of this phase's share (the phase cut in `parts` shares: programs past them
+    have none); returns the program's running sum."""
+    start, end = _share(n, pid, parts, BLOCK)
     early = _preload(src, start, end, PRELOAD, BLOCK)
     _barrier(counter, phase * programs, flag, spin_limit)
     upstream = tl.load(out + (pid + 1) % programs)  # the activation a real phase would read
@@ -106,20 +109,23 @@ def _phase(src, n, carry, out, counter, flag, phase, pid, programs, spin_limit,
 
 @triton.jit
 def _fused_kernel(s0, n0, s1, n1, s2, n2, s3, n3, s4, n4, out, counter, flag, spin_limit,
-                  PRELOAD: tl.constexpr, BLOCK: tl.constexpr):
-    """Grid (P,): the five phases in order with a grid barrier between them; out[pid] = the program's sum."""
+                  PRELOAD: tl.constexpr, BLOCK: tl.constexpr, NARROW: tl.constexpr = 0):
+    """Grid (P,): the five phases in order with a grid barrier between them; out[pid] = the program's sum. NARROW > 0:
+    the second phase (attention's K / V) is read by its first NARROW programs only, as a decode attention of that many
+    programs would read it."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     start, end = _share(n0, pid, programs, BLOCK)
     total = tl.sum(_stream(s0, start, end, tl.zeros([BLOCK], dtype=tl.float32), BLOCK))
     tl.store(out + pid, total)
-    total = _phase(s1, n1, total, out, counter, flag, 1, pid, programs, spin_limit, PRELOAD, BLOCK)
+    narrow = tl.minimum(programs, NARROW) if NARROW > 0 else programs
+    total = _phase(s1, n1, total, out, counter, flag, 1, pid, programs, narrow, spin_limit, PRELOAD, BLOCK)
     tl.store(out + pid, total)
-    total = _phase(s2, n2, total, out, counter, flag, 2, pid, programs, spin_limit, PRELOAD, BLOCK)
+    total = _phase(s2, n2, total, out, counter, flag, 2, pid, programs, programs, spin_limit, PRELOAD, BLOCK)
     tl.store(out + pid, total)
-    total = _phase(s3, n3, total, out, counter, flag, 3, pid, programs, spin_limit, PRELOAD, BLOCK)
+    total = _phase(s3, n3, total, out, counter, flag, 3, pid, programs, programs, spin_limit, PRELOAD, BLOCK)
     tl.store(out + pid, total)
-    total = _phase(s4, n4, total, out, counter, flag, 4, pid, programs, spin_limit, PRELOAD, BLOCK)
+    total = _phase(s4, n4, total, out, counter, flag, 4, pid, programs, programs, spin_limit, PRELOAD, BLOCK)
     tl.store(out + pid, total)
     # The last arrival resets the counter: every program has left the last barrier's polls before it adds this 1.
     if tl.atomic_add(counter, 1, sem="acq_rel") == 5 * programs - 1:
@@ -127,17 +133,18 @@ def _fused_kernel(s0, n0, s1, n1, s2, n2, s3, n3, s4, n4, out, counter, flag, sp
 
 
 def fused_read(layer: list[torch.Tensor], out: torch.Tensor, counter: torch.Tensor, flag: torch.Tensor,
-               config: tuple[int, int, int], spin_limit: int | None = None) -> torch.Tensor:
-    """Read the five 1-D buffers of `layer` in one launch, config = (programs per SM, warps, PRELOAD).
+               config: tuple[int, ...], spin_limit: int | None = None) -> torch.Tensor:
+    """Read the five 1-D buffers of `layer` in one launch, config = (programs per SM, warps, PRELOAD[, NARROW]).
 
     counter: [1] int32, zero before the first launch (each launch leaves it zero); flag: [1] int32, set to 1 by a
     launch whose barrier polls gave up. Returns out[:programs], each program's float32 sum of its shares.
     """
-    per_sm, warps, preload = config
+    per_sm, warps, preload, *narrow = config
     programs = per_sm * num_sms(out.device)
     args = [x for src in layer for x in (src, src.numel())]
     limit = SPIN_LIMIT if spin_limit is None else spin_limit
-    _fused_kernel[(programs,)](*args, out, counter, flag, limit, PRELOAD=preload, BLOCK=BLOCK, num_warps=warps)
+    _fused_kernel[(programs,)](*args, out, counter, flag, limit, PRELOAD=preload, BLOCK=BLOCK,
+                               NARROW=narrow[0] if narrow else 0, num_warps=warps)
     return out[:programs]
 
 
