@@ -33,6 +33,7 @@ import triton.language as tl
 from bench_stream_floor import sizes, stream_read
 from kernel_bench_utils import Measurement, parse_args, report, rotating, time_ms
 
+from sits.kernels.grid_barrier import grid_barrier, grid_barrier_reset
 from sits.kernels.launch_utils import num_sms
 
 DEVICE = "cuda"
@@ -78,23 +79,6 @@ def _stream(src, start, end, acc, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _barrier(counter, target, flag, spin_limit):
-    """Arrive, then poll until `target` programs have arrived (or spin_limit polls: flag set). The CTA barriers
-    order every thread's stores before the arrival's release and every thread's later loads after the acquire
-    (Triton runs a scalar atomic in one thread; sits.kernels.last_arrival gives the same argument)."""
-    tl.debug_barrier()
-    tl.atomic_add(counter, 1, sem="release", scope="gpu")
-    seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
-    spins = 0
-    while (seen < target) & (spins < spin_limit):
-        seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
-        spins += 1
-    tl.debug_barrier()
-    if spins >= spin_limit:
-        tl.store(flag, 1)
-
-
-@triton.jit
 def _phase(src, n, carry, out, counter, flag, phase, pid, programs, parts, spin_limit,
            PRELOAD: tl.constexpr, BLOCK: tl.constexpr):
     """Wait at the barrier after phase - 1 (with this phase's first tiles in flight), load the float32 another
@@ -102,7 +86,7 @@ def _phase(src, n, carry, out, counter, flag, phase, pid, programs, parts, spin_
     have none); returns the program's running sum."""
     start, end = _share(n, pid, parts, BLOCK)
     early = _preload(src, start, end, PRELOAD, BLOCK)
-    _barrier(counter, phase * programs, flag, spin_limit)
+    grid_barrier(counter, phase * programs, flag, spin_limit)
     upstream = tl.load(out + (pid + 1) % programs)  # the activation a real phase would read
     acc = _stream(src, start + PRELOAD * BLOCK, end, early, BLOCK)
     return carry + tl.sum(acc) + upstream * 0.0
@@ -128,9 +112,7 @@ def _fused_kernel(s0, n0, s1, n1, s2, n2, s3, n3, s4, n4, out, counter, flag, sp
     tl.store(out + pid, total)
     total = _phase(s4, n4, total, out, counter, flag, 4, pid, programs, programs, spin_limit, PRELOAD, BLOCK)
     tl.store(out + pid, total)
-    # The last arrival resets the counter: every program has left the last barrier's polls before it adds this 1.
-    if tl.atomic_add(counter, 1, sem="acq_rel") == 5 * programs - 1:
-        tl.atomic_xchg(counter, 0)
+    grid_barrier_reset(counter, 5 * programs)
 
 
 def fused_read(layer: list[torch.Tensor], out: torch.Tensor, counter: torch.Tensor, flag: torch.Tensor,

@@ -29,11 +29,11 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from bench_fused_floor import _barrier
 from kernel_bench_utils import Measurement, parse_args, report, rotating, time_ms
 
 from sits.kernels.gemm_small_m import _row_sums, small_m_gemm_silu_mul, store_out
 from sits.kernels.gemm_small_m_splitk import counters_needed, small_m_gemm_splitk
+from sits.kernels.grid_barrier import grid_barrier, grid_barrier_reset
 from sits.kernels.l2_prefetch import _bulk_prefetch
 from sits.kernels.last_arrival import last_arrival
 from sits.kernels.launch_utils import is_interpreter
@@ -110,12 +110,11 @@ def _fused_mlp_kernel(x_ptr, w_gate_up_ptr, w_down_ptr, h_ptr, out_ptr, ws_ptr, 
     span = INTER // K_SPLIT
     if PREFETCH > 0:
         _prefetch_down_unit(w_down_ptr, pid, tiles, span, INTER, PREFETCH, BLOCK_N)
-    _barrier(counter, programs, flag, spin_limit)
+    grid_barrier(counter, programs, flag, spin_limit)
     for unit in range(pid, tiles * K_SPLIT, programs):
         _down_unit(h_ptr, w_down_ptr, out_ptr, ws_ptr, counters_ptr, unit, tiles, span, N, INTER, BLOCK_N, K_SPLIT,
                    BLOCK_K, DOT_FP32)
-    if tl.atomic_add(counter, 1, sem="acq_rel") == 2 * programs - 1:  # the last one out resets the counter
-        tl.atomic_xchg(counter, 0)
+    grid_barrier_reset(counter, 2 * programs)
 
 
 def units(config: tuple[int, ...]) -> tuple[int, int]:

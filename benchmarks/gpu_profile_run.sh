@@ -64,6 +64,8 @@
 #                  prof32-rope0, prof32fp8-rope0, ...): the decode rows' RoPE + KV write as a launch of its own
 #                  before attention / fused into the decode kernel (SITS_DECODE_FUSED_ROPE; default:
 #                  attention_decode.FUSED_ROPE_DEFAULT)
+#                  -fmlp (prof1-fmlp): a folded layer's MLP as one persistent launch (SITS_FUSED_MLP=1,
+#                  runtime/models/fused_mlp.py)
 #                  -fold0 (prof1-fold0, prof32-fold0): the decoder norms as launches of their own
 #                  (SITS_FOLD_NORMS=0; by default they are folded into the projections, runtime/models/norm_fold.py)
 #                  -mmlN (prof1-mml131072, prof4-mml32768): --max-model-len N, so the CUDA graphs' block tables (and
@@ -99,6 +101,8 @@
 #   fused-floor    benchmarks/bench_fused_floor.py: a decode layer's five reads in one persistent launch with grid
 #                  barriers between them (the next phase's first tiles loaded before each wait), against five kernels
 #                  back to back and one read of the same bytes: what one launch a layer could save at batch 1
+#   fmlptests      tests/kernels/test_fused_mlp.py on the GPU: the fused MLP launch against its two launches, bit for
+#                  bit, at Llama-3-8B's shapes (the whole cooperative grid) and replayed from a CUDA graph
 #   fused-mlp      benchmarks/bench_fused_mlp.py: the batch-1 MLP (gate_up + SiLU·mul, down_proj) in one persistent
 #                  launch with a grid barrier, against the engine's two launches at the table's configs
 #   attn-l2        benchmarks/bench_attention_decode_l2.py: decode attention at batches 1 and 4 with its K / V cold against
@@ -165,6 +169,8 @@ for step in $STEPS; do
     floor) timeout 300 python3 benchmarks/bench_stream_floor.py --json "$LOG_DIR/floor.json" ;;
     fused-floor) timeout 240 python3 benchmarks/bench_fused_floor.py --json "$LOG_DIR/fused-floor.json" ;;
     fused-mlp) timeout 240 python3 benchmarks/bench_fused_mlp.py --json "$LOG_DIR/fused-mlp.json" ;;
+    fmlptests) PYTHONSAFEPATH=1 timeout 240 python3 -m pytest tests/kernels/test_fused_mlp.py -q -p no:cacheprovider \
+      --confcutdir=tests/kernels ;;
     argmax) timeout 120 python3 benchmarks/bench_argmax.py --json "$LOG_DIR/argmax.json" ;;
     trace448fp8) timeout 400 python3 benchmarks/bench_step_trace.py $COMMON --batch 448 --input-len 2048 \
       --output-len "${TRACE448_OUTPUT_LEN:-2048}" --prompts 448 --quantization fp8 --kv-cache-dtype fp8 \
@@ -214,13 +220,14 @@ for step in $STEPS; do
       case $step in *-pdlearly*) pdl=early ;; *-pdl*) pdl=1 ;; esac
       case $step in *-rope0*) rope=0 ;; *-rope1*) rope=1 ;; esac
       fold=""; case $step in *-fold0*) fold=0 ;; esac
+      fmlp=""; case $step in *-fmlp*) fmlp=1 ;; esac
       bounds=""; case $step in *-gb0*) bounds=0 ;; *-gb1*) bounds=1 ;; esac
       extra=""; case $step in *-mml*) extra=${step##*-mml}; extra="--max-model-len ${extra%%-*}" ;; esac
       case $step in *-f32act*) extra="$extra --activation-dtype float32" ;; esac
       variant=""; case $step in *-hv*) variant=${step##*-hv}; variant=${variant%%-*} ;; esac
       SITS_SMALL_M_GEMM="$table" SITS_DECODE_FUSED_MERGE="$fused" SITS_PDL="$pdl" SITS_DECODE_SPLIT_TOKENS="$split" \
       SITS_DECODE_FUSED_ROPE="$rope" SITS_FOLD_NORMS="$fold" SITS_DECODE_VARIANT="$variant" \
-      SITS_DECODE_GRAPH_BOUNDS="$bounds" timeout 200 \
+      SITS_DECODE_GRAPH_BOUNDS="$bounds" SITS_FUSED_MLP="$fmlp" timeout 200 \
       python3 benchmarks/profile_decode.py $COMMON --batch "$batch" --input-len 2048 $extra ;;
     trace256-cap*) budget=${step#trace256-cap}; cap=${budget%%-min*}; least=0
       [ "$budget" != "$cap" ] && least=${budget##*-min}

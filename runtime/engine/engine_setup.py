@@ -65,9 +65,11 @@ def prepare_execution(runner: ModelRunner, loaded: LoadedModel, config: EngineCo
 
         enable_small_m_gemm(loaded.model, loaded.device, compiled=config.compile)  # before its pre-tune
         if getattr(runner, "lora", None) is None:  # adapters read the normalized rows: the norms stay
+            from sits.runtime.models.fused_mlp import install_fused_mlp
             from sits.runtime.models.norm_fold import fold_decoder_norms
 
             fold_decoder_norms(loaded.model)
+            install_fused_mlp(loaded.model)
         activations = getattr(loaded.model, "activation_dtype", None) or loaded.dtype  # queries, GEMM inputs
         pretune_kernels(runner, activations, config.scheduler, max_model_len)
     backend = getattr(loaded.model, "backend", None)

@@ -274,6 +274,9 @@ class LlamaDecoderLayer(nn.Module):
         qkv = attn.qkv_proj(x) if sumsq is None else attn.qkv_proj.scaled(x, sumsq, self.input_layernorm.eps)
         heads = attn.attend_heads(qkv, positions, cos_sin_cache, kv_cache, metadata)
         x, sumsq = attn.o_proj.to_stream(heads, stream)
+        fused = getattr(mlp, "fused_decode", None)  # SITS_FUSED_MLP (runtime/models/fused_mlp.py)
+        if fused is not None and fused.takes(x):
+            return fused(mlp, x, sumsq, self.post_attention_layernorm.eps, stream)
         activated = mlp.gate_up_proj.scaled_silu_mul(x, sumsq, self.post_attention_layernorm.eps)
         return mlp.down_proj.to_stream(activated, stream)
 
