@@ -203,7 +203,8 @@ def fits_at_once(x, sumsq, eps, w_gate_up, w_down, stream, work: FusedMlpWork,
     kernel._init_handles()
     props = torch.cuda.get_device_properties(x.device)
     threads = 32 * config["num_warps"]
-    by_regs = props.regs_per_multiprocessor // max(kernel.n_regs * threads, 1)
+    regs = -(-max(kernel.n_regs, 1) // 8) * 8  # allocated per thread in steps of 8
+    by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (regs * threads)
     by_smem = props.shared_memory_per_multiprocessor // max(kernel.metadata.shared + 1024, 1)
     by_threads = props.max_threads_per_multi_processor // threads
     return _programs(config, w_down.shape[0]) <= min(by_regs, by_smem, by_threads) * num_sms(x.device)
