@@ -10,13 +10,14 @@ small-M loop (`gemm_small_m._row_sums`: swapped dots over a 16-row x tile, the w
   * gate_up + SiLU·mul: a unit is BLOCK_I intermediate columns (their gate and up rows, the whole K of 4,096), h
     rounded as the engine's launch stores it (`gemm_small_m.store_out`);
   * a barrier: every h column is written;
-  * down_proj: a unit is BLOCK_N output rows over a K_SPLIT-th of the 14,336 intermediate columns; each unit adds its
-    float32 partial sums into out with atomics (so the sum order is not fixed: this measures speed; the engine's
-    split-K reduces in a fixed order).
+  * down_proj: a unit is BLOCK_N output rows over a K_SPLIT-th of the 14,336 intermediate columns; each unit stores
+    its float32 partial, and the last of a row tile's units to arrive adds them in split order and writes out in x's
+    dtype (the engine's split-K reduction).
 With PREFETCH bytes, a program queues the first bytes of each weight row of its first down unit for L2 (bulk
-prefetches, sm_90) before it waits at the barrier, so HBM keeps streaming while the last gate_up units finish. The
-out buffer is zeroed by the gate_up phase (it is not read before the barrier). A configuration whose programs cannot
-all be resident would wait forever; the polls give up after SPIN_LIMIT and flag the launch, and it is skipped.
+prefetches, sm_90) before it waits at the barrier, so HBM keeps streaming while the last gate_up units finish. A
+configuration whose programs cannot all be resident would wait forever; the polls give up after SPIN_LIMIT and flag
+the launch, and it is skipped. (The engine's own fused launch, with the folded norm's epilogues, is
+sits.kernels.fused_mlp; `prof1-fmlp` times it in the decode step.)
 
 The peer, in the same run and CUDA graphs, over the same two rotated copies of the weights (704 MB, nothing read from
 L2): `small_m_gemm_silu_mul` then `small_m_gemm_splitk` at the table's batch-1 configs, the engine's two launches.
