@@ -66,11 +66,14 @@ def metrics_url(replica: RunningService, cluster: Cluster) -> str:
     return f"{metrics_base(replica, cluster)}/metrics"
 
 
-def wait_until(predicate, timeout_s: float, what: str) -> None:
+def wait_until(predicate, timeout_s: float, what: str):
+    """Poll `predicate` every 0.1 s until it is truthy; returns that value, so a caller acts on the
+    sample it waited for rather than on a second read that may differ."""
     deadline = time.monotonic() + timeout_s
-    while not predicate():
+    while not (value := predicate()):
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.1)
+    return value
 
 
 def samples(url: str, name: str, **labels: str) -> float:
@@ -202,6 +205,10 @@ def test_streams_pass_through(cluster):
 
 def test_redis_restarted_routes_by_load_then_rebuilds_the_index(cluster):
     assert cluster.redis is not None
+    for replica in cluster.replicas:  # each replica holds a prefix, whichever tests ran before
+        direct = openai.OpenAI(base_url=f"{replica.url}/v1", api_key=ALICE, max_retries=0)
+        direct.chat.completions.create(model="tiny", max_tokens=2, messages=[
+            {"role": "system", "content": "Before the outage. " * 20}, {"role": "user", "content": "hi"}])
     wait_until(lambda: all(samples(cluster.url, "sits_router_kv_index_blocks", replica=r.url) > 0
                            for r in cluster.replicas), 10, "both replicas in the router's index")
     cluster.redis.kill()
@@ -246,8 +253,7 @@ def run_with_a_replica_killed(cluster: Cluster) -> None:
     def busy() -> list[RunningService]:
         return [r for r in cluster.replicas if samples(cluster.url, "sits_router_replica_in_flight", replica=r.url)]
 
-    wait_until(lambda: busy(), 60, "a request in flight")
-    victim = busy()[0]
+    victim = wait_until(busy, 60, "a request in flight")[0]
     killed_at = time.monotonic()
     victim.kill()
     wait_until(lambda: httpx.get(f"{cluster.url}/health").json()["replicas_up"] == 1, 5, "the dead replica out")
