@@ -103,8 +103,9 @@
 #                  back to back and one read of the same bytes: what one launch a layer could save at batch 1
 #   fmlptests      tests/kernels/test_fused_mlp.py on the GPU: the fused MLP launch against its two launches, bit for
 #                  bit, at Llama-3-8B's shapes (the whole cooperative grid) and replayed from a CUDA graph
-#   fused-mlp      benchmarks/bench_fused_mlp.py: the batch-1 MLP (gate_up + SiLU·mul, down_proj) in one persistent
-#                  launch with a grid barrier, against the engine's two launches at the table's configs
+#   fused-mlp      benchmarks/bench_fused_mlp.py: the engine's folded batch-1 MLP in one persistent launch with a grid
+#                  barrier (sits.kernels.fused_mlp, five configs, some with the L2 prefetch before the barrier),
+#                  against the engine's two launches at the table's configs
 #   attn-l2        benchmarks/bench_attention_decode_l2.py: decode attention at batches 1 and 4 with its K / V cold against
 #                  already in L2, autotuned and at each bf16 schedule: the most a prefetch of K / V could take off
 #   attn-bound     benchmarks/bench_attention_decode_bound.py: decode attention at batches 1 and 4 told a 131,072-token

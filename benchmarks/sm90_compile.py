@@ -51,7 +51,8 @@ def compile_sm90(fn, types: dict[str, str], constexprs: dict, aligned: Iterable[
     Returns:
         shared_bytes, wgmma, griddepcontrol (how many grid-dependency instructions the PTX holds: programmatic
         dependent launch, sits.kernels.pdl), evict_first / evict_last (how many L2 evict-first / evict-last cache
-        policies it creates: a load's eviction_policy, l2_prefetch's evict_last), regs, spill_stores, spill_loads.
+        policies it creates: a load's eviction_policy, l2_prefetch's evict_last), bulk_prefetches (bulk L2 prefetch
+        instructions, sits.kernels.l2_prefetch), regs, spill_stores, spill_loads.
     """
     constexprs = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default} | dict(constexprs)
     signature = {name: types.get(name, "i32") for name in fn.arg_names if name not in constexprs}
@@ -66,7 +67,7 @@ def compile_sm90(fn, types: dict[str, str], constexprs: dict, aligned: Iterable[
     arch = "sm_90a" if capability == 90 else f"sm_{capability}"
     return {"shared_bytes": compiled.metadata.shared, "wgmma": "wgmma" in ptx,
             "griddepcontrol": ptx.count("griddepcontrol."), "evict_first": ptx.count("L2::evict_first"),
-            "evict_last": ptx.count("L2::evict_last"),
+            "evict_last": ptx.count("L2::evict_last"), "bulk_prefetches": ptx.count("cp.async.bulk.prefetch"),
             **ptxas_report(ptx, arch)}
 
 

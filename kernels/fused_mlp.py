@@ -17,6 +17,9 @@ columns). Here one launch of P programs, all resident at once, does both:
    partial, and the last of a column tile's K_SPLIT units to arrive adds them in slice order and runs the
    stream epilogue (`add_to_stream`), as the split-K kernel does.
 
+With a config's PREFETCH > 0 (sm_90 and later), each program queues the first PREFETCH bytes of every weight row of
+its first down unit for L2 before it waits at the barrier, so HBM keeps streaming while the last gate_up units end.
+
 So a decode layer's MLP pays one launch instead of two, and the programs that finish their gate_up units early do
 not leave HBM idle until the last one does: they start on the down weight as soon as the barrier opens, with no
 second launch's start in between. Whether that is faster is measured, not assumed: `benchmarks/bench_fused_mlp.py`
@@ -48,6 +51,7 @@ from sits.kernels.gemm_small_m import (
     sumsq_slots,
 )
 from sits.kernels.grid_barrier import grid_barrier, grid_barrier_reset
+from sits.kernels.l2_prefetch import _bulk_prefetch, l2_prefetch_supported
 from sits.kernels.last_arrival import last_arrival
 from sits.kernels.launch_utils import check_inner_contiguous, check_tensor, is_interpreter, num_sms, require
 
@@ -57,7 +61,8 @@ MAX_ROWS = 16  # one 16-row x tile (the swapped dots' N side): batches of 1 to 1
 MAX_SPLIT = 8  # slices of I a column tile's down units may take (the partials' buffer is sized for it)
 SPIN_LIMIT = 1 << 24  # polls before a barrier gives up (the flag says so): a guard, never reached when all fit
 # The launch: BLOCK_I intermediate columns a gate_up unit, BLOCK_N stream columns and K_SPLIT slices a down unit,
-# BLOCK_K columns of K a loop step, warps and pipeline stages. 448 programs (4 an SM on 132 SMs, 40 KB of shared
+# BLOCK_K columns of K a loop step, warps and pipeline stages; PREFETCH (optional, default 0) bytes of each of the
+# first down unit's weight rows queued for L2 before the barrier. 448 programs (4 an SM on 132 SMs, 40 KB of shared
 # memory and 128 registers each on sm_90a), one gate_up and one down unit each at Llama-3-8B's shapes.
 DEFAULT_CONFIG = {"BLOCK_I": 32, "BLOCK_N": 64, "K_SPLIT": 7, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4}
 
@@ -130,15 +135,28 @@ def _down_units(h_ptr, w_ptr, stream_ptr, out_ptr, sumsq_out_ptr, ws_ptr, tiles_
 
 
 @triton.jit
+def _prefetch_first_down_unit(w_ptr, N, INTER, BLOCK_N: tl.constexpr, K_SPLIT: tl.constexpr,
+                              PREFETCH: tl.constexpr):
+    """Queue the first PREFETCH bytes of each weight row of this program's first down unit (its id) for L2."""
+    tiles = tl.cdiv(N, BLOCK_N)
+    unit = tl.program_id(0)
+    rows = tl.minimum((unit % tiles) * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
+    starts = w_ptr + rows * INTER + (unit // tiles) * (INTER // K_SPLIT)
+    _bulk_prefetch(starts, tl.full([BLOCK_N], PREFETCH, tl.int32), False)
+
+
+@triton.jit
 def _fused_mlp_kernel(
     x_ptr, sumsq_ptr, w_gate_up_ptr, w_down_ptr, stream_ptr, out_ptr, sumsq_out_ptr, h_ptr, ws_ptr, tiles_ptr,
     barrier_ptr, spin_limit, M, K, INTER, N, eps, stride_xm, stride_qm, stride_hm, stride_sm, stride_om, stride_qom,
     BLOCK_I: tl.constexpr, BLOCK_N: tl.constexpr, K_SPLIT: tl.constexpr, BLOCK_K: tl.constexpr,
-    RSTD_SLOTS: tl.constexpr, DOT_FP32: tl.constexpr,
+    RSTD_SLOTS: tl.constexpr, DOT_FP32: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """Grid (P,): the gate_up units, the grid barrier, the down units (see the module docstring)."""
     _gate_up_units(x_ptr, sumsq_ptr, w_gate_up_ptr, h_ptr, M, K, INTER, eps, stride_xm, stride_qm, stride_hm,
                    BLOCK_I, BLOCK_K, RSTD_SLOTS, DOT_FP32)
+    if PREFETCH > 0:
+        _prefetch_first_down_unit(w_down_ptr, N, INTER, BLOCK_N, K_SPLIT, PREFETCH)
     grid_barrier(barrier_ptr, tl.num_programs(0), barrier_ptr + 1, spin_limit)
     _down_units(h_ptr, w_down_ptr, stream_ptr, out_ptr, sumsq_out_ptr, ws_ptr, tiles_ptr, M, N, INTER, stride_hm,
                 stride_sm, stride_om, stride_qom, BLOCK_N, K_SPLIT, BLOCK_K, DOT_FP32)
@@ -147,9 +165,11 @@ def _fused_mlp_kernel(
 
 def config_divides(config: dict, k: int, intermediate: int, n: int) -> bool:
     """Whether `config`'s tiles divide the shapes: x [M, k], w_gate_up [2 intermediate, k], w_down [n, intermediate]
-    (whole K tiles in both loops, equal slices of I, stream tiles of whole sum-of-squares slots)."""
+    (whole K tiles in both loops, equal slices of I, stream tiles of whole sum-of-squares slots, a prefetch of whole
+    16-byte lines within a bf16 slice)."""
     span, rest = divmod(intermediate, config["K_SPLIT"])
-    return (intermediate % config["BLOCK_I"] == 0 and rest == 0 and span % config["BLOCK_K"] == 0
+    prefetch = config.get("PREFETCH", 0)
+    return (prefetch % 16 == 0 and 0 <= prefetch <= 2 * span and intermediate % config["BLOCK_I"] == 0 and rest == 0 and span % config["BLOCK_K"] == 0
             and k % config["BLOCK_K"] == 0 and config["K_SPLIT"] <= MAX_SPLIT and config["BLOCK_N"] % SUMSQ_GROUP == 0
             and n % config["BLOCK_N"] == 0)
 
@@ -173,6 +193,8 @@ def _check_shapes(x, sumsq, w_gate_up, w_down, stream, work: FusedMlpWork, confi
         check_inner_contiguous(t, name)
     require(w_down.is_contiguous() and w_gate_up.is_contiguous(), "the weights must be contiguous")
     require(config_divides(config, k, intermediate, n), f"config {config} does not divide K = {k}, I = {intermediate}")
+    require(not config.get("PREFETCH", 0) or is_interpreter() or l2_prefetch_supported(x.device),
+            "PREFETCH needs sm_90 or later (bulk L2 prefetches)")
     require(work.ws.numel() >= MAX_SPLIT * MAX_ROWS * n and work.tiles.numel() >= triton.cdiv(n, SUMSQ_GROUP)
             and tuple(work.h.shape) == (MAX_ROWS, intermediate) and work.h.dtype == x.dtype,
             "work buffers too small for these shapes")
@@ -186,7 +208,9 @@ def _args(x, sumsq, eps, w_gate_up, w_down, stream, work, out, sumsq_out):
 
 
 def _meta(config: dict, k: int) -> dict:
-    return {**config, "RSTD_SLOTS": triton.next_power_of_2(sumsq_slots(k)), "DOT_FP32": is_interpreter()}
+    """The launch's keyword arguments: the config's, with the constexprs it leaves to the call."""
+    return {**config, "RSTD_SLOTS": triton.next_power_of_2(sumsq_slots(k)), "DOT_FP32": is_interpreter(),
+            "PREFETCH": 0 if is_interpreter() else config.get("PREFETCH", 0)}
 
 
 def fits_at_once(x, sumsq, eps, w_gate_up, w_down, stream, work: FusedMlpWork,

@@ -50,10 +50,13 @@ def _check_same(operands, config, work: FusedMlpWork, runs: int = 1) -> None:
     assert not work.gave_up() and int(work.barrier[0]) == 0 and work.tiles.count_nonzero().item() == 0
 
 
-@pytest.mark.parametrize("m", [1, 3, 16])
-def test_the_fused_launch_is_the_two_launches_bit_for_bit(m):
+@pytest.mark.parametrize(("m", "prefetch"), [(1, 0), (3, 0), (16, 0), (1, 64)])
+def test_the_fused_launch_is_the_two_launches_bit_for_bit(m, prefetch):
+    """PREFETCH only queues bytes for L2 (sm_90; nothing under the interpreter): the sums are the same."""
     operands = _operands(m, k=64, inter=128, n=64)
-    config = TOY_CONFIG if not ON_GPU else {**TOY_CONFIG, "num_stages": 3}
+    if prefetch and ON_GPU and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("bulk L2 prefetches need sm_90")
+    config = {**TOY_CONFIG, "PREFETCH": prefetch, "num_stages": 3 if ON_GPU else 1}
     _check_same(operands, config, FusedMlpWork.new(64, 128, torch.bfloat16, DEVICE))
 
 
@@ -72,6 +75,8 @@ def test_a_second_launch_on_the_same_buffers_adds_again():
     ({"m": 17}, "1 to 16 rows"),
     ({"config": {**TOY_CONFIG, "K_SPLIT": 3}}, "does not divide"),
     ({"config": {**TOY_CONFIG, "BLOCK_N": 16}}, "does not divide"),
+    ({"config": {**TOY_CONFIG, "PREFETCH": 24}}, "does not divide"),  # whole 16-byte lines
+    ({"config": {**TOY_CONFIG, "PREFETCH": 144}}, "does not divide"),  # past a 64-column bf16 slice
     ({"stream_dtype": torch.bfloat16}, "stream"),
 ])
 def test_bad_input_is_refused(change, message):
@@ -85,20 +90,24 @@ def test_bad_input_is_refused(change, message):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="the whole grid at Llama-3-8B's shapes, and a CUDA graph")
-def test_llama_shapes_fit_at_once_and_replay_from_a_cuda_graph():
+@pytest.mark.parametrize("prefetch", [0, 1024])
+def test_llama_shapes_fit_at_once_and_replay_from_a_cuda_graph(prefetch):
+    config = {**DEFAULT_CONFIG, "PREFETCH": prefetch}
+    if prefetch and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("bulk L2 prefetches need sm_90")
     operands = _operands(1, k=4096, inter=14336, n=4096)
     work = FusedMlpWork.new(4096, 14336, torch.bfloat16, DEVICE)
-    assert fits_at_once(*operands[:2], EPS, *operands[2:], work, DEFAULT_CONFIG)
-    _check_same(operands, DEFAULT_CONFIG, work)
+    assert fits_at_once(*operands[:2], EPS, *operands[2:], work, config)
+    _check_same(operands, config, work)
     x, sumsq, w_gate_up, w_down, stream = operands
     start = stream.clone()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out, sumsq_out = fused_decode_mlp(x, sumsq, EPS, w_gate_up, w_down, stream, work, DEFAULT_CONFIG)
+        out, sumsq_out = fused_decode_mlp(x, sumsq, EPS, w_gate_up, w_down, stream, work, config)
     stream.copy_(start)
     graph.replay()
     expected_stream = start.clone()
-    expected_out, expected_sumsq = _two_launches(x, sumsq, w_gate_up, w_down, expected_stream, DEFAULT_CONFIG)
+    expected_out, expected_sumsq = _two_launches(x, sumsq, w_gate_up, w_down, expected_stream, config)
     torch.cuda.synchronize()
     assert torch.equal(out, expected_out) and torch.equal(sumsq_out, expected_sumsq)
     assert torch.equal(stream, expected_stream) and not work.gave_up() and int(work.barrier[0]) == 0

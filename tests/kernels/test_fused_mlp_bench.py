@@ -1,12 +1,9 @@
-"""benchmarks/bench_fused_mlp.py on the CPU: the fused MLP's arithmetic through Triton's interpreter at toy sizes,
-and the script's flow, before a GPU run spends device time on it.
-
-The interpreter runs a grid's programs one after another, so only a launch of one program (which does every unit
-and passes its barrier alone) computes the MLP there; a launch of several gives up at the barrier (the flag says
-so) and leaves the counter at zero for the next launch."""
+"""benchmarks/bench_fused_mlp.py on the CPU: the script's flow at toy sizes through Triton's interpreter (where the
+fused launch is one program that runs every unit), before a GPU run spends device time on it."""
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -17,54 +14,52 @@ from tests.kernels.helpers import ON_GPU
 
 pytestmark = pytest.mark.skipif(ON_GPU, reason="the CPU run of the script; on the GPU it runs at full size")
 
-TOY_CONFIGS = [(32, 64, 2, 64, 4, 2, 0, 4), (32, 64, 2, 32, 4, 2, 256, 4), (16, 32, 4, 32, 4, 1, 0, 2)]
+TOY = {"BLOCK_I": 32, "BLOCK_N": 32, "K_SPLIT": 2, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1}
+TOY_CONFIGS = [TOY, {**TOY, "PREFETCH": 64}, {**TOY, "K_SPLIT": 4}]
 
 
 @pytest.fixture
 def bench(monkeypatch):
     yield from bench_script(monkeypatch, "bench_fused_mlp", DEVICE="cpu", DTYPE=torch.float16, HIDDEN=128,
-                            INTERMEDIATE=256, CONFIGS=TOY_CONFIGS, SPIN_LIMIT=3, time_ms=wall_ms,
-                            table_configs=lambda: (None, None))  # fmt: skip
+                            INTERMEDIATE=256, CONFIGS=TOY_CONFIGS, time_ms=wall_ms)  # fmt: skip
 
 
-def _operands(bench):
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(bench.HIDDEN, generator=generator).half()
-    w_gate_up = (torch.randn(2 * bench.INTERMEDIATE, bench.HIDDEN, generator=generator) * 0.1).half()
-    w_down = (torch.randn(bench.HIDDEN, bench.INTERMEDIATE, generator=generator) * 0.1).half()
-    bufs = bench.Buffers.new(bench.HIDDEN, bench.INTERMEDIATE, torch.float16, "cpu")
-    bufs.out.fill_(123.0)  # every element is written
-    return x, w_gate_up, w_down, bufs
+@pytest.fixture
+def toy_table(bench, monkeypatch):
+    """The engine's launches at the toy shapes (the committed table holds Llama's): split-K down_proj at TOY's tiles."""
+    common = {"BLOCK_K": 32, "SWAP_AB": 1, "num_warps": 4, "num_stages": 1}
+    launches = bench.EngineLaunches({"BLOCK_N": 32, **common}, {"BLOCK_N": 32, "SPLIT_K": 2, **common}, True,
+                                    torch.zeros(bench.counters_needed(bench.HIDDEN), dtype=torch.int32))
+    monkeypatch.setattr(bench, "engine_launches", lambda: launches)
+    return launches
 
 
-def _counters_zero(bufs) -> bool:
-    return int(bufs.counter.item()) == 0 and int(bufs.tiles.abs().sum()) == 0
+def test_the_engine_launches_and_the_fused_one_match_the_reference_and_restore_the_stream(bench, toy_table):
+    ops = bench.Operands.new()
+    work = bench.FusedMlpWork.new(bench.HIDDEN, bench.INTERMEDIATE, torch.float16, "cpu")
+    before = ops.stream.clone()
+    assert bench.relative_error(ops, toy_table) < 2e-3
+    assert bench.relative_error(ops, lambda o, i: bench.fused(o, i, work, TOY)) < 2e-3
+    assert torch.equal(ops.stream, before) and not work.gave_up()
+    # At the same tiles the fused launch is the two launches, bit for bit (tests/kernels/test_fused_mlp.py).
+    two = toy_table(ops, 1)
+    stream_after_two = ops.stream.clone()
+    ops.stream.copy_(before)
+    assert torch.equal(bench.fused(ops, 1, work, TOY), two) and torch.equal(ops.stream, stream_after_two)
 
 
-@pytest.mark.parametrize("config", TOY_CONFIGS)
-def test_one_program_computes_the_mlp(bench, config):
-    x, w_gate_up, w_down, bufs = _operands(bench)
-    got = bench.fused_mlp(x, w_gate_up, w_down, bufs, config, programs=1)
-    assert int(bufs.flag.item()) == 0 and _counters_zero(bufs)
-    torch.testing.assert_close(got.float(), bench.reference(x, w_gate_up, w_down), rtol=2e-3, atol=2e-3)
+def test_the_table_configs_are_the_engines_at_batch_1(bench, monkeypatch):
+    monkeypatch.setattr(bench, "HIDDEN", 4096)
+    monkeypatch.setattr(bench, "INTERMEDIATE", 14336)
+    launches = bench.engine_launches()
+    assert launches.silu_config is not None and launches.down_config is not None
+    assert launches.counters.numel() == bench.counters_needed(4096) and launches.splitk == ("SPLIT_K" in launches.down_config)
 
 
-def test_several_programs_give_up_at_the_barrier_alone_and_reset_the_counters(bench):
-    x, w_gate_up, w_down, bufs = _operands(bench)
-    bench.fused_mlp(x, w_gate_up, w_down, bufs, TOY_CONFIGS[1], spin_limit=2)
-    assert bench.units(TOY_CONFIGS[1]) == (8, 4)
-    assert int(bufs.flag.item()) == 1 and _counters_zero(bufs)
-
-
-def test_more_programs_than_down_units_are_refused(bench):
-    x, w_gate_up, w_down, bufs = _operands(bench)
-    with pytest.raises(AssertionError, match="one program a down unit"):
-        bench.fused_mlp(x, w_gate_up, w_down, bufs, TOY_CONFIGS[0], programs=5)
-
-
-def test_cpu_toy_run_reports_the_engine_launches_and_skips_what_cannot_be_resident(bench, monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", ["bench_fused_mlp.py"])
+def test_cpu_toy_run_times_every_config_beside_the_engine_launches(bench, toy_table, monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(sys, "argv", ["bench_fused_mlp.py", "--json", str(tmp_path / "rows.json")])
     bench.main()
-    out = capsys.readouterr().out
-    assert "the engine's two launches" in out
-    assert out.count("not every program resident") == len(TOY_CONFIGS)
+    assert "split-K down: True" in capsys.readouterr().out
+    rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
+    assert [row["extra"]["config"] for row in rows] == TOY_CONFIGS
+    assert all(row["peer_name"] == "two launches" and row["ours"] > 0 and row["peer"] > 0 for row in rows)

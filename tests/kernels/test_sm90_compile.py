@@ -14,6 +14,8 @@ ptxas-blackwell.
 * The fp8 weight-only GEMM (quick list), both decodings: native e4m3 for sm_90a, integer decoding for sm_80.
 * The kernels that take USE_PDL (programmatic dependent launch): the wait (and the early trigger) only when asked.
 * The L2 row prefetch: an evict-last policy only when asked.
+* The fused decode MLP (one cooperative launch) at the bench's configs: no spills, every grid resident at once on
+  the H200, and the bulk L2 prefetch in the PTX only where the config asks for it.
 * The decode split kernel with its fused merge at the largest merge size (BLOCK_S 64) and without it, for
   the first and the last bf16 config (the most shared memory) and the fp8 default schedule (the full list: the
   script without --quick), each with q rotated before, with the RoPE + KV write fused in, and with a float32 q
@@ -132,3 +134,11 @@ def test_prefetches_mark_their_lines_evict_last_only_when_asked(tmp_path):
     for row in rows:
         assert (row["evict_last"] > 0) == row["evict_last_asked"], row
         assert row["spill_stores"] == 0, row
+
+
+def test_fused_mlp_configs_compile_without_spills_and_fit_at_once(tmp_path):
+    rows = compile_rows(tmp_path, "compile_fused_mlp_sm90.py")
+    assert len(rows) == 5
+    for row in rows:
+        assert row["spill_stores"] == 0 and row["wgmma"] and row["fits_at_once"], row
+        assert (row["bulk_prefetches"] > 0) == bool(row["config"].get("PREFETCH")), row
